@@ -1,0 +1,56 @@
+"""The exception tree of torch_serialized.
+
+Every class also subclasses a built-in, so callers' existing ``except ValueError`` /
+``except OSError`` handlers keep working. Messages name the file (and sample) at fault
+and say what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TorchSerializedError",
+    "FormatError",
+    "CorruptFileError",
+    "TruncatedFileError",
+    "UnsupportedVersionError",
+    "ChecksumError",
+    "FileChangedError",
+    "WriteError",
+    "SourceDataError",
+]
+
+
+class TorchSerializedError(Exception):
+    """Base class of every error raised by torch_serialized."""
+
+
+class FormatError(TorchSerializedError, ValueError):
+    """A file is not a valid torch_serialized file (bad content, not an I/O failure)."""
+
+
+class CorruptFileError(FormatError):
+    """A torch_serialized file is damaged: bad header, footer, metadata or index."""
+
+
+class TruncatedFileError(CorruptFileError):
+    """A torch_serialized file is shorter than it claims: an interrupted copy or write."""
+
+
+class UnsupportedVersionError(FormatError):
+    """A file was written in a newer format version than this package can read."""
+
+
+class ChecksumError(CorruptFileError):
+    """A record's bytes do not match the checksum stored when it was written."""
+
+
+class FileChangedError(TorchSerializedError, OSError):
+    """A packed file was replaced on disk while a dataset still referred to it."""
+
+
+class WriteError(TorchSerializedError, OSError):
+    """Writing a packed file failed (disk full, permissions...); no partial output was left."""
+
+
+class SourceDataError(TorchSerializedError, ValueError):
+    """The VOC source data given to the packer is missing, malformed or unsafe."""

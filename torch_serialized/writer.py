@@ -1,0 +1,411 @@
+"""Records -> one container file, or a folder of shards plus a manifest.
+
+Output is atomic: everything is written under a hidden temporary name in the destination
+folder, fsynced, then renamed into place. On any failure or interruption the temporary
+output is removed and the destination keeps whatever it held before (nothing, or the
+previous complete pack). Temporary files left by a killed process are removed by the next
+writer that targets the same path. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from . import format as fmt
+from ._version import __version__
+from .errors import WriteError
+
+__all__ = ["ContainerWriter", "ArchiveWriter", "Payload"]
+
+Payload = bytes | bytearray | memoryview
+_PAD = bytes(1 << 16)
+
+
+class ContainerWriter:
+    """Streams records into one open binary file in the container format.
+
+    The caller owns the file object (see ``ArchiveWriter`` for atomic output). ``columns``
+    is an optional structured dtype: one fixed-size row of it is stored per record, in the
+    per-record array ``"records"``.
+    """
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        fields: Sequence[str],
+        *,
+        alignment: int = fmt.DEFAULT_ALIGNMENT,
+        columns: np.dtype | None = None,
+    ) -> None:
+        if not fields or len(set(fields)) != len(fields):
+            raise ValueError(f"fields must be distinct names, got {list(fields)}")
+        if alignment < 8 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= 8, got {alignment}")
+        self._file = file
+        self.fields = list(fields)
+        self.alignment = alignment
+        self._columns = columns
+        self._rows = np.empty(64, dtype=columns) if columns is not None else None
+        self._index = np.zeros((64, len(fields)), dtype=fmt.INDEX_DTYPE)
+        self._arrays: dict[str, tuple[np.ndarray, bool]] = {}
+        self.num_records = 0
+        self.position = 0
+        self._write(fmt.pack_header(alignment))
+
+    def _write(self, data: Payload) -> None:
+        self._file.write(data)
+        self.position += len(memoryview(data).cast("B")) if isinstance(data, memoryview) else len(data)
+
+    def _align(self) -> None:
+        pad = fmt.pad_to(self.position, self.alignment)
+        if pad:
+            self._write(_PAD[:pad])
+
+    def add(self, payloads: Sequence[Payload], row: tuple[Any, ...] | None = None) -> int:
+        """Append one record (one payload per field); return its index in this file."""
+        if len(payloads) != len(self.fields):
+            raise ValueError(f"expected {len(self.fields)} payloads, got {len(payloads)}")
+        if (row is None) != (self._columns is None):
+            raise ValueError("pass a row exactly when the writer was given columns")
+        i = self.num_records
+        if i == len(self._index):
+            self._index = np.concatenate([self._index, np.zeros_like(self._index)])
+            if self._rows is not None:
+                self._rows = np.concatenate([self._rows, np.empty_like(self._rows)])
+        entries = self._index[i]
+        for k, payload in enumerate(payloads):
+            view = memoryview(payload).cast("B")
+            self._align()
+            entries[k] = (self.position, view.nbytes, fmt.crc32(view), 0)
+            if view.nbytes:
+                self._write(view)
+        if self._rows is not None:
+            self._rows[i] = row
+        self.num_records = i + 1
+        return i
+
+    def add_array(self, name: str, array: np.ndarray, *, per_record: bool = False) -> None:
+        """Store a named numpy array (plain numbers only) in this file."""
+        if name in self._arrays or name == "records":
+            raise ValueError(f"array {name!r} is already stored")
+        array = np.ascontiguousarray(array)
+        fmt.dtype_to_json(array.dtype)  # refuse object and other unstorable dtypes early
+        self._arrays[name] = (array, per_record)
+
+    def finish(self, user: Mapping[str, Any]) -> int:
+        """Write index, arrays, metadata and footer; return the file size."""
+        arrays: dict[str, tuple[np.ndarray, bool]] = {}
+        if self._rows is not None:
+            arrays["records"] = (self._rows[: self.num_records], True)
+        arrays.update(self._arrays)
+        index = self._index[: self.num_records]
+        meta: dict[str, Any] = {
+            "format": "torch_serialized",
+            "format_version": [fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR],
+            "created_by": f"torch_serialized {__version__}",
+            "num_records": self.num_records,
+            "fields": self.fields,
+            "alignment": self.alignment,
+            "index": self._write_array(index),
+            "arrays": {},
+            "user": dict(user),
+        }
+        for name, (array, per_record) in arrays.items():
+            meta["arrays"][name] = {**self._write_array(array), "per_record": per_record}
+        self._align()
+        meta_offset = self.position
+        blob = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        data = blob.encode("utf-8")
+        self._write(data)
+        size = self.position + fmt.FOOTER_SIZE
+        footer = fmt.pack_footer(meta_offset, len(data), size, self.num_records, fmt.crc32(data))
+        self._write(footer)
+        return size
+
+    def _write_array(self, array: np.ndarray) -> dict[str, Any]:
+        self._align()
+        desc = fmt.array_descriptor(array, self.position)
+        if array.nbytes:
+            self._write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        return desc
+
+
+class _TempPath:
+    """A hidden temporary sibling of ``final`` that is renamed over it on commit."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.path = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+    @staticmethod
+    def clean_stale(final: Path) -> None:
+        """Remove temporaries of ``final`` left by processes that no longer run."""
+        for entry in final.parent.glob(f".{glob_escape(final.name)}.*-*-*"):
+            kind_pid = entry.name[len(final.name) + 2 :].split("-")
+            if len(kind_pid) != 3 or kind_pid[0] not in ("tmp", "old"):
+                continue
+            try:
+                pid = int(kind_pid[1])
+            except ValueError:
+                continue
+            if pid != os.getpid() and not _pid_alive(pid):
+                _remove(entry)
+
+
+def glob_escape(name: str) -> str:
+    """Escape glob metacharacters in a file name."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_pack(path: Path) -> bool:
+    """Whether ``path`` holds a torch_serialized file or shard folder (safe to replace)."""
+    if path.is_dir():
+        return (path / fmt.MANIFEST_NAME).is_file()
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(fmt.MAGIC)) == fmt.MAGIC
+    except OSError:
+        return False
+
+
+class ArchiveWriter:
+    """Writes records to ``output``: one file, or shards plus manifest when a limit is set.
+
+    With ``max_records_per_shard`` or ``max_shard_bytes``, ``output`` becomes a folder of
+    ``shard-NNNNN.tser`` files and ``manifest.json``. Arrays added with ``add_array`` are
+    dataset-level and go into the last shard. Use as a context manager: leaving the block
+    with an exception removes all temporary output.
+    """
+
+    def __init__(
+        self,
+        output: str | os.PathLike[str],
+        fields: Sequence[str],
+        *,
+        columns: np.dtype | None = None,
+        max_records_per_shard: int | None = None,
+        max_shard_bytes: int | None = None,
+        alignment: int = fmt.DEFAULT_ALIGNMENT,
+    ) -> None:
+        for name, limit in (
+            ("max_records_per_shard", max_records_per_shard),
+            ("max_shard_bytes", max_shard_bytes),
+        ):
+            if limit is not None and limit < 1:
+                raise ValueError(f"{name} must be a positive integer, got {limit}")
+        self.output = Path(output).absolute()
+        self.sharded = max_records_per_shard is not None or max_shard_bytes is not None
+        self._fields = list(fields)
+        self._columns = columns
+        self._alignment = alignment
+        self._max_records = max_records_per_shard
+        self._max_bytes = max_shard_bytes
+        if not self.output.parent.is_dir():
+            raise WriteError(
+                errno.ENOENT,
+                f"output folder {self.output.parent} does not exist; create it first",
+            )
+        if self.output.exists() and not is_pack(self.output):
+            raise WriteError(
+                errno.EEXIST,
+                f"{self.output} exists and is not a torch_serialized pack; "
+                "remove it or choose another output path",
+            )
+        _TempPath.clean_stale(self.output)
+        self._temp = _TempPath(self.output)
+        self._shards: list[dict[str, Any]] = []
+        self._arrays: list[tuple[str, np.ndarray]] = []
+        self._file: BinaryIO | None = None
+        self._writer: ContainerWriter | None = None
+        self.num_records = 0
+        self.bytes_written = 0
+        self._closed = False
+        try:
+            if self.sharded:
+                os.mkdir(self._temp.path)
+        except OSError as exc:
+            raise WriteError(exc.errno, f"cannot create {self._temp.path}: {exc.strerror}") from exc
+
+    # -- writing -------------------------------------------------------------------------
+    def add(self, payloads: Sequence[Payload], row: tuple[Any, ...] | None = None) -> int:
+        """Append one record; return its global index."""
+        try:
+            writer = self._writer
+            if writer is None or self._shard_full(writer, payloads):
+                writer = self._next_shard()
+            before = writer.position
+            writer.add(payloads, row)
+            self.bytes_written += writer.position - before
+        except OSError as exc:
+            self.abort()
+            raise self._write_error(exc) from exc
+        self.num_records += 1
+        return self.num_records - 1
+
+    def add_array(self, name: str, array: np.ndarray) -> None:
+        """Store a dataset-level array (in the last shard of a shard set)."""
+        self._arrays.append((name, array))
+
+    def _shard_full(self, writer: ContainerWriter, payloads: Sequence[Payload]) -> bool:
+        if not self.sharded or writer.num_records == 0:
+            return False
+        if self._max_records is not None and writer.num_records >= self._max_records:
+            return True
+        if self._max_bytes is not None:
+            size = sum(memoryview(p).nbytes + self._alignment for p in payloads)
+            return writer.position + size > self._max_bytes
+        return False
+
+    def _next_shard(self) -> ContainerWriter:
+        if self._writer is not None:
+            self._finish_shard(None)
+        if self.sharded:
+            name = f"shard-{len(self._shards):05d}{fmt.FILE_SUFFIX}"
+            path = self._temp.path / name
+        else:
+            name, path = self.output.name, self._temp.path
+        self._file = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in _finish
+        self._shards.append({"file": name})
+        self._writer = ContainerWriter(
+            self._file, self._fields, alignment=self._alignment, columns=self._columns
+        )
+        return self._writer
+
+    def _finish_shard(self, user: Mapping[str, Any] | None) -> None:
+        """Close the current file; the last one (``user`` given) gets metadata and arrays."""
+        if self._writer is None or self._file is None:
+            raise RuntimeError("no shard is open")
+        for name, array in self._arrays if user is not None else ():
+            self._writer.add_array(name, array)
+        size = self._writer.finish(user or {})
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._shards[-1].update(num_records=self._writer.num_records, bytes=size)
+        self._writer = None
+        self._file = None
+
+    def close(self, metadata: Mapping[str, Any] | None = None) -> Path:
+        """Finish every file, then move the output into place atomically; return its path."""
+        if self._closed:
+            raise ValueError("writer is already closed")
+        user = dict(metadata or {})
+        try:
+            if self._writer is None:
+                self._next_shard()
+            self._finish_shard(user)
+            if self.sharded:
+                self._write_manifest(user)
+                _fsync_dir(self._temp.path)
+            self._commit()
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+                raise self._write_error(exc) from exc
+            raise
+        self._closed = True
+        return self.output
+
+    def _write_manifest(self, user: Mapping[str, Any]) -> None:
+        manifest = {
+            "format": fmt.MANIFEST_FORMAT,
+            "version": fmt.MANIFEST_VERSION,
+            "created_by": f"torch_serialized {__version__}",
+            "num_records": self.num_records,
+            "fields": self._fields,
+            "shards": self._shards,
+            "user": dict(user),
+        }
+        for shard in self._shards:
+            path = self._temp.path / shard["file"]
+            with open(path, "rb") as f:
+                f.seek(-fmt.FOOTER_SIZE, os.SEEK_END)
+                shard["meta_crc32"] = fmt.unpack_footer(f.read(), str(path))["meta_crc32"]
+        path = self._temp.path / fmt.MANIFEST_NAME
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, ensure_ascii=False, allow_nan=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _commit(self) -> None:
+        final, temp = self.output, self._temp.path
+        if not self.sharded or not final.exists():
+            if self.sharded or not final.is_dir():
+                os.replace(temp, final)
+                _fsync_dir(final.parent)
+                return
+        # A directory cannot be renamed over another one: move the old pack aside first.
+        old = final.parent / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.replace(final, old)
+        os.replace(temp, final)
+        _fsync_dir(final.parent)
+        _remove(old)
+
+    def abort(self) -> None:
+        """Remove all temporary output; the destination is left untouched."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        self._writer = None
+        self._closed = True
+        _remove(self._temp.path)
+
+    def _write_error(self, exc: OSError) -> WriteError:
+        if isinstance(exc, WriteError):
+            return exc
+        reason = exc.strerror or str(exc)
+        hint = {
+            errno.ENOSPC: "free disk space or write elsewhere",
+            errno.EFBIG: "the file size limit was reached; raise it or use shards",
+            errno.EDQUOT: "the disk quota is exhausted",
+            errno.EACCES: "check the folder's permissions",
+        }.get(exc.errno or 0, "check the output folder")
+        return WriteError(
+            exc.errno or errno.EIO,
+            f"writing {self.output} failed: {reason}; {hint}. No partial output was left",
+        )
+
+    def __enter__(self) -> ArchiveWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and not self._closed:
+            self.abort()

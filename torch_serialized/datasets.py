@@ -1,0 +1,200 @@
+"""Map-style datasets over a packed VOC file: drop-in replacements for torchvision's.
+
+``VOCSerializedDataset`` returns, index for index, what ``torchvision.datasets.VOCDetection``
+returns for the same image set; ``VOCSerializedSegmentation`` does the same for
+``VOCSegmentation``. Both subclass the torchvision classes so ``isinstance`` checks and
+``torchvision.datasets.wrap_dataset_for_transforms_v2`` keep working.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+from torchvision.datasets import VOCDetection, VOCSegmentation
+from torchvision.datasets.vision import VisionDataset
+
+from .decoding import Classes, Decode, SampleDecoder, TargetFormat
+from .voc import codec
+from .voc.pack import VOCPack
+
+__all__ = ["VOCSerializedDataset", "VOCSerializedSegmentation", "SerializedDataset"]
+
+
+class _PackedVOCBase:
+    """Shared by both datasets: the pack, the split's record numbers, the decoder."""
+
+    _TASK: str
+    _TARGET_DIR: str
+    _TARGET_EXT: str
+    pack: VOCPack
+    records: np.ndarray
+    decoder: SampleDecoder
+    image_set: str
+    year: str
+
+    def _open(
+        self,
+        path: str | os.PathLike[str],
+        image_set: str,
+        decode: Decode,
+        target_format: TargetFormat,
+        classes: Classes,
+        checked: bool,
+    ) -> None:
+        self.pack = VOCPack(path, checked=checked)
+        self.year = self.pack.year
+        self.image_set = image_set
+        self.records = self.pack.split(self._TASK, image_set)
+        self.decoder = SampleDecoder(
+            self.pack,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            split_key=f"{self._TASK}/{image_set}",
+        )
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def _record(self, index: int) -> int:
+        return int(self.records[index])  # IndexError and negative indices as a list's
+
+    def _names(self, folder: str, ext: str) -> list[str]:
+        base = os.path.join(self.pack.base_dir, folder)
+        return [os.path.join(base, self.pack.id(int(r)) + ext) for r in self.records]
+
+    @property
+    def ids(self) -> list[str]:
+        """Image ids of this image set, in order (built on access, not stored)."""
+        return [self.pack.id(int(r)) for r in self.records]
+
+    @property
+    def images(self) -> list[str]:
+        """Original image paths relative to torchvision's ``root`` (built on access)."""
+        return self._names("JPEGImages", ".jpg")
+
+    @property
+    def targets(self) -> list[str]:
+        """Original target paths relative to torchvision's ``root`` (built on access)."""
+        return self._names(self._TARGET_DIR, self._TARGET_EXT)
+
+    def extra_repr(self) -> str:
+        lines = [f"Year: {self.year}", f"Image set: {self.image_set}"]
+        if self.decoder.decode != "pil":
+            lines.append(f"Decode: {self.decoder.decode}")
+        if self.decoder.target_format != "dict":
+            lines.append(f"Target format: {self.decoder.target_format}")
+        return "\n".join(lines)
+
+    def reopen(self) -> None:
+        """Map the packed file(s) again in this process (what ``worker_init_fn`` calls)."""
+        self.pack.reader.reopen()
+
+
+class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
+    """``VOCDetection`` read from a pack: same samples, order and outputs.
+
+    Args:
+        path: a ``.tser`` file or shard folder written by ``pack_voc``.
+        image_set: ``"train"``, ``"val"``, ``"trainval"``, ``"test"`` (2007), or any other
+            list packed from ``ImageSets/Main``.
+        transform, target_transform, transforms: as in torchvision.
+        decode: ``"pil"`` (default, exact), ``"tensor"`` or ``"none"``; see ``Decode``.
+        target_format: ``"dict"`` (default, exact) or ``"tv_tensors"``; see ``TargetFormat``.
+        classes: label names for ``"tv_tensors"`` targets; see ``Classes``.
+        checked: verify each record's checksum as it is read.
+    """
+
+    _TASK, _TARGET_DIR, _TARGET_EXT = "Main", "Annotations", ".xml"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        image_set: str = "train",
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        transforms: Callable | None = None,
+        *,
+        decode: Decode = "pil",
+        target_format: TargetFormat = "dict",
+        classes: Classes = None,
+        checked: bool = False,
+    ) -> None:
+        VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
+        self._open(path, image_set, decode, target_format, classes, checked)
+
+    @property
+    def annotations(self) -> list[str]:
+        return self.targets
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        record = self._record(index)
+        img = self.decoder.image(record)
+        target = self.decoder.target(record)
+        if self.transforms is not None:
+            img, target = self.transforms(img, target)
+        return img, target
+
+
+class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignore[misc]
+    """``VOCSegmentation`` read from a pack: same images and masks (mode P, palette kept).
+
+    Arguments as ``VOCSerializedDataset`` (``target_format`` and ``classes`` do not apply).
+    """
+
+    _TASK, _TARGET_DIR, _TARGET_EXT = "Segmentation", "SegmentationClass", ".png"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        image_set: str = "train",
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        transforms: Callable | None = None,
+        *,
+        decode: Decode = "pil",
+        checked: bool = False,
+    ) -> None:
+        VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
+        self._open(path, image_set, decode, "dict", None, checked)
+
+    @property
+    def masks(self) -> list[str]:
+        return self.targets
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        record = self._record(index)
+        img = self.decoder.image(record)
+        target = self.decoder.mask(record)
+        if self.transforms is not None:
+            img, target = self.transforms(img, target)
+        return img, target
+
+
+class SerializedDataset:
+    """Every packed sample in storage order, as in the original design.
+
+    ``get_sample(i)`` returns ``{"id", "image": HWC uint8 numpy array, "target": dict}``
+    (``target`` is ``{}`` for ids without an annotation).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.pack = VOCPack(path)
+        self.decoder = SampleDecoder(self.pack)
+
+    def __len__(self) -> int:
+        return len(self.pack)
+
+    def get_sample(self, index: int) -> dict[str, Any]:
+        record = range(len(self.pack))[index]
+        flags = int(self.pack.columns[record]["flags"])
+        target = self.decoder.target(record) if flags & codec.HAS_ANNOTATION else {}
+        return {
+            "id": self.pack.id(record),
+            "image": np.asarray(self.decoder.image(record)),
+            "target": target,
+        }
+
+    __getitem__ = get_sample

@@ -1,0 +1,132 @@
+"""Turning a packed VOC record into what a dataset returns: image, target dict or tensors, mask.
+
+One ``SampleDecoder`` serves both the map-style and the iterable datasets, so the two return
+identical samples. ``decode`` picks the image path (see ``Decode``), ``target_format`` the
+target (see ``TargetFormat``).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision import tv_tensors
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.functional import pil_to_tensor
+
+from .voc import codec
+from .voc.classes import VOC_CLASSES
+from .voc.pack import VOCPack
+
+__all__ = ["Decode", "TargetFormat", "Classes", "SampleDecoder", "label_names"]
+
+#: ``"pil"``: a PIL RGB image, exactly torchvision's. ``"tensor"``: a uint8 CHW tensor
+#: decoded by ``torchvision.io.decode_jpeg`` (PIL for non-JPEG bytes); skips PIL conversions.
+#: ``"none"``: the stored bytes as a 1-D uint8 tensor, for decoding later (e.g. on the GPU).
+Decode = Literal["pil", "tensor", "none"]
+#: ``"dict"``: torchvision's parsed XML dict. ``"tv_tensors"``: ``{"boxes": BoundingBoxes
+#: (XYXY, float32), "labels": int64, "difficult": bool}`` built from stored arrays, no parsing.
+TargetFormat = Literal["dict", "tv_tensors"]
+#: Label names for ``"tv_tensors"`` targets: ``None`` for VOC's 20 classes with
+#: ``"__background__"`` at 0 (as torchvision's wrapper), ``"packed"`` for the classes found at
+#: pack time (sorted, after ``"__background__"``), or an explicit sequence (label = position).
+Classes = Union[None, Literal["packed"], Sequence[str]]
+
+_JPEG_SOI = b"\xff\xd8"
+
+
+def label_names(pack: VOCPack, classes: Classes) -> list[str]:
+    """The label name list that ``classes`` stands for."""
+    if classes is None:
+        return ["__background__", *VOC_CLASSES]
+    if isinstance(classes, str):
+        if classes != "packed":
+            raise ValueError(f"classes must be None, 'packed' or a list of names, got {classes!r}")
+        return ["__background__", *sorted(pack.classes)]
+    names = list(classes)
+    if len(set(names)) != len(names):
+        raise ValueError("classes must not repeat a name")
+    return names
+
+
+class SampleDecoder:
+    """Decodes records of one pack for one image set."""
+
+    def __init__(
+        self,
+        pack: VOCPack,
+        *,
+        decode: Decode = "pil",
+        target_format: TargetFormat = "dict",
+        classes: Classes = None,
+        split_key: str | None = None,
+    ) -> None:
+        if decode not in ("pil", "tensor", "none"):
+            raise ValueError(f"decode must be 'pil', 'tensor' or 'none', got {decode!r}")
+        if target_format not in ("dict", "tv_tensors"):
+            raise ValueError(f"target_format must be 'dict' or 'tv_tensors', got {target_format!r}")
+        self.pack = pack
+        self.decode = decode
+        self.target_format = target_format
+        self.raw = pack.image_storage == "raw"
+        self.label_names = label_names(pack, classes)
+        position = {name: i for i, name in enumerate(self.label_names)}
+        self._labels = np.array([position.get(n, -1) for n in pack.classes], dtype=np.int64)
+        if target_format == "tv_tensors" and split_key is not None:
+            present = pack.meta.get("class_counts", {}).get(split_key, {})
+            unknown = sorted(n for n in present if n not in position)
+            if unknown:
+                raise ValueError(
+                    f"{pack.path}: classes {unknown} of {split_key} are not in the label list; "
+                    "pass classes='packed' or a list of class names including them"
+                )
+
+    def image(self, record: int) -> Any:
+        data = self.pack.field(record, codec.IMAGE)
+        if self.raw:
+            return self._raw_image(record, data)
+        if self.decode == "pil":
+            return Image.open(io.BytesIO(data)).convert("RGB")
+        if self.decode == "none":
+            return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+        if data[:2] == _JPEG_SOI:
+            try:
+                return decode_jpeg(
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB
+                )
+            except RuntimeError:
+                pass  # a JPEG flavour libjpeg in torchvision refuses: PIL below decides
+        return pil_to_tensor(Image.open(io.BytesIO(data)).convert("RGB"))
+
+    def _raw_image(self, record: int, data: memoryview) -> Any:
+        row = self.pack.columns[record]
+        width, height = int(row["width"]), int(row["height"])
+        if self.decode == "pil":
+            return Image.frombytes("RGB", (width, height), data)
+        pixels = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+        if self.decode == "none":
+            return pixels
+        return pixels.view(height, width, 3).permute(2, 0, 1)
+
+    def target(self, record: int) -> Any:
+        if self.target_format == "dict":
+            return codec.decode_target(self.pack.field(record, codec.TARGET))
+        objects = np.frombuffer(self.pack.field(record, codec.OBJECTS), dtype=codec.OBJECT_DTYPE)
+        row = self.pack.columns[record]
+        boxes = tv_tensors.BoundingBoxes(
+            torch.from_numpy(objects["box"].copy()),
+            format=tv_tensors.BoundingBoxFormat.XYXY,
+            canvas_size=(int(row["height"]), int(row["width"])),
+        )
+        return {
+            "boxes": boxes,
+            "labels": torch.from_numpy(self._labels[objects["class_id"]]),
+            "difficult": torch.from_numpy(objects["difficult"].astype(bool)),
+        }
+
+    def mask(self, record: int) -> Image.Image:
+        return Image.open(io.BytesIO(self.pack.field(record, codec.MASK)))

@@ -1,0 +1,116 @@
+"""The VOC sample schema: which fields and arrays a packed VOC dataset holds, and their codecs.
+
+A packed VOC dataset is a container (see ``torch_serialized.format``) whose records are
+samples with these byte fields:
+
+- ``image``: the JPEGImages file bytes, unchanged (or raw RGB pixels / a resized JPEG when
+  packed with ``image_storage="raw"`` or ``max_size``);
+- ``annotation``: the Annotations XML bytes, unchanged (empty when the id has none);
+- ``mask``: the SegmentationClass PNG bytes, unchanged (empty when none);
+- ``object_mask``: the SegmentationObject PNG bytes, unchanged (empty when none);
+- ``target``: torchvision's parsed target dict as compact UTF-8 JSON (empty when no XML);
+- ``objects``: one ``OBJECT_DTYPE`` row per ``<object>``, for the fast tensor target.
+
+The per-record ``records`` array has dtype ``COLUMNS``. Dataset-level arrays: ``ids`` (UTF-8
+bytes of all ids concatenated) with ``id_offsets`` (N + 1 offsets), and ``split/TASK/NAME``
+(record numbers of image set NAME of task Main or Segmentation, in list-file order).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "FIELDS",
+    "COLUMNS",
+    "OBJECT_DTYPE",
+    "HAS_ANNOTATION",
+    "HAS_MASK",
+    "HAS_OBJECT_MASK",
+    "TASKS",
+    "split_array_name",
+    "encode_target",
+    "decode_target",
+    "encode_objects",
+    "encode_ids",
+    "decode_id",
+]
+
+SCHEMA = "voc"
+SCHEMA_VERSION = 1
+
+FIELDS = ("image", "annotation", "mask", "object_mask", "target", "objects")
+IMAGE, ANNOTATION, MASK, OBJECT_MASK, TARGET, OBJECTS = range(len(FIELDS))
+
+COLUMNS = np.dtype(
+    [
+        ("width", "<u4"),  # of the stored image
+        ("height", "<u4"),
+        ("num_objects", "<u4"),
+        ("flags", "<u4"),
+    ]
+)
+HAS_ANNOTATION = 1
+HAS_MASK = 2
+HAS_OBJECT_MASK = 4
+
+#: One row per object; ``class_id`` indexes the pack's sorted class-name list.
+OBJECT_DTYPE = np.dtype(
+    [
+        ("box", "<f4", (4,)),  # xmin, ymin, xmax, ymax as written in the XML
+        ("class_id", "<i4"),
+        ("difficult", "u1"),
+        ("truncated", "u1"),
+        ("reserved", "<u2"),
+    ]
+)
+
+#: ImageSets sub-folders, in the order their ids are laid out in the file.
+TASKS = ("Main", "Segmentation")
+
+
+def split_array_name(task: str, image_set: str) -> str:
+    """Name of the array listing the records of ``image_set`` of ``task``."""
+    return f"split/{task}/{image_set}"
+
+
+def encode_target(target: dict[str, Any]) -> bytes:
+    """torchvision's target dict as compact JSON: strings, lists and dicts only, order kept."""
+    return json.dumps(target, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def decode_target(data: bytes | memoryview) -> dict[str, Any]:
+    """Inverse of ``encode_target`` (a fresh dict the caller may mutate)."""
+    result: dict[str, Any] = json.loads(bytes(data))
+    return result
+
+
+def encode_objects(
+    boxes: np.ndarray, class_ids: Sequence[int], difficult: np.ndarray, truncated: np.ndarray
+) -> bytes:
+    """Pack per-object arrays into ``OBJECT_DTYPE`` rows."""
+    rows = np.zeros(len(class_ids), dtype=OBJECT_DTYPE)
+    rows["box"] = boxes
+    rows["class_id"] = class_ids
+    rows["difficult"] = difficult
+    rows["truncated"] = truncated
+    return rows.tobytes()
+
+
+def encode_ids(ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """All ids as one UTF-8 byte array plus ``len(ids) + 1`` offsets."""
+    encoded = [i.encode("utf-8") for i in ids]
+    offsets = np.zeros(len(encoded) + 1, dtype="<u8")
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
+
+
+def decode_id(blob: np.ndarray, offsets: np.ndarray, i: int) -> str:
+    """Id of record ``i`` from the arrays made by ``encode_ids``."""
+    return blob[int(offsets[i]) : int(offsets[i + 1])].tobytes().decode("utf-8")

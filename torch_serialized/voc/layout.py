@@ -1,0 +1,173 @@
+"""Where a VOCdevkit lives on disk and which ids its ImageSets lists name.
+
+torchvision joins ``root`` with ``VOCdevkit/VOC{year}`` (``TrainVal/VOCdevkit/VOC2011`` for 2011)
+and reads ``ImageSets/{Main,Segmentation}/{image_set}.txt`` as ``[x.strip() for x in
+f.readlines()]``. :func:`find_voc_root` accepts that root or the ``VOC{year}`` folder itself;
+:func:`read_image_sets` returns the very id lists torchvision would build, and refuses the lines
+that would make torchvision look for a nameless ``JPEGImages/.jpg``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from torch_serialized.errors import SourceDataError
+
+__all__ = ["STANDARD_IMAGE_SETS", "TASKS", "find_voc_root", "read_image_sets"]
+
+#: The ImageSets sub-folders torchvision reads: ``Main`` for detection, ``Segmentation`` for masks.
+TASKS: tuple[str, ...] = ("Main", "Segmentation")
+#: The list names torchvision accepts as ``image_set`` (``test`` only for 2007).
+STANDARD_IMAGE_SETS: tuple[str, ...] = ("train", "val", "trainval", "test")
+
+_VOC_FOLDER = re.compile(r"VOC(\d{4})")
+_YEAR = re.compile(r"\d{4}")
+
+
+def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path, str]:
+    """Locate ``VOCdevkit/VOC{year}`` from torchvision's ``root`` or the folder itself.
+
+    With ``year=None`` the year comes from the folder name (``VOC2007`` -> ``"2007"``) or from the
+    only ``VOC20xx`` folder under ``root``. Returns ``(voc_root, year)``.
+    """
+    root = Path(root)
+    if year is not None and (not isinstance(year, str) or not _YEAR.fullmatch(year)):
+        raise SourceDataError(f"year must be a 4-digit string such as '2007', got {year!r}.")
+    if not root.is_dir():
+        raise SourceDataError(
+            f"VOC root {str(root)!r} is not a directory; pass an existing folder."
+        )
+    if year is None:
+        return _infer(root)
+    candidates = _candidates(root, year)
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate, year
+    looked = ", ".join(repr(str(c)) for c in candidates)
+    raise SourceDataError(
+        f"No Pascal VOC {year} folder found: looked for {looked}. Pass torchvision's root "
+        f"(the folder holding VOCdevkit/VOC{year}) or the VOC{year} folder itself."
+    )
+
+
+def _candidates(root: Path, year: str) -> list[Path]:
+    """Folders that may be ``VOC{year}``, torchvision's own choice first."""
+    devkit = [root / "VOCdevkit" / f"VOC{year}", root / "TrainVal" / "VOCdevkit" / f"VOC{year}"]
+    if year == "2011":  # torchvision's 2011 archive unpacks under TrainVal/
+        devkit.reverse()
+    candidates = devkit
+    if root.name == f"VOC{year}":
+        candidates.append(root)
+    if root.name == "VOCdevkit":
+        candidates.append(root / f"VOC{year}")
+    return candidates
+
+
+def _infer(root: Path) -> tuple[Path, str]:
+    """``(voc_root, year)`` when the caller gave no year."""
+    found = sorted(
+        {
+            path
+            for parent in (root / "VOCdevkit", root / "TrainVal" / "VOCdevkit")
+            for path in _voc_folders(parent)
+        }
+    )
+    if not found and root.name == "VOCdevkit":
+        found = _voc_folders(root)
+    if not found:
+        match = _VOC_FOLDER.fullmatch(root.name)
+        if match:
+            return root, match.group(1)
+        raise SourceDataError(
+            f"No Pascal VOC folder found under {str(root)!r}: looked for VOCdevkit/VOC<year>, "
+            "TrainVal/VOCdevkit/VOC<year> and a folder named VOC<year>. Pass torchvision's root "
+            "(the folder holding VOCdevkit/VOC2012) or the VOC2012 folder itself."
+        )
+    if len(found) > 1:
+        listed = ", ".join(repr(str(path)) for path in found)
+        raise SourceDataError(
+            f"{str(root)!r} holds several VOC folders ({listed}); pass year= to pick one."
+        )
+    return found[0], found[0].name[3:]
+
+
+def _voc_folders(parent: Path) -> list[Path]:
+    """The ``VOC<4 digits>`` directories directly inside ``parent`` (none if it is missing)."""
+    if not parent.is_dir():
+        return []
+    return [p for p in parent.iterdir() if _VOC_FOLDER.fullmatch(p.name) and p.is_dir()]
+
+
+def read_image_sets(voc_root: Path) -> dict[str, dict[str, list[str]]]:
+    """Map task (``Main``, ``Segmentation``) -> list name -> ids, as torchvision reads them.
+
+    Ids keep file order, duplicates and leading zeros. Besides the standard names, any other
+    ``*.txt`` whose lines are all one token is a custom split; per-class files such as
+    ``aeroplane_train.txt`` (``id -1`` lines) are skipped. Tasks without lists are left out.
+    """
+    voc_root = Path(voc_root)
+    image_sets = voc_root / "ImageSets"
+    if not image_sets.is_dir():
+        raise SourceDataError(
+            f"{str(image_sets)!r} does not exist. Create ImageSets/Main/train.txt (and val.txt, "
+            "trainval.txt) with one image id per line, e.g. 000005 for JPEGImages/000005.jpg."
+        )
+    result: dict[str, dict[str, list[str]]] = {}
+    for task in TASKS:
+        folder = image_sets / task
+        if not folder.is_dir():
+            continue
+        lists = _read_task(folder)
+        if lists:
+            result[task] = lists
+    if not result:
+        raise SourceDataError(
+            f"No list files in {str(image_sets)!r}: expected Main/train.txt, Main/val.txt, ... "
+            "(or Segmentation/...). Create them with one image id per line."
+        )
+    return result
+
+
+def _read_task(folder: Path) -> dict[str, list[str]]:
+    """The id lists of one ImageSets sub-folder, standard names first, then custom ones sorted."""
+    paths = {path.stem: path for path in folder.glob("*.txt") if path.is_file()}
+    lists: dict[str, list[str]] = {}
+    for name in (*STANDARD_IMAGE_SETS, *sorted(set(paths) - set(STANDARD_IMAGE_SETS))):
+        path = paths.get(name)
+        if path is None:
+            continue
+        lines = _read_lines(path)
+        if name not in STANDARD_IMAGE_SETS and any(len(line.split()) > 1 for line in lines):
+            continue  # a per-class file ("000005 -1") or some other text, not an id list
+        lists[name] = _ids(path, lines)
+    return lists
+
+
+def _read_lines(path: Path) -> list[str]:
+    """torchvision's ``[x.strip() for x in open(path).readlines()]`` (universal newlines)."""
+    try:
+        with open(path, encoding="utf-8", newline=None) as file:
+            return [line.strip() for line in file.readlines()]
+    except UnicodeDecodeError as exc:
+        raise SourceDataError(
+            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            "save the list as plain UTF-8 (ASCII) with one image id per line."
+        ) from None
+
+
+def _ids(path: Path, lines: list[str]) -> list[str]:
+    """Check a list's stripped lines and return them as ids."""
+    if lines and lines[0].startswith("\ufeff"):
+        raise SourceDataError(
+            f"{path}, line 1: starts with a byte order mark, which torchvision would keep in the "
+            "first id; save the file as UTF-8 without BOM."
+        )
+    for number, line in enumerate(lines, start=1):
+        if not line:
+            raise SourceDataError(
+                f"{path}, line {number}: blank line; torchvision would read it as an empty id and "
+                "look for JPEGImages/.jpg. Delete blank lines (including trailing ones)."
+            )
+    return lines

@@ -1,0 +1,257 @@
+"""VOC annotation XML -> the exact dict torchvision's ``VOCDetection`` returns, safely.
+
+torchvision builds its target with ``VOCDetection.parse_voc_xml(ET.parse(path).getroot())``.
+:func:`parse_annotation` gives the same dict from the file's bytes: the same expat parser builds
+the same ElementTree (declared encodings, BOMs, comments, CDATA and character references behave
+identically), and :func:`_convert` reproduces ``parse_voc_xml`` rule for rule, key order included.
+Unlike torchvision, a document that declares entities (XML bombs) or points at an external DTD or
+entity is refused before anything is expanded or fetched.
+
+:func:`extract_objects` then reads the boxes, names and flags out of that dict as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import pyexpat
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import numpy as np
+
+from torch_serialized.errors import SourceDataError
+
+__all__ = ["VOCObjects", "parse_annotation", "extract_objects", "image_size"]
+
+# The separator ElementTree's own expat parser uses; namespace rules must match it exactly, or a
+# document could pass the safety check yet fail in ElementTree (or the reverse).
+_NAMESPACE_SEPARATOR = "}"
+_COORDINATES = ("xmin", "ymin", "xmax", "ymax")
+# Entities can only be declared, and external DTDs only named, inside <!DOCTYPE ...>. expat reads
+# ASCII-compatible encodings (it refuses others) or UTF-16, so a document without these bytes has
+# no DOCTYPE and skips the pre-pass; an undeclared entity reference is then a plain expat error.
+_DOCTYPE_MARKERS = (b"DOCTYPE", "DOCTYPE".encode("utf-16-le")[:-1])
+
+
+class _Unsafe(Exception):
+    """Raised from inside the expat pre-pass to stop it at the first unsafe construct."""
+
+
+def parse_annotation(data: bytes, *, source: str) -> dict[str, Any]:
+    """Parse one annotation file's bytes into exactly torchvision's target dict.
+
+    ``source`` names the file in error messages. Raises :class:`SourceDataError` for malformed
+    XML (with line and column) and for documents declaring entities or referencing external ones.
+    """
+    if any(marker in data for marker in _DOCTYPE_MARKERS):
+        _check_safe(data, source)
+    try:
+        root = ET.XML(data)
+    except ET.ParseError as exc:
+        line, column = exc.position
+        _malformed(source, line, column, pyexpat.ErrorString(exc.code))
+    except (LookupError, ValueError) as exc:  # raised by expat's unknown-encoding callback
+        _unsupported_encoding(source, exc)
+    if not len(root):
+        return {root.tag: root.text.strip()} if root.text else {}
+    try:
+        return {root.tag: _convert(root)}
+    except RecursionError:
+        raise SourceDataError(
+            f"{source}: elements are nested too deeply to convert (torchvision's recursive parser "
+            "would fail too); flatten the annotation."
+        ) from None
+
+
+def _check_safe(data: bytes, source: str) -> None:
+    """Run expat once with no tree building, refusing entity declarations and external refs.
+
+    Entities can only be declared in a DOCTYPE, so refusing every declaration stops billion-laughs
+    and quadratic blow-ups before any expansion; an external DTD or entity is never fetched
+    (expat does not fetch by itself, and we refuse to even name one).
+    """
+    parser = pyexpat.ParserCreate(None, _NAMESPACE_SEPARATOR)
+
+    def refuse_entity(name: str, *_args: object) -> NoReturn:
+        raise _Unsafe(f"declares the entity {name!r}")
+
+    def refuse_external(*_args: object) -> NoReturn:
+        raise _Unsafe("references an external entity")
+
+    def refuse_skipped(name: str, _is_parameter: bool) -> NoReturn:
+        raise _Unsafe(f"references the undeclared entity {name!r}")
+
+    def check_doctype(name: str, system_id: str | None, public_id: str | None, _: bool) -> None:
+        if system_id or public_id:
+            raise _Unsafe(f"references the external DTD {system_id or public_id!r}")
+
+    parser.EntityDeclHandler = refuse_entity
+    parser.UnparsedEntityDeclHandler = refuse_entity
+    parser.ExternalEntityRefHandler = refuse_external
+    parser.SkippedEntityHandler = refuse_skipped
+    parser.StartDoctypeDeclHandler = check_doctype
+    try:
+        parser.Parse(data, True)
+    except _Unsafe as exc:
+        raise SourceDataError(
+            f"{source}: refusing unsafe XML that {exc} (line {parser.CurrentLineNumber}); "
+            "VOC annotations never need a DTD or entities: remove the <!DOCTYPE ...> block."
+        ) from None
+    except pyexpat.ExpatError as exc:
+        _malformed(source, exc.lineno, exc.offset, pyexpat.ErrorString(exc.code))
+    except (LookupError, ValueError) as exc:
+        _unsupported_encoding(source, exc)
+
+
+def _malformed(source: str, line: int, column: int, reason: str) -> NoReturn:
+    """Raise the malformed-XML error; ``column`` is expat's 0-based offset, shown 1-based."""
+    raise SourceDataError(
+        f"{source}: malformed XML at line {line}, column {column + 1}: {reason}. "
+        "Fix the file or re-export the annotation."
+    ) from None
+
+
+def _unsupported_encoding(source: str, exc: Exception) -> NoReturn:
+    """Raise for an XML declaration naming an encoding expat cannot read (as torchvision fails)."""
+    raise SourceDataError(
+        f"{source}: the encoding named in the XML declaration is not supported ({exc}); "
+        "re-save the file as UTF-8."
+    ) from None
+
+
+def _convert(node: ET.Element) -> dict[str, Any]:
+    """The dict torchvision's ``parse_voc_xml`` stores under ``node.tag`` for a parent ``node``.
+
+    Rules, all torchvision's: a leaf gives its stripped text, and is dropped when its text is
+    ``None`` or ``""`` (whitespace-only text survives as ``""``); a parent's own text is ignored;
+    children that occur once give a value, repeated ones a list, keyed in order of first
+    occurrence; every element tagged ``annotation`` with children gets ``object`` as a list
+    (appended last, as ``[]``, when it has none); a parent whose children were all dropped
+    gives ``{}``, which is kept. Leaves are handled inline: it halves the function calls.
+    """
+    grouped: dict[str, list[Any]] = {}
+    for child in node:
+        if len(child):
+            value: Any = _convert(child)
+        else:
+            text = child.text
+            if not text:
+                continue
+            value = text.strip()
+        values = grouped.get(child.tag)
+        if values is None:
+            grouped[child.tag] = [value]
+        else:
+            values.append(value)
+    if node.tag == "annotation":
+        grouped["object"] = [grouped.get("object", [])]
+    return {tag: values[0] if len(values) == 1 else values for tag, values in grouped.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class VOCObjects:
+    """The objects of one annotation as arrays, in document order.
+
+    ``boxes`` is float32 ``(n, 4)`` as ``xmin, ymin, xmax, ymax`` exactly as written (VOC's
+    1-based pixel coordinates, not shifted); ``difficult`` and ``truncated`` are uint8 ``(n,)``
+    with 0 where the flag is absent or empty.
+    """
+
+    boxes: np.ndarray
+    names: list[str]
+    difficult: np.ndarray
+    truncated: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def extract_objects(target: dict[str, Any], *, source: str) -> VOCObjects:
+    """Read boxes, class names and flags from a target made by :func:`parse_annotation`.
+
+    Raises :class:`SourceDataError` naming ``source`` and the 0-based object index when an object
+    has no single ``<bndbox>``, a missing or non-numeric coordinate, or no ``<name>``.
+    """
+    annotation = target.get("annotation")
+    if not isinstance(annotation, dict):
+        raise SourceDataError(
+            f"{source}: the root element is not a non-empty <annotation>; "
+            "a VOC annotation file must look like <annotation>...<object>...</object></annotation>."
+        )
+    objects = annotation["object"]
+    count = len(objects)
+    boxes = np.zeros((count, 4), dtype=np.float32)
+    names: list[str] = []
+    difficult = np.zeros(count, dtype=np.uint8)
+    truncated = np.zeros(count, dtype=np.uint8)
+    for index, obj in enumerate(objects):
+        where = f"{source}: object {index}"
+        if not isinstance(obj, dict):
+            raise SourceDataError(f"{where} has no child elements; give it <name> and <bndbox>.")
+        name = obj.get("name")
+        if not isinstance(name, str) or not name:
+            raise SourceDataError(f"{where} has no single non-empty <name>; add the class name.")
+        names.append(name)
+        boxes[index] = _box(obj.get("bndbox"), where)
+        difficult[index] = _flag(obj, "difficult", where)
+        truncated[index] = _flag(obj, "truncated", where)
+    return VOCObjects(boxes=boxes, names=names, difficult=difficult, truncated=truncated)
+
+
+def _box(bndbox: Any, where: str) -> list[float]:
+    """``[xmin, ymin, xmax, ymax]`` from a ``bndbox`` dict, whatever its child order."""
+    if not isinstance(bndbox, dict):
+        raise SourceDataError(
+            f"{where} has no single <bndbox> with <xmin>, <ymin>, <xmax>, <ymax>; add one."
+        )
+    coordinates = []
+    for key in _COORDINATES:
+        text = bndbox.get(key)
+        try:
+            value = float(text)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value):
+            raise SourceDataError(
+                f"{where}: <bndbox><{key}> is {text!r}, not a finite number; "
+                "write the pixel coordinate as a number."
+            )
+        coordinates.append(value)
+    return coordinates
+
+
+def _flag(obj: dict[str, Any], key: str, where: str) -> int:
+    """A 0/1 flag such as ``difficult``; missing or empty counts as 0."""
+    text = obj.get(key, "")
+    if text == "":
+        return 0
+    if text in ("0", "1"):
+        return int(text)
+    raise SourceDataError(f"{where}: <{key}> is {text!r}; write 0 or 1.")
+
+
+def image_size(target: dict[str, Any]) -> tuple[int, int] | None:
+    """``(width, height)`` from ``<size>``, or ``None`` when absent or not positive integers.
+
+    Only a hint: tools write stale or wrong sizes, so the image itself is the truth.
+    """
+    annotation = target.get("annotation")
+    size = annotation.get("size") if isinstance(annotation, dict) else None
+    if not isinstance(size, dict):
+        return None
+    width, height = _positive_int(size.get("width")), _positive_int(size.get("height"))
+    if width is None or height is None:
+        return None
+    return width, height
+
+
+def _positive_int(text: Any) -> int | None:
+    """``text`` as a positive int (``"500"`` or ``"500.0"``), else ``None``."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    if not value.is_integer() or value <= 0:
+        return None
+    return int(value)

@@ -1,0 +1,67 @@
+"""Pascal VOC class names and the segmentation colormap.
+
+Kept in one tiny module so the reader, the writer, the datasets and the synthetic generator all
+agree on the same class order (torchvision's alphabetical one) and the same palette.
+"""
+
+from __future__ import annotations
+
+__all__ = ["VOC_CLASSES", "VOC_COLORMAP", "VOC_PALETTE", "VOC_IGNORE_INDEX", "voc_colormap"]
+
+#: The 20 VOC object classes in alphabetical order; mask value ``i + 1`` is ``VOC_CLASSES[i]``
+#: and 0 is the background.
+VOC_CLASSES: tuple[str, ...] = (
+    "aeroplane",
+    "bicycle",
+    "bird",
+    "boat",
+    "bottle",
+    "bus",
+    "car",
+    "cat",
+    "chair",
+    "cow",
+    "diningtable",
+    "dog",
+    "horse",
+    "motorbike",
+    "person",
+    "pottedplant",
+    "sheep",
+    "sofa",
+    "train",
+    "tvmonitor",
+)
+
+#: Mask value of the "void" band that VOC draws around object borders.
+VOC_IGNORE_INDEX: int = 255
+
+
+def voc_colormap(n: int = 256) -> tuple[tuple[int, int, int], ...]:
+    """The first ``n`` colours of the VOC devkit's ``labelcolormap`` (bit-interleaved RGB).
+
+    Entry ``i`` takes bits ``0, 1, 2`` of ``i`` as the top bits of red, green, blue, bits
+    ``3, 4, 5`` as the next ones, and so on; this is the palette of every VOC mask PNG.
+    """
+    if not 0 <= n <= 256:
+        raise ValueError(f"voc_colormap: n must be in 0..256, got {n}")
+    colors = []
+    for i in range(n):
+        r = g = b = 0
+        c = i
+        for j in range(8):
+            shift = 7 - j
+            r |= (c & 1) << shift
+            g |= ((c >> 1) & 1) << shift
+            b |= ((c >> 2) & 1) << shift
+            c >>= 3
+        colors.append((r, g, b))
+    return tuple(colors)
+
+
+#: The standard 256-entry VOC palette as ``(r, g, b)`` triples (0 black, 1 aeroplane maroon, ...,
+#: 255 the cream void colour ``(224, 224, 192)``).
+VOC_COLORMAP: tuple[tuple[int, int, int], ...] = voc_colormap()
+
+#: The same palette flattened to 768 bytes, ready for ``PIL.Image.putpalette``.
+VOC_PALETTE: bytes = bytes(v for rgb in VOC_COLORMAP for v in rgb)

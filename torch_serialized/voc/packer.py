@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -123,7 +124,7 @@ def pack_voc(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     started = time.perf_counter()
-    voc_root, year = find_voc_root(root, year)
+    voc_root, year = find_voc_root(root, None if _is_voc_folder(Path(root)) else year)
     image_sets = read_image_sets(voc_root)
     options = _Options(image_storage, max_size, check_images)
     jobs = _plan(voc_root, image_sets, options)
@@ -336,7 +337,7 @@ def _store_image(
 ) -> tuple[bytes, int, int, tuple[float, float] | None]:
     """The bytes to store for an image, its stored size, and the box scale if resized."""
     try:
-        img = Image.open(io.BytesIO(data))
+        img: Image.Image = Image.open(io.BytesIO(data))
         width, height = img.size
         if options.check_images or options.image_storage == "raw" or options.max_size:
             img = img.convert("RGB")  # decodes every pixel: truncated data fails here
@@ -395,6 +396,11 @@ def _imageset_files(voc_root: Path) -> Iterator[tuple[str, bytes]]:
     for path in sorted(base.rglob("*.txt")):
         if path.is_file():
             yield path.relative_to(voc_root).as_posix(), path.read_bytes()
+
+
+def _is_voc_folder(path: Path) -> bool:
+    """Whether ``path`` is a ``VOC20xx`` folder itself (its name then gives the year)."""
+    return re.fullmatch(r"VOC\d{4}", path.name) is not None and (path / "ImageSets").is_dir()
 
 
 def _base_dir(voc_root: Path, year: str) -> str:

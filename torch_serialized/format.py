@@ -15,8 +15,8 @@ Layout::
     file_size - 64      footer (64 bytes), ending with the magic again
 
 Header (``HEADER``): ``magic`` (8 bytes, ``MAGIC``), ``major`` u16, ``minor`` u16,
-``header_size`` u32 (64), ``alignment`` u32 (a power of two, >= 8), ``flags`` u32 (0),
-36 reserved zero bytes, ``header_crc32`` u32 of the preceding 60 bytes.
+``header_size`` u32 (64), ``alignment`` u32 (a power of two from 8 to ``MAX_ALIGNMENT``),
+``flags`` u32 (0), 36 reserved zero bytes, ``header_crc32`` u32 of the preceding 60 bytes.
 
 Footer (``FOOTER``): ``meta_offset`` u64, ``meta_length`` u64, ``file_size`` u64,
 ``num_records`` u64, ``meta_crc32`` u32, ``major`` u16, ``minor`` u16, 12 reserved zero
@@ -26,17 +26,19 @@ last 8 bytes are not the magic, or whose size differs from ``file_size``, is tru
 Metadata (JSON object) keys:
 
 - ``format``: ``"torch_serialized"``; ``format_version``: ``[major, minor]``;
+- ``created_by``: the writing software (informative);
 - ``num_records``: ``N``; ``fields``: the ``K`` field names in index column order;
 - ``alignment``: as in the header;
 - ``index``: an array descriptor for the record index, shape ``(N, K)``, dtype
   ``INDEX_DTYPE`` (offset u64, length u64, crc32 u32, reserved u32);
-- ``arrays``: name -> array descriptor;
+- ``arrays``: name -> array descriptor, plus ``per_record`` (first axis is ``N``);
 - ``user``: the writer's own metadata object (schema, packing options, counts...).
 
 An array descriptor is ``{"dtype", "shape", "offset", "nbytes", "crc32"}``. ``dtype`` is a
-simple type code (``"<u8"``, ``"|u1"``, ``"<f4"``...) or a list of ``[name, code]`` pairs
-for a structured dtype; no object or pointer types exist, so nothing in a file can
-execute code. Each record field's CRC32 is stored in the index; ``verify`` recomputes them.
+simple type code (exactly one of ``|b1 |i1 |u1 <i2 <i4 <i8 <u2 <u4 <u8 <f2 <f4 <f8``) or a
+list of ``[name, code]`` pairs for a packed structured dtype; no object or pointer types
+exist, so nothing in a file can execute code. Each record field's CRC32 is stored in the
+index; ``verify`` recomputes them.
 
 Readers MUST reject a newer ``major``; they MAY read a newer ``minor`` (additions only).
 """
@@ -51,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CorruptFileError
+from .errors import CorruptFileError, TruncatedFileError
 
 __all__ = [
     "MAGIC",
@@ -62,6 +64,7 @@ __all__ = [
     "HEADER_SIZE",
     "FOOTER_SIZE",
     "DEFAULT_ALIGNMENT",
+    "MAX_ALIGNMENT",
     "INDEX_DTYPE",
     "FILE_SUFFIX",
     "MANIFEST_NAME",
@@ -84,6 +87,8 @@ FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 FILE_SUFFIX = ".tser"
 DEFAULT_ALIGNMENT = 64
+#: Largest alignment a reader accepts (1 MiB); writers refuse larger ones.
+MAX_ALIGNMENT = 1 << 20
 
 HEADER = struct.Struct("<8sHHIII36sI")
 FOOTER = struct.Struct("<QQQQIHH12sI8s")
@@ -101,7 +106,9 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "torch_serialized.shards"
 MANIFEST_VERSION = 1
 
-_SIMPLE_CODE = re.compile(r"^[<|][biuf][1248]$")
+#: The only simple type codes a file may use: numpy's own ``dtype.str`` of little-endian
+#: bool, signed and unsigned integers and IEEE floats.
+_SIMPLE_CODE = re.compile(r"\|[biu]1|<[iu][248]|<f[248]")  # use fullmatch: "$" allows "\n"
 _MAX_FIELDS = 1024
 
 
@@ -137,7 +144,7 @@ def unpack_header(data: bytes, path: str) -> tuple[int, int, int]:
         raise CorruptFileError(f"{path}: header checksum mismatch; the file is damaged, re-pack it")
     if header_size != HEADER_SIZE:
         raise CorruptFileError(f"{path}: header size {header_size}, expected {HEADER_SIZE}")
-    if alignment < 8 or alignment & (alignment - 1) or alignment > 1 << 20:
+    if alignment < 8 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
         raise CorruptFileError(f"{path}: invalid alignment {alignment} in header")
     return major, minor, alignment
 
@@ -164,6 +171,11 @@ def pack_footer(
 
 def unpack_footer(data: bytes, path: str) -> dict[str, int]:
     """Validate a footer; return its fields by name."""
+    if len(data) != FOOTER_SIZE:
+        raise TruncatedFileError(
+            f"{path}: {len(data)} bytes where the {FOOTER_SIZE}-byte footer should be; "
+            "the file is truncated. Copy it again or re-pack it"
+        )
     (
         meta_offset,
         meta_length,
@@ -208,15 +220,17 @@ def dtype_to_json(dtype: np.dtype) -> str | list[list[str]]:
 
 def _simple_code(dtype: np.dtype) -> str:
     code = dtype.newbyteorder("<").str if dtype.byteorder == "=" else dtype.str
-    if not _SIMPLE_CODE.match(code):
-        raise ValueError(f"dtype {dtype} cannot be stored; use bool, int, uint or float")
+    if not _SIMPLE_CODE.fullmatch(code):
+        raise ValueError(
+            f"dtype {dtype} cannot be stored; use little-endian bool, int, uint or float"
+        )
     return code
 
 
 def dtype_from_json(value: Any, path: str) -> np.dtype:
     """Rebuild a dtype from its JSON description, refusing anything but plain numbers."""
-    if isinstance(value, str) and _SIMPLE_CODE.match(value):
-        return np.dtype(value)
+    if isinstance(value, str) and _SIMPLE_CODE.fullmatch(value):
+        return np.dtype(value)  # every code the pattern admits is one numpy understands
     if (
         isinstance(value, list)
         and 0 < len(value) <= _MAX_FIELDS
@@ -224,8 +238,9 @@ def dtype_from_json(value: Any, path: str) -> np.dtype:
             isinstance(item, list)
             and len(item) == 2
             and isinstance(item[0], str)
+            and item[0]
             and isinstance(item[1], str)
-            and _SIMPLE_CODE.match(item[1])
+            and _SIMPLE_CODE.fullmatch(item[1])
             for item in value
         )
     ):
@@ -236,6 +251,14 @@ def dtype_from_json(value: Any, path: str) -> np.dtype:
     raise CorruptFileError(f"{path}: invalid array dtype {value!r} in metadata")
 
 
+def array_bytes(array: np.ndarray) -> memoryview:
+    """The bytes of ``array`` in C order, as a flat byte view (copied only if not contiguous).
+
+    Unlike ``memoryview(array).cast("B")`` this also works for arrays with a zero-length axis.
+    """
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+
+
 def array_descriptor(array: np.ndarray, offset: int) -> dict[str, Any]:
     """Metadata entry for ``array`` stored at ``offset``."""
     return {
@@ -243,7 +266,7 @@ def array_descriptor(array: np.ndarray, offset: int) -> dict[str, Any]:
         "shape": list(array.shape),
         "offset": offset,
         "nbytes": int(array.nbytes),
-        "crc32": crc32(memoryview(np.ascontiguousarray(array)).cast("B")),
+        "crc32": crc32(array_bytes(array)),
     }
 
 

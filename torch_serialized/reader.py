@@ -10,9 +10,12 @@ never imports torch.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import mmap
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,7 +63,12 @@ class ContainerReader:
     # -- opening -------------------------------------------------------------------------
     def _open_fd(self) -> int:
         try:
-            return os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            # Linux opens a folder read-only without complaint; only reading it fails.
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.path)
+            return fd
         except IsADirectoryError:
             raise FormatError(
                 f"{self.path} is a folder without {fmt.MANIFEST_NAME}; pass a .tser file "
@@ -117,6 +125,7 @@ class ContainerReader:
             or not isinstance(fields, list)
             or not fields
             or not all(isinstance(f, str) for f in fields)
+            or type(num) is not int
             or num != footer["num_records"]
         ):
             raise CorruptFileError(f"{path}: metadata does not describe a torch_serialized file")
@@ -142,9 +151,10 @@ class ContainerReader:
         """Map the file; with ``check``, verify index and array checksums and bounds."""
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         view = memoryview(mm)
-        arrays: dict[str, np.ndarray] = {}
-        descs = {"index": self.meta["index"], **self.meta["arrays"]}
-        for name, desc in descs.items():
+        # The record index is kept apart: a user array may also be called "index".
+        descs = [("index", self.meta["index"]), *self.meta["arrays"].items()]
+        views: list[np.ndarray] = []
+        for name, desc in descs:
             dtype, shape, offset, nbytes, crc = fmt.check_descriptor(
                 desc, name, self.data_end, self.path
             )
@@ -152,9 +162,10 @@ class ContainerReader:
                 raise CorruptFileError(
                     f"{self.path}: {name} checksum mismatch; the file is damaged, re-pack it"
                 )
-            arrays[name] = np.frombuffer(view, dtype, count=int(np.prod(shape)), offset=offset)
-            arrays[name] = arrays[name].reshape(shape)
-        index = arrays.pop("index")
+            count = nbytes // dtype.itemsize
+            views.append(np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape))
+        index = views[0]
+        arrays = {name: array for (name, _), array in zip(descs[1:], views[1:])}
         offsets, lengths = index["offset"], index["length"]
         if check and index.size:
             ends = offsets + lengths
@@ -261,10 +272,8 @@ class ContainerReader:
         begin = start - start % page
         end = len(self._mmap) if length is None else min(start + length, len(self._mmap))
         if end > begin:
-            try:
+            with contextlib.suppress(OSError):
                 self._mmap.madvise(option, begin, end - begin)
-            except OSError:
-                pass
 
     def record_range(self, i: int, j: int) -> tuple[int, int]:
         """Byte range ``[start, stop)`` covering records ``i`` to ``j - 1``."""

@@ -17,7 +17,7 @@ import secrets
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Union
 
 import numpy as np
 
@@ -27,8 +27,19 @@ from .errors import WriteError
 
 __all__ = ["ContainerWriter", "ArchiveWriter", "Payload"]
 
-Payload = bytes | bytearray | memoryview
+Payload = Union[bytes, bytearray, memoryview]  # not ``X | Y``: this runs on Python 3.9
 _PAD = bytes(1 << 16)
+
+
+def _check_options(fields: Sequence[str], alignment: int, columns: np.dtype | None) -> None:
+    if not fields or len(set(fields)) != len(fields):
+        raise ValueError(f"fields must be distinct names, got {list(fields)}")
+    if alignment < 8 or alignment & (alignment - 1) or alignment > fmt.MAX_ALIGNMENT:
+        raise ValueError(
+            f"alignment must be a power of two from 8 to {fmt.MAX_ALIGNMENT}, got {alignment}"
+        )
+    if columns is not None:
+        fmt.dtype_to_json(columns)  # refuse unstorable columns now, not after every record
 
 
 class ContainerWriter:
@@ -47,10 +58,7 @@ class ContainerWriter:
         alignment: int = fmt.DEFAULT_ALIGNMENT,
         columns: np.dtype | None = None,
     ) -> None:
-        if not fields or len(set(fields)) != len(fields):
-            raise ValueError(f"fields must be distinct names, got {list(fields)}")
-        if alignment < 8 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two >= 8, got {alignment}")
+        _check_options(fields, alignment, columns)
         self._file = file
         self.fields = list(fields)
         self.alignment = alignment
@@ -64,7 +72,7 @@ class ContainerWriter:
 
     def _write(self, data: Payload) -> None:
         self._file.write(data)
-        self.position += len(memoryview(data).cast("B")) if isinstance(data, memoryview) else len(data)
+        self.position += memoryview(data).nbytes
 
     def _align(self) -> None:
         pad = fmt.pad_to(self.position, self.alignment)
@@ -98,7 +106,7 @@ class ContainerWriter:
         """Store a named numpy array (plain numbers only) in this file."""
         if name in self._arrays or name == "records":
             raise ValueError(f"array {name!r} is already stored")
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # not ascontiguousarray: it makes 0-d arrays 1-d
         fmt.dtype_to_json(array.dtype)  # refuse object and other unstorable dtypes early
         self._arrays[name] = (array, per_record)
 
@@ -136,7 +144,7 @@ class ContainerWriter:
         self._align()
         desc = fmt.array_descriptor(array, self.position)
         if array.nbytes:
-            self._write(memoryview(np.ascontiguousarray(array)).cast("B"))
+            self._write(fmt.array_bytes(array))
         return desc
 
 
@@ -229,6 +237,7 @@ class ArchiveWriter:
         ):
             if limit is not None and limit < 1:
                 raise ValueError(f"{name} must be a positive integer, got {limit}")
+        _check_options(fields, alignment, columns)
         self.output = Path(output).absolute()
         self.sharded = max_records_per_shard is not None or max_shard_bytes is not None
         self._fields = list(fields)
@@ -265,6 +274,8 @@ class ArchiveWriter:
     # -- writing -------------------------------------------------------------------------
     def add(self, payloads: Sequence[Payload], row: tuple[Any, ...] | None = None) -> int:
         """Append one record; return its global index."""
+        if self._closed:
+            raise ValueError(f"writer for {self.output} is closed or was aborted")
         try:
             writer = self._writer
             if writer is None or self._shard_full(writer, payloads):
@@ -280,6 +291,9 @@ class ArchiveWriter:
 
     def add_array(self, name: str, array: np.ndarray) -> None:
         """Store a dataset-level array (in the last shard of a shard set)."""
+        if name == "records" or any(name == other for other, _ in self._arrays):
+            raise ValueError(f"array {name!r} is already stored")
+        fmt.dtype_to_json(np.asarray(array).dtype)  # refuse unstorable dtypes now, not at close
         self._arrays.append((name, array))
 
     def _shard_full(self, writer: ContainerWriter, payloads: Sequence[Payload]) -> bool:
@@ -366,11 +380,10 @@ class ArchiveWriter:
 
     def _commit(self) -> None:
         final, temp = self.output, self._temp.path
-        if not self.sharded or not final.exists():
-            if self.sharded or not final.is_dir():
-                os.replace(temp, final)
-                _fsync_dir(final.parent)
-                return
+        if (not self.sharded or not final.exists()) and (self.sharded or not final.is_dir()):
+            os.replace(temp, final)
+            _fsync_dir(final.parent)
+            return
         # A directory cannot be renamed over another one: move the old pack aside first.
         old = final.parent / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
         os.replace(final, old)
@@ -407,5 +420,9 @@ class ArchiveWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None and not self._closed:
+        if self._closed:
+            return
+        if exc_type is not None:
             self.abort()
+        else:
+            self.close()

@@ -1,0 +1,421 @@
+"""format.py is the spec in code, docs/FORMAT.md the spec in prose: they must say the same.
+
+The tables of FORMAT.md are parsed here and compared with the constants, structs and dtypes of
+``torch_serialized.format``; then the pack/unpack and dtype codecs are round-tripped.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_serialized import format as fmt
+from torch_serialized.errors import CorruptFileError, FormatError, TruncatedFileError
+from torch_serialized.reader import ContainerReader, PackReader
+from torch_serialized.writer import ArchiveWriter
+
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md").read_text(encoding="utf-8")
+
+_TYPES = {"u16": "H", "u32": "I", "u64": "Q"}
+
+
+# -- reading the document ------------------------------------------------------------------
+def section(title: str) -> str:
+    """The text under the heading ``title`` (any level), up to the next heading."""
+    match = re.search(rf"^#+ {re.escape(title)}\n(.*?)(?=^#+ |\Z)", DOC, re.M | re.S)
+    assert match, f"FORMAT.md has no section {title!r}"
+    return match.group(1)
+
+
+def tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table in ``text``, as rows of {column: cell} (backticks stripped)."""
+    found: list[list[dict[str, str]]] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and set(lines[i + 1]) <= set("|-: "):
+            head = split_row(lines[i])
+            rows = []
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(dict(zip(head, split_row(lines[i]))))
+                i += 1
+            found.append(rows)
+        else:
+            i += 1
+    return found
+
+
+def split_row(line: str) -> list[str]:
+    cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+    return [c.strip().replace("\\|", "|").strip("`") for c in cells]
+
+
+def table(title: str, n: int = 0) -> list[dict[str, str]]:
+    return tables(section(title))[n]
+
+
+def hex_blocks(text: str) -> list[bytes]:
+    """The bytes of each hex-dump code block (``address  xx xx ...`` lines) in ``text``."""
+    out = []
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```$", text, re.M | re.S):
+        lines = block.strip().splitlines()
+        if lines and all(re.fullmatch(r"[0-9a-f]{8}(  ([0-9a-f]{2} ?)+)", ln) for ln in lines):
+            out.append(bytes.fromhex("".join(ln[10:] for ln in lines)))
+    return out
+
+
+def layout(rows: list[dict[str, str]]) -> tuple[str, list[tuple[str, int, int]]]:
+    """Struct format and (name, offset, size) list from a byte-layout table; checks contiguity."""
+    code, fields, position = "<", [], 0
+    for row in rows:
+        offset, size = int(row["Offset"]), int(row["Size"])
+        assert offset == position, f"{row['Name']} at {offset}, expected {position}"
+        code += f"{size}s" if row["Type"] == "bytes" else _TYPES[row["Type"]]
+        if row["Type"] != "bytes":
+            assert struct.calcsize("<" + _TYPES[row["Type"]]) == size
+        fields.append((row["Name"], offset, size))
+        position += size
+    return code, fields
+
+
+def decode(data: bytes, fields: list[tuple[str, int, int]], types: dict[str, str]) -> dict:
+    out = {}
+    for name, offset, size in fields:
+        raw = data[offset : offset + size]
+        out[name] = raw if types[name] == "bytes" else int.from_bytes(raw, "little")
+    return out
+
+
+# -- constants -----------------------------------------------------------------------------
+def test_constants_match_document():
+    rows = table("Constants")
+    assert {r["Name"] for r in rows} >= {"MAGIC", "FORMAT_MAJOR", "HEADER_SIZE", "FOOTER_SIZE"}
+    for row in rows:
+        assert getattr(fmt, row["Name"]) == ast.literal_eval(row["Value"]), row["Name"]
+
+
+def test_magic_hex_in_document():
+    match = re.search(r"magic is the 8 bytes `([0-9A-F ]+)`", DOC)
+    assert match and bytes.fromhex(match.group(1)) == fmt.MAGIC
+    assert len(fmt.MAGIC) == 8
+
+
+def test_header_layout_matches_document():
+    rows = table("Header")
+    code, fields = layout(rows)
+    assert code == fmt.HEADER.format
+    assert struct.calcsize(code) == fmt.HEADER_SIZE == fmt.HEADER.size
+    types = {r["Name"]: r["Type"] for r in rows}
+    got = decode(fmt.pack_header(128), fields, types)
+    assert got["magic"] == fmt.MAGIC
+    assert (got["major"], got["minor"]) == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)
+    assert got["header_size"] == fmt.HEADER_SIZE
+    assert got["alignment"] == 128
+    assert got["flags"] == 0 and got["reserved"] == bytes(len(got["reserved"]))
+    crc_offset = dict((n, o) for n, o, _ in fields)["header_crc32"]
+    assert crc_offset == fmt.HEADER_SIZE - 4
+    assert got["header_crc32"] == fmt.crc32(fmt.pack_header(128)[:crc_offset])
+
+
+def test_footer_layout_matches_document():
+    rows = table("Footer")
+    code, fields = layout(rows)
+    assert code == fmt.FOOTER.format
+    assert struct.calcsize(code) == fmt.FOOTER_SIZE == fmt.FOOTER.size
+    types = {r["Name"]: r["Type"] for r in rows}
+    values = {
+        "meta_offset": 2**40 + 3,
+        "meta_length": 1234,
+        "file_size": 2**41,
+        "num_records": 77,
+        "meta_crc32": 0xDEADBEEF,
+    }
+    data = fmt.pack_footer(*values.values())
+    got = decode(data, fields, types)
+    for name, value in values.items():
+        assert got[name] == value, name
+    assert (got["major"], got["minor"]) == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)
+    assert got["reserved"] == bytes(len(got["reserved"]))
+    assert got["magic"] == fmt.MAGIC and data.endswith(fmt.MAGIC)
+    crc_offset = dict((n, o) for n, o, _ in fields)["footer_crc32"]
+    assert got["footer_crc32"] == fmt.crc32(data[:crc_offset])
+    # the names the code returns are the document's, in the document's order
+    named = [n for n, _, _ in fields if n not in ("reserved", "footer_crc32", "magic")]
+    assert list(fmt.unpack_footer(data, "x")) == named
+
+
+def test_index_dtype_matches_document():
+    rows = table("The record index")
+    code, fields = layout(rows)
+    assert struct.calcsize(code) == fmt.INDEX_DTYPE.itemsize == 24
+    doc_dtype = np.dtype(
+        {
+            "names": [n for n, _, _ in fields],
+            "formats": ["<" + {"u64": "u8", "u32": "u4"}[r["Type"]] for r in rows],
+            "offsets": [o for _, o, _ in fields],
+        }
+    )
+    assert doc_dtype == fmt.INDEX_DTYPE
+    spelled = re.search(r"In JSON: `(\[\[.*?\]\])`", section("The record index"))
+    assert spelled and json.loads(spelled.group(1)) == fmt.dtype_to_json(fmt.INDEX_DTYPE)
+
+
+def test_type_codes_match_document():
+    documented = {row["Code"] for row in table("Type codes")}
+    assert len(documented) == 12
+    candidates = {
+        order + kind + size
+        for order, kind, size in itertools.product("<>|=", "biufcUSVOMm?", "12485")
+    }
+    for code in candidates | documented:
+        if code in documented:
+            assert fmt.dtype_from_json(code, "x") == np.dtype(code)
+            assert fmt.dtype_to_json(np.dtype(code)) == code
+        else:
+            with pytest.raises(CorruptFileError):
+                fmt.dtype_from_json(code, "x")
+
+
+def test_crc_check_value_in_document():
+    assert 'crc32(b"123456789") == 0xCBF43926' in DOC
+    assert fmt.crc32(b"123456789") == 0xCBF43926
+    assert fmt.crc32(b"6789", fmt.crc32(b"12345")) == 0xCBF43926
+
+
+def _written(tmp_path: Path, **kwargs) -> PackReader:
+    with ArchiveWriter(tmp_path / "p", ["a", "b"], columns=np.dtype([("n", "<u4")]), **kwargs) as w:
+        w.add([b"x", b"yy"], (1,))
+        w.add_array("extra", np.arange(3))
+        w.close({"k": 1})
+    return PackReader(tmp_path / "p")
+
+
+def test_metadata_keys_match_document(tmp_path):
+    meta = _written(tmp_path).shards[0].meta
+    assert list(meta) == [row["Key"] for row in table("Metadata")]
+    desc_keys = [row["Key"] for row in table("Array descriptors", 0)]
+    extra_keys = [row["Key"] for row in table("Array descriptors", 1)]
+    assert list(meta["index"]) == desc_keys
+    for desc in meta["arrays"].values():
+        assert list(desc) == desc_keys + extra_keys
+
+
+def test_manifest_keys_match_document(tmp_path):
+    manifest = _written(tmp_path, max_records_per_shard=1).manifest
+    assert manifest is not None
+    assert list(manifest) == [row["Key"] for row in table("Shard folders", 0)]
+    for entry in manifest["shards"]:
+        assert sorted(entry) == sorted(row["Key"] for row in table("Shard folders", 1))
+    assert re.fullmatch(r"shard-\d{5}" + re.escape(fmt.FILE_SUFFIX), entry["file"])
+
+
+def test_worked_example_matches_writer(tmp_path):
+    path = tmp_path / "ex.tser"
+    with ArchiveWriter(path, ["image", "target"]) as w:
+        w.add([b"\xff\xd8jpeg", b'{"a":1}'])
+        w.add([b"", b"{}"])
+        w.close({"note": "demo"})
+    data = path.read_bytes()
+    text = section("Worked example")
+    header, entry, footer = hex_blocks(text)
+    assert header == data[:64] == fmt.pack_header(64)
+    assert entry == data[256 : 256 + len(entry)]
+    doc_meta = json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))
+    meta = ContainerReader(path).meta
+    assert {**doc_meta, "created_by": None} == {**meta, "created_by": None}
+    # the documented footer describes the documented metadata, byte for byte
+    blob = json.dumps(doc_meta, separators=(",", ":")).encode()
+    got = fmt.unpack_footer(footer, "doc")
+    assert got["meta_offset"] == 384 and got["num_records"] == 2
+    assert got["meta_length"] == len(blob) and got["meta_crc32"] == fmt.crc32(blob)
+    assert got["file_size"] == 384 + len(blob) + 64
+    assert data[: got["meta_offset"]] == data[:384]
+
+
+# -- header and footer codecs ---------------------------------------------------------------
+@pytest.mark.parametrize("alignment", [8, 16, 64, 4096, fmt.MAX_ALIGNMENT])
+def test_header_round_trip(alignment):
+    data = fmt.pack_header(alignment)
+    assert len(data) == fmt.HEADER_SIZE
+    assert fmt.unpack_header(data, "f") == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, alignment)
+
+
+def _patched_header(offset: int, value: bytes) -> bytes:
+    data = bytearray(fmt.pack_header(64))
+    data[offset : offset + len(value)] = value
+    data[60:64] = struct.pack("<I", fmt.crc32(bytes(data[:60])))
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "too short"),
+        (fmt.pack_header(64)[:63], "too short"),
+        (b"PK\x03\x04" + fmt.pack_header(64)[4:], "not a torch_serialized file"),
+        (fmt.pack_header(64)[:30] + b"\x01" + fmt.pack_header(64)[31:], "checksum"),
+        (_patched_header(12, struct.pack("<I", 128)), "header size"),
+        (_patched_header(16, struct.pack("<I", 0)), "alignment"),
+        (_patched_header(16, struct.pack("<I", 4)), "alignment"),
+        (_patched_header(16, struct.pack("<I", 48)), "alignment"),
+        (_patched_header(16, struct.pack("<I", fmt.MAX_ALIGNMENT * 2)), "alignment"),
+    ],
+)
+def test_unpack_header_rejects(data, message):
+    with pytest.raises(CorruptFileError, match=message) as info:
+        fmt.unpack_header(data, "/some/file.tser")
+    assert isinstance(info.value, ValueError)
+    assert "/some/file.tser" in str(info.value)
+
+
+def test_unpack_header_ignores_unknown_flags_and_reserved():
+    data = _patched_header(20, b"\x01\x00\x00\x00\xff\xff")
+    assert fmt.unpack_header(data, "f")[2] == 64
+
+
+u64 = st.integers(0, 2**64 - 1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(u64, u64, u64, u64, st.integers(0, 2**32 - 1))
+def test_footer_round_trip(meta_offset, meta_length, file_size, num_records, meta_crc):
+    data = fmt.pack_footer(meta_offset, meta_length, file_size, num_records, meta_crc)
+    assert len(data) == fmt.FOOTER_SIZE
+    assert fmt.unpack_footer(data, "f") == {
+        "meta_offset": meta_offset,
+        "meta_length": meta_length,
+        "file_size": file_size,
+        "num_records": num_records,
+        "meta_crc32": meta_crc,
+        "major": fmt.FORMAT_MAJOR,
+        "minor": fmt.FORMAT_MINOR,
+    }
+
+
+@pytest.mark.parametrize("position", [0, 8, 31, 40, 51, 52, 55, 56, 63])
+def test_unpack_footer_rejects_any_damaged_byte(position):
+    data = bytearray(fmt.pack_footer(1, 2, 3, 4, 5))
+    data[position] ^= 0x40
+    with pytest.raises(CorruptFileError, match="/f.tser"):
+        fmt.unpack_footer(bytes(data), "/f.tser")
+
+
+@pytest.mark.parametrize("size", [0, 8, 63, 65])
+def test_unpack_footer_rejects_wrong_length(size):
+    data = (fmt.pack_footer(1, 2, 3, 4, 5) * 2)[-size:] if size else b""
+    with pytest.raises(TruncatedFileError, match="/f.tser"):
+        fmt.unpack_footer(data, "/f.tser")
+
+
+def test_pad_to():
+    assert [fmt.pad_to(p, 64) for p in (0, 1, 63, 64, 65, 128)] == [0, 63, 1, 0, 63, 0]
+    assert fmt.pad_to(7, 8) == 1
+
+
+# -- dtype codec ----------------------------------------------------------------------------
+SIMPLE = sorted(row["Code"] for row in table("Type codes"))
+names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=8).filter(
+    lambda s: s.strip("\x00") == s
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(names, st.sampled_from(SIMPLE)), min_size=1, max_size=6, unique_by=lambda t: t[0]
+    )
+)
+def test_structured_dtype_round_trip(spec):
+    dtype = np.dtype(spec)
+    as_json = fmt.dtype_to_json(dtype)
+    assert as_json == [list(item) for item in spec]
+    back = fmt.dtype_from_json(json.loads(json.dumps(as_json)), "f")
+    assert back == dtype and back.itemsize == sum(np.dtype(c).itemsize for _, c in spec)
+
+
+@pytest.mark.parametrize("code", SIMPLE)
+def test_simple_dtype_round_trip(code):
+    assert fmt.dtype_from_json(fmt.dtype_to_json(np.dtype(code)), "f") == np.dtype(code)
+
+
+@pytest.mark.parametrize("native", ["=u4", "=f8", "int64", "bool", "uint8", "float16"])
+def test_native_dtypes_are_stored_little_endian(native):
+    code = fmt.dtype_to_json(np.dtype(native))
+    assert isinstance(code, str) and code[0] in "<|"
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.dtype(object),
+        np.dtype("U4"),
+        np.dtype("S4"),
+        np.dtype("V8"),
+        np.dtype("M8[ns]"),
+        np.dtype("m8[s]"),
+        np.dtype("c8"),
+        np.dtype(">u4"),
+        np.dtype([("a", "<u4"), ("b", object)]),
+        np.dtype([("a", "<u4", (3,))]),
+        np.dtype([("a", [("b", "<u4")])]),
+        np.dtype([("a", "u1"), ("b", "<u4")], align=True),
+        np.dtype({"names": ["a"], "formats": ["<u4"], "offsets": [4]}),
+    ],
+)
+def test_dtype_to_json_refuses(dtype):
+    with pytest.raises(ValueError):
+        fmt.dtype_to_json(dtype)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "<f1",
+        "<b2",
+        "|u4",
+        ">u4",
+        "=u4",
+        "u4",
+        "|O",
+        "O",
+        "<U4",
+        "<c8",
+        "<M8",
+        "<u4\n",
+        " <u4",
+        "",
+        5,
+        None,
+        True,
+        {},
+        [],
+        [["a"]],
+        [["a", "<u4", "x"]],
+        [["a", "|O"]],
+        [["a", "<u4"], ["a", "<u4"]],
+        [["", "<u4"]],
+        [[1, "<u4"]],
+        [["a", [["b", "<u4"]]]],
+        [("a", "<u4")],
+        [[f"f{i}", "|u1"] for i in range(1025)],
+    ],
+)
+def test_dtype_from_json_refuses(value):
+    with pytest.raises(CorruptFileError, match="/x.tser") as info:
+        fmt.dtype_from_json(value, "/x.tser")
+    assert isinstance(info.value, (FormatError, ValueError))
+
+
+def test_dtype_from_json_accepts_many_fields():
+    spec = [[f"f{i}", "|u1"] for i in range(1024)]
+    assert fmt.dtype_from_json(spec, "f").itemsize == 1024

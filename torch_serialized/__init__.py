@@ -16,7 +16,9 @@ from .errors import (
     UnsupportedVersionError,
     WriteError,
 )
+from .iterable import VOCSerializedIterableDataset
 from .reader import PackReader, open_pack
+from .samplers import BlockShuffleSampler
 from .voc.packer import PackResult, Serializer, SkippedSample, pack_voc
 from .workers import worker_init_fn
 
@@ -29,6 +31,8 @@ __all__ = [
     "VOCSerializedDataset",
     "VOCSerializedSegmentation",
     "SerializedDataset",
+    "VOCSerializedIterableDataset",
+    "BlockShuffleSampler",
     "worker_init_fn",
     "open_pack",
     "PackReader",

@@ -1,0 +1,101 @@
+"""Contracts of BlockShuffleSampler: a permutation, deterministic, local, split like
+DistributedSampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler
+
+from torch_serialized.samplers import BlockShuffleSampler, block_shuffle
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 300),
+    block=st.integers(1, 20),
+    window=st.integers(1, 6),
+    seed=st.integers(0, 99),
+)
+def test_block_shuffle_is_a_permutation_kept_within_windows(n, block, window, seed) -> None:
+    order = block_shuffle(n, block, window, np.random.default_rng(seed))
+    assert sorted(order.tolist()) == list(range(n))
+    where = np.empty(n, dtype=np.int64)
+    where[order] = np.arange(n)
+    for start in range(0, n, block):  # a block's indices stay within one window
+        spots = where[start : start + block]
+        assert spots.max() - spots.min() < block * window
+
+
+def test_sampler_is_deterministic_per_epoch_and_changes_between_epochs() -> None:
+    a = BlockShuffleSampler(1000, block_size=16, seed=5)
+    b = BlockShuffleSampler(1000, block_size=16, seed=5)
+    assert list(a) == list(b)
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first
+    assert sorted(a) == list(range(1000))
+    assert list(BlockShuffleSampler(1000, block_size=16, seed=6)) != first
+
+
+def test_reads_stay_local() -> None:
+    """Most consecutive indices lie in blocks drawn within the current window."""
+    order = list(BlockShuffleSampler(4096, block_size=64, window=4))
+    windows = [set(np.array(order[i : i + 256]) // 64) for i in range(0, 4096, 256)]
+    assert all(len(w) == 4 for w in windows)
+    assert order != sorted(order)
+
+
+def test_no_shuffle_is_in_order() -> None:
+    assert list(BlockShuffleSampler(range(10), shuffle=False)) == list(range(10))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 100, 101])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_distributed_split_matches_distributed_sampler_counts(n, world, drop_last, shuffle) -> None:
+    samplers = [
+        BlockShuffleSampler(
+            n, block_size=8, rank=r, world_size=world, drop_last=drop_last, shuffle=shuffle
+        )
+        for r in range(world)
+    ]
+    reference = DistributedSampler(
+        range(n), num_replicas=world, rank=0, drop_last=drop_last, shuffle=False
+    )
+    lists = [list(s) for s in samplers]
+    assert [len(x) for x in lists] == [len(s) for s in samplers] == [len(reference)] * world
+    seen = [i for x in lists for i in x]
+    if drop_last:
+        assert len(seen) == len(set(seen))
+    else:
+        assert set(seen) == set(range(n))
+        assert len(seen) - n == len(reference) * world - n
+    if n and not drop_last and not shuffle:
+        assert seen == (list(range(n)) * world)[: len(seen)]
+
+
+def test_ranks_share_one_epoch_order() -> None:
+    whole = list(BlockShuffleSampler(90, block_size=8, seed=2))
+    parts = [BlockShuffleSampler(90, block_size=8, seed=2, rank=r, world_size=3) for r in range(3)]
+    for s in parts:
+        s.set_epoch(0)
+    assert [i for s in parts for i in s] == whole
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(ValueError):
+        BlockShuffleSampler(10, block_size=0)
+    with pytest.raises(ValueError):
+        BlockShuffleSampler(10, window=0)
+    with pytest.raises(ValueError):
+        BlockShuffleSampler(10, rank=3, world_size=3)
+
+
+def test_works_as_a_dataloader_sampler() -> None:
+    data = list(range(50))
+    loader = DataLoader(data, batch_size=8, sampler=BlockShuffleSampler(data, block_size=4))
+    assert sorted(int(i) for batch in loader for i in batch) == data

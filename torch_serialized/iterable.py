@@ -1,0 +1,553 @@
+"""Streaming VOC from a pack: an ``IterableDataset`` that reads blocks sequentially.
+
+The dataset is a chain of small stages, each a plain function that can be tested alone::
+
+    block_bounds     image set positions 0..n-1 cut into blocks (runs of neighbouring records)
+    epoch_order      the blocks in epoch order (a (seed, epoch) permutation, same on every rank)
+    rank_share       padded to equal rank counts (or the remainder dropped); rank's slice
+    worker_share     the rank's slice split evenly across DataLoader workers
+    split_blocks     a worker's positions regrouped into the blocks they came from
+    read_blocks      bytes of each block's records, read in storage order after an madvise
+    shuffle_buffer   bounded sample mixing (shuffle=True)
+    decode           SampleDecoder + transforms, as VOCSerializedDataset
+
+Only positions (integers) travel through the first five stages, so a plan costs microseconds
+and resumption can replay it without I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import mmap
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Callable
+
+import numpy as np
+from torch.utils.data import IterableDataset
+from torchvision.datasets.vision import StandardTransform
+
+from .decoding import Classes, Decode, SampleDecoder, TargetFormat
+from .reader import PackReader
+from .voc import codec
+from .voc.pack import VOCPack
+from .workers import distributed_info, worker_split
+
+__all__ = [
+    "VOCSerializedIterableDataset",
+    "block_bounds",
+    "epoch_order",
+    "rank_share",
+    "worker_share",
+    "split_blocks",
+    "read_blocks",
+    "shuffle_buffer",
+]
+
+_STATE_VERSION = 1
+_BLOCK_ORDER, _BUFFER = 0, 1  # independent random streams under one seed
+
+
+def _rng(seed: int, *key: int) -> np.random.Generator:
+    sequence = np.random.SeedSequence(seed % 2**64, spawn_key=tuple(k % 2**64 for k in key))
+    return np.random.Generator(np.random.PCG64(sequence))
+
+
+# -- plan: positions only ---------------------------------------------------------------------
+def block_bounds(records: np.ndarray, shard_starts: np.ndarray, block_size: int) -> np.ndarray:
+    """Block boundaries over positions ``0..n-1``: block ``b`` is ``[bounds[b], bounds[b+1])``.
+
+    Blocks hold at most ``block_size`` consecutive positions. When the image set visits the
+    shards in order (its records never step back into an earlier shard, as train, val, test and
+    the Segmentation lists laid out by the packer), blocks are also cut where the shard
+    changes, so each block reads from one file. An interleaved list (VOC's ``trainval`` mixes
+    the train and val regions every few ids) is cut by size only: cutting it at every shard
+    change would leave blocks of two or three samples; its blocks read each region they touch
+    in storage order instead.
+    """
+    n = len(records)
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
+    segments = np.array([0, n], dtype=np.int64)
+    if len(shard_starts) > 2:
+        shard = np.searchsorted(shard_starts, records, side="right") - 1
+        steps = np.diff(shard)
+        if bool((steps >= 0).all()):
+            segments = np.concatenate([[0], np.flatnonzero(steps) + 1, [n]]).astype(np.int64)
+    starts = [np.arange(a, b, block_size) for a, b in zip(segments[:-1], segments[1:])]
+    return np.concatenate([*starts, [n]]).astype(np.int64)
+
+
+def epoch_order(
+    bounds: np.ndarray, *, shuffle: bool, seed: int, epoch: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions, block_ids)`` of one epoch: whole blocks, shuffled as blocks when asked.
+
+    ``block_ids[i]`` is the rank of the block of ``positions[i]`` in this order (0, 1, ...).
+    """
+    num_blocks = len(bounds) - 1
+    order = (
+        _rng(seed, _BLOCK_ORDER, epoch).permutation(num_blocks)
+        if shuffle
+        else np.arange(num_blocks)
+    )
+    lengths = np.diff(bounds)[order]
+    total = int(lengths.sum())
+    first = np.cumsum(lengths) - lengths
+    offset = np.arange(total, dtype=np.int64) - np.repeat(first, lengths)
+    positions = np.repeat(bounds[:-1][order], lengths) + offset
+    return positions, np.repeat(np.arange(num_blocks, dtype=np.int64), lengths)
+
+
+def rank_share(
+    positions: np.ndarray,
+    block_ids: np.ndarray,
+    rank: int,
+    world_size: int,
+    *,
+    drop_last: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's contiguous slice after making all ranks' counts equal.
+
+    As ``DistributedSampler``: without ``drop_last`` the epoch order is extended with its own
+    beginning (repeated as often as needed) to a multiple of ``world_size``; with it the tail
+    is cut off. Repeats get block ids of their own so a block never mixes a record with its
+    repeat.
+    """
+    n = len(positions)
+    if drop_last:
+        total = n // world_size * world_size
+        positions, block_ids = positions[:total], block_ids[:total]
+    else:
+        total = math.ceil(n / world_size) * world_size
+        pad = total - n
+        if pad:
+            reps = math.ceil(pad / n)
+            stride = int(block_ids.max()) + 1
+            extra_ids = np.tile(block_ids, reps) + stride * np.repeat(np.arange(1, reps + 1), n)
+            positions = np.concatenate([positions, np.tile(positions, reps)[:pad]])
+            block_ids = np.concatenate([block_ids, extra_ids[:pad]])
+    per_rank = total // world_size
+    share = slice(rank * per_rank, (rank + 1) * per_rank)
+    return positions[share], block_ids[share]
+
+
+def worker_share(
+    positions: np.ndarray, block_ids: np.ndarray, worker: int, num_workers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Worker ``worker``'s contiguous piece of a rank's share; piece sizes differ by at most 1."""
+    n = len(positions)
+    start = worker * (n // num_workers) + min(worker, n % num_workers)
+    stop = start + n // num_workers + (worker < n % num_workers)
+    return positions[start:stop], block_ids[start:stop]
+
+
+def split_blocks(positions: np.ndarray, block_ids: np.ndarray) -> list[np.ndarray]:
+    """Positions regrouped into runs that come from one block (a block cut by a share boundary
+    becomes a shorter run)."""
+    if len(positions) == 0:
+        return []
+    return np.split(positions, np.flatnonzero(np.diff(block_ids)) + 1)
+
+
+# -- reading, mixing ---------------------------------------------------------------------------
+class Item:
+    """One sample between the read and decode stages: its position, record and field bytes.
+
+    ``data`` is ``None`` for an item produced while replaying a plan (resumption); the decode
+    stage then reads its fields itself.
+    """
+
+    __slots__ = ("position", "record", "data")
+
+    def __init__(self, position: int, record: int, data: dict[int, memoryview] | None) -> None:
+        self.position = position
+        self.record = record
+        self.data = data
+
+
+class Gate:
+    """A switch the resume logic flips: while closed, ``read_blocks`` plans without reading."""
+
+    __slots__ = ("open",)
+
+    def __init__(self, open: bool = True) -> None:
+        self.open = open
+
+
+_WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
+_SEQUENTIAL = getattr(mmap, "MADV_SEQUENTIAL", None)
+
+
+def advise(reader: PackReader, records: np.ndarray) -> None:
+    """Tell the kernel these records are about to be read in order (no-op where unsupported).
+
+    Per shard touched: ``MADV_SEQUENTIAL`` over the span of the records, then
+    ``MADV_WILLNEED`` over each run of consecutive record numbers, so a sparse block (say a
+    Segmentation list inside the Main region) does not prefetch the records between its own.
+    """
+    if _WILLNEED is None or len(records) == 0:
+        return
+    records = np.unique(records)
+    shard_of = np.searchsorted(reader.starts, records, side="right") - 1
+    run_starts = np.flatnonzero((np.diff(records) != 1) | (np.diff(shard_of) != 0)) + 1
+    for run in np.split(np.arange(len(records)), run_starts):
+        s = int(shard_of[run[0]])
+        shard, base = reader.shards[s], int(reader.starts[s])
+        start, stop = shard.record_range(
+            int(records[run[0]]) - base, int(records[run[-1]]) - base + 1
+        )
+        shard.madvise(_WILLNEED, start, stop - start)
+    if _SEQUENTIAL is None:
+        return
+    for s in np.unique(shard_of):
+        local = records[shard_of == s] - int(reader.starts[s])
+        shard = reader.shards[int(s)]
+        start, stop = shard.record_range(int(local[0]), int(local[-1]) + 1)
+        shard.madvise(_SEQUENTIAL, start, stop - start)
+
+
+def read_fields(reader: PackReader, record: int, fields: Sequence[int]) -> dict[int, memoryview]:
+    """Copies of the given fields of one record (copying is what faults the pages in)."""
+    return {k: memoryview(bytes(reader.field(record, k))) for k in fields}
+
+
+def read_blocks(
+    blocks: Sequence[np.ndarray],
+    records: np.ndarray,
+    reader: PackReader,
+    fields: Sequence[int],
+    gate: Gate | None = None,
+) -> Iterator[Item]:
+    """Items of each block in position order, their bytes read in storage order.
+
+    Before a block is read, the kernel is advised about it; right after, about the next one,
+    so its read-ahead overlaps the decoding of this one. One block's bytes are held at a time.
+    """
+    gate = gate or Gate()
+    advised = -1
+    for b, block in enumerate(blocks):
+        recs = records[block]
+        data: list[dict[int, memoryview] | None] = [None] * len(block)
+        if gate.open:
+            if advised < b:
+                advise(reader, recs)
+            for j in np.argsort(recs, kind="stable"):
+                data[j] = read_fields(reader, int(recs[j]), fields)
+            if b + 1 < len(blocks):
+                advise(reader, records[blocks[b + 1]])
+                advised = b + 1
+        for j in range(len(block)):
+            yield Item(int(block[j]), int(recs[j]), data[j])
+
+
+def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
+    """Mix a stream in a buffer of ``size`` items (webdataset's shuffle, deterministic).
+
+    The buffer fills to ``size``; then each arriving item replaces a uniformly chosen one,
+    which is emitted; at the end the rest leaves in random order. An item is never emitted
+    more than ``size`` places before its input place, and may leave any time later.
+    """
+    if size <= 1:
+        yield from items
+        return
+    buffer: list[Any] = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        j = int(rng.integers(size))
+        out, buffer[j] = buffer[j], item
+        yield out
+    for j in rng.permutation(len(buffer)):
+        yield buffer[j]
+
+
+class _StagedPack(VOCPack):
+    """The pack, but ``field`` answers from bytes already read for the record being decoded.
+
+    Lets one ``SampleDecoder`` decode what ``read_blocks`` copied, so the iterable and the
+    map-style datasets share every decoding rule.
+    """
+
+    def __init__(self, pack: VOCPack) -> None:
+        self.__dict__.update(pack.__dict__)
+        self.staged: Item | None = None
+
+    def field(self, record: int, k: int) -> memoryview:
+        item = self.staged
+        if item is not None and item.record == record and item.data and k in item.data:
+            return item.data[k]
+        return super().field(record, k)
+
+
+# -- the dataset -------------------------------------------------------------------------------
+class VOCSerializedIterableDataset(IterableDataset):
+    """The samples of ``VOCSerializedDataset`` (or ``VOCSerializedSegmentation`` with
+    ``task="Segmentation"``) streamed in blocks, split across ranks and DataLoader workers.
+
+    Args:
+        path, image_set, transform, target_transform, transforms, decode, target_format,
+            classes, checked: as ``VOCSerializedDataset``; a sample is exactly what it returns
+            for the same record (``target_format``/``classes`` apply to task "Main" only).
+        shuffle, seed: shuffle blocks and mix samples; see *Randomness* below.
+        task: ``"Main"`` (detection targets) or ``"Segmentation"`` (mask targets).
+        rank, world_size: this process's share; default torch.distributed's, else (0, 1).
+        drop_last: drop the tail so ranks get equal counts, instead of padding with repeats.
+        block_size: positions per block (the unit of sequential reading).
+        shuffle_buffer: samples held for mixing when ``shuffle`` (0 or 1: blocks only).
+
+    **Work split.** Each epoch the image set's positions ``0..n-1`` are cut into blocks (see
+    ``block_bounds``: runs of at most ``block_size`` consecutive positions, also cut at shard
+    boundaries when the list visits the shards in order). The blocks, in epoch order, are
+    padded to a multiple of the world size with repeats of the first samples (as
+    ``DistributedSampler(drop_last=False)``) or cut (``drop_last=True``); rank ``r`` takes the
+    ``r``-th contiguous slice, and its DataLoader workers split that slice into contiguous,
+    near-equal pieces. Across ranks and workers an epoch delivers every sample once plus the
+    padding. ``len()`` is the samples one rank yields per epoch, all its workers together.
+
+    **Reading.** A worker reads a block's fields in storage order (one forward pass per shard)
+    after ``madvise(MADV_SEQUENTIAL/WILLNEED)`` over it, and advises the next block before
+    decoding this one. Held bytes per worker: at most ``block_size + shuffle_buffer`` records'
+    stored image and target bytes (about 110 KB a VOC JPEG: 35 MB at the defaults); decoded
+    images are never buffered.
+
+    **Randomness** (``shuffle=True``). The block order is a permutation seeded by
+    ``(seed, epoch)``, identical on every rank; the buffer is seeded by
+    ``(seed, epoch, rank, worker)``. The order therefore depends only on seed, epoch, world
+    size and number of workers, and changes with ``set_epoch``. It is not a uniform
+    permutation: the buffer emits a sample at most ``shuffle_buffer`` places before it was
+    read, so with buffer ``B`` and blocks of ``S`` a window of ``B`` consecutive samples mixes
+    about ``B / S + 1`` blocks and samples of one block stay within a few ``B`` of each other
+    (delays beyond that are geometrically rare). ``B < S`` mixes little beyond one block;
+    ``B >= 4 S`` (the default 256 over 64) gives batches drawn from several blocks. Smaller
+    blocks shuffle better and read less sequentially.
+
+    **Epochs and resumption.** Call ``set_epoch`` before each epoch, as with
+    ``DistributedSampler`` (with ``persistent_workers=True`` workers keep the epoch they
+    started with). ``state_dict``/``load_state_dict`` follow torchdata's ``StatefulDataLoader``
+    protocol: it snapshots each worker's copy of the dataset; the state is the epoch and the
+    samples this worker yielded in it (plus the settings, checked on load). A resumed
+    iterator replays the plan and the shuffle buffer's draws without reading, so it yields
+    exactly the rest of the interrupted epoch, in the same order. One live iterator per
+    dataset object.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        image_set: str = "train",
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        transforms: Callable | None = None,
+        decode: Decode = "pil",
+        target_format: TargetFormat = "dict",
+        classes: Classes = None,
+        task: str = "Main",
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        block_size: int = 64,
+        shuffle_buffer: int = 256,
+        checked: bool = False,
+    ) -> None:
+        super().__init__()
+        if task not in codec.TASKS:
+            raise ValueError(f"task must be one of {codec.TASKS}, got {task!r}")
+        if task == "Segmentation" and (target_format != "dict" or classes is not None):
+            raise ValueError("target_format and classes apply to task='Main' only")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+        if transforms is not None and (transform is not None or target_transform is not None):
+            raise ValueError(
+                "Only transforms or transform/target_transform can be passed as argument"
+            )
+        if world_size is not None or rank is not None:
+            distributed_info(rank, world_size)  # validate early
+        self.transform = transform
+        self.target_transform = target_transform
+        if transform is not None or target_transform is not None:
+            transforms = StandardTransform(transform, target_transform)
+        self.transforms = transforms
+
+        self.root = str(path)
+        self.image_set = image_set
+        self.task = task
+        self.pack = VOCPack(path, checked=checked)
+        self.year = self.pack.year
+        self.records = np.array(self.pack.split(task, image_set), dtype=np.int64)
+        self._staged = _StagedPack(self.pack)
+        self.decoder = SampleDecoder(
+            self._staged,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            split_key=f"{task}/{image_set}",
+        )
+        if task == "Segmentation":
+            self._fields: tuple[int, ...] = (codec.IMAGE, codec.MASK)
+        elif target_format == "dict":
+            self._fields = (codec.IMAGE, codec.TARGET)
+        else:
+            self._fields = (codec.IMAGE, codec.OBJECTS)
+        self._bounds = block_bounds(self.records, self.pack.reader.starts, block_size)
+
+        self.shuffle, self.seed = shuffle, seed
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.block_size, self.shuffle_buffer = block_size, shuffle_buffer
+        self.epoch = 0
+        self._yielded = 0  # samples the current iterator has yielded in this epoch
+        self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
+
+    # -- plan --------------------------------------------------------------------------------
+    def _topology(self) -> tuple[int, int, int, int]:
+        rank, world_size = distributed_info(self.rank, self.world_size)
+        worker, num_workers = worker_split()
+        return rank, world_size, worker, num_workers
+
+    def __len__(self) -> int:
+        _, world_size = distributed_info(self.rank, self.world_size)
+        n = len(self.records)
+        return n // world_size if self.drop_last else math.ceil(n / world_size)
+
+    def blocks(self, worker: int | None = None, num_workers: int | None = None) -> list[np.ndarray]:
+        """Positions this rank's ``worker`` reads this epoch, block by block, in read order.
+
+        Defaults to the calling DataLoader worker (the whole rank in the main process).
+        """
+        rank, world_size, this_worker, this_num = self._topology()
+        worker = this_worker if worker is None else worker
+        num_workers = this_num if num_workers is None else num_workers
+        plan = epoch_order(self._bounds, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
+        plan = rank_share(*plan, rank, world_size, drop_last=self.drop_last)
+        return split_blocks(*worker_share(*plan, worker, num_workers))
+
+    def reopen(self) -> None:
+        """Map the packed file(s) again in this process (what ``worker_init_fn`` calls)."""
+        self.pack.reader.reopen()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows."""
+        if epoch != self.epoch:
+            self._resume = None
+            self._yielded = 0
+        self.epoch = epoch
+
+    # -- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        rank, world_size, worker, num_workers = self._topology()
+        skip = 0
+        if self._resume is not None:
+            self._check_state(self._resume, (rank, world_size, worker, num_workers))
+            skip = int(self._resume["yielded"])
+            self._resume = None
+        self._yielded = skip
+        return self._samples(self.blocks(worker, num_workers), rank, worker, skip)
+
+    def _samples(
+        self, blocks: list[np.ndarray], rank: int, worker: int, skip: int
+    ) -> Iterator[tuple[Any, Any]]:
+        gate = Gate(open=skip == 0)
+        items: Iterator[Item] = read_blocks(
+            blocks, self.records, self.pack.reader, self._fields, gate
+        )
+        if self.shuffle:
+            rng = _rng(self.seed, _BUFFER, self.epoch, rank, worker)
+            items = shuffle_buffer(items, self.shuffle_buffer, rng)
+        for _ in itertools.islice(items, skip):
+            pass
+        gate.open = True
+        for item in items:
+            sample = self.decode(item)
+            self._yielded += 1
+            yield sample
+
+    def decode(self, item: Item) -> tuple[Any, Any]:
+        """The sample for one read item, as the map-style dataset returns it."""
+        if item.data is None:  # planned during a resume replay: read it now
+            item.data = read_fields(self.pack.reader, item.record, self._fields)
+        self._staged.staged = item
+        try:
+            img = self.decoder.image(item.record)
+            if self.task == "Segmentation":
+                target = self.decoder.mask(item.record)
+            else:
+                target = self.decoder.target(item.record)
+        finally:
+            self._staged.staged = None
+        if self.transforms is not None:
+            img, target = self.transforms(img, target)
+        return img, target
+
+    # -- resumption --------------------------------------------------------------------------
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "num_samples": len(self.records),
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "block_size": self.block_size,
+            "shuffle_buffer": self.shuffle_buffer,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this worker is: epoch, samples yielded in it, and the settings that fix the
+        order (JSON-compatible)."""
+        if self._resume is not None:  # loaded, not yet iterated: still that point
+            return dict(self._resume)
+        rank, world_size, worker, num_workers = self._topology()
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "yielded": self._yielded,
+            "rank": rank,
+            "world_size": world_size,
+            "worker": worker,
+            "num_workers": num_workers,
+            **self._settings(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next iteration continues that epoch where it
+        stopped. Settings and topology must match the saved ones (checked then)."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"state version {state.get('version')!r} is not {_STATE_VERSION}; it was not "
+                "saved by this VOCSerializedIterableDataset"
+            )
+        self.epoch = int(state["epoch"])
+        self._yielded = int(state["yielded"])
+        self._resume = dict(state)
+
+    def _check_state(self, state: dict[str, Any], topology: tuple[int, int, int, int]) -> None:
+        saved = {k: state.get(k) for k in ("rank", "world_size", "worker", "num_workers")}
+        now = dict(zip(("rank", "world_size", "worker", "num_workers"), topology))
+        now.update(self._settings())
+        saved.update({k: state.get(k) for k in self._settings()})
+        diff = {k: (saved[k], now[k]) for k in now if saved[k] != now[k]}
+        if diff:
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"cannot resume {self.root}: the state was saved with other settings ({detail}); "
+                "resume with the same dataset arguments, world size and num_workers"
+            )
+
+    def __repr__(self) -> str:
+        lines = [
+            f"Number of datapoints: {len(self.records)}",
+            f"Root location: {self.root}",
+            f"Year: {self.year}",
+            f"Image set: {self.image_set}",
+            f"Task: {self.task}",
+            f"Shuffle: {self.shuffle} (seed {self.seed}, epoch {self.epoch})",
+        ]
+        if self.transforms is not None:
+            lines.append(repr(self.transforms))
+        body = "\n".join(" " * 4 + line for text in lines for line in text.splitlines())
+        return f"{type(self).__name__}\n{body}"

@@ -8,6 +8,7 @@ target (see ``TargetFormat``).
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, Union
 
@@ -37,6 +38,9 @@ TargetFormat = Literal["dict", "tv_tensors"]
 Classes = Union[None, Literal["packed"], Sequence[str]]
 
 _JPEG_SOI = b"\xff\xd8"
+#: torchvision >= 0.29 warns on every ``decode_jpeg`` call (moving to TorchCodec); the call is
+#: our choice, not the user's, so that one warning is silenced around it (``-W error`` safe).
+_TV_DECODE_DEPRECATED = r"The image decoding and encoding capabilities of TorchVision"
 
 
 def label_names(pack: VOCPack, classes: Classes) -> list[str]:
@@ -95,9 +99,14 @@ class SampleDecoder:
             return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
         if data[:2] == _JPEG_SOI:
             try:
-                return decode_jpeg(
-                    torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB
-                )
+                with warnings.catch_warnings():
+                    warnings.filterwarnings(
+                        "ignore", _TV_DECODE_DEPRECATED, category=DeprecationWarning
+                    )
+                    return decode_jpeg(
+                        torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                        mode=ImageReadMode.RGB,
+                    )
             except RuntimeError:
                 pass  # a JPEG flavour libjpeg in torchvision refuses: PIL below decides
         return pil_to_tensor(Image.open(io.BytesIO(data)).convert("RGB"))

@@ -1,0 +1,505 @@
+"""The drop-in contract: the packed datasets return exactly what torchvision's VOC datasets do.
+
+torchvision reading the original devkit is the oracle, sample by sample: on the corner-case
+devkit (every quirk of ``vocfactory.CORNER_CASES``), on the real roots of
+``vocfactory.real_voc_roots()`` when present, and on a small synthetic devkit; always for a
+single-file pack and a sharded one. Measured with torchvision 0.29 / Pillow 12-13:
+``decode="tensor"`` (torchvision's libjpeg-turbo) is pixel-identical to PIL on every image here,
+CMYK, grayscale, progressive, PNG-behind-.jpg and real photos included, so it is asserted exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import ConcatDataset, DataLoader
+from torchvision import transforms as v1
+from torchvision import tv_tensors
+from torchvision.datasets import VOCDetection, VOCSegmentation, wrap_dataset_for_transforms_v2
+from torchvision.transforms import v2
+from torchvision.transforms.functional import pil_to_tensor
+from vocfactory import REAL_VOC, real_voc_roots
+
+from torch_serialized import VOCSerializedDataset, VOCSerializedSegmentation
+
+if TYPE_CHECKING:
+    from conftest import Packed
+
+LAYOUTS = ("single", "shards")
+CORNER_SETS = [("Main", s) for s in ("train", "val", "trainval", "test", "mini")] + [
+    ("Segmentation", s) for s in ("train", "val", "trainval")
+]
+REAL = real_voc_roots()
+NO_REAL = pytest.mark.skip(reason=f"no real VOC data at {REAL_VOC}")
+REAL_PARAMS = [pytest.param(root, year, id=root.name) for root, year in REAL] or [
+    pytest.param(None, None, id="no-real-data", marks=NO_REAL)
+]
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+XYXY = ("xmin", "ymin", "xmax", "ymax")
+
+
+# --- module-level callables (DataLoader workers under spawn import them from here) ---------------
+
+
+def keep_lists(batch: list[Any]) -> list[Any]:
+    """A collate_fn that keeps the samples as they are."""
+    return list(batch)
+
+
+def object_names(target: dict[str, Any]) -> list[str]:
+    return [o["name"] for o in target["annotation"]["object"]]
+
+
+def joint(image: Image.Image, target: Any) -> tuple[torch.Tensor, Any]:
+    return pil_to_tensor(image), target
+
+
+def v1_transform() -> v1.Compose:
+    return v1.Compose([v1.ToTensor(), v1.Normalize(MEAN, STD)])
+
+
+def v2_transforms() -> v2.Compose:
+    return v2.Compose(
+        [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.RandomHorizontalFlip(p=1.0)]
+    )
+
+
+# --- building both sides --------------------------------------------------------------------------
+
+
+def torchvision_dataset(task: str, root: Path, year: str, image_set: str, **kw: Any) -> Any:
+    """torchvision's dataset; for a list it refuses by name, its own list reading, replayed."""
+    cls = VOCDetection if task == "Main" else VOCSegmentation
+    standard = image_set in ("train", "val", "trainval") or (image_set, year) == ("test", "2007")
+    tv = cls(str(root), year=year, image_set=image_set if standard else "train", **kw)
+    if not standard:  # the lines of torchvision's _VOCBase.__init__ after verify_str_arg
+        voc_root = os.path.join(str(root), "VOCdevkit", f"VOC{year}")
+        with open(os.path.join(voc_root, "ImageSets", cls._SPLITS_DIR, image_set + ".txt")) as f:
+            names = [x.strip() for x in f.readlines()]
+        tv.image_set = image_set
+        tv.images = [os.path.join(voc_root, "JPEGImages", x + ".jpg") for x in names]
+        target_dir = os.path.join(voc_root, cls._TARGET_DIR)
+        tv.targets = [os.path.join(target_dir, x + cls._TARGET_FILE_EXT) for x in names]
+    return tv
+
+
+def _corner(packed: Packed, image_set: str = "trainval") -> tuple[Path, str, str]:
+    return packed.root, packed.year, image_set
+
+
+def our_dataset(task: str, path: Path, image_set: str, **kw: Any) -> Any:
+    cls = VOCSerializedDataset if task == "Main" else VOCSerializedSegmentation
+    return cls(path, image_set, **kw)
+
+
+def standard_sets(root: Path, year: str) -> list[tuple[str, str]]:
+    """(task, image set) of every list torchvision accepts in a real devkit."""
+    found = []
+    for task in ("Main", "Segmentation"):
+        folder = root / "VOCdevkit" / f"VOC{year}" / "ImageSets" / task
+        for name in ("train", "val", "trainval", "test"):
+            if (folder / f"{name}.txt").is_file() and (name != "test" or year == "2007"):
+                found.append((task, name))
+    return found
+
+
+# --- comparisons ----------------------------------------------------------------------------------
+
+
+def assert_same_image(expected: Image.Image, actual: Any) -> None:
+    assert isinstance(actual, Image.Image) and type(actual) is type(expected)
+    assert (actual.mode, actual.size) == (expected.mode, expected.size)
+    assert actual.tobytes() == expected.tobytes()
+
+
+def assert_same_target(expected: Any, actual: Any) -> None:
+    assert actual == expected
+    assert json.dumps(actual) == json.dumps(expected)  # key order too
+
+
+def assert_same_mask(expected: Image.Image, actual: Any) -> None:
+    assert_same_image(expected, actual)
+    assert actual.getpalette() == expected.getpalette()
+
+
+def assert_same_sample(expected: tuple[Any, Any], actual: tuple[Any, Any], task: str) -> None:
+    assert isinstance(actual, tuple) and len(actual) == 2
+    assert_same_image(expected[0], actual[0])
+    if task == "Main":
+        assert_same_target(expected[1], actual[1])
+    else:
+        assert_same_mask(expected[1], actual[1])
+
+
+def assert_same_dataset(tv: Any, ours: Any, task: str) -> None:
+    n = len(tv)
+    assert len(ours) == n > 0
+    for i in range(n):
+        assert_same_sample(tv[i], ours[i], task)
+    for i in (-1, -n):
+        assert_same_sample(tv[i], ours[i], task)
+    for i in (n, n + 7, -n - 1):
+        with pytest.raises(IndexError):
+            tv[i]
+        with pytest.raises(IndexError):
+            ours[i]
+
+
+def assert_same_tensors(expected: Any, actual: Any) -> None:
+    """Equal tensors (or tv_tensors, or nested dicts/lists of them), same class and dtype."""
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected)
+        for key in expected:
+            assert_same_tensors(expected[key], actual[key])
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected)
+        for e, a in zip(expected, actual):
+            assert_same_tensors(e, a)
+    elif isinstance(expected, torch.Tensor):
+        assert type(actual) is type(expected) and actual.dtype == expected.dtype
+        assert torch.equal(actual.as_subclass(torch.Tensor), expected.as_subclass(torch.Tensor))
+        if isinstance(expected, tv_tensors.BoundingBoxes):
+            assert isinstance(actual, tv_tensors.BoundingBoxes)
+            assert (actual.format, actual.canvas_size) == (expected.format, expected.canvas_size)
+    else:
+        assert actual == expected
+
+
+def xml_boxes(target: dict[str, Any]) -> torch.Tensor:
+    """The (n, 4) XYXY float32 boxes of torchvision's target dict, as written in the XML."""
+    boxes = [[float(o["bndbox"][k]) for k in XYXY] for o in target["annotation"]["object"]]
+    return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
+
+
+# --- 1. sample-by-sample equality -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("task", "image_set"), CORNER_SETS)
+def test_corner_cases_equal_torchvision(
+    corner_packs: Packed, task: str, image_set: str, layout: str
+) -> None:
+    tv = torchvision_dataset(task, corner_packs.root, corner_packs.year, image_set)
+    ours = our_dataset(task, corner_packs.path(layout), image_set)
+    assert_same_dataset(tv, ours, task)
+
+
+@pytest.mark.parametrize(("root", "year"), REAL_PARAMS)
+def test_real_data_equals_torchvision(
+    real_packs: Callable[[Path, str], Packed], root: Path, year: str
+) -> None:
+    packed = real_packs(root, year)
+    sets = standard_sets(root, year)
+    assert ("Main", "trainval") in sets
+    for task, image_set in sets:
+        tv = torchvision_dataset(task, root, year, image_set)
+        for layout in LAYOUTS:
+            assert_same_dataset(tv, our_dataset(task, packed.path(layout), image_set), task)
+
+
+# --- 2. a VOCDetection for torchvision's transforms-v2 wrapper ------------------------------------
+
+
+def wrapper_cases(packed: Packed, image_set: str, target_keys: Any) -> tuple[int, int]:
+    """Compare the wrapped datasets sample by sample; return (compared, crashed) counts.
+
+    torchvision's wrapper crashes on images without objects (KeyError), names outside VOC's 20
+    classes (KeyError) and fractional coordinates (``int("91.0")``: ValueError); ours must then
+    crash the same way, since it is torchvision's wrapper over the same target dict.
+    """
+    tv = torchvision_dataset("Main", packed.root, packed.year, image_set)
+    ours = VOCSerializedDataset(packed.single, image_set)
+    assert isinstance(ours, VOCDetection)
+    tvw = wrap_dataset_for_transforms_v2(tv, target_keys=target_keys)
+    ow = wrap_dataset_for_transforms_v2(ours, target_keys=target_keys)
+    assert isinstance(ow, VOCDetection) and len(ow) == len(tvw)
+    compared = crashed = 0
+    for i in range(len(tvw)):
+        try:
+            expected = tvw[i]
+        except (KeyError, ValueError) as exc:
+            with pytest.raises(type(exc)):
+                ow[i]
+            crashed += 1
+            continue
+        actual = ow[i]
+        assert_same_image(expected[0], actual[0])
+        assert list(actual[1]) == list(expected[1])
+        assert_same_tensors(expected[1]["boxes"], actual[1]["boxes"])
+        assert_same_tensors(expected[1]["labels"], actual[1]["labels"])
+        if "annotation" in expected[1]:
+            assert_same_target(expected[1]["annotation"], actual[1]["annotation"])
+        compared += 1
+    return compared, crashed
+
+
+@pytest.mark.parametrize("target_keys", [None, {"boxes", "labels", "annotation"}])
+def test_wrapper_on_corner_cases(corner_packs: Packed, target_keys: Any) -> None:
+    results = {s: wrapper_cases(corner_packs, s, target_keys) for s in ("trainval", "test")}
+    # trainval: 000002 (no objects), 000010 (fractional) and 000011 (cellbody) crash torchvision
+    assert results == {"trainval": (20, 3), "test": (6, 0)}
+
+
+@pytest.mark.parametrize(("root", "year"), REAL_PARAMS)
+def test_wrapper_on_real_data(
+    real_packs: Callable[[Path, str], Packed], root: Path, year: str
+) -> None:
+    packed = real_packs(root, year)
+    compared, crashed = wrapper_cases(packed, "trainval", {"boxes", "labels", "annotation"})
+    # labelme has fractional boxes, the helmet and cell sets classes outside VOC's 20
+    assert crashed == (0 if root.name.startswith("smsjb") else compared + crashed)
+
+
+def test_wrapped_dataset_pickles(corner_packs: Packed) -> None:
+    ours = VOCSerializedDataset(corner_packs.shards, "test", transforms=v2_transforms())
+    wrapped = wrap_dataset_for_transforms_v2(ours, target_keys={"boxes", "labels", "annotation"})
+    expected = [wrapped[i] for i in range(len(wrapped))]  # maps are open before pickling
+    clone = pickle.loads(pickle.dumps(wrapped))
+    assert type(clone).__name__ == "WrappedVOCSerializedDataset"
+    assert isinstance(clone, VOCSerializedDataset) and len(clone) == len(wrapped)
+    assert clone.transforms is not None and clone._dataset.transforms is None
+    for i, sample in enumerate(expected):
+        assert_same_tensors(sample, clone[i])
+
+
+def test_wrapped_segmentation_gives_masks(corner_packs: Packed) -> None:
+    tv = wrap_dataset_for_transforms_v2(torchvision_dataset("Segmentation", *_corner(corner_packs)))
+    ours = wrap_dataset_for_transforms_v2(
+        VOCSerializedSegmentation(corner_packs.single, "trainval")
+    )
+    assert len(ours) == len(tv)
+    for i in range(len(tv)):
+        (image, mask), (our_image, our_mask) = tv[i], ours[i]
+        assert_same_image(image, our_image)
+        assert isinstance(our_mask, tv_tensors.Mask)
+        assert_same_tensors(mask, our_mask)
+
+
+# --- 3. target_format="tv_tensors" ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("image_set", ["train", "test"])
+def test_tv_tensors_equal_the_wrapper(corner_packs: Packed, image_set: str) -> None:
+    """Where the wrapper works, the same boxes (as float) and labels; where not, no crash."""
+    tv = torchvision_dataset("Main", *_corner(corner_packs, image_set))
+    wrapped = wrap_dataset_for_transforms_v2(tv)
+    ours = VOCSerializedDataset(corner_packs.shards, image_set, target_format="tv_tensors")
+    empty = fractional = 0
+    for i in range(len(tv)):
+        image, target = tv[i]
+        _, actual = ours[i]
+        assert list(actual) == ["boxes", "labels", "difficult"]
+        boxes, labels = actual["boxes"], actual["labels"]
+        assert isinstance(boxes, tv_tensors.BoundingBoxes) and boxes.dtype == torch.float32
+        assert boxes.format == tv_tensors.BoundingBoxFormat.XYXY
+        assert boxes.canvas_size == (image.height, image.width)
+        assert labels.dtype == torch.int64
+        assert torch.equal(boxes.as_subclass(torch.Tensor), xml_boxes(target))
+        try:
+            _, expected = wrapped[i]
+        except KeyError:  # no objects
+            assert boxes.shape == (0, 4) and labels.shape == (0,)
+            assert actual["difficult"].shape == (0,)
+            empty += 1
+            continue
+        except ValueError:  # fractional coordinates: ours keeps them
+            assert not torch.equal(boxes, boxes.round())
+            fractional += 1
+            continue
+        assert boxes.canvas_size == expected["boxes"].canvas_size
+        assert torch.equal(boxes.as_subclass(torch.Tensor), expected["boxes"].float())
+        assert torch.equal(labels, expected["labels"])
+    assert (empty, fractional) == ((1, 1) if image_set == "train" else (0, 0))
+
+
+def _tv_tensor_sources() -> list[Any]:
+    return [pytest.param("corner", None, id="corner"), *REAL_PARAMS]
+
+
+@pytest.mark.parametrize(("root", "year"), _tv_tensor_sources())
+def test_tv_tensors_match_the_xml(
+    corner_packs: Packed,
+    real_packs: Callable[[Path, str], Packed],
+    root: Any,
+    year: Any,
+) -> None:
+    """Boxes, names (through an explicit class list) and difficult flags as in the XML."""
+    packed = corner_packs if root == "corner" else real_packs(root, year)
+    for image_set in ("trainval", "test") if root == "corner" else ("trainval",):
+        tv = torchvision_dataset("Main", packed.root, packed.year, image_set)
+        targets = [tv[i][1] for i in range(len(tv))]
+        classes = ["__background__", *sorted({n for t in targets for n in object_names(t)})]
+        ours = VOCSerializedDataset(
+            packed.single, image_set, target_format="tv_tensors", classes=classes
+        )
+        for i, target in enumerate(targets):
+            actual = ours[i][1]
+            objects = target["annotation"]["object"]
+            assert torch.equal(actual["boxes"].as_subclass(torch.Tensor), xml_boxes(target))
+            assert [classes[k] for k in actual["labels"]] == object_names(target)
+            assert actual["difficult"].tolist() == [o.get("difficult") == "1" for o in objects]
+
+
+def test_tv_tensors_refuse_unknown_classes(corner_packs: Packed) -> None:
+    with pytest.raises(ValueError, match="cellbody"):
+        VOCSerializedDataset(corner_packs.single, "val", target_format="tv_tensors")
+    ours = VOCSerializedDataset(
+        corner_packs.single, "val", target_format="tv_tensors", classes="packed"
+    )
+    assert len(ours) == 12
+
+
+# --- 4. transforms, attributes, repr --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["Main", "Segmentation"])
+def test_v1_transforms_like_torchvision(corner_packs: Packed, task: str) -> None:
+    image_set = "val"  # L, CMYK, progressive, PNG, EXIF, 1x1 and 2500x2000 images
+    target_transform = object_names if task == "Main" else pil_to_tensor
+    kw = {"transform": v1_transform(), "target_transform": target_transform}
+    cases = [(kw, kw), ({"transforms": joint}, {"transforms": joint})]
+    for tv_kw, our_kw in cases:
+        tv = torchvision_dataset(task, *_corner(corner_packs, image_set), **tv_kw)
+        ours = our_dataset(task, corner_packs.single, image_set, **our_kw)
+        for i in range(len(tv)):
+            expected, actual = tv[i], ours[i]
+            assert_same_tensors(expected[0], actual[0])
+            if task == "Main" and "transforms" in tv_kw:
+                assert_same_target(expected[1], actual[1])
+            elif task == "Main":
+                assert actual[1] == expected[1]
+            else:
+                assert_same_tensors(expected[1], actual[1])
+
+
+@pytest.mark.parametrize("task", ["Main", "Segmentation"])
+def test_v2_transforms_on_the_wrapper(synthetic_packs: Packed, task: str) -> None:
+    tv = torchvision_dataset(
+        task, synthetic_packs.root, synthetic_packs.year, "trainval", transforms=v2_transforms()
+    )
+    ours = our_dataset(task, synthetic_packs.shards, "trainval", transforms=v2_transforms())
+    tvw, ow = wrap_dataset_for_transforms_v2(tv), wrap_dataset_for_transforms_v2(ours)
+    assert len(ow) == len(tvw) > 0
+    for i in range(len(tvw)):
+        expected, actual = tvw[i], ow[i]
+        assert isinstance(actual[0], tv_tensors.Image) and actual[0].dtype == torch.float32
+        assert_same_tensors(expected, actual)
+
+
+@pytest.mark.parametrize("cls", [VOCSerializedDataset, VOCSerializedSegmentation])
+def test_transforms_and_transform_together_raise(corner_packs: Packed, cls: type) -> None:
+    base = VOCDetection if cls is VOCSerializedDataset else VOCSegmentation
+    kw = {"transforms": joint, "transform": v1.ToTensor()}
+    with pytest.raises(ValueError) as expected:
+        base(str(corner_packs.root), year=corner_packs.year, image_set="train", **kw)
+    with pytest.raises(ValueError) as actual:
+        cls(corner_packs.single, "train", **kw)
+    assert str(actual.value) == str(expected.value)
+    with pytest.raises(ValueError):
+        cls(corner_packs.single, "train", target_transform=object_names, transforms=joint)
+
+
+@pytest.mark.parametrize(("task", "image_set"), [("Main", "trainval"), ("Segmentation", "val")])
+def test_attributes_and_repr(corner_packs: Packed, task: str, image_set: str) -> None:
+    tv = torchvision_dataset(task, *_corner(corner_packs, image_set))
+    root = str(corner_packs.root)
+    for layout in LAYOUTS:
+        ours = our_dataset(task, corner_packs.path(layout), image_set)
+        assert isinstance(ours, type(tv))
+        assert (ours.year, ours.image_set) == (tv.year, tv.image_set)
+        names = ("images", "annotations") if task == "Main" else ("images", "masks")
+        for name in names:
+            ours_paths, tv_paths = getattr(ours, name), getattr(tv, name)
+            assert [os.path.join(root, p) for p in ours_paths] == tv_paths
+        text = repr(ours)
+        assert type(ours).__name__ in text
+        assert f"Number of datapoints: {len(tv)}" in text
+        assert f"Image set: {image_set}" in text
+
+
+# --- 5. DataLoader workers, fork and spawn --------------------------------------------------------
+
+
+def _loader_batches(dataset: Any, num_workers: int = 2, context: str | None = None) -> list[Any]:
+    loader = DataLoader(
+        dataset,
+        batch_size=4,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=keep_lists,
+        multiprocessing_context=context,
+    )
+    return list(loader)
+
+
+def _loader_datasets(packed: Packed, flavour: str) -> tuple[Any, Any]:
+    """torchvision's and our trainval with v1 transforms, or wrapped with v2 transforms."""
+    if flavour == "v1":
+        kw: dict[str, Any] = {"transform": v1_transform(), "target_transform": object_names}
+        tv = torchvision_dataset("Main", packed.root, packed.year, "trainval", **kw)
+        return tv, VOCSerializedDataset(packed.shards, "trainval", **kw)
+    kw = {"transforms": v2_transforms()}
+    tv = torchvision_dataset("Main", packed.root, packed.year, "trainval", **kw)
+    ours = VOCSerializedDataset(packed.shards, "trainval", **kw)
+    return wrap_dataset_for_transforms_v2(tv), wrap_dataset_for_transforms_v2(ours)
+
+
+@pytest.mark.parametrize("flavour", ["v1", "v2"])
+def test_dataloader_batches_equal_torchvision(synthetic_packs: Packed, flavour: str) -> None:
+    tv, ours = _loader_datasets(synthetic_packs, flavour)
+    ours[0]  # map the shards in this process first: forked workers must still read right
+    expected, actual = _loader_batches(tv), _loader_batches(ours)
+    assert [len(b) for b in actual] == [len(b) for b in expected] == [4, 4, 4]
+    assert_same_tensors(expected, actual)
+
+
+def test_dataloader_under_spawn(synthetic_packs: Packed) -> None:
+    """Both flavours in one spawn pool (a spawned worker pays ~10 s importing torch): the
+    pickled datasets, maps dropped, must reopen them; torchvision's batches are read in-process.
+    """
+    pairs = [_loader_datasets(synthetic_packs, flavour) for flavour in ("v1", "v2")]
+    tv: ConcatDataset[Any] = ConcatDataset([p[0] for p in pairs])
+    ours: ConcatDataset[Any] = ConcatDataset([p[1] for p in pairs])
+    for dataset in ours.datasets:
+        dataset[0]  # open the maps in the parent, so pickling has something to drop
+    assert len(pickle.dumps(ours)) < synthetic_packs.single.stat().st_size // 10  # no pixels
+    expected = _loader_batches(tv, num_workers=0)
+    actual = _loader_batches(ours, context="spawn")
+    assert [len(b) for b in actual] == [len(b) for b in expected] == [4] * 6
+    assert_same_tensors(expected, actual)
+
+
+# --- 6. decode="tensor" and decode="none" ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["synthetic", "corner"])
+def test_decode_tensor_equals_pil_to_tensor(
+    synthetic_packs: Packed, corner_packs: Packed, source: str
+) -> None:
+    packed = synthetic_packs if source == "synthetic" else corner_packs
+    for image_set in ("trainval", "test"):
+        tv = torchvision_dataset("Main", packed.root, packed.year, image_set)
+        ours = VOCSerializedDataset(packed.shards, image_set, decode="tensor")
+        for i in range(len(tv)):
+            expected, actual = pil_to_tensor(tv[i][0]), ours[i][0]
+            assert type(actual) is torch.Tensor and actual.dtype == torch.uint8
+            assert actual.shape == expected.shape
+            assert torch.equal(actual, expected), tv.images[i]  # exact: see module docstring
+
+
+@pytest.mark.parametrize("task", ["Main", "Segmentation"])
+def test_decode_none_returns_file_bytes(corner_packs: Packed, task: str) -> None:
+    tv = torchvision_dataset(task, *_corner(corner_packs))
+    ours = our_dataset(task, corner_packs.single, "trainval", decode="none")
+    for i in range(len(tv)):
+        data = ours[i][0]
+        assert type(data) is torch.Tensor and data.dtype == torch.uint8 and data.dim() == 1
+        assert data.numpy().tobytes() == Path(tv.images[i]).read_bytes()

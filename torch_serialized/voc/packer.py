@@ -278,9 +278,10 @@ def _load_or_skip(job: _Job, skip: bool) -> _Loaded | SkippedSample:
         return SkippedSample(job.id, str(exc))
 
 
-def _read(path: Path, required: bool, job: _Job, what: str) -> bytes | None:
+def _read(path: str, required: bool, job: _Job, what: str) -> bytes | None:
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            return f.read()
     except FileNotFoundError:
         if not required:
             return None
@@ -297,13 +298,14 @@ def _read(path: Path, required: bool, job: _Job, what: str) -> bytes | None:
 
 def _load(job: _Job) -> _Loaded:
     """Read and parse everything about one id (runs in a pack worker)."""
-    voc = Path(job.voc_root)
-    image_path = voc / "JPEGImages" / f"{job.id}.jpg"
-    xml_path = voc / "Annotations" / f"{job.id}.xml"
+    voc, name = job.voc_root, job.id  # plain strings: pathlib costs ~15% of a pack here
+    image_path = os.path.join(voc, "JPEGImages", name + ".jpg")
+    xml_path = os.path.join(voc, "Annotations", name + ".xml")
+    mask_path = os.path.join(voc, "SegmentationClass", name + ".png")
     image = _read(image_path, True, job, "the image")
     annotation = _read(xml_path, job.needs_annotation, job, "the annotation")
-    mask = _read(voc / "SegmentationClass" / f"{job.id}.png", job.needs_mask, job, "the mask")
-    object_mask = _read(voc / "SegmentationObject" / f"{job.id}.png", False, job, "")
+    mask = _read(mask_path, job.needs_mask, job, "the mask")
+    object_mask = _read(os.path.join(voc, "SegmentationObject", name + ".png"), False, job, "")
     assert image is not None  # noqa: S101 - required files are never None
     source_bytes = sum(len(b) for b in (image, annotation, mask, object_mask) if b)
 
@@ -314,8 +316,8 @@ def _load(job: _Job) -> _Loaded:
     target: dict[str, Any] | None = None
     if annotation is not None:
         flags |= codec.HAS_ANNOTATION
-        target = parse_annotation(annotation, source=str(xml_path))
-        objects = extract_objects(target, source=str(xml_path))
+        target = parse_annotation(annotation, source=xml_path)
+        objects = extract_objects(target, source=xml_path)
         names = objects.names
     if mask is not None:
         flags |= codec.HAS_MASK
@@ -333,7 +335,7 @@ def _load(job: _Job) -> _Loaded:
 
 
 def _store_image(
-    data: bytes, path: Path, options: _Options
+    data: bytes, path: str, options: _Options
 ) -> tuple[bytes, int, int, tuple[float, float] | None]:
     """The bytes to store for an image, its stored size, and the box scale if resized."""
     try:

@@ -1,10 +1,15 @@
 """torch_serialized: pack Pascal VOC once, then read it fast through mmap.
 
-The public API; everything else is internal.
+The public API; everything else is internal. Names are imported on first use (PEP 562), so
+processes that only pack or read files (e.g. ``pack_voc`` workers) never import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .datasets import SerializedDataset, VOCSerializedDataset, VOCSerializedSegmentation
 from .errors import (
     ChecksumError,
     CorruptFileError,
@@ -16,11 +21,32 @@ from .errors import (
     UnsupportedVersionError,
     WriteError,
 )
-from .iterable import VOCSerializedIterableDataset
-from .reader import PackReader, open_pack
-from .samplers import BlockShuffleSampler
-from .voc.packer import PackResult, Serializer, SkippedSample, pack_voc
-from .workers import worker_init_fn
+
+if TYPE_CHECKING:
+    from .datasets import SerializedDataset, VOCSerializedDataset, VOCSerializedSegmentation
+    from .iterable import VOCSerializedIterableDataset
+    from .reader import PackReader, open_pack
+    from .samplers import BlockShuffleSampler
+    from .voc.export import export_voc
+    from .voc.packer import PackResult, Serializer, SkippedSample, pack_voc
+    from .workers import worker_init_fn
+
+#: public name -> module that defines it
+_LAZY = {
+    "pack_voc": ".voc.packer",
+    "PackResult": ".voc.packer",
+    "SkippedSample": ".voc.packer",
+    "Serializer": ".voc.packer",
+    "export_voc": ".voc.export",
+    "VOCSerializedDataset": ".datasets",
+    "VOCSerializedSegmentation": ".datasets",
+    "SerializedDataset": ".datasets",
+    "VOCSerializedIterableDataset": ".iterable",
+    "BlockShuffleSampler": ".samplers",
+    "worker_init_fn": ".workers",
+    "open_pack": ".reader",
+    "PackReader": ".reader",
+}
 
 __all__ = [
     "__version__",
@@ -28,6 +54,7 @@ __all__ = [
     "PackResult",
     "SkippedSample",
     "Serializer",
+    "export_voc",
     "VOCSerializedDataset",
     "VOCSerializedSegmentation",
     "SerializedDataset",
@@ -46,3 +73,16 @@ __all__ = [
     "WriteError",
     "SourceDataError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_serialized' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

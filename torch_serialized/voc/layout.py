@@ -170,4 +170,9 @@ def _ids(path: Path, lines: list[str]) -> list[str]:
                 f"{path}, line {number}: blank line; torchvision would read it as an empty id and "
                 "look for JPEGImages/.jpg. Delete blank lines (including trailing ones)."
             )
+        if "/" in line or "\\" in line or "\0" in line or line in (".", ".."):
+            raise SourceDataError(
+                f"{path}, line {number}: id {line!r} is a path, not a file name; it would read "
+                "(and export would write) outside the VOC folder. Use plain ids such as 2008_000123."
+            )
     return lines

@@ -95,7 +95,7 @@ def pack_voc(
     root: str | os.PathLike[str],
     output: str | os.PathLike[str],
     *,
-    year: str = "2012",
+    year: str | None = "2012",
     max_samples_per_shard: int | None = None,
     max_shard_bytes: int | None = None,
     workers: int = 1,
@@ -108,7 +108,8 @@ def pack_voc(
     """Pack a VOC dataset into ``output`` (a ``.tser`` file, or a shard folder with a limit).
 
     ``root`` is what torchvision calls root (the folder holding ``VOCdevkit/``) or the
-    ``VOCdevkit/VOC20xx`` folder itself (whose name then gives the year). ``image_storage="raw"``
+    ``VOCdevkit/VOC20xx`` folder itself (whose name then gives the year); ``year=None``
+    finds the year from the folder names. ``image_storage="raw"``
     stores decoded RGB pixels (no decode at read time, larger file); ``max_size`` resizes
     images so their longer side is at most that many pixels, scaling boxes and sizes with
     them. Both change what is returned, so such packs are no longer byte-exact drop-ins.
@@ -162,7 +163,7 @@ def pack_voc(
             source_bytes += loaded.source_bytes
             bar.update(1)
             now = time.perf_counter()
-            if progress and now - last > 0.5:
+            if progress and (now - last > 0.5 or bar.n == 1):
                 elapsed = now - started
                 bar.set_postfix_str(f"{writer.bytes_written / elapsed / 1e6:.0f} MB/s")
                 last = now

@@ -1,0 +1,331 @@
+"""The ``torch-serialized`` command line: every command, its help, exit codes and outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import SYNTHETIC_YEAR, Packed
+from PIL import Image
+
+from torch_serialized import __version__
+from torch_serialized.cli import main, parse_size
+from torch_serialized.voc.pack import VOCPack
+
+COMMANDS = ("pack", "info", "verify", "export", "bench", "demo")
+SCRIPT = Path(sys.executable).with_name("torch-serialized")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    """``main(argv)`` in this process: (exit status, stdout, stderr)."""
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse: --help, --version, usage errors
+        status = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def cli(
+    *argv: object, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """The installed console script in a child process."""
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "torch_serialized"]
+    return subprocess.run(
+        [*command, *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+    )
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def voc_folder(packed: Packed) -> Path:
+    return packed.root / "VOCdevkit" / f"VOC{packed.year}"
+
+
+# -- help, version, sizes -----------------------------------------------------------------------
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    status, out, _ = run(capsys, command, "--help")
+    assert status == 0
+    assert out.startswith(f"usage: torch-serialized {command}")
+    assert "--debug" in out
+
+
+def test_top_level_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "--help")
+    assert status == 0 and all(c in out for c in COMMANDS)
+    status, out, _ = run(capsys, "--version")
+    assert status == 0 and out.strip() == f"torch-serialized {__version__} (file format 1.0)"
+    status, _, err = run(capsys)
+    assert status == 2 and "required" in err
+
+
+def test_console_script_and_module_entry_points() -> None:
+    assert SCRIPT.exists(), "pip install -e . creates the torch-serialized script"
+    done = cli("--version")
+    assert done.returncode == 0 and __version__ in done.stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "torch_serialized", "info", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.startswith("usage: torch-serialized info")
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("4096", 4096), ("256MB", 256 * 10**6), ("1GiB", 2**30), ("1.5k", 1500), (" 2 mib ", 2 << 20)],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "MB", "12XB", "-1MB", "0", "1e3"])
+def test_parse_size_refuses(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
+
+
+# -- pack -> info -> verify -> export -------------------------------------------------------------
+def test_pack_info_verify_export_round_trip(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
+) -> None:
+    pack = tmp_path / "voc.tser"
+    status, out, err = run(capsys, "pack", synthetic_devkit, pack)
+    assert status == 0, err
+    assert "packing" in err  # the progress bar
+    assert re.search(r"packed 24 samples of .*VOC2007 \(VOC2007\)", out)
+    assert re.search(r"time .* samples/s, .* MB/s", out)
+    assert "1 file" in out and "% of the" in out
+
+    status, out, _ = run(capsys, "info", pack)
+    assert status == 0
+    for key in ("format ", "torch_serialized 1.0", "image sets", "Main: train", "image size"):
+        assert key in out
+    assert "person" in out
+
+    status, out, _ = run(capsys, "verify", pack)
+    assert status == 0 and out.startswith("OK ") and "checksums match" in out
+
+    status, out, err = run(capsys, "export", pack, tmp_path / "restored")
+    assert status == 0, err
+    restored = tmp_path / "restored" / "VOCdevkit" / "VOC2007"
+    assert f"to {restored}" in out
+    assert tree(restored) == tree(synthetic_devkit / "VOCdevkit" / "VOC2007")
+
+    status, _, err = run(capsys, "export", pack, tmp_path / "restored")
+    assert status == 2 and "already exists" in err and "Traceback" not in err
+    status, _, err = run(capsys, "export", "--overwrite", "-q", pack, tmp_path / "restored")
+    assert status == 0, err
+
+
+def test_info_json_matches_the_source(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
+) -> None:
+    status, out, _ = run(capsys, "info", "--json", synthetic_packs.shards)
+    assert status == 0
+    info = json.loads(out)
+    source = voc_folder(synthetic_packs)
+    images = sorted((source / "JPEGImages").iterdir())
+    names = Counter(
+        obj.findtext("name")
+        for xml in (source / "Annotations").iterdir()
+        for obj in ET.parse(xml).getroot().iter("object")
+    )
+    sizes = []
+    for path in images:
+        with Image.open(path) as image:
+            sizes.append(image.size)
+    assert info["format_version"] == "1.0" and info["year"] == SYNTHETIC_YEAR
+    assert info["num_samples"] == len(images)
+    assert info["classes"] == dict(names) and info["num_objects"] == sum(names.values())
+    assert info["width"] == {"min": min(w for w, _ in sizes), "max": max(w for w, _ in sizes)}
+    assert info["height"] == {"min": min(h for _, h in sizes), "max": max(h for _, h in sizes)}
+    main_lists = {p.stem: len(p.read_text().split()) for p in (source / "ImageSets/Main").iterdir()}
+    assert info["image_sets"]["Main"] == main_lists
+    assert info["options"]["image_storage"] == "original"
+    assert info["sharded"] and len(info["shards"]) == -(-len(images) // 5)
+    assert sum(s["records"] for s in info["shards"]) == len(images)
+    assert info["bytes"] == sum(p.stat().st_size for p in synthetic_packs.shards.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("option", "shards"), [(["--shards", "3"], 3), (["--samples-per-shard", "10"], 3)]
+)
+def test_pack_shard_options(
+    capsys: pytest.CaptureFixture[str],
+    synthetic_devkit: Path,
+    tmp_path: Path,
+    option: list[str],
+    shards: int,
+) -> None:
+    status, out, err = run(capsys, "pack", "-q", synthetic_devkit, tmp_path / "s", *option)
+    assert status == 0, err
+    assert f"({shards} shards)" in out
+    assert len(list((tmp_path / "s").glob("*.tser"))) == shards
+
+
+def test_pack_shard_size(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
+) -> None:
+    status, _, err = run(
+        capsys, "pack", "-q", synthetic_devkit, tmp_path / "s", "--shard-size", "1MB"
+    )
+    assert status == 0, err
+    files = list((tmp_path / "s").glob("*.tser"))
+    assert len(files) > 1 and all(f.stat().st_size <= 10**6 + 200_000 for f in files)
+
+
+def test_pack_options_reach_the_packer(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
+) -> None:
+    bad = tmp_path / "broken"
+    shutil.copytree(synthetic_devkit, bad)
+    victim = sorted((bad / "VOCdevkit/VOC2007/JPEGImages").iterdir())[3]
+    victim.write_bytes(victim.read_bytes()[:300])
+    status, _, err = run(capsys, "pack", "-q", bad, tmp_path / "a.tser", "--check-images")
+    assert status == 2 and "not a readable image" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    status, out, err = run(
+        capsys, "pack", "-q", bad, tmp_path / "a.tser", "--check-images", "--skip-bad",
+        "--max-size", "200", "--year", "2007",
+    )  # fmt: skip
+    assert status == 0, err
+    assert "skipped  1 samples" in out and ".skipped.json" in out
+    pack = VOCPack(tmp_path / "a.tser")
+    assert pack.meta["max_size"] == 200 and len(pack) == 23
+    assert int(pack.columns["width"].max()) <= 200
+    status, _, err = run(
+        capsys, "pack", "-q", synthetic_devkit, tmp_path / "r.tser", "--image-storage", "raw"
+    )
+    assert status == 0, err
+    assert VOCPack(tmp_path / "r.tser").image_storage == "raw"
+    status, _, err = run(capsys, "export", tmp_path / "r.tser", tmp_path / "out")
+    assert status == 2 and "byte for byte" in err
+
+
+def test_pack_usage_errors(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "x"
+    status, _, err = run(
+        capsys, "pack", synthetic_devkit, out, "--shards", "2", "--shard-size", "1MB"
+    )
+    assert status == 2 and "not allowed with" in err
+    status, _, err = run(capsys, "pack", synthetic_devkit, out, "--shard-size", "12XB")
+    assert status == 2 and "invalid size" in err
+    status, _, err = run(capsys, "pack", synthetic_devkit, out, "--workers", "0")
+    assert status == 2 and ">= 1" in err
+    status, _, err = run(capsys, "pack", tmp_path, out)
+    assert status == 2 and "No Pascal VOC folder" in err and "Traceback" not in err
+
+
+# -- verify ---------------------------------------------------------------------------------------
+def damage(pack: Path, source_file: Path, out: Path) -> None:
+    """Copy ``pack`` to ``out`` with one byte flipped inside ``source_file``'s stored bytes."""
+    data = bytearray(pack.read_bytes())
+    at = data.find(source_file.read_bytes())
+    assert at > 0
+    data[at + 200] ^= 0x55
+    out.write_bytes(bytes(data))
+
+
+def test_verify_names_the_damaged_sample(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    pack = VOCPack(synthetic_packs.single)
+    record = 7
+    image_id = pack.id(record)
+    jpeg = voc_folder(synthetic_packs) / "JPEGImages" / f"{image_id}.jpg"
+    damage(synthetic_packs.single, jpeg, tmp_path / "bad.tser")
+    status, out, _ = run(capsys, "verify", tmp_path / "bad.tser")
+    assert status == 1
+    assert out.startswith("FAILED ") and "1 damaged record" in out
+    assert f"record {record} (id {image_id!r}): field(s) image fail" in out
+
+
+def test_verify_shards_names_shard_and_field(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    folder = tmp_path / "shards"
+    shutil.copytree(synthetic_packs.shards, folder)
+    pack = VOCPack(folder)
+    flags = pack.columns["flags"]
+    record = max(i for i in range(len(pack)) if flags[i] & 2)  # has a mask: in a later shard
+    image_id = pack.id(record)
+    mask = voc_folder(synthetic_packs) / "SegmentationClass" / f"{image_id}.png"
+    shard, local = pack.reader.locate(record)
+    damage(Path(shard.path), mask, Path(shard.path))
+    status, out, _ = run(capsys, "verify", folder)
+    assert status == 1
+    expected = f"record {record} (id {image_id!r}) [{Path(shard.path).name} record {local}]"
+    assert f"{expected}: field(s) mask fail" in out
+
+
+@pytest.mark.parametrize("kind", ["missing", "truncated", "not a pack"])
+def test_verify_unopenable_exits_2(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "x.tser"
+    if kind == "truncated":
+        path.write_bytes(synthetic_packs.single.read_bytes()[:5000])
+    elif kind == "not a pack":
+        path.write_bytes(b"hello world" * 100)
+    status, out, err = run(capsys, "verify", path)
+    assert status == 2 and out == ""
+    assert err.startswith("torch-serialized: error: ") and len(err.strip().splitlines()) == 1
+    assert str(path) in err
+
+
+def test_errors_are_one_line_unless_debug(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    status, _, err = run(capsys, "info", tmp_path / "missing.tser")
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err
+    with pytest.raises(FileNotFoundError):
+        main(["info", str(tmp_path / "missing.tser"), "--debug"])
+    with pytest.raises(FileNotFoundError):
+        main(["--debug", "info", str(tmp_path / "missing.tser")])
+
+
+# -- demo and bench (child processes) -------------------------------------------------------------
+def test_demo(tmp_path: Path) -> None:
+    done = cli("demo", "--num-images", 24, "--dir", tmp_path / "demo", "--batch-size", 4)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "[1/4] Generating the built-in sample: 24 synthetic VOC2012 images" in out
+    assert "5 of 5 samples identical" in out
+    assert re.search(r"torchvision VOCDetection \(folder\)\s+24\s+6\s", out)
+    assert re.search(r"torch_serialized \(pack, drop-in PIL\)\s+24\s+6\s", out)
+    assert re.search(r"speed-up over torchvision: \d+\.\d\dx drop-in", out)
+    assert (tmp_path / "demo" / "voc2012.tser").is_file()
+    assert "Traceback" not in done.stderr
+
+
+def test_bench_quick(tmp_path: Path) -> None:
+    done = cli("bench", "--quick", "--out-dir", tmp_path / "out", timeout=290, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "out" / "results.md").is_file()
+    assert (tmp_path / "out" / "results.json").is_file()
+    assert "results written to" in done.stdout

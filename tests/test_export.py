@@ -1,0 +1,210 @@
+"""export_voc: byte-for-byte round trips, and refusal of unsafe or non-exportable packs."""
+
+from __future__ import annotations
+
+import errno
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import LAYOUTS, Packed
+from torchvision.datasets import VOCDetection
+from vocfactory import jpeg
+
+from torch_serialized import ChecksumError, FormatError, SourceDataError, WriteError, pack_voc
+from torch_serialized.voc import codec
+from torch_serialized.voc.export import export_voc
+from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized.writer import ArchiveWriter
+
+LIST = b"a\n"
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` by relative POSIX path."""
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def voc_folder(packed: Packed) -> Path:
+    return packed.root / "VOCdevkit" / f"VOC{packed.year}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_synthetic_round_trip_is_byte_for_byte(
+    synthetic_packs: Packed, layout: str, tmp_path: Path
+) -> None:
+    out = export_voc(synthetic_packs.path(layout), tmp_path / "root")
+    assert out == tmp_path / "root" / "VOCdevkit" / f"VOC{synthetic_packs.year}"
+    source = tree(voc_folder(synthetic_packs))
+    assert any(name.startswith("SegmentationObject/") for name in source)
+    assert tree(out) == source  # every file, ImageSets included; no temporaries left
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_corner_cases_round_trip(corner_packs: Packed, layout: str, tmp_path: Path) -> None:
+    """Odd encodings, PNG behind .jpg, mask-only ids, per-class lists: all restored exactly."""
+    out = export_voc(corner_packs.path(layout), tmp_path)
+    exported, source = tree(out), tree(voc_folder(corner_packs))
+    assert exported and all(source.get(name) == data for name, data in exported.items())
+    lists = {n for n in source if n.startswith("ImageSets/") and n.endswith(".txt")}
+    assert lists <= set(exported)
+    ours = VOCDetection(str(tmp_path), year=corner_packs.year, image_set="train")
+    theirs = VOCDetection(str(corner_packs.root), year=corner_packs.year, image_set="train")
+    assert len(ours) == len(theirs)
+    assert ours[0][1] == theirs[0][1]
+
+
+def test_existing_files_are_kept_unless_overwrite(synthetic_packs: Packed, tmp_path: Path) -> None:
+    out = export_voc(synthetic_packs.single, tmp_path)
+    victim = next((out / "JPEGImages").iterdir())
+    victim.write_bytes(b"edited")
+    with pytest.raises(WriteError, match="already exists") as caught:
+        export_voc(synthetic_packs.single, tmp_path)
+    assert caught.value.errno == errno.EEXIST
+    assert victim.read_bytes() == b"edited"  # refused before writing anything
+    export_voc(synthetic_packs.single, tmp_path, overwrite=True)
+    assert tree(out) == tree(voc_folder(synthetic_packs))
+
+
+@pytest.mark.parametrize("options", [{"image_storage": "raw"}, {"max_size": 64}])
+def test_refuses_packs_without_the_original_files(
+    synthetic_devkit: Path, options: dict, tmp_path: Path
+) -> None:
+    pack = pack_voc(synthetic_devkit, tmp_path / "p.tser", year="2007", **options).path
+    with pytest.raises(ValueError, match="byte for byte"):
+        export_voc(pack, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_damaged_record_leaves_no_partial_file(synthetic_packs: Packed, tmp_path: Path) -> None:
+    source = voc_folder(synthetic_packs)
+    image_id = sorted(p.stem for p in (source / "JPEGImages").iterdir())[5]
+    data = bytearray(synthetic_packs.single.read_bytes())
+    at = data.find((source / "JPEGImages" / f"{image_id}.jpg").read_bytes())
+    assert at > 0
+    data[at + 1000] ^= 0xFF
+    damaged = tmp_path / "damaged.tser"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError):
+        export_voc(damaged, tmp_path / "out")
+    images = tmp_path / "out" / "VOCdevkit" / "VOC2007" / "JPEGImages"
+    assert not (images / f"{image_id}.jpg").exists()
+    for name, content in tree(tmp_path / "out").items():  # whole files only, no temporaries
+        assert not Path(name).name.startswith(".")
+        assert content == (source / Path(name).relative_to("VOCdevkit/VOC2007")).read_bytes()
+
+
+# -- unsafe packs -------------------------------------------------------------------------------
+def forge(
+    path: Path,
+    ids: list[str],
+    *,
+    files: dict[str, bytes] | None = None,
+    base_dir: str = "VOCdevkit/VOC2012",
+) -> Path:
+    """A pack with the given ids, list files and base_dir, as a hostile writer could make it."""
+    image = jpeg(8, 8)
+    with ArchiveWriter(path, codec.FIELDS, columns=codec.COLUMNS) as writer:
+        for _ in ids:
+            writer.add([image, b"", b"", b"", b"", b""], (8, 8, 0, 0))
+        blob, offsets = codec.encode_ids(ids)
+        writer.add_array("ids", blob)
+        writer.add_array("id_offsets", offsets)
+        writer.add_array(codec.split_array_name("Main", "train"), np.arange(len(ids), dtype="<i8"))
+        for name, data in (files or {"ImageSets/Main/train.txt": LIST}).items():
+            writer.add_array(f"file/{name}", np.frombuffer(data, dtype=np.uint8))
+        meta = {
+            "schema": codec.SCHEMA,
+            "schema_version": codec.SCHEMA_VERSION,
+            "year": "2012",
+            "base_dir": base_dir,
+            "classes": [],
+            "splits": {"Main": {"train": len(ids)}},
+            "image_storage": "original",
+            "max_size": None,
+        }
+        return writer.close(meta)
+
+
+def assert_nothing_written(tmp_path: Path) -> None:
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack.tser"]
+
+
+def test_forged_pack_with_safe_ids_exports(tmp_path: Path) -> None:
+    """The forging helper itself makes an exportable pack (so the refusals below are real)."""
+    pack = forge(tmp_path / "pack.tser", ["a", "..b", "c.d"])
+    out = export_voc(pack, tmp_path / "out")
+    assert sorted(tree(out)) == [
+        "ImageSets/Main/train.txt",
+        "JPEGImages/..b.jpg",
+        "JPEGImages/a.jpg",
+        "JPEGImages/c.d.jpg",
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad_id", ["../evil", "..", ".", "", "a/b", "/tmp/evil", "a\\..\\..\\evil", "nul\x00id"]
+)
+def test_refuses_ids_that_escape(tmp_path: Path, bad_id: str) -> None:
+    pack = forge(tmp_path / "pack.tser", ["fine", bad_id])
+    with pytest.raises(FormatError, match=f"record 1 id {re.escape(repr(bad_id))}"):
+        export_voc(pack, tmp_path / "out")
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ImageSets/../../evil.txt",
+        "ImageSets/Main/../../../evil.txt",
+        "/tmp/evil.txt",
+        "ImageSets\\..\\..\\evil.txt",
+        "ImageSets/Main/a\x00.txt",
+        "Annotations/evil.txt",
+        "ImageSets",
+        "ImageSets//Main/x.txt",
+    ],
+)
+def test_refuses_list_files_that_escape(tmp_path: Path, name: str) -> None:
+    pack = forge(tmp_path / "pack.tser", ["a"], files={name: LIST})
+    with pytest.raises(FormatError, match=re.escape(repr(name))):
+        export_voc(pack, tmp_path / "out")
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("base_dir", ["../outside", "/tmp/abs", "VOCdevkit/../../x", "", "C:x"])
+def test_refuses_base_dirs_that_escape(tmp_path: Path, base_dir: str) -> None:
+    pack = forge(tmp_path / "pack.tser", ["a"], base_dir=base_dir)
+    with pytest.raises(FormatError, match="base_dir"):
+        export_voc(pack, tmp_path / "out")
+    assert_nothing_written(tmp_path)
+
+
+def test_refuses_duplicate_ids(tmp_path: Path) -> None:
+    pack = forge(tmp_path / "pack.tser", ["a", "a"])
+    with pytest.raises(FormatError, match="stored twice"):
+        export_voc(pack, tmp_path / "out")
+
+
+def test_traversal_from_a_devkit_list_is_refused_at_pack_or_export(tmp_path: Path) -> None:
+    """A list naming ``../evil`` is either refused by the packer or by the exporter."""
+    root = make_synthetic_voc(tmp_path / "src", 2)
+    voc = root / "VOCdevkit" / "VOC2012"
+    first = sorted((voc / "JPEGImages").iterdir())[0]
+    (voc / "evil.jpg").write_bytes(first.read_bytes())
+    (voc / "evil.xml").write_bytes((voc / "Annotations" / f"{first.stem}.xml").read_bytes())
+    (voc / "ImageSets" / "Main" / "train.txt").write_text("../evil\n")
+    try:
+        pack = pack_voc(root, tmp_path / "pack.tser").path
+    except SourceDataError as exc:  # refused at pack time
+        assert "../evil" in str(exc)
+        return
+    with pytest.raises(FormatError, match=re.escape("'../evil'")):
+        export_voc(pack, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "evil.jpg").exists()

@@ -1,0 +1,523 @@
+"""The ``torch-serialized`` command line (also ``python -m torch_serialized``).
+
+A thin layer over the public API: ``pack`` (``pack_voc``), ``info`` and ``verify`` (the
+reader), ``export`` (``export_voc``), ``bench`` (``torch_serialized.benchmark``) and ``demo``
+(``torch_serialized.demo``). Errors of torch_serialized, bad paths and bad values print one
+line on stderr and exit with status 2 (``--debug`` shows the traceback instead); ``verify``
+exits 1 when it finds damage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from . import format as fmt
+from ._version import __version__
+from .errors import ChecksumError, TorchSerializedError
+
+__all__ = ["main", "parse_size"]
+
+PROG = "torch-serialized"
+EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+    "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``"256MB"``, ``"1.5GiB"``, ``"4096"``: kB/MB/GB are powers of 1000, KiB/MiB/GiB
+    of 1024 (``K``/``M``/``G`` alone mean kB/MB/GB)."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use a number with an optional unit, e.g. 256MB or 1GiB"
+        )
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
+    return size
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def _mb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e6:,.1f} MB"
+
+
+# -- pack ---------------------------------------------------------------------------------------
+def _cmd_pack(args: argparse.Namespace) -> int:
+    from .voc.layout import find_voc_root, read_image_sets
+    from .voc.packer import pack_voc
+
+    voc_root, year = find_voc_root(args.root, args.year)
+    per_shard = args.samples_per_shard
+    if args.shards is not None:
+        image_sets = read_image_sets(voc_root)
+        ids = {i for sets in image_sets.values() for listed in sets.values() for i in listed}
+        per_shard = max(1, math.ceil(len(ids) / args.shards))
+    result = pack_voc(
+        args.root,
+        args.output,
+        year=year,
+        max_samples_per_shard=per_shard,
+        max_shard_bytes=args.shard_size,
+        workers=args.workers,
+        image_storage=args.image_storage,
+        max_size=args.max_size,
+        check_images=args.check_images,
+        on_error="skip" if args.skip_bad else "raise",
+        progress=not args.quiet,
+    )
+    seconds = max(result.seconds, 1e-9)
+    files = len(list(result.path.glob(f"*{fmt.FILE_SUFFIX}"))) if result.path.is_dir() else 1
+    ratio = result.num_bytes / result.source_bytes if result.source_bytes else float("nan")
+    print(f"packed {result.num_samples} samples of {voc_root} (VOC{year})")
+    print(f"  output   {result.path} ({files} {'file' if files == 1 else 'shards'})")
+    print(
+        f"  size     {_mb(result.num_bytes)}, {ratio:.1%} of the {_mb(result.source_bytes)} "
+        "source files"
+    )
+    print(
+        f"  time     {result.seconds:.2f} s: {result.num_samples / seconds:,.0f} samples/s, "
+        f"{result.num_bytes / seconds / 1e6:,.0f} MB/s"
+    )
+    if result.skipped:
+        print(f"  skipped  {len(result.skipped)} samples; reasons in {result.report}")
+    return EXIT_OK
+
+
+# -- info ---------------------------------------------------------------------------------------
+def _pack_info(path: str) -> dict[str, Any]:
+    """Everything ``info`` shows, as JSON-ready values."""
+    from .voc import codec
+    from .voc.pack import VOCPack
+
+    pack = VOCPack(path)
+    reader, meta = pack.reader, pack.meta
+    columns = pack.columns
+    flags = columns["flags"].astype(np.int64)
+    histogram: Counter[str] = Counter()
+    for record in range(len(pack)):
+        rows = np.frombuffer(pack.field(record, codec.OBJECTS), dtype=codec.OBJECT_DTYPE)
+        histogram.update(pack.classes[c] for c in rows["class_id"].tolist())
+    sizes = Counter(zip(columns["width"].tolist(), columns["height"].tolist()))
+    num_objects = columns["num_objects"]
+    major, minor = reader.shards[0].version
+    return {
+        "path": reader.path,
+        "format_version": f"{major}.{minor}",
+        "schema": f"{meta.get('schema')} {meta.get('schema_version')}",
+        "packed_by": meta.get("packed_by"),
+        "year": pack.year,
+        "base_dir": pack.base_dir,
+        "options": {
+            "image_storage": pack.image_storage,
+            "max_size": meta.get("max_size"),
+            **meta.get("options", {}),
+        },
+        "num_samples": len(pack),
+        "with_annotation": int(np.count_nonzero(flags & codec.HAS_ANNOTATION)),
+        "with_mask": int(np.count_nonzero(flags & codec.HAS_MASK)),
+        "with_object_mask": int(np.count_nonzero(flags & codec.HAS_OBJECT_MASK)),
+        "image_sets": meta.get("splits", {}),
+        "classes": dict(histogram.most_common()),
+        "class_counts": meta.get("class_counts", {}),
+        "num_objects": int(num_objects.sum()),
+        "objects_per_image": _range(num_objects, mean=True),
+        "width": _range(columns["width"]),
+        "height": _range(columns["height"]),
+        "common_sizes": [[w, h, n] for (w, h), n in sizes.most_common(5)],
+        "bytes": reader.nbytes,
+        "source_bytes": meta.get("source_bytes"),
+        "sharded": reader.manifest is not None,
+        "shards": [
+            {
+                "file": os.path.basename(s.path),
+                "records": s.num_records,
+                "bytes": os.path.getsize(s.path),
+            }
+            for s in reader.shards
+        ],
+        "skipped": meta.get("skipped", []),
+    }
+
+
+def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
+    if values.size == 0:
+        return {"min": None, "max": None, **({"mean": None} if mean else {})}
+    out: dict[str, Any] = {"min": int(values.min()), "max": int(values.max())}
+    if mean:
+        out["mean"] = round(float(values.mean()), 3)
+    return out
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = _pack_info(args.path)
+    if args.json:
+        print(json.dumps(info, indent=1, ensure_ascii=False))
+        return EXIT_OK
+    options = ", ".join(f"{k}={v}" for k, v in info["options"].items())
+    sets = "; ".join(
+        f"{task}: " + ", ".join(f"{name} {n}" for name, n in lists.items())
+        for task, lists in info["image_sets"].items()
+    )
+    w, h = info["width"], info["height"]
+    common = ", ".join(f"{cw}x{ch} ({n})" for cw, ch, n in info["common_sizes"])
+    per = info["objects_per_image"]
+    source = info["source_bytes"]
+    ratio = f" ({info['bytes'] / source:.1%} of the {_mb(source)} source)" if source else ""
+    shards = info["shards"]
+    lines = [
+        f"{info['path']}",
+        f"  format       torch_serialized {info['format_version']}, schema {info['schema']}, "
+        f"packed by {info['packed_by']}",
+        f"  dataset      VOC{info['year']} (torchvision root + {info['base_dir']})",
+        f"  options      {options}",
+        f"  samples      {info['num_samples']} ({info['with_annotation']} annotated, "
+        f"{info['with_mask']} with class mask, {info['with_object_mask']} with object mask)",
+        f"  image sets   {sets}",
+        f"  image size   width {w['min']}-{w['max']}, height {h['min']}-{h['max']}; "
+        f"most common {common}",
+        f"  objects      {info['num_objects']}, {per['min']}-{per['max']} per image "
+        f"(mean {per['mean']})",
+        f"  on disk      {_mb(info['bytes'])} in {len(shards)} "
+        f"{'shards' if info['sharded'] else 'file'}{ratio}",
+    ]
+    if info["sharded"]:
+        lines += [f"    {s['file']}  {s['records']} samples  {_mb(s['bytes'])}" for s in shards]
+    if info["skipped"]:
+        lines.append(f"  skipped      {len(info['skipped'])} samples at pack time")
+    if info["classes"]:
+        lines.append("  classes      (objects in all samples)")
+        top = max(info["classes"].values())
+        width = max(len(name) for name in info["classes"])
+        for name, count in info["classes"].items():
+            bar = "#" * max(1, round(30 * count / top))
+            lines.append(f"    {name:<{width}} {count:>7}  {bar}")
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+# -- verify -------------------------------------------------------------------------------------
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .reader import PackReader
+    from .voc.pack import VOCPack
+
+    started = time.perf_counter()
+    try:
+        reader = PackReader(args.path)  # checks header, footer, metadata, index and arrays
+    except (TorchSerializedError, OSError) as exc:
+        message = _describe(exc)
+        _error(message if str(args.path) in message else f"cannot open {args.path}: {message}")
+        return EXIT_ERROR
+    bad = reader.verify()
+    seconds = time.perf_counter() - started
+    files = len(reader.shards)
+    where = f"{reader.path} ({len(reader)} records in {files} {'file' if files == 1 else 'shards'})"
+    if not bad:
+        print(
+            f"OK {where}: header, footer, metadata, index, arrays and all "
+            f"{len(reader) * len(reader.fields)} field checksums match "
+            f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
+        )
+        return EXIT_OK
+    try:
+        ids: Callable[[int], str] | None = VOCPack(args.path).id
+    except (TorchSerializedError, OSError, KeyError):
+        ids = None
+    checked = PackReader(args.path, checked=True)
+    print(f"FAILED {where}: {len(bad)} damaged record(s)")
+    for record in bad:
+        failing = []
+        for k, name in enumerate(reader.fields):
+            try:
+                checked.field(record, k)
+            except ChecksumError:
+                failing.append(name)
+        shard, local = reader.locate(record)
+        label = f"record {record}"
+        if ids is not None:
+            label += f" (id {_safe_id(ids, record)})"
+        if files > 1:
+            label += f" [{os.path.basename(shard.path)} record {local}]"
+        print(f"  {label}: field(s) {', '.join(failing)} fail their checksum")
+    print("Re-copy the file or re-pack the dataset.")
+    return EXIT_DAMAGED
+
+
+def _safe_id(ids: Callable[[int], str], record: int) -> str:
+    try:
+        return repr(ids(record))
+    except (UnicodeDecodeError, IndexError, ValueError):
+        return "unreadable"
+
+
+# -- export -------------------------------------------------------------------------------------
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .voc.export import export_voc
+    from .voc.pack import VOCPack
+
+    started = time.perf_counter()
+    folder = export_voc(args.path, args.out_root, overwrite=args.overwrite, progress=not args.quiet)
+    seconds = time.perf_counter() - started
+    pack = VOCPack(args.path)
+    print(
+        f"exported {len(pack)} samples and {len(pack.files())} list files to {folder} in "
+        f"{seconds:.2f} s; torchvision reads it with root={str(args.out_root)!r}, "
+        f"year={pack.year!r}"
+    )
+    return EXIT_OK
+
+
+# -- bench and demo -----------------------------------------------------------------------------
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from . import benchmark
+
+    options = {
+        "year": args.year,
+        "num_images": args.num_images,
+        "repeats": args.repeats,
+        "out_dir": args.out_dir,
+        "workers": args.workers,
+        "work_dir": args.work_dir,
+        "scenarios": args.scenarios.split(",") if args.scenarios else None,
+    }
+    kwargs = {name: value for name, value in options.items() if value is not None}
+    result = benchmark.run_benchmark(args.root, quick=args.quick, **kwargs)
+    out_dir = Path(args.out_dir)
+    print(f"results written to {out_dir / 'results.md'} and results.json", end="")
+    print(f", chart {result['chart']}" if result.get("chart") else "")
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(
+        num_images=args.num_images,
+        workers=args.workers,
+        directory=args.dir,
+        batch_size=args.batch_size,
+    )
+    return EXIT_OK
+
+
+# -- parser and entry point ---------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show the full traceback of an error",
+    )
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Pack a Pascal VOC devkit into one file (or shards) and read it fast.",
+        epilog=f"Run '{PROG} COMMAND --help' for the options of a command.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{PROG} {__version__} (file format {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR})",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=description, parents=[common])
+
+    pack = command(
+        "pack",
+        "pack a VOCdevkit into a .tser file or a shard folder",
+        "Pack every id listed in ImageSets/Main and ImageSets/Segmentation (images, XML, "
+        "masks and list files) into OUTPUT. With a shard option OUTPUT is a folder of "
+        "shards plus manifest.json. The output appears atomically when packing succeeds.",
+    )
+    pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")
+    pack.add_argument("output", help="the .tser file (or shard folder) to write")
+    pack.add_argument("--year", help="VOC year, e.g. 2007 (default: found from the folders)")
+    limit = pack.add_mutually_exclusive_group()
+    limit.add_argument("--shards", type=_positive_int, metavar="N", help="write N shards")
+    limit.add_argument(
+        "--shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="start a new shard before one exceeds SIZE (e.g. 256MB, 1GiB)",
+    )
+    limit.add_argument(
+        "--samples-per-shard", type=_positive_int, metavar="N", help="at most N samples a shard"
+    )
+    pack.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="processes reading and parsing the source (default 1; output is identical)",
+    )
+    pack.add_argument(
+        "--image-storage",
+        choices=("original", "raw"),
+        default="original",
+        help="original: the JPEG bytes, byte-exact (default); raw: decoded RGB pixels",
+    )
+    pack.add_argument(
+        "--max-size",
+        type=_positive_int,
+        metavar="PX",
+        help="shrink images whose longer side exceeds PX (boxes scaled; not byte-exact)",
+    )
+    pack.add_argument(
+        "--check-images", action="store_true", help="decode every image while packing"
+    )
+    pack.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="leave out unreadable samples (listed in OUTPUT.skipped.json) instead of failing",
+    )
+    pack.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pack.set_defaults(run=_cmd_pack)
+
+    info = command(
+        "info",
+        "describe a pack",
+        "Show format version, packing options, samples per image set, class histogram, "
+        "image size range, bytes on disk and shards of a pack.",
+    )
+    info.add_argument("path", help="a .tser file or shard folder")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead")
+    info.set_defaults(run=_cmd_info)
+
+    verify = command(
+        "verify",
+        "check every checksum of a pack",
+        "Check header, footer, metadata, index, arrays and the checksum of every field of "
+        "every record. Exit status: 0 when all is well, 1 when records are damaged (each "
+        "is named), 2 when the file cannot be opened at all.",
+    )
+    verify.add_argument("path", help="a .tser file or shard folder")
+    verify.set_defaults(run=_cmd_verify)
+
+    export = command(
+        "export",
+        "rebuild the VOCdevkit folder from a pack",
+        "Write OUT_ROOT/VOCdevkit/VOC20xx/ (images, annotations, masks, ImageSets lists) "
+        "byte for byte as packed. Only packs with --image-storage original and no "
+        "--max-size can be exported.",
+    )
+    export.add_argument("path", help="a .tser file or shard folder")
+    export.add_argument("out_root", help="folder to write into (torchvision's root)")
+    export.add_argument("--overwrite", action="store_true", help="replace existing files")
+    export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    export.set_defaults(run=_cmd_export)
+
+    bench = command(
+        "bench",
+        "compare reading speed with torchvision's VOCDetection",
+        "Benchmark torch_serialized against torchvision on ROOT, or on a generated "
+        "synthetic VOC set when ROOT is not given (torch_serialized.benchmark.run_benchmark).",
+    )
+    bench.add_argument("root", nargs="?", help="torchvision's VOC root (default: synthetic data)")
+    bench.add_argument("--year", help="VOC year of ROOT")
+    bench.add_argument("--num-images", type=_positive_int, metavar="N", help="synthetic images")
+    bench.add_argument("--repeats", type=_positive_int, metavar="N", help="timed repeats")
+    bench.add_argument("--workers", type=_non_negative_int, metavar="N", help="DataLoader workers")
+    bench.add_argument("--quick", action="store_true", help="a small, fast run")
+    bench.add_argument(
+        "--out-dir",
+        default="benchmarks/out",
+        metavar="DIR",
+        help="where to write results.md/.json/.png (default: benchmarks/out)",
+    )
+    bench.add_argument("--work-dir", metavar="DIR", help="keep generated data and packs here")
+    bench.add_argument("--scenarios", metavar="A,B", help="comma-separated subset to run")
+    bench.set_defaults(run=_cmd_bench)
+
+    demo = command(
+        "demo",
+        "generate a sample, pack it and race torchvision (start here)",
+        "Generate the built-in synthetic VOC sample, pack it, then run one epoch through a "
+        "DataLoader with transforms v2 over the pack and over torchvision's VOCDetection, "
+        "and check that both return the same samples.",
+    )
+    demo.add_argument(
+        "--num-images", type=_positive_int, default=200, metavar="N", help="default 200"
+    )
+    demo.add_argument(
+        "--workers", type=_non_negative_int, default=2, metavar="N", help="DataLoader workers"
+    )
+    demo.add_argument("--batch-size", type=_positive_int, default=16, metavar="N")
+    demo.add_argument("--dir", metavar="DIR", help="keep the data here (default: a temp folder)")
+    demo.set_defaults(run=_cmd_demo)
+    return parser
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        _error("interrupted")
+        return 130
+    except (TorchSerializedError, OSError, ValueError) as exc:
+        if args.debug:
+            raise
+        _error(_describe(exc))
+        return EXIT_ERROR
+    sys.stdout.flush()
+    return status
+
+
+def _describe(exc: BaseException) -> str:
+    """The message of an error, without ``[Errno N]`` and with the file an OSError names."""
+    if isinstance(exc, OSError) and exc.strerror:
+        if exc.filename is not None and str(exc.filename) not in exc.strerror:
+            return f"{exc.filename}: {exc.strerror}"
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Unpack a VOC pack back into a VOCdevkit folder, byte for byte.
+
+``export_voc`` is the inverse of ``pack_voc`` for packs that keep the original files
+(``image_storage="original"``, no ``max_size``): it writes ``JPEGImages``, ``Annotations``,
+``SegmentationClass``, ``SegmentationObject`` and every stored ``ImageSets`` list file under
+``out_root/<base_dir>`` (``VOCdevkit/VOC2012``, say), so torchvision's ``root=out_root`` reads
+the result. Files the source had but no list named are not in a pack and are not restored.
+
+A pack is untrusted input: every id and stored path is checked before anything is written, and
+one that would land outside ``out_root`` is refused. Each file is written under a temporary name
+and renamed into place, so a failure (a damaged record, a full disk) leaves whole files only.
+Records are read with their checksums verified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+
+from tqdm.auto import tqdm
+
+from ..errors import FormatError, WriteError
+from . import codec
+from .pack import VOCPack
+
+__all__ = ["export_voc"]
+
+# (field, flag that says the record has it, folder, extension); the image is always present.
+_OUTPUTS: tuple[tuple[int, int, str, str], ...] = (
+    (codec.IMAGE, 0, "JPEGImages", ".jpg"),
+    (codec.ANNOTATION, codec.HAS_ANNOTATION, "Annotations", ".xml"),
+    (codec.MASK, codec.HAS_MASK, "SegmentationClass", ".png"),
+    (codec.OBJECT_MASK, codec.HAS_OBJECT_MASK, "SegmentationObject", ".png"),
+)
+
+
+def export_voc(
+    path: str | os.PathLike[str],
+    out_root: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Rebuild ``out_root/<base_dir>/`` from the pack at ``path``; return that folder.
+
+    Raises ``ValueError`` for packs that do not hold the original files, ``FormatError`` for
+    ids or stored paths that are unsafe (``..``, absolute, separators, NUL), ``ChecksumError``
+    for a damaged record, and ``WriteError`` (``EEXIST``) when a file to write already exists
+    and ``overwrite`` is false; that check happens before anything is written.
+    """
+    pack = VOCPack(path, checked=True)
+    if pack.image_storage != "original" or pack.meta.get("max_size") is not None:
+        raise ValueError(
+            f"{pack.path} was packed with image_storage={pack.image_storage!r} and "
+            f"max_size={pack.meta.get('max_size')!r}: its images are not the original files, "
+            "so it cannot be exported byte for byte; export a pack made with the defaults"
+        )
+    out_root = Path(out_root)
+    voc = out_root.joinpath(*_safe_parts(pack.base_dir, f"{pack.path}: base_dir"))
+    files = pack.files()
+    plan = list(_plan(pack, voc, files))
+    if not overwrite:
+        for target, *_ in plan:
+            if os.path.lexists(target):
+                raise WriteError(
+                    errno.EEXIST,
+                    f"{target} already exists; export into an empty folder or pass "
+                    "overwrite=True (--overwrite) to replace the files",
+                )
+    for folder in sorted({target.parent for target, *_ in plan}):
+        _mkdir(folder)
+    for target, record, field, stored in tqdm(
+        plan, desc="exporting", unit="file", disable=not progress
+    ):
+        _write_atomic(target, pack.field(record, field) if stored is None else stored)
+    return voc
+
+
+def _plan(
+    pack: VOCPack, voc: Path, files: dict[str, bytes]
+) -> Iterator[tuple[Path, int, int, bytes | None]]:
+    """``(destination, record, field, None)`` per record file, ``(destination, -1, -1, bytes)``
+    per list file. Raises on an unsafe id or path; the caller lists the whole plan first."""
+    flags = pack.columns["flags"]
+    seen: set[str] = set()
+    for record in range(len(pack)):
+        image_id = pack.id(record)
+        where = f"{pack.path}: record {record} id {image_id!r}"
+        _check_id(image_id, where)
+        if image_id in seen:
+            raise FormatError(f"{where}: the id is stored twice; the pack is damaged, re-pack it")
+        seen.add(image_id)
+        for field, flag, folder, ext in _OUTPUTS:
+            if flag == 0 or int(flags[record]) & flag:
+                yield voc / folder / f"{image_id}{ext}", record, field, None
+    for name in sorted(files):
+        parts = _safe_parts(name, f"{pack.path}: stored list file {name!r}")
+        if parts[0] != "ImageSets" or len(parts) < 2:
+            raise FormatError(
+                f"{pack.path}: stored list file {name!r} is not under ImageSets/; refusing to "
+                "write it (the pack was not made by pack_voc, or is damaged)"
+            )
+        yield voc.joinpath(*parts), -1, -1, files[name]
+
+
+def _check_id(image_id: str, where: str) -> None:
+    """Refuse ids that are not a plain file-name stem (they could escape ``out_root``)."""
+    bad = (
+        image_id in ("", ".", "..")
+        or "/" in image_id
+        or "\\" in image_id
+        or "\x00" in image_id
+        or (os.altsep is not None and os.altsep in image_id)
+    )
+    if bad:
+        raise FormatError(
+            f"{where}: refusing to export an id that is empty, '.', '..' or holds a path "
+            "separator or NUL (it would write outside the output folder); the pack is unsafe"
+        )
+
+
+def _safe_parts(relative: str, where: str) -> tuple[str, ...]:
+    """The components of a stored relative path, refusing anything that could escape."""
+    parts = PurePosixPath(relative.replace("\\", "/")).parts
+    if (
+        not parts
+        or relative.startswith(("/", "\\"))
+        or "\x00" in relative
+        or ":" in parts[0]  # a Windows drive: C:foo
+        or any(part in ("", ".", "..") for part in parts)
+        or (relative != "/".join(parts) and relative != "\\".join(parts))
+    ):
+        raise FormatError(
+            f"{where}: refusing unsafe path {relative!r} (absolute, '..', NUL or empty "
+            "parts would write outside the output folder); the pack is unsafe"
+        )
+    return parts
+
+
+def _mkdir(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WriteError(
+            exc.errno or errno.EIO, f"cannot create {folder}: {exc.strerror or exc}"
+        ) from exc
+
+
+def _write_atomic(target: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to a hidden temporary sibling, then rename it over ``target``."""
+    temp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(temp, "xb") as file:
+            file.write(data)
+        os.replace(temp, target)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        if isinstance(exc, OSError):
+            raise WriteError(
+                exc.errno or errno.EIO,
+                f"writing {target} failed: {exc.strerror or exc}; no partial file was left",
+            ) from exc
+        raise

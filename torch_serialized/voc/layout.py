@@ -173,6 +173,6 @@ def _ids(path: Path, lines: list[str]) -> list[str]:
         if "/" in line or "\\" in line or "\0" in line or line in (".", ".."):
             raise SourceDataError(
                 f"{path}, line {number}: id {line!r} is a path, not a file name; it would read "
-                "(and export would write) outside the VOC folder. Use plain ids such as 2008_000123."
+                "(and export would write) outside the VOC folder. Use plain ids (2008_000123)."
             )
     return lines

@@ -6,11 +6,9 @@ checks the order of reads, not their speed (timings live in benchmarks/).
 
 from __future__ import annotations
 
-import mmap
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import torch_serialized
@@ -55,42 +53,34 @@ def test_cold_epoch_reads_each_block_in_storage_order(
     ds.set_epoch(1)
     reader = ds.pack.reader
     shard_start = {s.path: int(reader.starts[i]) for i, s in enumerate(reader.shards)}
-    log: list[tuple[str, int]] = []  # ("read", global record) / ("advise", global record)
-    field, madvise = ContainerReader.field, ContainerReader.madvise
+    calls: list[list[int]] = []  # global records of each read request, in request order
+    read_records = ContainerReader.read_records
 
-    def logged_field(self: ContainerReader, i: int, k: int) -> memoryview:
-        log.append(("read", shard_start[self.path] + i))
-        return field(self, i, k)
+    def logged_read_records(self: ContainerReader, records, fields):  # type: ignore[no-untyped-def]
+        calls.append([shard_start[self.path] + int(r) for r in records])
+        return read_records(self, records, fields)
 
-    def logged_madvise(self: ContainerReader, option: int, start: int = 0, length=None) -> None:
-        if option == mmap.MADV_WILLNEED:
-            local = self._offsets[:, 0]  # type: ignore[index]
-            hit = np.flatnonzero((local >= start) & (local < start + (length or 0)))
-            log.extend(("advise", shard_start[self.path] + int(i)) for i in hit)
-        madvise(self, option, start, length)
+    def no_field(self: ContainerReader, i: int, k: int) -> memoryview:
+        raise AssertionError("the iterable must not read record bytes through page faults")
 
-    monkeypatch.setattr(ContainerReader, "field", logged_field)
-    monkeypatch.setattr(ContainerReader, "madvise", logged_madvise)
+    monkeypatch.setattr(ContainerReader, "read_records", logged_read_records)
+    monkeypatch.setattr(ContainerReader, "field", no_field)
     evict(packs[kind])
     samples = list(ds)
 
     blocks = ds.blocks()
     assert len(samples) == sum(len(b) for b in blocks) == len(ds.records)
-    reads = [r for op, r in log if op == "read"]
-    fields = 2  # image and target bytes, each read once
-    assert len(reads) == fields * len(ds.records)
-    at = 0
-    advised: set[int] = set()
-    entries = iter(log)
+    requests = iter(calls)
     for block in blocks:
-        records = ds.records[block]
-        chunk = reads[at : at + fields * len(block)]
-        at += len(chunk)
-        assert chunk == sorted(chunk), "a block is read in storage order"
-        assert sorted(set(chunk)) == sorted(records.tolist())
-        for op, record in entries:  # advice for a block comes before its first read
-            if op == "advise":
-                advised.add(record)
-            elif record == chunk[0]:
-                break
-        assert set(records.tolist()) <= advised
+        records = sorted(set(ds.records[block].tolist()))
+        got: list[int] = []
+        previous_end = -1
+        while len(got) < len(records):  # the requests of this block, in storage order
+            request = next(requests)
+            assert request == sorted(request), "one request reads its records in order"
+            assert request[0] > previous_end, "a block's requests move forward through the file"
+            previous_end = request[-1]
+            got.extend(request)
+        assert got == records, "each record of the block is read exactly once"
+        assert len(ds.records[block]) == len(block)
+    assert next(requests, None) is None

@@ -36,6 +36,8 @@ TargetFormat = Literal["dict", "tv_tensors"]
 #: ``"__background__"`` at 0 (as torchvision's wrapper), ``"packed"`` for the classes found at
 #: pack time (sorted, after ``"__background__"``), or an explicit sequence (label = position).
 Classes = Union[None, Literal["packed"], Sequence[str]]
+#: Bytes of one record field: a read-only view into the map, or a private array.
+Buffer = Union[memoryview, np.ndarray, bytes]
 
 _JPEG_SOI = b"\xff\xd8"
 #: torchvision >= 0.29 warns on every ``decode_jpeg`` call (moving to TorchCodec); the call is
@@ -89,42 +91,49 @@ class SampleDecoder:
                     "pass classes='packed' or a list of class names including them"
                 )
 
-    def image(self, record: int) -> Any:
-        data = self.pack.field(record, codec.IMAGE)
+    @property
+    def target_field(self) -> int:
+        """The record field ``target`` decodes: the JSON dict or the object rows."""
+        return codec.TARGET if self.target_format == "dict" else codec.OBJECTS
+
+    def image(self, record: int, data: Buffer | None = None) -> Any:
+        """The image of ``record``; ``data`` is its image field if the caller already read it."""
+        if data is None:
+            data = self.pack.field(record, codec.IMAGE)
         if self.raw:
             return self._raw_image(record, data)
         if self.decode == "pil":
-            return Image.open(io.BytesIO(data)).convert("RGB")
+            return Image.open(_stream(data)).convert("RGB")
         if self.decode == "none":
-            return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
-        if data[:2] == _JPEG_SOI:
+            return _owned_tensor(data)
+        if bytes(data[:2]) == _JPEG_SOI:
             try:
                 with warnings.catch_warnings():
                     warnings.filterwarnings(
                         "ignore", _TV_DECODE_DEPRECATED, category=DeprecationWarning
                     )
-                    return decode_jpeg(
-                        torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                        mode=ImageReadMode.RGB,
-                    )
+                    return decode_jpeg(_owned_tensor(data), mode=ImageReadMode.RGB)
             except RuntimeError:
                 pass  # a JPEG flavour libjpeg in torchvision refuses: PIL below decides
-        return pil_to_tensor(Image.open(io.BytesIO(data)).convert("RGB"))
+        return pil_to_tensor(Image.open(_stream(data)).convert("RGB"))
 
-    def _raw_image(self, record: int, data: memoryview) -> Any:
+    def _raw_image(self, record: int, data: Buffer) -> Any:
         row = self.pack.columns[record]
         width, height = int(row["width"]), int(row["height"])
         if self.decode == "pil":
-            return Image.frombytes("RGB", (width, height), data)
-        pixels = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+            return Image.frombytes("RGB", (width, height), bytes(data))
+        pixels = _owned_tensor(data)
         if self.decode == "none":
             return pixels
         return pixels.view(height, width, 3).permute(2, 0, 1)
 
-    def target(self, record: int) -> Any:
+    def target(self, record: int, data: Buffer | None = None) -> Any:
+        """The target of ``record``; ``data`` is its ``target_field`` if already read."""
+        if data is None:
+            data = self.pack.field(record, self.target_field)
         if self.target_format == "dict":
-            return codec.decode_target(self.pack.field(record, codec.TARGET))
-        objects = np.frombuffer(self.pack.field(record, codec.OBJECTS), dtype=codec.OBJECT_DTYPE)
+            return codec.decode_target(_view(data))
+        objects = np.frombuffer(data, dtype=codec.OBJECT_DTYPE)
         row = self.pack.columns[record]
         boxes = tv_tensors.BoundingBoxes(
             torch.from_numpy(objects["box"].copy()),
@@ -137,5 +146,25 @@ class SampleDecoder:
             "difficult": torch.from_numpy(objects["difficult"].astype(bool)),
         }
 
-    def mask(self, record: int) -> Image.Image:
-        return Image.open(io.BytesIO(self.pack.field(record, codec.MASK)))
+    def mask(self, record: int, data: Buffer | None = None) -> Image.Image:
+        """The SegmentationClass mask of ``record``, as PIL opens the PNG (mode P, palette)."""
+        if data is None:
+            data = self.pack.field(record, codec.MASK)
+        return Image.open(_stream(data))
+
+
+def _view(data: Buffer) -> memoryview | bytes:
+    return data.data if isinstance(data, np.ndarray) else data
+
+
+def _stream(data: Buffer) -> io.BytesIO:
+    """A file object over ``data`` for PIL (shares ``bytes``, copies other buffers)."""
+    return io.BytesIO(_view(data))
+
+
+def _owned_tensor(data: Buffer) -> torch.Tensor:
+    """A 1-D uint8 tensor of ``data`` that owns its memory (no copy if ``data`` is already a
+    private writable array, as the iterable's reads are; a copy of a read-only map view)."""
+    if isinstance(data, np.ndarray) and data.flags.writeable:
+        return torch.from_numpy(data)
+    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())

@@ -7,7 +7,7 @@ The dataset is a chain of small stages, each a plain function that can be tested
     rank_share       padded to equal rank counts (or the remainder dropped); rank's slice
     worker_share     the rank's slice split evenly across DataLoader workers
     split_blocks     a worker's positions regrouped into the blocks they came from
-    read_blocks      bytes of each block's records, read in storage order after an madvise
+    read_blocks      each block's bytes, one pread per run of records, next block prefetched
     shuffle_buffer   bounded sample mixing (shuffle=True)
     decode           SampleDecoder + transforms, as VOCSerializedDataset
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import mmap
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -41,6 +41,8 @@ __all__ = [
     "rank_share",
     "worker_share",
     "split_blocks",
+    "record_runs",
+    "read_block",
     "read_blocks",
     "shuffle_buffer",
 ]
@@ -161,7 +163,7 @@ class Item:
 
     __slots__ = ("position", "record", "data")
 
-    def __init__(self, position: int, record: int, data: dict[int, memoryview] | None) -> None:
+    def __init__(self, position: int, record: int, data: list[np.ndarray] | None) -> None:
         self.position = position
         self.record = record
         self.data = data
@@ -176,41 +178,42 @@ class Gate:
         self.open = open
 
 
-_WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
-_SEQUENTIAL = getattr(mmap, "MADV_SEQUENTIAL", None)
+#: Records at most this far apart (in record numbers) are read with one request, reading
+#: through the gap: one large read beats several small ones on a cold disk.
+MAX_GAP = 8
 
 
-def advise(reader: PackReader, records: np.ndarray) -> None:
-    """Tell the kernel these records are about to be read in order (no-op where unsupported).
+def record_runs(reader: PackReader, records: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """The distinct ``records`` as ``(shard, local record numbers)`` runs in storage order.
 
-    Per shard touched: ``MADV_SEQUENTIAL`` over the span of the records, then
-    ``MADV_WILLNEED`` over each run of consecutive record numbers, so a sparse block (say a
-    Segmentation list inside the Main region) does not prefetch the records between its own.
+    A run stays in one shard and has no gap wider than ``MAX_GAP`` records, so it is one
+    sequential read.
     """
-    if _WILLNEED is None or len(records) == 0:
-        return
-    records = np.unique(records)
-    shard_of = np.searchsorted(reader.starts, records, side="right") - 1
-    run_starts = np.flatnonzero((np.diff(records) != 1) | (np.diff(shard_of) != 0)) + 1
-    for run in np.split(np.arange(len(records)), run_starts):
-        s = int(shard_of[run[0]])
-        shard, base = reader.shards[s], int(reader.starts[s])
-        start, stop = shard.record_range(
-            int(records[run[0]]) - base, int(records[run[-1]]) - base + 1
-        )
-        shard.madvise(_WILLNEED, start, stop - start)
-    if _SEQUENTIAL is None:
-        return
-    for s in np.unique(shard_of):
-        local = records[shard_of == s] - int(reader.starts[s])
-        shard = reader.shards[int(s)]
-        start, stop = shard.record_range(int(local[0]), int(local[-1]) + 1)
-        shard.madvise(_SEQUENTIAL, start, stop - start)
+    unique = np.unique(records)
+    if len(unique) == 0:
+        return []
+    shard_of = np.searchsorted(reader.starts, unique, side="right") - 1
+    breaks = np.flatnonzero((np.diff(unique) > MAX_GAP) | (np.diff(shard_of) != 0)) + 1
+    return [
+        (int(shards[0]), run - int(reader.starts[shards[0]]))
+        for run, shards in zip(np.split(unique, breaks), np.split(shard_of, breaks))
+    ]
 
 
-def read_fields(reader: PackReader, record: int, fields: Sequence[int]) -> dict[int, memoryview]:
-    """Copies of the given fields of one record (copying is what faults the pages in)."""
-    return {k: memoryview(bytes(reader.field(record, k))) for k in fields}
+def read_block(
+    reader: PackReader, records: np.ndarray, fields: Sequence[int]
+) -> dict[int, list[np.ndarray]]:
+    """Private copies of ``fields`` of every record of a block, by global record number.
+
+    One ``pread`` per run (see ``record_runs``), in storage order: whole-block sequential
+    reads instead of page faults, which is what makes a cold epoch fast.
+    """
+    out: dict[int, list[np.ndarray]] = {}
+    for shard, local in record_runs(reader, records):
+        base = int(reader.starts[shard])
+        rows = reader.shards[shard].read_records(local, fields)
+        out.update((base + int(r), row) for r, row in zip(local, rows))
+    return out
 
 
 def read_blocks(
@@ -220,26 +223,29 @@ def read_blocks(
     fields: Sequence[int],
     gate: Gate | None = None,
 ) -> Iterator[Item]:
-    """Items of each block in position order, their bytes read in storage order.
+    """Items of each block in position order; the next block is read while this one is used.
 
-    Before a block is read, the kernel is advised about it; right after, about the next one,
-    so its read-ahead overlaps the decoding of this one. One block's bytes are held at a time.
+    A background thread reads block ``b + 1`` (the read releases the GIL) while the items of
+    block ``b`` are decoded, so I/O and decoding overlap. At most two blocks' bytes are held.
+    Items produced while ``gate`` is closed (a resume replay) carry no data.
     """
     gate = gate or Gate()
-    advised = -1
-    for b, block in enumerate(blocks):
-        recs = records[block]
-        data: list[dict[int, memoryview] | None] = [None] * len(block)
-        if gate.open:
-            if advised < b:
-                advise(reader, recs)
-            for j in np.argsort(recs, kind="stable"):
-                data[j] = read_fields(reader, int(recs[j]), fields)
-            if b + 1 < len(blocks):
-                advise(reader, records[blocks[b + 1]])
-                advised = b + 1
-        for j in range(len(block)):
-            yield Item(int(block[j]), int(recs[j]), data[j])
+
+    def load(b: int) -> dict[int, list[np.ndarray]] | None:
+        return read_block(reader, records[blocks[b]], fields) if gate.open else None
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tser-read") as pool:
+        pending = pool.submit(load, 0) if blocks else None
+        for b, block in enumerate(blocks):
+            assert pending is not None  # noqa: S101 - submitted for every block
+            data = pending.result()
+            if data is None and gate.open:  # the gate opened after this block was planned
+                data = load(b)
+            pending = pool.submit(load, b + 1) if b + 1 < len(blocks) else None
+            recs = records[block]
+            for j in range(len(block)):
+                record = int(recs[j])
+                yield Item(int(block[j]), record, None if data is None else data[record])
 
 
 def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
@@ -262,24 +268,6 @@ def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) ->
         yield out
     for j in rng.permutation(len(buffer)):
         yield buffer[j]
-
-
-class _StagedPack(VOCPack):
-    """The pack, but ``field`` answers from bytes already read for the record being decoded.
-
-    Lets one ``SampleDecoder`` decode what ``read_blocks`` copied, so the iterable and the
-    map-style datasets share every decoding rule.
-    """
-
-    def __init__(self, pack: VOCPack) -> None:
-        self.__dict__.update(pack.__dict__)
-        self.staged: Item | None = None
-
-    def field(self, record: int, k: int) -> memoryview:
-        item = self.staged
-        if item is not None and item.record == record and item.data and k in item.data:
-            return item.data[k]
-        return super().field(record, k)
 
 
 # -- the dataset -------------------------------------------------------------------------------
@@ -307,11 +295,11 @@ class VOCSerializedIterableDataset(IterableDataset):
     near-equal pieces. Across ranks and workers an epoch delivers every sample once plus the
     padding. ``len()`` is the samples one rank yields per epoch, all its workers together.
 
-    **Reading.** A worker reads a block's fields in storage order (one forward pass per shard)
-    after ``madvise(MADV_SEQUENTIAL/WILLNEED)`` over it, and advises the next block before
-    decoding this one. Held bytes per worker: at most ``block_size + shuffle_buffer`` records'
-    stored image and target bytes (about 110 KB a VOC JPEG: 35 MB at the defaults); decoded
-    images are never buffered.
+    **Reading.** A worker reads each block with one ``pread`` per run of neighbouring records
+    (see ``read_block``), in storage order, while a background thread already reads the next
+    block, so I/O overlaps decoding. Held bytes per worker: at most ``2 * block_size +
+    shuffle_buffer`` records' stored image and target bytes (about 110 KB a VOC JPEG: 42 MB
+    at the defaults); decoded images are never buffered.
 
     **Randomness** (``shuffle=True``). The block order is a permutation seeded by
     ``(seed, epoch)``, identical on every rank; the buffer is seeded by
@@ -382,20 +370,15 @@ class VOCSerializedIterableDataset(IterableDataset):
         self.pack = VOCPack(path, checked=checked)
         self.year = self.pack.year
         self.records = np.array(self.pack.split(task, image_set), dtype=np.int64)
-        self._staged = _StagedPack(self.pack)
         self.decoder = SampleDecoder(
-            self._staged,
+            self.pack,
             decode=decode,
             target_format=target_format,
             classes=classes,
             split_key=f"{task}/{image_set}",
         )
-        if task == "Segmentation":
-            self._fields: tuple[int, ...] = (codec.IMAGE, codec.MASK)
-        elif target_format == "dict":
-            self._fields = (codec.IMAGE, codec.TARGET)
-        else:
-            self._fields = (codec.IMAGE, codec.OBJECTS)
+        target_field = codec.MASK if task == "Segmentation" else self.decoder.target_field
+        self._fields = (codec.IMAGE, target_field)
         self._bounds = block_bounds(self.records, self.pack.reader.starts, block_size)
 
         self.shuffle, self.seed = shuffle, seed
@@ -470,17 +453,14 @@ class VOCSerializedIterableDataset(IterableDataset):
 
     def decode(self, item: Item) -> tuple[Any, Any]:
         """The sample for one read item, as the map-style dataset returns it."""
-        if item.data is None:  # planned during a resume replay: read it now
-            item.data = read_fields(self.pack.reader, item.record, self._fields)
-        self._staged.staged = item
-        try:
-            img = self.decoder.image(item.record)
-            if self.task == "Segmentation":
-                target = self.decoder.mask(item.record)
-            else:
-                target = self.decoder.target(item.record)
-        finally:
-            self._staged.staged = None
+        data = item.data
+        if data is None:  # planned during a resume replay: read it now
+            data = read_block(self.pack.reader, np.array([item.record]), self._fields)[item.record]
+        img = self.decoder.image(item.record, data[0])
+        if self.task == "Segmentation":
+            target = self.decoder.mask(item.record, data[1])
+        else:
+            target = self.decoder.target(item.record, data[1])
         if self.transforms is not None:
             img, target = self.transforms(img, target)
         return img, target

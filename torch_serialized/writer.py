@@ -157,7 +157,13 @@ class _TempPath:
 
     @staticmethod
     def clean_stale(final: Path) -> None:
-        """Remove temporaries of ``final`` left by processes that no longer run."""
+        """Remove temporaries of ``final`` left by processes that no longer run.
+
+        Replacing a shard folder takes two renames (``final`` -> ``.old-*``, temporary ->
+        ``final``). A writer killed between them leaves ``final`` missing and the previous
+        pack under its ``.old-*`` name: that pack is moved back to ``final`` first.
+        """
+        stale: list[tuple[str, Path]] = []
         for entry in final.parent.glob(f".{glob_escape(final.name)}.*-*-*"):
             kind_pid = entry.name[len(final.name) + 2 :].split("-")
             if len(kind_pid) != 3 or kind_pid[0] not in ("tmp", "old"):
@@ -167,6 +173,15 @@ class _TempPath:
             except ValueError:
                 continue
             if pid != os.getpid() and not _pid_alive(pid):
+                stale.append((kind_pid[0], entry))
+        olds = [entry for kind, entry in stale if kind == "old"]
+        if olds and not os.path.lexists(final):
+            with contextlib.suppress(FileNotFoundError):  # another writer got there first
+                newest = max(olds, key=lambda entry: entry.lstat().st_ctime)
+                os.replace(newest, final)
+                _fsync_dir(final.parent)
+        for _, entry in stale:
+            if os.path.lexists(entry):
                 _remove(entry)
 
 
@@ -387,7 +402,11 @@ class ArchiveWriter:
         # A directory cannot be renamed over another one: move the old pack aside first.
         old = final.parent / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
         os.replace(final, old)
-        os.replace(temp, final)
+        try:
+            os.replace(temp, final)
+        except BaseException:
+            os.replace(old, final)  # put the previous pack back before reporting the failure
+            raise
         _fsync_dir(final.parent)
         _remove(old)
 

@@ -191,6 +191,14 @@ class ContainerReader:
         self._pid = os.getpid()
 
     def _reopen(self) -> None:
+        fd = self._open_same_file()
+        try:
+            self._map(fd, check=False)
+        finally:
+            os.close(fd)
+
+    def _open_same_file(self) -> int:
+        """Open the path again, checking it still holds the file validated at creation."""
         try:
             fd = self._open_fd()
         except FileNotFoundError:  # a re-pack removed this shard: never read a mix of packs
@@ -198,21 +206,19 @@ class ContainerReader:
                 f"{self.path} was removed or replaced after it was opened; "
                 "create the dataset again to read the new pack"
             ) from None
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, fmt.FOOTER_SIZE, max(size - fmt.FOOTER_SIZE, 0))
         try:
-            size = os.fstat(fd).st_size
-            tail = os.pread(fd, fmt.FOOTER_SIZE, max(size - fmt.FOOTER_SIZE, 0))
-            try:
-                same = (size, fmt.unpack_footer(tail, self.path)["meta_crc32"]) == self._identity
-            except CorruptFileError:
-                same = False
-            if not same:
-                raise FileChangedError(
-                    f"{self.path} was replaced or modified after it was opened; "
-                    "create the dataset again to read the new file"
-                )
-            self._map(fd, check=False)
-        finally:
+            same = (size, fmt.unpack_footer(tail, self.path)["meta_crc32"]) == self._identity
+        except CorruptFileError:
+            same = False
+        if not same:
             os.close(fd)
+            raise FileChangedError(
+                f"{self.path} was replaced or modified after it was opened; "
+                "create the dataset again to read the new file"
+            )
+        return fd
 
     def reopen(self) -> None:
         """Map the file again in this process (idempotent within one process)."""
@@ -371,19 +377,8 @@ class ContainerReader:
     def _descriptor(self) -> int:
         """This process's file descriptor for ``pread``, checked to be the validated file."""
         if getattr(self, "_fd_pid", None) != os.getpid():
-            fd = self._open_fd()
+            fd = self._open_same_file()
             weakref.finalize(self, os.close, fd)
-            size = os.fstat(fd).st_size
-            tail = os.pread(fd, fmt.FOOTER_SIZE, max(size - fmt.FOOTER_SIZE, 0))
-            try:
-                same = (size, fmt.unpack_footer(tail, self.path)["meta_crc32"]) == self._identity
-            except CorruptFileError:
-                same = False
-            if not same:
-                raise FileChangedError(
-                    f"{self.path} was replaced or modified after it was opened; "
-                    "create the dataset again to read the new file"
-                )
             self._fd, self._fd_pid = fd, os.getpid()
         return self._fd
 

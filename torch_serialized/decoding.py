@@ -82,6 +82,9 @@ class SampleDecoder:
         self.label_names = label_names(pack, classes)
         position = {name: i for i, name in enumerate(self.label_names)}
         self._labels = np.array([position.get(n, -1) for n in pack.classes], dtype=np.int64)
+        columns = pack.columns
+        #: (height, width) of every stored image; one small array, read per sample
+        self._sizes = np.stack([columns["height"], columns["width"]], axis=1).astype(np.int64)
         if target_format == "tv_tensors" and split_key is not None:
             present = pack.meta.get("class_counts", {}).get(split_key, {})
             unknown = sorted(n for n in present if n not in position)
@@ -118,8 +121,7 @@ class SampleDecoder:
         return pil_to_tensor(Image.open(_stream(data)).convert("RGB"))
 
     def _raw_image(self, record: int, data: Buffer) -> Any:
-        row = self.pack.columns[record]
-        width, height = int(row["width"]), int(row["height"])
+        height, width = self._sizes[record].tolist()
         if self.decode == "pil":
             return Image.frombytes("RGB", (width, height), bytes(data))
         pixels = _owned_tensor(data)
@@ -134,11 +136,10 @@ class SampleDecoder:
         if self.target_format == "dict":
             return codec.decode_target(_view(data))
         objects = np.frombuffer(data, dtype=codec.OBJECT_DTYPE)
-        row = self.pack.columns[record]
         boxes = tv_tensors.BoundingBoxes(
             torch.from_numpy(objects["box"].copy()),
             format=tv_tensors.BoundingBoxFormat.XYXY,
-            canvas_size=(int(row["height"]), int(row["width"])),
+            canvas_size=tuple(self._sizes[record].tolist()),
         )
         return {
             "boxes": boxes,

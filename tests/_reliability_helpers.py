@@ -116,9 +116,9 @@ def slow_pack(root: str, output: str, options: str, per_image: str) -> None:
 
     load, pause = packer._load, float(per_image)
 
-    def slow_load(job: Any) -> Any:
+    def slow_load(job: Any, *args: Any) -> Any:
         time.sleep(pause)
-        return load(job)
+        return load(job, *args)
 
     packer._load = slow_load  # type: ignore[assignment]
     print("started", flush=True)

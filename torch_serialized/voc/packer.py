@@ -82,7 +82,8 @@ class _Job:
 @dataclass
 class _Loaded:
     id: str
-    payloads: list[bytes]
+    payloads: list[bytes | None]  # None: left for the writing process to read
+    sizes: list[int]  # byte length of every payload
     width: int
     height: int
     flags: int
@@ -151,7 +152,7 @@ def pack_voc(
                 bar.update(1)
                 continue
             class_ids = [classes.setdefault(n, len(classes)) for n in loaded.names]
-            payloads = loaded.payloads
+            payloads = [p or b"" for p in loaded.payloads]  # all filled by now
             if loaded.objects is not None:
                 obj = loaded.objects
                 payloads[codec.OBJECTS] = codec.encode_objects(
@@ -260,19 +261,34 @@ def _plan(
 def _load_all(
     jobs: Sequence[_Job], workers: int, on_error: str
 ) -> Iterator[_Loaded | SkippedSample]:
+    """Every job's sample (or why it was skipped), in job order whatever ``workers`` is."""
     skip = on_error == "skip"
     if workers == 1 or len(jobs) < 2 * workers:
         for job in jobs:
-            yield _load_or_skip(job, skip)
+            yield _load_or_skip(job, skip, True)
         return
     chunk = max(1, min(64, len(jobs) // (workers * 8)))
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        yield from pool.map(_load_or_skip, jobs, [skip] * len(jobs), chunksize=chunk)
-
-
-def _load_or_skip(job: _Job, skip: bool) -> _Loaded | SkippedSample:
+    flags = [False] * len(jobs)
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
     try:
-        return _load(job)
+        results = pool.map(_load_or_skip, jobs, [skip] * len(jobs), flags, chunksize=chunk)
+        for job, loaded in zip(jobs, results):
+            if isinstance(loaded, _Loaded):
+                try:
+                    loaded.payloads = list(_fill_files(job, loaded))
+                except SourceDataError as exc:
+                    if not skip:
+                        raise
+                    yield SkippedSample(job.id, str(exc))
+                    continue
+            yield loaded
+    finally:  # on an error, do not wait for the rest of the dataset to be parsed
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _load_or_skip(job: _Job, skip: bool, keep_files: bool) -> _Loaded | SkippedSample:
+    try:
+        return _load(job, keep_files)
     except SourceDataError as exc:
         if not skip:
             raise
@@ -297,8 +313,13 @@ def _read(path: str, required: bool, job: _Job, what: str) -> bytes | None:
         ) from None
 
 
-def _load(job: _Job) -> _Loaded:
-    """Read and parse everything about one id (runs in a pack worker)."""
+def _load(job: _Job, keep_files: bool = True) -> _Loaded:
+    """Read and parse everything about one id (runs in a pack worker).
+
+    With ``keep_files=False`` (pack workers) the unchanged source files are left out of the
+    payloads (``None``): the writing process reads them itself (``_fill_files``), so only a
+    few KB per sample cross the process boundary instead of every image.
+    """
     voc, name = job.voc_root, job.id  # plain strings: pathlib costs ~15% of a pack here
     image_path = os.path.join(voc, "JPEGImages", name + ".jpg")
     xml_path = os.path.join(voc, "Annotations", name + ".xml")
@@ -331,8 +352,43 @@ def _load(job: _Job) -> _Loaded:
         _scale_target(target, scale, width, height)
     if target is not None:
         target_json = codec.encode_target(target)
-    payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
-    return _Loaded(job.id, payloads, width, height, flags, names, objects, source_bytes)
+    payloads: list[bytes | None] = [
+        stored,
+        annotation or b"",
+        mask or b"",
+        object_mask or b"",
+        target_json,
+        b"",
+    ]
+    sizes = [len(p or b"") for p in payloads]
+    if not keep_files:
+        for k in (codec.ANNOTATION, codec.MASK, codec.OBJECT_MASK):
+            payloads[k] = None
+        if stored is image:
+            payloads[codec.IMAGE] = None
+    return _Loaded(job.id, payloads, sizes, width, height, flags, names, objects, source_bytes)
+
+
+def _fill_files(job: _Job, loaded: _Loaded) -> list[bytes]:
+    """Read the source files a pack worker left out, checking they did not change size."""
+    voc, name = job.voc_root, job.id
+    paths = {
+        codec.IMAGE: os.path.join(voc, "JPEGImages", name + ".jpg"),
+        codec.ANNOTATION: os.path.join(voc, "Annotations", name + ".xml"),
+        codec.MASK: os.path.join(voc, "SegmentationClass", name + ".png"),
+        codec.OBJECT_MASK: os.path.join(voc, "SegmentationObject", name + ".png"),
+    }
+    out = []
+    for k, payload in enumerate(loaded.payloads):
+        if payload is None:
+            payload = (_read(paths[k], False, job, "") or b"") if loaded.sizes[k] else b""
+            if len(payload) != loaded.sizes[k]:
+                raise SourceDataError(
+                    f"{paths[k]} changed while it was being packed; pack again once the "
+                    "dataset is no longer being written"
+                )
+        out.append(payload)
+    return out
 
 
 def _store_image(

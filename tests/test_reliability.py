@@ -1081,9 +1081,13 @@ ALLOWED = {
     ("__init__.py", "importlib"): (
         "PEP 562 lazy exports: the module names come from the package's fixed _LAZY table"
     ),
-    ("benchmark.py", "subprocess"): (
+    ("packing.py", "subprocess"): (
         "times a cold `import <fixed module name>` in a fresh interpreter; "
         "no file content reaches the command line"
+    ),
+    ("memory.py", "subprocess"): (
+        "runs the benchmark's fixed memory-child code in a fresh interpreter with a JSON config "
+        "of paths and counts; no file content reaches the command line"
     ),
 }
 

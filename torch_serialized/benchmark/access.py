@@ -1,0 +1,148 @@
+"""The ``bytes`` scenario: warm random access without image decode."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .context import _Bench
+from .core import Row, _interleaved, _loop, _per_sample_us, _rates
+
+
+def _tv_bytes_getter(tv: Any) -> Callable[[int], Any]:
+    """What ``VOCDetection.__getitem__`` does, minus the decode: read bytes, parse the XML."""
+    from torchvision.datasets.voc import ET_parse
+
+    images, annotations, parse = tv.images, tv.annotations, tv.parse_voc_xml
+
+    def get(i: int) -> Any:
+        with open(images[i], "rb") as f:
+            data = f.read()
+        return data, parse(ET_parse(annotations[i]).getroot())
+
+    return get
+
+
+def _check_same(b: _Bench, tv: Any, ours: Any, count: int = 50) -> bool:
+    """Ours returns torchvision's bytes and target for a sample of indices."""
+    get = _tv_bytes_getter(tv)
+    for i in b.indices(len(tv), count):
+        data, target = get(i)
+        mine, my_target = ours[i]
+        if bytes(mine.numpy()) != data or my_target != target:
+            return False
+    return True
+
+
+def _scenario_bytes(b: _Bench) -> list[Row]:
+    from ..voc import codec
+
+    tv = b.tv()
+    dict_ds = b.ours(decode="none")
+    fast_ds = b.ours(decode="none", target_format="tv_tensors")
+    n = len(tv)
+    order = b.indices(n)
+    sequential = list(range(n))
+    passes = 1 if b.quick else 3
+    same = _check_same(b, tv, dict_ds)
+    tv_get = _tv_bytes_getter(tv)
+    pack, records = dict_ds.pack, dict_ds.records
+
+    # Floors: the two steps any copying decode="none" + dict target must take.
+    def copy_image(i: int) -> Any:
+        return np.frombuffer(pack.field(int(records[i]), codec.IMAGE), np.uint8).copy()
+
+    def parse_target(i: int) -> Any:
+        return json.loads(bytes(pack.field(int(records[i]), codec.TARGET)))
+
+    for get in (tv_get, dict_ds.__getitem__, fast_ds.__getitem__):  # warm caches and maps
+        _loop(get, sequential)()
+    times = _interleaved(
+        {
+            "tv": _loop(tv_get, order, passes),
+            "dict": _loop(dict_ds.__getitem__, order, passes),
+            "fast": _loop(fast_ds.__getitem__, order, passes),
+            "tv_seq": _loop(tv_get, sequential, passes),
+            "dict_seq": _loop(dict_ds.__getitem__, sequential, passes),
+            "copy_image": _loop(copy_image, order, passes),
+            "json_target": _loop(parse_target, order, passes),
+        },
+        b.repeats,
+    )
+    count = n * passes
+    wall = {k: _per_sample_us(count, v[0]).median for k, v in times.items()}
+    cpu = {k: _per_sample_us(count, v[1]).median for k, v in times.items()}
+    b.details["bytes"] = {
+        "same_output_as_torchvision": same,
+        "passes": passes,
+        "samples": n,
+        "wall_us_per_sample": wall,
+        "cpu_us_per_sample": cpu,
+    }
+    note_us = "µs/sample (wall, CPU): tv {:.0f}, {:.0f}; ours {:.1f}, {:.1f}"
+    floor = wall["copy_image"] + wall["json_target"]
+
+    def why(key: str, target: float) -> str:
+        budget = wall["tv"] / target
+        text = (
+            f"{target:g}x needs ≤ {budget:.1f} µs/sample, ours takes {wall[key]:.1f}; copying the "
+            f"~{_mean_image_kb(pack, records):.0f} KB image alone takes {wall['copy_image']:.1f} µs"
+        )
+        if key == "dict":
+            text += f" and json.loads of the target {wall['json_target']:.1f} µs ({floor:.1f})"
+        else:
+            rest = wall[key] - wall["copy_image"]
+            text += f"; building the tv_tensors target and the rest takes {rest:.1f} µs"
+        return text
+
+    rows = [
+        Row(
+            "bytes_random_dict",
+            "bytes",
+            "bytes + dict target, random, warm",
+            "samples/s",
+            "rate",
+            _rates(count, times["tv"][0]),
+            _rates(count, times["dict"][0]),
+            target=8.0,
+            note=note_us.format(wall["tv"], cpu["tv"], wall["dict"], cpu["dict"])
+            + f"; same output as tv: {same}",
+            reason=why("dict", 8.0),
+        ),
+        Row(
+            "bytes_random_fast",
+            "bytes",
+            "bytes + tv_tensors target, random, warm",
+            "samples/s",
+            "rate",
+            _rates(count, times["tv"][0]),
+            _rates(count, times["fast"][0]),
+            target=20.0,
+            note=note_us.format(wall["tv"], cpu["tv"], wall["fast"], cpu["fast"]),
+            reason=why("fast", 20.0),
+        ),
+        Row(
+            "bytes_sequential_dict",
+            "bytes",
+            "bytes + dict target, sequential, warm",
+            "samples/s",
+            "rate",
+            _rates(count, times["tv_seq"][0]),
+            _rates(count, times["dict_seq"][0]),
+            note=note_us.format(wall["tv_seq"], cpu["tv_seq"], wall["dict_seq"], cpu["dict_seq"]),
+        ),
+    ]
+    if not same:
+        rows[0].met = False
+        rows[0].reason = "ours did not return torchvision's bytes and target: a correctness bug"
+    return rows
+
+
+def _mean_image_kb(pack: Any, records: np.ndarray) -> float:
+    from ..voc import codec
+
+    sample = records[:: max(1, len(records) // 100)]
+    return float(np.mean([len(pack.field(int(r), codec.IMAGE)) for r in sample])) / 1e3

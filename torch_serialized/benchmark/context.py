@@ -1,0 +1,67 @@
+"""``_Bench``: what every scenario shares (data, packs, settings, details, page cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .core import _IMAGE_SET, _SEED
+from .system import PageCache
+
+
+@dataclass
+class _Bench:
+    tv_root: Path
+    year: str
+    work: Path
+    repeats: int
+    quick: bool
+    workers: int
+    pack: Path | None = None
+    raw_pack: Path | None = None
+    raw_pack_seconds: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    cache: PageCache = field(default_factory=PageCache)
+
+    # Datasets are built on demand and not kept: a live dataset would pin its mmap, and
+    # mapped pages cannot be evicted by the cold-cache scenario.
+    def tv(self, **kwargs: Any) -> Any:
+        from torchvision.datasets import VOCDetection
+
+        return VOCDetection(str(self.tv_root), year=self.year, image_set=_IMAGE_SET, **kwargs)
+
+    def ours(self, path: Path | None = None, **kwargs: Any) -> Any:
+        from ..datasets import VOCSerializedDataset
+
+        return VOCSerializedDataset(path or self.packed(), _IMAGE_SET, **kwargs)
+
+    def packed(self) -> Path:
+        if self.pack is None:
+            from ..voc.packer import pack_voc
+
+            self.pack = pack_voc(self.tv_root, self.work / "voc.tser", year=self.year).path
+        return self.pack
+
+    def raw_packed(self) -> Path:
+        if self.raw_pack is None:
+            from ..voc.packer import pack_voc
+
+            result = pack_voc(
+                self.tv_root, self.work / "voc-raw.tser", year=self.year, image_storage="raw"
+            )
+            self.raw_pack, self.raw_pack_seconds = result.path, result.seconds
+        return self.raw_pack
+
+    @property
+    def voc_root(self) -> Path:
+        from ..voc.layout import find_voc_root
+
+        return find_voc_root(self.tv_root, self.year)[0]
+
+    def indices(self, n: int, limit: int | None = None) -> list[int]:
+        """A fixed random order over ``n`` samples (the first ``limit`` of it)."""
+        perm = np.random.default_rng(_SEED).permutation(n)
+        return [int(i) for i in perm[:limit]]

@@ -1,0 +1,136 @@
+"""Measurements: scenario names, the ``Stat`` and ``Row`` records and the timing helpers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Scenario names, in the order they run.
+SCENARIOS: tuple[str, ...] = (
+    "pack",
+    "bytes",
+    "decoded",
+    "tensor",
+    "cold",
+    "dataloader",
+    "memory",
+)
+
+
+#: Best peer per row, from /work/shared/PEERS.md (2,000 synthetic images, 2 cores): the ratio to
+#: torchvision (or, for packing, samples/s) and who reached it. For reference only.
+PEER_BEST: dict[str, tuple[float, str]] = {
+    "pack_1": (3581.0, "LMDB"),
+    "bytes_random_dict": (5.3, "FFCV format"),
+    "bytes_sequential_dict": (5.7, "FFCV format"),
+    "decoded_pil": (1.09, "FFCV format"),
+    "dataloader_tensor": (1.04, "HF datasets"),
+    "cold_random": (3.6, "LMDB"),
+    "cold_iterable": (5.6, "FFCV format"),
+}
+
+
+_IMAGE_SET = "trainval"
+_MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+_BATCH_SIZE = 32
+_SEED = 0
+_MB = 1e6
+_MIB = 1 << 20
+
+
+@dataclass
+class Stat:
+    """Median, minimum and maximum of repeated measurements of one quantity."""
+
+    median: float
+    min: float
+    max: float
+    values: list[float]
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stat:
+        vals = [float(v) for v in values]
+        return cls(float(np.median(vals)), min(vals), max(vals), vals)
+
+
+@dataclass
+class Row:
+    """One line of the results table.
+
+    ``kind`` says how ``torchvision`` (the baseline) and ``ours`` compare:
+    ``"rate"`` (higher is better, ratio = ours / baseline, target = minimum ratio),
+    ``"cost"`` (lower is better, ratio = baseline / ours, target = minimum ratio),
+    ``"overhead"`` (ratio = ours / baseline - 1, target = maximum overhead),
+    ``"limit"`` (no ratio; target = maximum value of ``ours``),
+    ``"info"`` (no ratio, no target).
+    """
+
+    key: str
+    scenario: str
+    name: str
+    unit: str
+    kind: str
+    baseline: Stat | None
+    ours: Stat | None
+    target: float | None = None
+    note: str = ""
+    ratio: float | None = None
+    met: bool | None = None
+    peer_best: tuple[float, str] | None = None
+    reason: str = ""  # why the target is missed, when it is
+
+    def finish(self) -> Row:
+        self.peer_best = PEER_BEST.get(self.key)
+        b = self.baseline.median if self.baseline else None
+        o = self.ours.median if self.ours else None
+        if self.ratio is not None:  # set by the scenario (e.g. a median of paired ratios)
+            pass
+        elif self.kind == "rate" and b and o:
+            self.ratio = o / b
+        elif self.kind == "cost" and b and o:
+            self.ratio = b / o
+        elif self.kind == "overhead" and b and o:
+            self.ratio = o / b - 1.0
+        if self.target is not None and self.met is None:
+            if self.kind in ("rate", "cost") and self.ratio is not None:
+                self.met = self.ratio >= self.target
+            elif self.kind == "overhead" and self.ratio is not None:
+                self.met = self.ratio <= self.target
+            elif self.kind == "limit" and o is not None:
+                self.met = o < self.target
+        return self
+
+
+def _interleaved(
+    variants: dict[str, Callable[[], Any]], repeats: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Run each variant once per repeat, in turn; wall and CPU seconds of every run."""
+    times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            fn()
+            times[name][0].append(time.perf_counter() - wall0)
+            times[name][1].append(time.process_time() - cpu0)
+    return times
+
+
+def _rates(n: int, seconds: Sequence[float]) -> Stat:
+    return Stat.of([n / s for s in seconds])
+
+
+def _per_sample_us(n: int, seconds: Sequence[float]) -> Stat:
+    return Stat.of([s / n * 1e6 for s in seconds])
+
+
+def _loop(get: Callable[[int], Any], indices: Sequence[int], passes: int = 1) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(passes):
+            for i in indices:
+                get(i)
+
+    return run

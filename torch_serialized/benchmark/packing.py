@@ -1,0 +1,110 @@
+"""The ``pack`` scenario: pack time with 1 and N processes, and size on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .context import _Bench
+from .core import _MB, Row, Stat, _rates
+from .system import _files_under, _pack_files
+
+
+def _scenario_pack(b: _Bench) -> list[Row]:
+    from ..voc.packer import pack_voc
+
+    widths = sorted({1, max(1, b.workers)})
+    seconds: dict[int, list[float]] = {w: [] for w in widths}
+    digests: set[str] = set()
+    result: Any = None
+    for r in range(b.repeats):
+        for w in widths:
+            out = b.work / f"pack-r{r}-w{w}.tser"
+            result = pack_voc(b.tv_root, out, year=b.year, workers=w)
+            seconds[w].append(result.seconds)
+            digests.add(_sha256(result.path))
+            if b.pack is None:
+                b.pack = result.path
+            elif result.path != b.pack:
+                result.path.unlink()
+    identical = len(digests) == 1
+    startup = _import_seconds("torch_serialized.voc.packer") if b.workers > 1 else None
+    n = result.num_samples
+    pack_size = result.num_bytes
+    source_files = _files_under(b.voc_root)
+    source_apparent = sum(os.stat(p).st_size for p in source_files)
+    source_allocated = sum(os.stat(p).st_blocks * 512 for p in source_files)
+    pack_allocated = sum(os.stat(p).st_blocks * 512 for p in _pack_files(b.packed()))
+    b.details["pack"] = {
+        "num_samples": n,
+        "workers": widths,
+        "seconds": {str(w): s for w, s in seconds.items()},
+        "outputs_identical": identical,
+        "pack_worker_import_seconds": startup,
+        "pack_bytes": pack_size,
+        "pack_allocated_bytes": pack_allocated,
+        "source_bytes_packed": result.source_bytes,
+        "source_folder_bytes": source_apparent,
+        "source_folder_allocated_bytes": source_allocated,
+        "source_files": len(source_files),
+    }
+    rows = []
+    for w in widths:
+        mbps = Stat.of([pack_size / s / _MB for s in seconds[w]])
+        rows.append(
+            Row(
+                f"pack_{w}",
+                "pack",
+                f"pack, {w} process{'es' if w > 1 else ''}",
+                "samples/s",
+                "info",
+                None,
+                _rates(n, seconds[w]),
+                note=f"{mbps.median:.0f} MB/s written"
+                + (
+                    ""
+                    if w == 1
+                    else f"; output identical to 1 process: {identical}; a spawned worker "
+                    f"needs {startup:.1f} s to import torch_serialized.voc.packer"
+                ),
+            )
+        )
+    rows.append(
+        Row(
+            "pack_size",
+            "pack",
+            "size on disk (allocated)",
+            "MB",
+            "cost",
+            Stat.of([source_allocated / _MB]),
+            Stat.of([pack_allocated / _MB]),
+            note=f"source folder: {len(source_files)} files, {source_apparent / _MB:.1f} MB "
+            f"apparent; pack adds parsed targets and object arrays",
+        )
+    )
+    if not identical:
+        rows[-2].met = False
+        rows[-2].reason = "packs written with 1 and N processes differ: a determinism bug"
+    return rows
+
+
+def _import_seconds(module: str) -> float:
+    """Seconds a fresh interpreter takes to import ``module`` (a spawned pack worker's start)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
+    return time.perf_counter() - start
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    for part in sorted(_pack_files(path)):
+        digest.update(os.path.relpath(part, path).encode() if path.is_dir() else b"")
+        with open(part, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()

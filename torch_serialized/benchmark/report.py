@@ -1,0 +1,148 @@
+"""Reports: the Markdown table, the PNG chart and JSON serialisation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .core import _IMAGE_SET, Row, Stat
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "–"
+    if unit == "ms/sample":
+        return f"{value:.2f}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.1f}"
+
+
+def _cell(stat: Stat | None, unit: str) -> str:
+    if stat is None:
+        return "–"
+    if stat.min == stat.max:
+        return _fmt(stat.median, unit)
+    return f"{_fmt(stat.median, unit)} ({_fmt(stat.min, unit)}–{_fmt(stat.max, unit)})"
+
+
+def _ratio_cell(row: Row) -> str:
+    if row.ratio is None:
+        return "–"
+    if row.kind == "overhead":
+        return f"{row.ratio:+.1%}"
+    return f"{row.ratio:.2f}x"
+
+
+def _target_cell(row: Row) -> str:
+    if row.target is None:
+        return "–"
+    if row.kind == "overhead":
+        return f"≤ {row.target:+.0%}"
+    if row.kind == "limit":
+        return f"< {row.target:g} {row.unit}"
+    return f"≥ {row.target:g}x"
+
+
+def _peer_cell(row: Row) -> str:
+    if row.peer_best is None:
+        return "–"
+    value, who = row.peer_best
+    return f"{value:,.0f}/s {who}" if row.key.startswith("pack") else f"{value:g}x {who}"
+
+
+def _verdict(row: Row) -> str:
+    return {True: "met", False: "**MISSED**", None: "–"}[row.met]
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The results table (with environment line and misses) as Markdown."""
+    env, cfg = result["environment"], result["config"]
+    lines = [
+        "# torch_serialized vs torchvision VOCDetection",
+        "",
+        f"{cfg['num_images']} images ({cfg['data']}), image set {_IMAGE_SET!r}, "
+        f"{cfg['repeats']} repeat(s), median (min–max); {env['cpus_usable']} usable CPUs "
+        f"({env['cpu_model']}), torch {env['torch']}, torchvision {env['torchvision']}, "
+        f"Pillow {env['pillow']}, read-ahead {env['read_ahead_kb']} KiB; {env['date']}.",
+        "",
+        "| scenario | unit | torchvision | torch_serialized | ×tv | target | peer best | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [r for s in result["scenarios"].values() for r in s["rows"]]
+    for r in rows:
+        row = _row_from_dict(r)
+        lines.append(
+            f"| {row.name} | {row.unit} | {_cell(row.baseline, row.unit)} | "
+            f"{_cell(row.ours, row.unit)} | {_ratio_cell(row)} | {_target_cell(row)} | "
+            f"{_peer_cell(row)} | {_verdict(row)} |"
+        )
+    notes = [f"- {r['name']}: {r['note']}" for r in rows if r["note"]]
+    if notes:
+        lines += ["", "Notes:", "", *notes]
+    if result["misses"]:
+        lines += ["", "Missed targets:", "", *[f"- {m}" for m in result["misses"]]]
+    return "\n".join(lines) + "\n"
+
+
+def _row_from_dict(d: dict[str, Any]) -> Row:
+    stats = {k: Stat(**d[k]) if d[k] else None for k in ("baseline", "ours")}
+    peer = tuple(d["peer_best"]) if d["peer_best"] else None
+    return Row(**{**d, **stats, "peer_best": peer})  # type: ignore[arg-type]
+
+
+def _miss_text(row: Row) -> str:
+    value = _ratio_cell(row) if row.ratio is not None else _cell(row.ours, row.unit)
+    return f"{row.name}: {value} vs target {_target_cell(row)}: {row.reason or 'see details'}"
+
+
+def _plot(result: dict[str, Any], path: Path) -> bool:
+    """Bar chart of the ratios to torchvision with targets and peer bests; False without mpl."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [
+        _row_from_dict(r)
+        for s in result["scenarios"].values()
+        for r in s["rows"]
+        if r["kind"] in ("rate", "cost") and r["ratio"] is not None
+    ]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    y = np.arange(len(rows))[::-1]
+    colours = [{True: "#2a7", False: "#d55", None: "#89a"}[r.met] for r in rows]
+    ratios = [float(r.ratio or 0.0) for r in rows]
+    ax.barh(y, ratios, color=colours)
+    for yi, r, ratio in zip(y, rows, ratios):
+        ax.text(ratio * 1.03, yi, f"{ratio:.2f}x", va="center", fontsize=8)
+        if r.target is not None:
+            ax.plot([r.target], [yi], "k|", markersize=14)
+        if r.peer_best is not None and not r.key.startswith("pack"):
+            ax.plot([r.peer_best[0]], [yi], "bx", markersize=6)
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yticks(y, [r.name for r in rows], fontsize=8)
+    ax.set_xlabel("ratio to torchvision VOCDetection (log; | target, x peer best)")
+    ax.set_title(f"torch_serialized, {result['config']['num_images']} images")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    raise TypeError(f"cannot serialise {type(value).__name__}")

@@ -1,0 +1,159 @@
+"""Entry points: ``run_benchmark`` runs the chosen scenarios and writes the reports; ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .access import _scenario_bytes
+from .cold import _scenario_cold
+from .context import _Bench
+from .core import _IMAGE_SET, _SEED, SCENARIOS, Row
+from .decoded import _scenario_decoded, _scenario_tensor
+from .loader import _scenario_dataloader
+from .memory import _scenario_memory
+from .packing import _scenario_pack
+from .report import _json_default, _miss_text, _plot, _row_from_dict, render_markdown
+from .system import _environment, _files_under, _read_all
+
+_RUNNERS: dict[str, Callable[[_Bench], list[Row]]] = {
+    "pack": _scenario_pack,
+    "bytes": _scenario_bytes,
+    "decoded": _scenario_decoded,
+    "tensor": _scenario_tensor,
+    "cold": _scenario_cold,
+    "dataloader": _scenario_dataloader,
+    "memory": _scenario_memory,
+}
+
+
+def run_benchmark(
+    root: str | None = None,
+    *,
+    year: str = "2012",
+    num_images: int = 2000,
+    repeats: int = 3,
+    out_dir: str = "benchmarks/out",
+    scenarios: Sequence[str] | None = None,
+    quick: bool = False,
+    workers: int = 2,
+    work_dir: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the scenarios and write ``results.md``, ``results.json`` and ``results.png``.
+
+    ``root`` is torchvision's VOC root; without it ``num_images`` synthetic images are generated
+    (in ``work_dir``, or a temporary folder removed afterwards). ``quick`` uses 64 images and one
+    repeat (for tests). ``workers`` is both the pack processes and the DataLoader workers (the
+    memory scenario uses at least one). ``progress`` prints each scenario as it starts and the
+    table at the end. Returns what ``results.json`` holds (plus ``chart``, the PNG or None).
+    """
+    chosen = list(SCENARIOS if scenarios is None else scenarios)
+    unknown = [s for s in chosen if s not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
+    chosen = [s for s in SCENARIOS if s in chosen]
+    if quick:
+        num_images, repeats = min(num_images, 64), 1
+    if repeats < 1 or num_images < 1 or workers < 0:
+        raise ValueError("repeats and num_images must be at least 1, workers at least 0")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    temp = None if work_dir else tempfile.mkdtemp(prefix="tser-bench-")
+    work = Path(work_dir or temp)  # type: ignore[arg-type]
+    work.mkdir(parents=True, exist_ok=True)
+    say = print if progress else (lambda *a, **k: None)
+    try:
+        if root is None:
+            from ..voc.synthetic import make_synthetic_voc
+
+            say(f"generating {num_images} synthetic VOC images in {work / 'voc'} ...")
+            tv_root = make_synthetic_voc(work / "voc", num_images, year=year, seed=_SEED)
+            data = "synthetic"
+        else:
+            tv_root, data = Path(root), f"VOC at {root}"
+        bench = _Bench(tv_root, year, work, repeats, quick, workers)
+        if "pack" not in chosen:
+            bench.packed()
+        _read_all(_files_under(bench.voc_root))  # a warm start for the warm scenarios
+        scenario_results: dict[str, Any] = {}
+        started = time.perf_counter()
+        for name in chosen:
+            say(f"[{time.perf_counter() - started:6.1f}s] {name} ...")
+            t0 = time.perf_counter()
+            rows = [r.finish() for r in _RUNNERS[name](bench)]
+            gc.collect()
+            scenario_results[name] = {
+                "rows": [asdict(r) for r in rows],
+                "details": bench.details.get(name, {}),
+                "seconds": time.perf_counter() - t0,
+            }
+        all_rows = [_row_from_dict(r) for s in scenario_results.values() for r in s["rows"]]
+        result: dict[str, Any] = {
+            "environment": _environment(work),
+            "config": {
+                "data": data,
+                "num_images": len(bench.tv()),
+                "year": year,
+                "image_set": _IMAGE_SET,
+                "repeats": repeats,
+                "workers": workers,
+                "quick": quick,
+                "scenarios": chosen,
+            },
+            "scenarios": scenario_results,
+            "misses": [_miss_text(r) for r in all_rows if r.met is False],
+            "seconds": time.perf_counter() - started,
+        }
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    markdown = render_markdown(result)
+    (out / "results.md").write_text(markdown, encoding="utf-8")
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    result["chart"] = str(out / "results.png") if _plot(result, out / "results.png") else None
+    say(markdown)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python benchmarks/run.py --num-images 2000 --out-dir benchmarks/out``."""
+    parser = argparse.ArgumentParser(
+        prog="torch-serialized bench",
+        description="Benchmark torch_serialized against torchvision's VOCDetection.",
+    )
+    parser.add_argument("--root", help="torchvision's VOC root (default: generate synthetic VOC)")
+    parser.add_argument("--year", default="2012")
+    parser.add_argument("--num-images", type=int, default=2000, help="synthetic images")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out-dir", default="benchmarks/out")
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)}",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="pack and DataLoader processes")
+    parser.add_argument("--work-dir", help="keep generated data and packs here")
+    parser.add_argument("--quick", action="store_true", help="64 images, 1 repeat")
+    args = parser.parse_args(argv)
+    result = run_benchmark(
+        args.root,
+        year=args.year,
+        num_images=args.num_images,
+        repeats=args.repeats,
+        out_dir=args.out_dir,
+        scenarios=[s.strip() for s in args.scenarios.split(",") if s.strip()],
+        quick=args.quick,
+        workers=args.workers,
+        work_dir=args.work_dir,
+        progress=True,
+    )
+    return 0 if result["config"]["scenarios"] else 1

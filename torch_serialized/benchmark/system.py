@@ -1,0 +1,186 @@
+"""The machine: page cache eviction (``mincore``), ``/proc`` memory, read-ahead, environment."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .core import _MB, _MIB
+
+
+class PageCache:
+    """Evict files from the page cache and count their resident pages (Linux)."""
+
+    def __init__(self) -> None:
+        self.fadvise = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
+        self._libc: Any = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            self._libc = libc
+        except (OSError, AttributeError):
+            self._libc = None
+
+    @property
+    def can_check(self) -> bool:
+        return self._libc is not None and sys.platform.startswith("linux")
+
+    def evict(self, paths: Iterable[str]) -> None:
+        """Write back dirty pages, then drop every file's cached pages."""
+        if not self.fadvise:
+            return
+        os.sync()  # DONTNEED leaves dirty pages in place
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def resident(self, paths: Iterable[str]) -> float | None:
+        """Fraction of the files' pages in the page cache (``mincore``), or None if unknown."""
+        if not self.can_check:
+            return None
+        libc, page = self._libc, os.sysconf("SC_PAGE_SIZE")
+        total = cached = 0
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    continue
+                addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    return None
+                try:
+                    pages = (size + page - 1) // page
+                    vec = (ctypes.c_ubyte * pages)()
+                    if libc.mincore(addr, size, vec) != 0:
+                        return None
+                    cached += sum(v & 1 for v in bytes(vec))
+                    total += pages
+                finally:
+                    libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+        return cached / total if total else 0.0
+
+
+def _files_under(folder: Path) -> list[str]:
+    return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files]
+
+
+def _pack_files(path: Path) -> list[str]:
+    return _files_under(path) if path.is_dir() else [str(path)]
+
+
+def _read_all(paths: Iterable[str], chunk: int = 4 * _MIB) -> None:
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(chunk):
+                pass
+
+
+def _smaps(pid: int) -> dict[str, float]:
+    """Memory of a process in MB: USS, PSS, RSS, anonymous (``smaps_rollup``) and ``heap``.
+
+    ``heap`` is the private dirty memory of anonymous mappings (heap, stacks, anonymous
+    mmaps), from ``/proc/PID/smaps``: what the process allocated or copied on write from its
+    parent. It leaves out file mappings (the pack) and shared memory (``/dev/shm`` segments of
+    batches in flight to the main process), both of which move USS and PSS.
+    """
+    kb: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+                kb[parts[0][:-1]] = int(parts[1])
+    heap = 0
+    anonymous = False
+    with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            first = line.split(maxsplit=6)
+            if first and not first[0].endswith(":"):  # a mapping's header line
+                name = first[5].strip() if len(first) > 5 else ""
+                anonymous = not name or (name.startswith("[") and name != "[vvar]")
+            elif anonymous and first[0] == "Private_Dirty:":
+                heap += int(first[1])
+    return {
+        "uss": (kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)) * 1024 / _MB,
+        "pss": kb.get("Pss", 0) * 1024 / _MB,
+        "rss": kb.get("Rss", 0) * 1024 / _MB,
+        "anon": kb.get("Anonymous", 0) * 1024 / _MB,
+        "heap": heap * 1024 / _MB,
+    }
+
+
+def _read_ahead_kb(path: Path) -> int | None:
+    """Read-ahead of the block device holding ``path`` (None where unknown, e.g. overlayfs)."""
+    dev = os.stat(path).st_dev
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for candidate in (base / "queue" / "read_ahead_kb", base / ".." / "queue" / "read_ahead_kb"):
+        try:
+            return int(candidate.read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _environment(work: Path) -> dict[str, Any]:
+    import PIL
+    import torch
+    import torchvision
+    from PIL import features
+
+    from .._version import __version__
+
+    cpu_model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f if "model name" in ln), None)
+    except OSError:
+        pass
+    try:
+        usable: int | None = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = None
+    try:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        memory_gb = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_serialized": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "numpy": np.__version__,
+        "pillow": PIL.__version__,
+        "libjpeg_turbo": features.version("libjpeg_turbo"),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "cpu_model": cpu_model,
+        "memory_gb": round(memory_gb, 1) if memory_gb else None,
+        "read_ahead_kb": _read_ahead_kb(work),
+        "torch_threads": torch.get_num_threads(),
+    }

@@ -14,6 +14,7 @@ from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 import torch_serialized as ts
 from torch_serialized.voc.pack import VOCPack
+from torch_serialized.voc.packer import jpeg_size
 from torch_serialized.voc.synthetic import make_synthetic_voc
 
 
@@ -247,3 +248,18 @@ def test_image_bytes_are_stored_unchanged(synthetic: Path, tmp_path: Path) -> No
         assert bytes(ds[i][0].numpy()) == Path(tv.images[i]).read_bytes()
         with Image.open(io.BytesIO(bytes(ds[i][0].numpy()))) as image:
             assert image.format == "JPEG"
+
+
+def test_jpeg_size_matches_pillow_on_every_corner_case(corner_devkit: Path) -> None:
+    images = sorted((corner_devkit / "VOCdevkit" / "VOC2007" / "JPEGImages").glob("*.jpg"))
+    assert images
+    for path in images:
+        data = path.read_bytes()
+        size = jpeg_size(data)
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format == "JPEG":
+                assert size == image.size, path.name
+            else:  # PNG bytes behind a .jpg name: Pillow decides
+                assert size is None
+    assert jpeg_size(b"\xff\xd8\xff\xe0\x00") is None  # cut inside the markers
+    assert jpeg_size(b"GIF89a") is None

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -395,6 +396,11 @@ def _store_image(
     data: bytes, path: str, options: _Options
 ) -> tuple[bytes, int, int, tuple[float, float] | None]:
     """The bytes to store for an image, its stored size, and the box scale if resized."""
+    if not (options.check_images or options.image_storage == "raw" or options.max_size):
+        size = jpeg_size(data)  # the common case: stored as is, only the size is needed
+        if size is not None:
+            _check_pixels(size, path)
+            return data, size[0], size[1], None
     try:
         img: Image.Image = Image.open(io.BytesIO(data))
         width, height = img.size
@@ -421,6 +427,60 @@ def _store_image(
     if options.image_storage == "raw":
         return img.tobytes(), width, height, scale
     return data, width, height, scale
+
+
+#: Start-of-frame markers (baseline, extended, progressive, lossless...): they hold the size.
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` from a JPEG's start-of-frame header, or ``None`` if not found.
+
+    Reads a few hundred bytes of markers instead of opening the image with PIL, which was
+    ~15% of packing time. ``None`` (not a JPEG, odd markers) sends the caller to PIL.
+    """
+    if data[:2] != b"\xff\xd8":
+        return None
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if length < 2:
+            return None
+        if marker in _SOF_MARKERS:
+            if i + 9 > n:
+                return None
+            height = int.from_bytes(data[i + 5 : i + 7], "big")
+            width = int.from_bytes(data[i + 7 : i + 9], "big")
+            return (width, height) if width and height else None
+        i += 2 + length
+    return None
+
+
+def _check_pixels(size: tuple[int, int], path: str) -> None:
+    """Pillow's decompression-bomb rule, for images whose size was read without Pillow."""
+    limit = Image.MAX_IMAGE_PIXELS
+    pixels = size[0] * size[1]
+    if limit and pixels > 2 * limit:
+        raise SourceDataError(
+            f"{path}: image size ({pixels} pixels) exceeds limit of {2 * limit} pixels, could "
+            "be decompression bomb DOS attack; refusing a decompression bomb"
+        )
+    if limit and pixels > limit:
+        warnings.warn(
+            f"{path}: image size ({pixels} pixels) exceeds limit of {limit} pixels, could be "
+            "decompression bomb DOS attack.",
+            Image.DecompressionBombWarning,
+            stacklevel=2,
+        )
 
 
 def _scale_objects(objects: Any, scale: tuple[float, float]) -> Any:

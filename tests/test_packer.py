@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from torchvision.datasets import VOCDetection
+from torchvision.datasets import VOCDetection, VOCSegmentation
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 import torch_serialized as ts
@@ -263,3 +263,18 @@ def test_jpeg_size_matches_pillow_on_every_corner_case(corner_devkit: Path) -> N
                 assert size is None
     assert jpeg_size(b"\xff\xd8\xff\xe0\x00") is None  # cut inside the markers
     assert jpeg_size(b"GIF89a") is None
+
+
+def test_torchvision_keywords_year_and_download(synthetic: Path, tmp_path: Path) -> None:
+    path = ts.pack_voc(synthetic, tmp_path / "out.tser", year="2007").path
+    tv = VOCDetection(synthetic, year="2007", image_set="val", download=False)
+    ours = ts.VOCSerializedDataset(path, year="2007", image_set="val", download=False)
+    assert len(ours) == len(tv) and ours[0][1] == tv[0][1]
+    segmentation = VOCSegmentation(synthetic, year="2007", image_set="val")
+    assert len(ts.VOCSerializedSegmentation(path, year="2007", image_set="val")) == len(
+        segmentation
+    )
+    with pytest.raises(ValueError, match="VOC2007, not VOC2012"):
+        ts.VOCSerializedDataset(path, year="2012")
+    with pytest.raises(ValueError, match="local file"):
+        ts.VOCSerializedDataset(path, download=True)

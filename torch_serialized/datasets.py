@@ -42,8 +42,20 @@ class _PackedVOCBase:
         target_format: TargetFormat,
         classes: Classes,
         checked: bool,
+        year: str | None,
+        download: bool,
     ) -> None:
+        if download:
+            raise ValueError(
+                "a pack is a local file: download with torchvision's VOCDetection(download=True) "
+                "once, pack it with torch_serialized.pack_voc, then pass the pack's path"
+            )
         self.pack = VOCPack(path, checked=checked)
+        if year is not None and str(year) != self.pack.year:
+            raise ValueError(
+                f"{self.pack.path} holds VOC{self.pack.year}, not VOC{year}; pass that pack's "
+                "year (or none: the pack knows it)"
+            )
         self.year = self.pack.year
         self.image_set = image_set
         self.records = self.pack.split(self._TASK, image_set)
@@ -105,6 +117,8 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         target_format: ``"dict"`` (default, exact) or ``"tv_tensors"``; see ``TargetFormat``.
         classes: label names for ``"tv_tensors"`` targets; see ``Classes``.
         checked: verify each record's checksum as it is read.
+        year, download: accepted as keywords so ``VOCDetection(...)`` calls migrate by changing
+            the first argument only; ``year`` must match the pack, ``download`` must be False.
     """
 
     _TASK, _TARGET_DIR, _TARGET_EXT = "Main", "Annotations", ".xml"
@@ -121,9 +135,11 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         target_format: TargetFormat = "dict",
         classes: Classes = None,
         checked: bool = False,
+        year: str | None = None,
+        download: bool = False,
     ) -> None:
         VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
-        self._open(path, image_set, decode, target_format, classes, checked)
+        self._open(path, image_set, decode, target_format, classes, checked, year, download)
 
     @property
     def annotations(self) -> list[str]:
@@ -156,9 +172,11 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
         *,
         decode: Decode = "pil",
         checked: bool = False,
+        year: str | None = None,
+        download: bool = False,
     ) -> None:
         VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
-        self._open(path, image_set, decode, "dict", None, checked)
+        self._open(path, image_set, decode, "dict", None, checked, year, download)
 
     @property
     def masks(self) -> list[str]:

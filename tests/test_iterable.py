@@ -439,3 +439,31 @@ def test_shuffle_buffer_is_a_bounded_permutation(n, size, seed) -> None:
     assert all(i >= item - max(size, 1) for i, item in enumerate(out))
     again = list(shuffle_buffer(range(n), size, np.random.default_rng(seed)))
     assert out == again
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_follow_set_epoch(packs, context) -> None:
+    # A persistent worker keeps its copy of the dataset across epochs: set_epoch in the main
+    # process must still reach it, or every epoch would repeat the first one's order.
+    ds = cheap(packs["single"], "trainval", shuffle=True, seed=3)
+    loader = DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
+    )
+    seen = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        fresh = cheap(packs["single"], "trainval", shuffle=True, seed=3)
+        fresh.set_epoch(epoch)
+        expected = read_ids(fresh, workers=2)
+        seen.append([d for d, _ in loader])
+        assert seen[-1] == expected, f"epoch {epoch} differs from a fresh loader's"
+    assert seen[0] != seen[1] != seen[2]
+
+
+def test_plain_pickle_keeps_the_epoch_number(packs) -> None:
+    ds = cheap(packs["single"], "trainval", shuffle=True)
+    ds.set_epoch(7)
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.epoch == 7
+    copy.set_epoch(8)  # an independent copy: no shared memory outside DataLoader workers
+    assert ds.epoch == 7

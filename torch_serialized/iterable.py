@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable
 
 import numpy as np
@@ -313,10 +315,12 @@ class VOCSerializedIterableDataset(IterableDataset):
     blocks shuffle better and read less sequentially.
 
     **Epochs and resumption.** Call ``set_epoch`` before each epoch, as with
-    ``DistributedSampler`` (with ``persistent_workers=True`` workers keep the epoch they
-    started with). ``state_dict``/``load_state_dict`` follow torchdata's ``StatefulDataLoader``
-    protocol: it snapshots each worker's copy of the dataset; the state is the epoch and the
-    samples this worker yielded in it (plus the settings, checked on load). A resumed
+    ``DistributedSampler``. The epoch lives in a shared-memory integer handed to DataLoader
+    workers when they start, so ``persistent_workers=True`` workers see every ``set_epoch``
+    too (a plain pickle of the dataset carries the number only). ``state_dict`` /
+    ``load_state_dict`` follow torchdata's ``StatefulDataLoader`` protocol: it snapshots
+    each worker's copy of the dataset; the state is the epoch and the samples this worker
+    yielded in it (plus the settings, checked on load). A resumed
     iterator replays the plan and the shuffle buffer's draws without reading, so it yields
     exactly the rest of the interrupted epoch, in the same order. One live iterator per
     dataset object.
@@ -384,7 +388,10 @@ class VOCSerializedIterableDataset(IterableDataset):
         self.shuffle, self.seed = shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.block_size, self.shuffle_buffer = block_size, shuffle_buffer
-        self.epoch = 0
+        self._epoch = 0
+        #: The epoch as DataLoader workers see it: shared memory they inherit at start, so a
+        #: set_epoch in the main process reaches persistent workers (see __getstate__).
+        self._shared_epoch: Any = multiprocessing.RawValue("q", 0)
         self._yielded = 0  # samples the current iterator has yielded in this epoch
         self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
 
@@ -421,6 +428,24 @@ class VOCSerializedIterableDataset(IterableDataset):
             self._resume = None
             self._yielded = 0
         self.epoch = epoch
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order the next iteration follows."""
+        return int(self._shared_epoch.value) if self._shared_epoch is not None else self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._epoch = int(value)
+        if self._shared_epoch is not None:
+            self._shared_epoch.value = self._epoch
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if get_spawning_popen() is None:  # not a worker being started: keep the number only
+            state["_shared_epoch"] = None
+            state["_epoch"] = self.epoch
+        return state
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[Any, Any]]:

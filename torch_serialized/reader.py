@@ -10,7 +10,6 @@ never imports torch.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import mmap
@@ -282,28 +281,6 @@ class ContainerReader:
                     bad.append(i)
                     break
         return bad
-
-    def madvise(self, option: int, start: int = 0, length: int | None = None) -> None:
-        """Pass an access-pattern hint for a byte range to the kernel (no-op where unsupported)."""
-        if self._pid != os.getpid():
-            self._reopen()
-        if self._mmap is None or not hasattr(self._mmap, "madvise"):
-            return
-        page = mmap.PAGESIZE
-        begin = start - start % page
-        end = len(self._mmap) if length is None else min(start + length, len(self._mmap))
-        if end > begin:
-            with contextlib.suppress(OSError):
-                self._mmap.madvise(option, begin, end - begin)
-
-    def record_range(self, i: int, j: int) -> tuple[int, int]:
-        """Byte range ``[start, stop)`` covering records ``i`` to ``j - 1``."""
-        if self._pid != os.getpid():
-            self._reopen()
-        if i >= j:
-            return (0, 0)
-        offsets, lengths = self._offsets[i:j], self._lengths[i:j]  # type: ignore[index]
-        return int(offsets.min()), int((offsets + lengths).max())
 
     def read_records(
         self, records: Sequence[int] | np.ndarray, fields: Sequence[int]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from torchvision.datasets import VOCDetection, VOCSegmentation
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
@@ -278,3 +279,22 @@ def test_torchvision_keywords_year_and_download(synthetic: Path, tmp_path: Path)
         ts.VOCSerializedDataset(path, year="2012")
     with pytest.raises(ValueError, match="local file"):
         ts.VOCSerializedDataset(path, download=True)
+
+
+def test_undecoded_bytes_batch_decode_like_the_tensor_path(synthetic: Path, tmp_path: Path) -> None:
+    # README: decode="none" output goes to torchvision.io.decode_jpeg in batches (GPU there;
+    # the same call on the CPU here) and gives what decode="tensor" gives per sample.
+    import warnings
+
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    path = ts.pack_voc(synthetic, tmp_path / "out.tser", year="2007").path
+    raw = ts.VOCSerializedDataset(path, "train", decode="none")
+    tensors = ts.VOCSerializedDataset(path, "train", decode="tensor")
+    batch = [raw[i][0] for i in range(len(raw))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 -> TorchCodec
+        decoded = decode_jpeg(batch, mode=ImageReadMode.RGB)
+    assert len(decoded) == len(tensors) > 0
+    for i, image in enumerate(decoded):
+        assert torch.equal(image, tensors[i][0])

@@ -6,6 +6,7 @@ itself. ``parse_container`` is an independent reader written from docs/FORMAT.md
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing as mp
@@ -285,6 +286,97 @@ def test_round_trip(form, data, limit):
                 f"shard-{s:05d}.tser" for s in range(len(files))
             ]
             assert [e["bytes"] for e in manifest["shards"]] == [f.stat().st_size for f in files]
+
+
+def _files_bytes(path: Path) -> dict[str, bytes]:
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("form", ["single", "shards"])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=datasets(),
+    limit=limits,
+    reserved=st.lists(st.booleans(), min_size=1, max_size=12),
+    copy_file_range=st.booleans(),
+)
+def test_reserved_records_copied_in_equal_added_ones(form, data, limit, reserved, copy_file_range):
+    """Parallel packing: records laid out by another writer, ``reserve``d and copied in with
+    ``copy_range`` before each file is finished, give the same bytes as ``add`` (padding
+    holes, shard limits and the pread/pwrite fallback included)."""
+    from unittest import mock
+
+    from torch_serialized.writer import ContainerWriter, copy_range
+
+    limit = limit if form == "shards" else {}
+    rows = data["rows"]
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def write(out: Path, **extra: Any) -> ArchiveWriter:
+            w = ArchiveWriter(out, data["fields"], columns=data["columns"], **limit, **extra)
+            return w
+
+        plain = write(Path(tmp) / "plain")
+        for i, record in enumerate(data["records"]):
+            plain.add(record, None if rows is None else rows[i])
+        for name, array in data["arrays"].items():
+            plain.add_array(name, array)
+        plain.close(data["user"])
+
+        spill_path = Path(tmp) / "spill"
+        with open(spill_path, "wb") as f:
+            spill = ContainerWriter(f, data["fields"])
+            for record in data["records"]:
+                spill.add(record)
+        entries = [spill.entries(i) for i in range(spill.num_records)]
+        pending: list[tuple[np.ndarray, Path, int]] = []
+
+        def copy_pending() -> None:
+            with open(spill_path, "rb") as source:
+                for row_entries, target, at in pending:
+                    start = int(row_entries["offset"][0])
+                    end = int(row_entries["offset"][-1] + row_entries["length"][-1])
+                    with open(target, "r+b") as out:
+                        copy_range(source.fileno(), start, out.fileno(), at, end - start)
+            pending.clear()
+
+        unsupported = OSError(errno.EXDEV, "cross-device")
+        patch = mock.patch.object(os, "copy_file_range", side_effect=unsupported, create=True)
+        with contextlib.ExitStack() as stack:
+            if not copy_file_range:
+                stack.enter_context(patch)
+            mixed = write(Path(tmp) / "mixed", before_finish=copy_pending)
+            for i, record in enumerate(data["records"]):
+                row = None if rows is None else rows[i]
+                if reserved[i % len(reserved)]:
+                    index, target, at = mixed.reserve(entries[i], row)
+                    assert index == i
+                    pending.append((entries[i], target, at))
+                else:
+                    assert mixed.add(record, row) == i
+            for name, array in data["arrays"].items():
+                mixed.add_array(name, array)
+            mixed.close(data["user"])
+        assert _files_bytes(Path(tmp) / "mixed") == _files_bytes(Path(tmp) / "plain")
+
+
+def test_reserve_refuses_a_foreign_layout(tmp_path):
+    from torch_serialized.writer import ContainerWriter
+
+    with open(tmp_path / "x", "wb") as f:
+        w = ContainerWriter(f, ["a", "b"])
+        w.add([b"abc", b"de"])
+        entries = w.entries(0)
+        with pytest.raises(ValueError, match="expected 2 entries"):
+            w.reserve(entries[:1])
+        shifted = entries.copy()
+        shifted["offset"] += 8
+        with pytest.raises(ValueError, match="alignment"):
+            w.reserve(shifted)
+        with pytest.raises(IndexError):
+            w.entries(1)
 
 
 @pytest.mark.parametrize("form", FORMS)

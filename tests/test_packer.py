@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,10 +70,54 @@ def test_voc_folder_itself_gives_the_year(synthetic: Path, tmp_path: Path) -> No
     assert "annotation" in sample["target"]
 
 
-def test_parallel_pack_is_byte_identical(synthetic: Path, tmp_path: Path) -> None:
-    one = ts.pack_voc(synthetic, tmp_path / "one.tser", year="2007")
-    two = ts.pack_voc(synthetic, tmp_path / "two.tser", year="2007", workers=2)
-    assert one.path.read_bytes() == two.path.read_bytes()
+def _pack_bytes(path: Path) -> dict[str, bytes]:
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_samples_per_shard": 5},  # shard ends inside worker chunks
+        {"max_shard_bytes": 400_000},
+        {"image_storage": "raw", "max_size": 64},
+        {"on_error": "skip", "check_images": True},
+    ],
+    ids=["file", "shards-by-count", "shards-by-size", "raw-resized", "skip"],
+)
+def test_parallel_pack_is_byte_identical(
+    synthetic: Path, tmp_path: Path, options: dict[str, Any]
+) -> None:
+    """Workers lay records out in scratch files and copy them into holes the writer leaves:
+    every byte, padding and shard boundaries included, must equal a one-process pack."""
+    if options.get("on_error") == "skip":  # a bad sample in the middle of a worker chunk
+        source = tmp_path / "src"
+        shutil.copytree(synthetic, source)
+        jpegs = sorted((source / "VOCdevkit/VOC2007/JPEGImages").iterdir())
+        jpegs[len(jpegs) // 2].write_bytes(_TRUNCATED)
+        synthetic = source
+    one = ts.pack_voc(synthetic, tmp_path / "one", year="2007", **options)
+    assert bool(one.skipped) == ("on_error" in options)
+    for workers in (2, 3):
+        many = ts.pack_voc(
+            synthetic, tmp_path / f"w{workers}", year="2007", workers=workers, **options
+        )
+        assert _pack_bytes(many.path) == _pack_bytes(one.path)
+        assert many.skipped == one.skipped
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_parallel_pack_fails_cleanly(tmp_path: Path) -> None:
+    ids = [f"{i:03d}" for i in range(40)]
+    root = _tiny_devkit(tmp_path / "src", ids)
+    (root / "VOCdevkit/VOC2007/JPEGImages/027.jpg").unlink()
+    with pytest.raises(ts.SourceDataError) as info:
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007", workers=2)
+    assert "027.jpg" in str(info.value) and "train.txt line 28" in str(info.value)
+    _no_output(tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_shards_hold_the_same_samples(synthetic: Path, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Union
 
@@ -29,6 +29,8 @@ __all__ = ["ContainerWriter", "ArchiveWriter", "Payload"]
 
 Payload = Union[bytes, bytearray, memoryview]  # not ``X | Y``: this runs on Python 3.9
 _PAD = bytes(1 << 16)
+#: ``copy_file_range`` errors that mean "not here" (cross-device, unsupported): copy by hand.
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def _check_options(fields: Sequence[str], alignment: int, columns: np.dtype | None) -> None:
@@ -40,6 +42,30 @@ def _check_options(fields: Sequence[str], alignment: int, columns: np.dtype | No
         )
     if columns is not None:
         fmt.dtype_to_json(columns)  # refuse unstorable columns now, not after every record
+
+
+def copy_range(source: int, offset: int, target: int, at: int, length: int) -> None:
+    """Copy ``length`` bytes of file ``source`` from ``offset`` to file ``target`` at ``at``
+    (descriptors; their positions are left alone): ``copy_file_range`` where the file system
+    allows it (no user-space copy; a reflink where extents can be shared), else pread/pwrite.
+    """
+    copy = getattr(os, "copy_file_range", None)
+    done = 0
+    while done < length:
+        if copy is not None:
+            try:
+                n = copy(source, target, length - done, offset + done, at + done)
+            except OSError as exc:
+                if exc.errno not in _NO_COPY_RANGE:
+                    raise
+                copy = None  # another file system, or a kernel without it: copy by hand
+                continue
+        else:
+            data = os.pread(source, min(length - done, 1 << 20), offset + done)
+            n = os.pwrite(target, data, at + done) if data else 0
+        if n == 0:
+            raise OSError(errno.EIO, f"the source file ended {length - done} bytes early")
+        done += n
 
 
 class ContainerWriter:
@@ -68,15 +94,22 @@ class ContainerWriter:
         self._arrays: dict[str, tuple[np.ndarray, bool]] = {}
         self.num_records = 0
         self.position = 0
+        self._hole = 0  # bytes reserved after the file's current end, not yet skipped
         self._write(fmt.pack_header(alignment))
 
     def _write(self, data: Payload) -> None:
+        if self._hole:  # skip reserved bytes (see ``reserve``) in one seek before writing on
+            self._file.seek(self._hole, os.SEEK_CUR)
+            self._hole = 0
         self._file.write(data)
         self.position += memoryview(data).nbytes
 
     def _align(self) -> None:
         pad = fmt.pad_to(self.position, self.alignment)
-        if pad:
+        if pad and self._hole:  # padding after reserved bytes: part of the hole, also zeros
+            self._hole += pad
+            self.position += pad
+        elif pad:
             self._write(_PAD[:pad])
 
     def add(self, payloads: Sequence[Payload], row: tuple[Any, ...] | None = None) -> int:
@@ -85,11 +118,7 @@ class ContainerWriter:
             raise ValueError(f"expected {len(self.fields)} payloads, got {len(payloads)}")
         if (row is None) != (self._columns is None):
             raise ValueError("pass a row exactly when the writer was given columns")
-        i = self.num_records
-        if i == len(self._index):
-            self._index = np.concatenate([self._index, np.zeros_like(self._index)])
-            if self._rows is not None:
-                self._rows = np.concatenate([self._rows, np.empty_like(self._rows)])
+        i = self._grow()
         entries = self._index[i]
         for k, payload in enumerate(payloads):
             view = memoryview(payload).cast("B")
@@ -100,6 +129,54 @@ class ContainerWriter:
         if self._rows is not None:
             self._rows[i] = row
         self.num_records = i + 1
+        return i
+
+    def entries(self, i: int) -> np.ndarray:
+        """Record ``i``'s index row (``INDEX_DTYPE``, one entry per field) in this file."""
+        if not 0 <= i < self.num_records:
+            raise IndexError(f"record {i} is not written (0..{self.num_records - 1})")
+        return self._index[i].copy()
+
+    def reserve(self, entries: np.ndarray, row: tuple[Any, ...] | None = None) -> tuple[int, int]:
+        """Leave room for a record laid out as ``entries`` describe (its index row in a file
+        written by a writer with the same fields and alignment); return ``(index, offset)``.
+
+        The caller copies the record's bytes (``entries``' first offset to its last end) to
+        ``offset`` of this file before it is finished (see ``copy_range``); padding between
+        fields is left as a hole, which reads as the zeros ``add`` writes. This is how
+        parallel packing stays byte-identical to one process while the bytes move in workers.
+        """
+        if len(entries) != len(self.fields):
+            raise ValueError(f"expected {len(self.fields)} entries, got {len(entries)}")
+        if (row is None) != (self._columns is None):
+            raise ValueError("pass a row exactly when the writer was given columns")
+        offsets = entries["offset"].astype(np.int64)
+        ends = offsets + entries["length"].astype(np.int64)
+        if (offsets % self.alignment).any() or (offsets[1:] < ends[:-1]).any():
+            raise ValueError(
+                "entries are not a record laid out by a writer with this alignment and fields"
+            )
+        self._align()
+        i = self._grow()
+        start = self.position
+        reserved = self._index[i]
+        reserved[:] = entries
+        reserved["offset"] = offsets - offsets[0] + start
+        span = int(ends[-1] - offsets[0])
+        self.position += span
+        self._hole += span
+        if self._rows is not None:
+            self._rows[i] = row
+        self.num_records = i + 1
+        return i, start
+
+    def _grow(self) -> int:
+        """The next record's number, with room for its index entry and row."""
+        i = self.num_records
+        if i == len(self._index):
+            self._index = np.concatenate([self._index, np.zeros_like(self._index)])
+            if self._rows is not None:
+                self._rows = np.concatenate([self._rows, np.empty_like(self._rows)])
         return i
 
     def add_array(self, name: str, array: np.ndarray, *, per_record: bool = False) -> None:
@@ -233,7 +310,8 @@ class ArchiveWriter:
     With ``max_records_per_shard`` or ``max_shard_bytes``, ``output`` becomes a folder of
     ``shard-NNNNN.tser`` files and ``manifest.json``. Arrays added with ``add_array`` are
     dataset-level and go into the last shard. Use as a context manager: leaving the block
-    with an exception removes all temporary output.
+    with an exception removes all temporary output. ``before_finish`` is called before each
+    file is finished: a caller that ``reserve``s records copies their bytes in by then.
     """
 
     def __init__(
@@ -245,6 +323,7 @@ class ArchiveWriter:
         max_records_per_shard: int | None = None,
         max_shard_bytes: int | None = None,
         alignment: int = fmt.DEFAULT_ALIGNMENT,
+        before_finish: Callable[[], None] | None = None,
     ) -> None:
         for name, limit in (
             ("max_records_per_shard", max_records_per_shard),
@@ -276,10 +355,13 @@ class ArchiveWriter:
         self._shards: list[dict[str, Any]] = []
         self._arrays: list[tuple[str, np.ndarray]] = []
         self._file: BinaryIO | None = None
+        self._path: Path | None = None  # the file being written
         self._writer: ContainerWriter | None = None
+        self._before_finish = before_finish
         self.num_records = 0
         self.bytes_written = 0
         self._closed = False
+        self._scratch: list[Path] = []
         try:
             if self.sharded:
                 os.mkdir(self._temp.path)
@@ -291,18 +373,45 @@ class ArchiveWriter:
         """Append one record; return its global index."""
         if self._closed:
             raise ValueError(f"writer for {self.output} is closed or was aborted")
+        sizes = [memoryview(p).nbytes for p in payloads]
+        return self._append(sizes, lambda writer: writer.add(payloads, row))
+
+    def reserve(
+        self, entries: np.ndarray, row: tuple[Any, ...] | None = None
+    ) -> tuple[int, Path, int]:
+        """Leave room for a record laid out elsewhere (see ``ContainerWriter.reserve``);
+        return its global index, and the file and offset its bytes must be copied to before
+        that file is finished (``before_finish``)."""
+        sizes = [int(n) for n in entries["length"]]
+        placed: list[int] = []
+        index = self._append(sizes, lambda writer: placed.append(writer.reserve(entries, row)[1]))
+        assert self._path is not None  # noqa: S101 - _append opened a file
+        return index, self._path, placed[0]
+
+    def _append(self, sizes: Sequence[int], add: Callable[[ContainerWriter], Any]) -> int:
+        if self._closed:
+            raise ValueError(f"writer for {self.output} is closed or was aborted")
         try:
             writer = self._writer
-            if writer is None or self._shard_full(writer, payloads):
+            if writer is None or self._shard_full(writer, sizes):
                 writer = self._next_shard()
             before = writer.position
-            writer.add(payloads, row)
+            add(writer)
             self.bytes_written += writer.position - before
         except OSError as exc:
             self.abort()
-            raise self._write_error(exc) from exc
+            raise self.write_error(exc) from exc
         self.num_records += 1
         return self.num_records - 1
+
+    def scratch(self) -> Path:
+        """A new private folder beside the output for intermediate files (e.g. records packed
+        by worker processes). It is removed with the temporary output on close or abort,
+        and by the next writer of this output if this process is killed."""
+        path = _TempPath(self.output).path
+        os.mkdir(path)
+        self._scratch.append(path)
+        return path
 
     def add_array(self, name: str, array: np.ndarray) -> None:
         """Store a dataset-level array (in the last shard of a shard set)."""
@@ -311,13 +420,13 @@ class ArchiveWriter:
         fmt.dtype_to_json(np.asarray(array).dtype)  # refuse unstorable dtypes now, not at close
         self._arrays.append((name, array))
 
-    def _shard_full(self, writer: ContainerWriter, payloads: Sequence[Payload]) -> bool:
+    def _shard_full(self, writer: ContainerWriter, sizes: Sequence[int]) -> bool:
         if not self.sharded or writer.num_records == 0:
             return False
         if self._max_records is not None and writer.num_records >= self._max_records:
             return True
         if self._max_bytes is not None:
-            size = sum(memoryview(p).nbytes + self._alignment for p in payloads)
+            size = sum(n + self._alignment for n in sizes)
             return writer.position + size > self._max_bytes
         return False
 
@@ -330,6 +439,7 @@ class ArchiveWriter:
         else:
             name, path = self.output.name, self._temp.path
         self._file = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in _finish
+        self._path = path
         self._shards.append({"file": name})
         self._writer = ContainerWriter(
             self._file, self._fields, alignment=self._alignment, columns=self._columns
@@ -340,6 +450,8 @@ class ArchiveWriter:
         """Close the current file; the last one (``user`` given) gets metadata and arrays."""
         if self._writer is None or self._file is None:
             raise RuntimeError("no shard is open")
+        if self._before_finish is not None:
+            self._before_finish()  # records reserved in this file are copied in by now
         for name, array in self._arrays if user is not None else ():
             self._writer.add_array(name, array)
         size = self._writer.finish(user or {})
@@ -362,11 +474,12 @@ class ArchiveWriter:
             if self.sharded:
                 self._write_manifest(user)
                 _fsync_dir(self._temp.path)
+            self._remove_scratch()
             self._commit()
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError) and not isinstance(exc, WriteError):
-                raise self._write_error(exc) from exc
+                raise self.write_error(exc) from exc
             raise
         self._closed = True
         return self.output
@@ -419,8 +532,14 @@ class ArchiveWriter:
         self._writer = None
         self._closed = True
         _remove(self._temp.path)
+        self._remove_scratch()
 
-    def _write_error(self, exc: OSError) -> WriteError:
+    def _remove_scratch(self) -> None:
+        while self._scratch:
+            _remove(self._scratch.pop())
+
+    def write_error(self, exc: OSError) -> WriteError:
+        """``exc``, raised while writing this output, as a ``WriteError`` that says what to do."""
         if isinstance(exc, WriteError):
             return exc
         reason = exc.strerror or str(exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -20,13 +21,20 @@ def _scenario_pack(b: _Bench) -> list[Row]:
 
     widths = sorted({1, max(1, b.workers)})
     seconds: dict[int, list[float]] = {w: [] for w in widths}
+    # CPU seconds of the writing process and of its workers: with enough cores the writer's
+    # share per sample is the ceiling of a parallel pack (2 cores cannot show the scaling).
+    cpu: dict[int, dict[str, list[float]]] = {w: {"writer": [], "workers": []} for w in widths}
     digests: set[str] = set()
     result: Any = None
     for r in range(b.repeats):
         for w in widths:
             out = b.work / f"pack-r{r}-w{w}.tser"
+            before = _cpu_seconds()
             result = pack_voc(b.tv_root, out, year=b.year, workers=w)
+            after = _cpu_seconds()
             seconds[w].append(result.seconds)
+            for k in ("writer", "workers"):
+                cpu[w][k].append((after[k] - before[k]) / max(1, result.num_samples))
             digests.add(_sha256(result.path))
             if b.pack is None:
                 b.pack = result.path
@@ -44,6 +52,7 @@ def _scenario_pack(b: _Bench) -> list[Row]:
         "num_samples": n,
         "workers": widths,
         "seconds": {str(w): s for w, s in seconds.items()},
+        "cpu_seconds_per_sample": {str(w): c for w, c in cpu.items()},
         "outputs_identical": identical,
         "pack_worker_import_seconds": startup,
         "pack_bytes": pack_size,
@@ -56,6 +65,14 @@ def _scenario_pack(b: _Bench) -> list[Row]:
     rows = []
     for w in widths:
         mbps = Stat.of([pack_size / s / _MB for s in seconds[w]])
+        writer_us = Stat.of(cpu[w]["writer"]).median * 1e6
+        workers_us = Stat.of(cpu[w]["workers"]).median * 1e6
+        share = (
+            f"; CPU per sample: {writer_us:.0f} µs in the writing process (with enough cores "
+            f"at most ~{1e6 / writer_us:,.0f} samples/s), {workers_us:.0f} µs in the workers"
+            if w > 1 and writer_us > 0
+            else ""
+        )
         rows.append(
             Row(
                 f"pack_{w}",
@@ -71,7 +88,8 @@ def _scenario_pack(b: _Bench) -> list[Row]:
                     if w == 1
                     else f"; output identical to 1 process: {identical}; a spawned worker "
                     f"needs {startup:.1f} s to import torch_serialized.voc.packer"
-                ),
+                )
+                + share,
             )
         )
     rows.append(
@@ -91,6 +109,18 @@ def _scenario_pack(b: _Bench) -> list[Row]:
         rows[-2].met = False
         rows[-2].reason = "packs written with 1 and N processes differ: a determinism bug"
     return rows
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds of this process and of its ended children so far."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return {
+        "writer": own.ru_utime + own.ru_stime,
+        "workers": children.ru_utime + children.ru_stime,
+    }
 
 
 def _import_seconds(module: str) -> float:

@@ -2,20 +2,26 @@
 
 Every id listed in ``ImageSets/Main`` or ``ImageSets/Segmentation`` is stored once, with its
 original image, XML and mask bytes, plus what makes reading fast (the parsed target as JSON,
-the objects as arrays, the image size). Samples are read and parsed by ``workers`` processes
-but written in one fixed order, so the output is byte-identical for any number of workers.
+the objects as arrays, the image size). With ``workers > 1``, worker processes read, parse
+and lay out chunks of records in scratch files exactly as the output will hold them; the
+writing process only fills in the class ids (assigned in dataset order) and has the kernel
+copy each record into place. Records are written in one fixed order, so the output is
+byte-identical for any number of workers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import json
 import os
 import re
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -25,9 +31,10 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm
 
+from .. import format as fmt
 from .._version import __version__
 from ..errors import SourceDataError
-from ..writer import ArchiveWriter
+from ..writer import ArchiveWriter, ContainerWriter, copy_range
 from . import codec
 from .layout import find_voc_root, read_image_sets
 from .xml import extract_objects, parse_annotation
@@ -86,8 +93,7 @@ class _Job:
 @dataclass
 class _Loaded:
     id: str
-    payloads: list[bytes | None]  # None: left for the writing process to read
-    sizes: list[int]  # byte length of every payload
+    payloads: list[bytes]  # empty once a pack worker wrote them to a scratch file
     width: int
     height: int
     flags: int
@@ -141,29 +147,45 @@ def pack_voc(
     record_of: dict[str, int] = {}
     record_classes: list[list[int]] = []
     source_bytes = 0
-    with ArchiveWriter(
-        output,
-        codec.FIELDS,
-        columns=codec.COLUMNS,
-        max_records_per_shard=max_samples_per_shard,
-        max_shard_bytes=max_shard_bytes,
-    ) as writer:
+    parallel = _Workers(jobs, workers, on_error == "skip") if _use_workers(jobs, workers) else None
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(
+            ArchiveWriter(
+                output,
+                codec.FIELDS,
+                columns=codec.COLUMNS,
+                max_records_per_shard=max_samples_per_shard,
+                max_shard_bytes=max_shard_bytes,
+                before_finish=parallel.drain if parallel is not None else None,
+            )
+        )
+        if parallel is not None:  # on an error, stop the workers before the output is removed
+            stack.callback(parallel.close)
         bar = tqdm(total=len(jobs), unit="img", disable=not progress, desc=f"packing {output.name}")
         last = time.perf_counter()
-        for loaded in _load_all(jobs, workers, on_error):
-            if isinstance(loaded, SkippedSample):
-                skipped.append(loaded)
+        items: Iterable[_Loaded | _Spilled | SkippedSample] = (
+            parallel.items(writer) if parallel is not None else _load_each(jobs, on_error)
+        )
+        for item in items:
+            if isinstance(item, SkippedSample):
+                skipped.append(item)
                 bar.update(1)
                 continue
+            loaded = item.loaded if isinstance(item, _Spilled) else item
             class_ids = [classes.setdefault(n, len(classes)) for n in loaded.names]
-            payloads = [p or b"" for p in loaded.payloads]  # all filled by now
+            objects = b""
             if loaded.objects is not None:
                 obj = loaded.objects
-                payloads[codec.OBJECTS] = codec.encode_objects(
-                    obj.boxes, class_ids, obj.difficult, obj.truncated
-                )
+                objects = codec.encode_objects(obj.boxes, class_ids, obj.difficult, obj.truncated)
             row = (loaded.width, loaded.height, len(loaded.names), loaded.flags)
-            record_of[loaded.id] = writer.add(payloads, row)
+            if isinstance(item, _Spilled):
+                assert parallel is not None  # noqa: S101 - only workers spill
+                record_of[loaded.id], target, at = writer.reserve(item.finish(objects), row)
+                parallel.place(item, target, at)
+            else:
+                payloads = list(loaded.payloads)
+                payloads[codec.OBJECTS] = objects
+                record_of[loaded.id] = writer.add(payloads, row)
             record_classes.append(class_ids)
             source_bytes += loaded.source_bytes
             bar.update(1)
@@ -281,37 +303,173 @@ def _listing(folder: Path) -> frozenset[str]:
         return frozenset()
 
 
-def _load_all(
-    jobs: Sequence[_Job], workers: int, on_error: str
-) -> Iterator[_Loaded | SkippedSample]:
-    """Every job's sample (or why it was skipped), in job order whatever ``workers`` is."""
-    skip = on_error == "skip"
-    if workers == 1 or len(jobs) < 2 * workers:
+@dataclass
+class _Spilled:
+    """A sample a pack worker loaded and laid out in a scratch file, objects left blank."""
+
+    loaded: _Loaded  # without payloads
+    entries: np.ndarray  # its index row in the scratch file
+    path: str = ""  # the scratch file
+    objects: bytes = b""  # the encoded objects, once the writing process assigned class ids
+
+    def finish(self, objects: bytes) -> np.ndarray:
+        """The index row with the encoded objects in place of their blank (a worker writes
+        their bytes along with the record, see ``_Workers.place``)."""
+        entry = self.entries[codec.OBJECTS]
+        if len(objects) != int(entry["length"]):
+            raise RuntimeError(f"objects of {self.loaded.id!r} changed size between processes")
+        entry["crc32"] = fmt.crc32(objects)
+        self.objects = objects
+        return self.entries
+
+    def span(self) -> tuple[int, int]:
+        """Where the record's bytes start in the scratch file, and how many there are."""
+        start = int(self.entries["offset"][0])
+        return start, int(self.entries["offset"][-1] + self.entries["length"][-1]) - start
+
+
+#: (scratch file, offset, output file, offset, length, objects offset, objects): one record
+#: for a worker to copy into the output, with its objects written over their blank.
+_CopyOrder = tuple[str, int, str, int, int, int, bytes]
+
+
+class _Workers:
+    """Pack worker processes, for ``workers > 1``.
+
+    Workers load chunks of consecutive jobs and lay their records out in scratch files as the
+    output will hold them (``_spill_chunk``). The writing process takes the samples in job
+    order, assigns class ids, ``reserve``s each record in the output and hands the copy back
+    to the workers (``_copy_records``), so every byte is read, checksummed and written in
+    parallel and the writer only keeps the books. A bounded number of chunks is in flight,
+    so scratch files hold a few chunks at a time.
+    """
+
+    def __init__(self, jobs: Sequence[_Job], workers: int, skip: bool) -> None:
+        size = max(1, min(_CHUNK, len(jobs) // (workers * 4)))
+        self._chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
+        self._skip = skip
+        self._window = 2 * workers
+        self._pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+        self._writer: ArchiveWriter | None = None
+        self._scratch = Path()
+        self._orders: list[_CopyOrder] = []  # placed, not yet handed to a worker
+        self._copies: deque[Future[None]] = deque()
+
+    def items(self, writer: ArchiveWriter) -> Iterator[_Spilled | SkippedSample]:
+        """Every job's sample (or why it was skipped), in job order."""
+        self._writer, self._scratch = writer, writer.scratch()
+        loads: deque[tuple[str, Future[list[_Spilled | SkippedSample]]]] = deque()
+
+        def load(k: int) -> None:
+            path = str(self._scratch / f"chunk-{k:06d}")
+            loads.append((path, self._pool.submit(_spill_chunk, self._chunks[k], self._skip, path)))
+
+        for k in range(min(len(self._chunks), self._window)):
+            load(k)
+        for k in range(len(self._chunks)):
+            path, future = loads.popleft()
+            items = future.result()
+            if k + self._window < len(self._chunks):
+                load(k + self._window)
+            for item in items:
+                if isinstance(item, _Spilled):
+                    item.path = path
+                yield item
+            self._send(path)
+            self._wait(self._window)
+
+    def place(self, item: _Spilled, target: Path, at: int) -> None:
+        """Copy ``item``'s record to ``at`` in ``target`` (soon, in a worker)."""
+        start, length = item.span()
+        objects_at = at + int(item.entries["offset"][codec.OBJECTS]) - start
+        self._orders.append((item.path, start, str(target), at, length, objects_at, item.objects))
+
+    def drain(self) -> None:
+        """Return once every placed record is in the output (before a file is finished)."""
+        self._send(None)
+        self._wait(0)
+
+    def close(self) -> None:
+        """Stop the workers; on an error, without waiting for the rest of the dataset."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _send(self, done: str | None) -> None:
+        """Hand the placed records to a worker; ``done``: a scratch file it then deletes (no
+        earlier copy from it is still running: a ``drain`` waited for those)."""
+        orders, self._orders = self._orders, []
+        if orders or done is not None:
+            self._copies.append(self._pool.submit(_copy_records, orders, done))
+
+    def _wait(self, pending: int) -> None:
+        """Wait for the oldest copies until at most ``pending`` remain."""
+        while len(self._copies) > pending:
+            try:
+                self._copies.popleft().result()
+            except OSError as exc:
+                assert self._writer is not None  # noqa: S101 - set by items()
+                raise self._writer.write_error(exc) from exc
+
+
+#: Most jobs one worker task takes: large enough to amortise a task, small enough that
+#: scratch space and the work lost to an error stay small.
+_CHUNK = 64
+
+
+def _spill_chunk(jobs: Sequence[_Job], skip: bool, path: str) -> list[_Spilled | SkippedSample]:
+    """Load ``jobs`` and write their records to ``path`` laid out as the output will hold them
+    (runs in a pack worker). Objects are left blank: their class ids are only known in the
+    writing process, which sees the samples in dataset order."""
+    out: list[_Spilled | SkippedSample] = []
+    with open(path, "wb", buffering=1 << 20) as f:
+        writer = ContainerWriter(f, codec.FIELDS)
         for job in jobs:
-            yield _load_or_skip(job, skip, True)
-        return
-    chunk = max(1, min(64, len(jobs) // (workers * 8)))
-    flags = [False] * len(jobs)
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
-    try:
-        results = pool.map(_load_or_skip, jobs, [skip] * len(jobs), flags, chunksize=chunk)
-        for job, loaded in zip(jobs, results):
-            if isinstance(loaded, _Loaded):
-                try:
-                    loaded.payloads = list(_fill_files(job, loaded))
-                except SourceDataError as exc:
-                    if not skip:
-                        raise
-                    yield SkippedSample(job.id, str(exc))
-                    continue
-            yield loaded
-    finally:  # on an error, do not wait for the rest of the dataset to be parsed
-        pool.shutdown(wait=True, cancel_futures=True)
+            loaded = _load_or_skip(job, skip)
+            if isinstance(loaded, SkippedSample):
+                out.append(loaded)
+                continue
+            payloads = list(loaded.payloads)
+            if loaded.objects is not None:
+                payloads[codec.OBJECTS] = bytes(codec.OBJECT_DTYPE.itemsize * len(loaded.names))
+            writer.add(payloads)
+            loaded.payloads = []
+            out.append(_Spilled(loaded, writer.entries(writer.num_records - 1)))
+    return out
 
 
-def _load_or_skip(job: _Job, skip: bool, keep_files: bool) -> _Loaded | SkippedSample:
+def _copy_records(orders: Sequence[_CopyOrder], done: str | None) -> None:
+    """Copy records from scratch files into the output, then delete the scratch file
+    ``done`` (runs in a pack worker)."""
+    fds: dict[tuple[str, int], int] = {}
     try:
-        return _load(job, keep_files)
+        for source, offset, target, at, length, objects_at, objects in orders:
+            for path, flags in ((source, os.O_RDONLY), (target, os.O_WRONLY)):
+                if (path, flags) not in fds:
+                    fds[path, flags] = os.open(path, flags)
+            out = fds[target, os.O_WRONLY]
+            copy_range(fds[source, os.O_RDONLY], offset, out, at, length)
+            if objects and os.pwrite(out, objects, objects_at) != len(objects):
+                raise OSError(errno.EIO, f"short write to {target}")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if done is not None:
+        os.unlink(done)
+
+
+def _use_workers(jobs: Sequence[_Job], workers: int) -> bool:
+    """Whether worker processes pay off: not for one process or a handful of samples."""
+    return workers > 1 and len(jobs) >= 2 * workers
+
+
+def _load_each(jobs: Sequence[_Job], on_error: str) -> Iterator[_Loaded | SkippedSample]:
+    """Every job's sample (or why it was skipped), loaded in this process."""
+    for job in jobs:
+        yield _load_or_skip(job, on_error == "skip")
+
+
+def _load_or_skip(job: _Job, skip: bool) -> _Loaded | SkippedSample:
+    try:
+        return _load(job)
     except SourceDataError as exc:
         if not skip:
             raise
@@ -336,13 +494,8 @@ def _read(path: str, required: bool, job: _Job, what: str) -> bytes | None:
         ) from None
 
 
-def _load(job: _Job, keep_files: bool = True) -> _Loaded:
-    """Read and parse everything about one id (runs in a pack worker).
-
-    With ``keep_files=False`` (pack workers) the unchanged source files are left out of the
-    payloads (``None``): the writing process reads them itself (``_fill_files``), so only a
-    few KB per sample cross the process boundary instead of every image.
-    """
+def _load(job: _Job) -> _Loaded:
+    """Read and parse everything about one id."""
     voc, name = job.voc_root, job.id  # plain strings: pathlib costs ~15% of a pack here
     image_path = os.path.join(voc, "JPEGImages", name + ".jpg")
     xml_path = os.path.join(voc, "Annotations", name + ".xml")
@@ -380,43 +533,8 @@ def _load(job: _Job, keep_files: bool = True) -> _Loaded:
         _scale_target(target, scale, width, height)
     if target is not None:
         target_json = codec.encode_target(target)
-    payloads: list[bytes | None] = [
-        stored,
-        annotation or b"",
-        mask or b"",
-        object_mask or b"",
-        target_json,
-        b"",
-    ]
-    sizes = [len(p or b"") for p in payloads]
-    if not keep_files:
-        for k in (codec.ANNOTATION, codec.MASK, codec.OBJECT_MASK):
-            payloads[k] = None
-        if stored is image:
-            payloads[codec.IMAGE] = None
-    return _Loaded(job.id, payloads, sizes, width, height, flags, names, objects, source_bytes)
-
-
-def _fill_files(job: _Job, loaded: _Loaded) -> list[bytes]:
-    """Read the source files a pack worker left out, checking they did not change size."""
-    voc, name = job.voc_root, job.id
-    paths = {
-        codec.IMAGE: os.path.join(voc, "JPEGImages", name + ".jpg"),
-        codec.ANNOTATION: os.path.join(voc, "Annotations", name + ".xml"),
-        codec.MASK: os.path.join(voc, "SegmentationClass", name + ".png"),
-        codec.OBJECT_MASK: os.path.join(voc, "SegmentationObject", name + ".png"),
-    }
-    out = []
-    for k, payload in enumerate(loaded.payloads):
-        if payload is None:
-            payload = (_read(paths[k], False, job, "") or b"") if loaded.sizes[k] else b""
-            if len(payload) != loaded.sizes[k]:
-                raise SourceDataError(
-                    f"{paths[k]} changed while it was being packed; pack again once the "
-                    "dataset is no longer being written"
-                )
-        out.append(payload)
-    return out
+    payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
+    return _Loaded(job.id, payloads, width, height, flags, names, objects, source_bytes)
 
 
 def _store_image(

@@ -13,10 +13,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -503,3 +507,64 @@ def test_decode_none_returns_file_bytes(corner_packs: Packed, task: str) -> None
         data = ours[i][0]
         assert type(data) is torch.Tensor and data.dtype == torch.uint8 and data.dim() == 1
         assert data.numpy().tobytes() == Path(tv.images[i]).read_bytes()
+
+
+def _address(buffer: Any) -> int:
+    return int(np.frombuffer(buffer, np.uint8).ctypes.data)
+
+
+@pytest.mark.parametrize("task", ["Main", "Segmentation"])
+@pytest.mark.parametrize("layout", ["single", "shards"])
+def test_zero_copy_bytes_view_the_mapped_file(corner_packs: Packed, task: str, layout: str) -> None:
+    """``zero_copy=True``: the same bytes, but the tensor's memory is the pack's mapping (no
+    copy); without it each sample owns a copy."""
+    tv = torchvision_dataset(task, *_corner(corner_packs))
+    views = our_dataset(task, corner_packs.path(layout), "trainval", decode="none", zero_copy=True)
+    copies = our_dataset(task, corner_packs.path(layout), "trainval", decode="none")
+    for i in range(len(tv)):
+        view, copy = views[i][0], copies[i][0]
+        assert type(view) is torch.Tensor and view.dtype == torch.uint8 and view.dim() == 1
+        assert view.numpy().tobytes() == Path(tv.images[i]).read_bytes()
+        mapped = views.pack.field(views._record(i), 0)
+        if len(mapped):
+            assert view.data_ptr() == _address(mapped)
+            assert copy.data_ptr() != _address(mapped)
+    assert "Zero copy: True" in repr(views)
+
+
+def test_zero_copy_raw_pixels_and_workers(synthetic_devkit: Path, tmp_path: Path) -> None:
+    """Raw-pixel packs give the same CHW tensors as views; views cross DataLoader workers."""
+    from torch_serialized import pack_voc
+
+    raw = pack_voc(synthetic_devkit, tmp_path / "raw.tser", year=None, image_storage="raw").path
+    views = VOCSerializedDataset(raw, "trainval", decode="tensor", zero_copy=True)
+    copies = VOCSerializedDataset(raw, "trainval", decode="tensor")
+    for i in range(len(views)):
+        assert torch.equal(views[i][0], copies[i][0])
+    loader = DataLoader(views, batch_size=4, num_workers=2, collate_fn=list)
+    got = [image for batch in loader for image, _ in batch]
+    assert len(got) == len(copies)
+    assert all(torch.equal(a, copies[i][0]) for i, a in enumerate(got))
+
+
+def test_zero_copy_contract_no_warning_and_writes_fault(corner_packs: Packed) -> None:
+    """In a fresh interpreter: reading views warns nothing (even under ``-W error``), and
+    writing into one is refused by the read-only map (SIGSEGV), never silently stored."""
+    read = (
+        "import sys; from torch_serialized import VOCSerializedDataset as D\n"
+        "ds = D(sys.argv[1], 'trainval', decode='none', zero_copy=True)\n"
+        "print(sum(len(ds[i][0]) for i in range(len(ds))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", read, str(corner_packs.single)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 0
+    write = read.replace("print(sum(len(ds[i][0]) for i in range(len(ds))))", "ds[0][0][0] = 0")
+    done = subprocess.run(
+        [sys.executable, "-c", write, str(corner_packs.single)], capture_output=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGSEGV

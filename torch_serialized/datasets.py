@@ -44,6 +44,7 @@ class _PackedVOCBase:
         checked: bool,
         year: str | None,
         download: bool,
+        zero_copy: bool,
     ) -> None:
         if download:
             raise ValueError(
@@ -65,6 +66,7 @@ class _PackedVOCBase:
             target_format=target_format,
             classes=classes,
             split_key=f"{self._TASK}/{image_set}",
+            zero_copy=zero_copy,
         )
 
     def __len__(self) -> int:
@@ -98,6 +100,8 @@ class _PackedVOCBase:
             lines.append(f"Decode: {self.decoder.decode}")
         if self.decoder.target_format != "dict":
             lines.append(f"Target format: {self.decoder.target_format}")
+        if self.decoder.zero_copy:
+            lines.append("Zero copy: True")
         return "\n".join(lines)
 
     def reopen(self) -> None:
@@ -117,6 +121,11 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         target_format: ``"dict"`` (default, exact) or ``"tv_tensors"``; see ``TargetFormat``.
         classes: label names for ``"tv_tensors"`` targets; see ``Classes``.
         checked: verify each record's checksum as it is read.
+        zero_copy: with ``decode="none"`` (and raw-pixel packs), return read-only views of
+            the mapped file instead of copies: no per-sample copy (~8 µs for a 100 KB JPEG),
+            for pipelines that only read the bytes, such as batched GPU ``decode_jpeg``.
+            Writing into such a tensor crashes the process (the map is read-only); views
+            keep the map alive and reading them pages the file in.
         year, download: accepted as keywords so ``VOCDetection(...)`` calls migrate by changing
             the first argument only; ``year`` must match the pack, ``download`` must be False.
     """
@@ -135,11 +144,14 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         target_format: TargetFormat = "dict",
         classes: Classes = None,
         checked: bool = False,
+        zero_copy: bool = False,
         year: str | None = None,
         download: bool = False,
     ) -> None:
         VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
-        self._open(path, image_set, decode, target_format, classes, checked, year, download)
+        self._open(
+            path, image_set, decode, target_format, classes, checked, year, download, zero_copy
+        )
 
     @property
     def annotations(self) -> list[str]:
@@ -172,11 +184,12 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
         *,
         decode: Decode = "pil",
         checked: bool = False,
+        zero_copy: bool = False,
         year: str | None = None,
         download: bool = False,
     ) -> None:
         VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
-        self._open(path, image_set, decode, "dict", None, checked, year, download)
+        self._open(path, image_set, decode, "dict", None, checked, year, download, zero_copy)
 
     @property
     def masks(self) -> list[str]:

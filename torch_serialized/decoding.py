@@ -8,6 +8,7 @@ target (see ``TargetFormat``).
 from __future__ import annotations
 
 import io
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, Union
@@ -70,6 +71,7 @@ class SampleDecoder:
         target_format: TargetFormat = "dict",
         classes: Classes = None,
         split_key: str | None = None,
+        zero_copy: bool = False,
     ) -> None:
         if decode not in ("pil", "tensor", "none"):
             raise ValueError(f"decode must be 'pil', 'tensor' or 'none', got {decode!r}")
@@ -78,6 +80,9 @@ class SampleDecoder:
         self.pack = pack
         self.decode = decode
         self.target_format = target_format
+        #: tensors of stored bytes (``decode="none"``, raw pixels) view the map, not a copy
+        self.zero_copy = zero_copy
+        self._quiet_pid: int | None = None  # the process torch's warning was silenced in
         self.raw = pack.image_storage == "raw"
         self.label_names = label_names(pack, classes)
         position = {name: i for i, name in enumerate(self.label_names)}
@@ -108,7 +113,7 @@ class SampleDecoder:
         if self.decode == "pil":
             return Image.open(_stream(data)).convert("RGB")
         if self.decode == "none":
-            return _owned_tensor(data)
+            return self._tensor(data)
         if bytes(data[:2]) == _JPEG_SOI:
             try:
                 with warnings.catch_warnings():
@@ -124,10 +129,24 @@ class SampleDecoder:
         height, width = self._sizes[record].tolist()
         if self.decode == "pil":
             return Image.frombytes("RGB", (width, height), bytes(data))
-        pixels = _owned_tensor(data)
+        pixels = self._tensor(data)
         if self.decode == "none":
             return pixels
         return pixels.view(height, width, 3).permute(2, 0, 1)
+
+    def _tensor(self, data: Buffer) -> torch.Tensor:
+        """Stored bytes as a 1-D uint8 tensor: a copy it owns, or with ``zero_copy`` a
+        read-only view of the map (torch warns once per process about such views; the
+        documented ``zero_copy`` contract is that warning, so it is silenced here)."""
+        if not self.zero_copy or isinstance(data, np.ndarray) or not len(data):
+            return _owned_tensor(data)
+        if self._quiet_pid != os.getpid():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.frombuffer(data, dtype=torch.uint8)
+            self._quiet_pid = os.getpid()
+            return tensor
+        return torch.frombuffer(data, dtype=torch.uint8)
 
     def target(self, record: int, data: Buffer | None = None) -> Any:
         """The target of ``record``; ``data`` is its ``target_field`` if already read."""

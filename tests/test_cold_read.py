@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import torch_serialized
@@ -117,3 +118,44 @@ def test_a_run_is_read_in_bounded_sequential_calls(packs, monkeypatch) -> None:
     for r, row in zip(records, rows):
         for k, array in zip(fields, row):
             assert array.tobytes() == bytes(shard.field(r, k))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+@pytest.mark.parametrize("kind", ["single", "shards"])
+def test_each_block_is_hinted_before_it_is_read(packs, monkeypatch, kind) -> None:
+    """Before reading a block the reader asks the kernel to start on the next one, so on a
+    cold disk their reads overlap: every record after the first block is hinted first."""
+    from torch_serialized import reader as reader_module
+
+    ds = VOCSerializedIterableDataset(
+        packs[kind], "trainval", shuffle=True, block_size=5, shuffle_buffer=0, decode="none"
+    )
+    reader = ds.pack.reader
+    start_of = {s.path: int(reader.starts[i]) for i, s in enumerate(reader.shards)}
+    hinted: set[int] = set()
+    order_ok: list[bool] = []
+    advised: list[tuple[int, int, int]] = []
+    prefetch, read_records = ContainerReader.prefetch, ContainerReader.read_records
+    fadvise = os.posix_fadvise
+
+    def logged_prefetch(self: ContainerReader, records) -> None:  # type: ignore[no-untyped-def]
+        hinted.update(start_of[self.path] + int(r) for r in records)
+        prefetch(self, records)
+
+    def logged_read_records(self: ContainerReader, records, fields):  # type: ignore[no-untyped-def]
+        order_ok.extend(start_of[self.path] + int(r) in hinted for r in records)
+        return read_records(self, records, fields)
+
+    def logged_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((offset, length, advice))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(ContainerReader, "prefetch", logged_prefetch)
+    monkeypatch.setattr(ContainerReader, "read_records", logged_read_records)
+    monkeypatch.setattr(reader_module.os, "posix_fadvise", logged_fadvise)
+    assert len(list(ds)) == len(ds.records)
+
+    first_block = len(set(ds.records[ds.blocks()[0]].tolist()))
+    assert order_ok[first_block:] and all(order_ok[first_block:])
+    assert hinted == set(ds.records[np.concatenate(ds.blocks()[1:])].tolist())
+    assert advised and all(a == os.POSIX_FADV_WILLNEED and n > 0 for _, n, a in advised)

@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
-from tqdm.auto import tqdm
 
 from .. import format as fmt
 from .._version import __version__
@@ -161,6 +160,8 @@ def pack_voc(
         )
         if parallel is not None:  # on an error, stop the workers before the output is removed
             stack.callback(parallel.close)
+        from tqdm.auto import tqdm  # here, not at the top: pack workers import this module
+
         bar = tqdm(total=len(jobs), unit="img", disable=not progress, desc=f"packing {output.name}")
         last = time.perf_counter()
         items: Iterable[_Loaded | _Spilled | SkippedSample] = (

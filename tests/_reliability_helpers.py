@@ -126,9 +126,10 @@ def slow_pack(root: str, output: str, options: str, per_image: str) -> None:
     print("done", flush=True)
 
 
-def pack_and_report(root: str, folder: str, fsize: str) -> None:
-    """Pack ``root`` into ``folder`` as one file and as shards, with the file size limited to
-    ``fsize`` bytes (0: no limit); print what each raised and what was left in ``folder``."""
+def pack_and_report(root: str, folder: str, fsize: str, workers: str = "1") -> None:
+    """Pack ``root`` into ``folder`` as one file and as shards with ``workers`` processes, the
+    file size limited to ``fsize`` bytes (0: no limit; pack workers inherit the limit); print
+    what each raised and what was left in ``folder``."""
     from torch_serialized.errors import WriteError
     from torch_serialized.voc.packer import pack_voc
 
@@ -139,7 +140,7 @@ def pack_and_report(root: str, folder: str, fsize: str) -> None:
     results: dict[str, Any] = {}
     for name, options in (("voc.tser", {}), ("voc", {"max_samples_per_shard": 5})):
         try:
-            pack_voc(root, os.path.join(folder, name), year="2007", **options)  # type: ignore[arg-type]
+            pack_voc(root, os.path.join(folder, name), year="2007", workers=int(workers), **options)  # type: ignore[arg-type]
             results[name] = None
         except WriteError as exc:
             results[name] = {

@@ -920,10 +920,13 @@ def check_disk_full_report(stdout: str, folder: Path, code: int, hint: str) -> N
 
 
 @pytest.mark.timeout(120)
-def test_file_size_limit_under_pack_voc_raises_write_error_and_leaves_nothing(tmp_path, voc40):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_file_size_limit_under_pack_voc_raises_write_error_and_leaves_nothing(
+    tmp_path, voc40, workers
+):
     folder = tmp_path / "out"
     folder.mkdir()
-    proc = run_child("pack_and_report", str(voc40), str(folder), str(256 << 10))
+    proc = run_child("pack_and_report", str(voc40), str(folder), str(256 << 10), str(workers))
     stdout, stderr = proc.communicate(timeout=100)
     assert proc.returncode == 0, stderr  # not killed by SIGXFSZ, no traceback
     assert "Traceback" not in stderr
@@ -932,7 +935,8 @@ def test_file_size_limit_under_pack_voc_raises_write_error_and_leaves_nothing(tm
 
 
 @pytest.mark.timeout(120)
-def test_full_tmpfs_under_pack_voc_raises_write_error_and_leaves_nothing(tmp_path, voc40):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_full_tmpfs_under_pack_voc_raises_write_error_and_leaves_nothing(tmp_path, voc40, workers):
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare to mount a private tmpfs")
@@ -943,7 +947,8 @@ def test_full_tmpfs_under_pack_voc_raises_write_error_and_leaves_nothing(tmp_pat
     script = 'mount -t tmpfs -o size=2m tmpfs "$1" || exit 77; shift; exec "$@"'
     proc = subprocess.run(
         [unshare, "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(folder)]
-        + [sys.executable, "-c", code, "pack_and_report", str(voc40), str(folder), "0"],
+        + [sys.executable, "-c", code, "pack_and_report", str(voc40), str(folder), "0"]
+        + [str(workers)],
         env=env,
         cwd=ROOT,
         capture_output=True,

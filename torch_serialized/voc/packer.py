@@ -25,7 +25,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -332,6 +332,7 @@ class _Spilled:
 #: (scratch file, offset, output file, offset, length, objects offset, objects): one record
 #: for a worker to copy into the output, with its objects written over their blank.
 _CopyOrder = tuple[str, int, str, int, int, int, bytes]
+_T = TypeVar("_T")
 
 
 class _Workers:
@@ -369,7 +370,7 @@ class _Workers:
             load(k)
         for k in range(len(self._chunks)):
             path, future = loads.popleft()
-            items = future.result()
+            items = self._result(future)
             if k + self._window < len(self._chunks):
                 load(k + self._window)
             for item in items:
@@ -404,11 +405,15 @@ class _Workers:
     def _wait(self, pending: int) -> None:
         """Wait for the oldest copies until at most ``pending`` remain."""
         while len(self._copies) > pending:
-            try:
-                self._copies.popleft().result()
-            except OSError as exc:
-                assert self._writer is not None  # noqa: S101 - set by items()
-                raise self._writer.write_error(exc) from exc
+            self._result(self._copies.popleft())
+
+    def _result(self, future: Future[_T]) -> _T:
+        """A worker's result; its write errors (disk full...) said as the writer says them."""
+        try:
+            return future.result()
+        except OSError as exc:
+            assert self._writer is not None  # noqa: S101 - set by items()
+            raise self._writer.write_error(exc) from exc
 
 
 #: Most jobs one worker task takes: large enough to amortise a task, small enough that

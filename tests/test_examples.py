@@ -14,6 +14,11 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # (script, arguments that keep the run small, lines the output must contain)
 CASES = [
     (
+        "batched_decode.py",
+        ["--num-images", "24", "--batch-size", "8"],
+        ["24 samples on", "last batch (8, 3, 224, 224)", "equals decode='tensor': True"],
+    ),
+    (
         "pack_and_iterate.py",
         ["--num-images", "24"],
         ["packed 24 samples", "identical to torchvision: True", "iterable: epoch 1: 12 samples"],

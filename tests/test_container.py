@@ -757,6 +757,7 @@ def run_python(code: str, *args: str, **kwargs: Any) -> subprocess.Popen:
 SLOW_WRITER = """
     import time
     single = ArchiveWriter(sys.argv[1] + "/single.tser", ["a"])
+    (single.scratch() / "chunk-000000").write_bytes(bytes(1000))  # as pack workers leave it
     shards = ArchiveWriter(sys.argv[1] + "/shards", ["a"], max_records_per_shard=2)
     for i in range(100000):
         single.add([bytes(1000)])
@@ -778,7 +779,11 @@ def test_sigkill_mid_write_leaves_no_output_and_stale_temp_is_removed(tmp_path):
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     left = listing(tmp_path)
-    assert sorted(name.split("-")[0] for name in left) == [".shards.tmp", ".single.tser.tmp"]
+    assert sorted(name.split("-")[0] for name in left) == [
+        ".shards.tmp",
+        ".single.tser.tmp",  # the output being written
+        ".single.tser.tmp",  # and its scratch folder
+    ]
     assert all(f"-{proc.pid}-" in name for name in left)
     assert not (tmp_path / "single.tser").exists() and not (tmp_path / "shards").exists()
 

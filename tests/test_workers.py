@@ -52,14 +52,17 @@ def test_reopen_is_idempotent_in_one_process(synthetic_packs: Any) -> None:
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-@pytest.mark.parametrize("use_init", [True, False])
+@pytest.mark.parametrize(("use_init", "zero_copy"), [(True, False), (False, False), (False, True)])
 def test_worker_init_fn_is_optional_and_harmless(
-    synthetic_packs: Any, method: str, use_init: bool
+    synthetic_packs: Any, method: str, use_init: bool, zero_copy: bool
 ) -> None:
     if method not in multiprocessing.get_all_start_methods():
         pytest.skip(f"{method} is not available here")
     ds = Subset(
-        ts.VOCSerializedDataset(synthetic_packs.shards, "trainval", decode="none"), range(12)
+        ts.VOCSerializedDataset(
+            synthetic_packs.shards, "trainval", decode="none", zero_copy=zero_copy
+        ),
+        range(12),
     )
     expected = [_bytes_of(ds[i]) for i in range(len(ds))]
     loader = DataLoader(

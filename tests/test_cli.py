@@ -319,6 +319,7 @@ def test_demo(tmp_path: Path) -> None:
     assert re.search(r"torchvision VOCDetection \(folder\)\s+24\s+6\s", out)
     assert re.search(r"torch_serialized \(pack, drop-in PIL\)\s+24\s+6\s", out)
     assert re.search(r"speed-up over torchvision: \d+\.\d\dx drop-in", out)
+    assert re.search(r"warm cache, zero_copy=True: torchvision \d+ us, torch_serialized", out)
     assert (tmp_path / "demo" / "voc2012.tser").is_file()
     assert "Traceback" not in done.stderr
 

@@ -25,7 +25,7 @@ from . import format as fmt
 from ._version import __version__
 from .errors import WriteError
 
-__all__ = ["ContainerWriter", "ArchiveWriter", "Payload"]
+__all__ = ["ContainerWriter", "ArchiveWriter", "Payload", "copy_range"]
 
 Payload = Union[bytes, bytearray, memoryview]  # not ``X | Y``: this runs on Python 3.9
 _PAD = bytes(1 << 16)

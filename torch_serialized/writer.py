@@ -141,10 +141,11 @@ class ContainerWriter:
         """Leave room for a record laid out as ``entries`` describe (its index row in a file
         written by a writer with the same fields and alignment); return ``(index, offset)``.
 
-        The caller copies the record's bytes (``entries``' first offset to its last end) to
-        ``offset`` of this file before it is finished (see ``copy_range``); padding between
-        fields is left as a hole, which reads as the zeros ``add`` writes. This is how
-        parallel packing stays byte-identical to one process while the bytes move in workers.
+        The caller copies the record's bytes (``entries``' first offset to its last end,
+        padding between fields included) to ``offset`` of this file before it is finished
+        (see ``copy_range``); the alignment padding before the record is left as a hole,
+        which reads as the zeros ``add`` writes. This is how parallel packing stays
+        byte-identical to one process while the bytes move in workers.
         """
         if len(entries) != len(self.fields):
             raise ValueError(f"expected {len(self.fields)} entries, got {len(entries)}")

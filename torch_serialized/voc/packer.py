@@ -125,6 +125,9 @@ def pack_voc(
     them. Both change what is returned, so such packs are no longer byte-exact drop-ins.
     ``check_images`` decodes every image at pack time. ``on_error="skip"`` leaves out bad
     samples (listed in the result and a ``.skipped.json`` report) instead of failing.
+    ``workers > 1`` reads, parses and writes samples in that many spawned processes (scratch
+    files beside the output, removed at the end); the output is byte-identical to one
+    process. ``progress`` shows a progress bar.
     """
     if image_storage not in ("original", "raw"):
         raise ValueError(f"image_storage must be 'original' or 'raw', got {image_storage!r}")

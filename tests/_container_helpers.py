@@ -58,6 +58,13 @@ def read_all_pickled(blob: bytes) -> tuple[int, list[list[bytes]], dict[str, Any
     return os.getpid(), data, arrays
 
 
+def pack_file_bytes(path: Path) -> dict[str, bytes]:
+    """Every byte of a pack: ``{"": bytes}`` for one file, file name -> bytes for a folder."""
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
+
+
 def read_error(reader: PackReader, conn: Any) -> None:
     """Read record 0 in this (forked) process; send back the exception, or None."""
     try:

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from _container_helpers import (
     FieldBytes,
+    pack_file_bytes,
     parse_container,
     payload,
     read_all_pickled,
@@ -288,12 +289,6 @@ def test_round_trip(form, data, limit):
             assert [e["bytes"] for e in manifest["shards"]] == [f.stat().st_size for f in files]
 
 
-def _files_bytes(path: Path) -> dict[str, bytes]:
-    if path.is_file():
-        return {"": path.read_bytes()}
-    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
-
-
 @pytest.mark.parametrize("form", ["single", "shards"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -359,7 +354,7 @@ def test_reserved_records_copied_in_equal_added_ones(form, data, limit, reserved
             for name, array in data["arrays"].items():
                 mixed.add_array(name, array)
             mixed.close(data["user"])
-        assert _files_bytes(Path(tmp) / "mixed") == _files_bytes(Path(tmp) / "plain")
+        assert pack_file_bytes(Path(tmp) / "mixed") == pack_file_bytes(Path(tmp) / "plain")
 
 
 def test_reserve_refuses_a_foreign_layout(tmp_path):

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _container_helpers import pack_file_bytes
 from PIL import Image
 from torchvision.datasets import VOCDetection, VOCSegmentation
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
@@ -70,12 +71,6 @@ def test_voc_folder_itself_gives_the_year(synthetic: Path, tmp_path: Path) -> No
     assert "annotation" in sample["target"]
 
 
-def _pack_bytes(path: Path) -> dict[str, bytes]:
-    if path.is_file():
-        return {"": path.read_bytes()}
-    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -104,7 +99,7 @@ def test_parallel_pack_is_byte_identical(
         many = ts.pack_voc(
             synthetic, tmp_path / f"w{workers}", year="2007", workers=workers, **options
         )
-        assert _pack_bytes(many.path) == _pack_bytes(one.path)
+        assert pack_file_bytes(many.path) == pack_file_bytes(one.path)
         assert many.skipped == one.skipped
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 

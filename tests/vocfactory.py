@@ -12,7 +12,7 @@ import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 from xml.sax.saxutils import escape
 
 import numpy as np
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: One ImageSets list: ids (written one per line with "\n") or the file's raw text.
-ImageSetContent = Union[Sequence[str], str]
+ImageSetContent = Sequence[str] | str
 
 
 @dataclass(frozen=True)

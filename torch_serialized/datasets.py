@@ -9,7 +9,8 @@ returns for the same image set; ``VOCSerializedSegmentation`` does the same for
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from torchvision.datasets import VOCDetection, VOCSegmentation

@@ -11,7 +11,7 @@ import io
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -36,9 +36,9 @@ TargetFormat = Literal["dict", "tv_tensors"]
 #: Label names for ``"tv_tensors"`` targets: ``None`` for VOC's 20 classes with
 #: ``"__background__"`` at 0 (as torchvision's wrapper), ``"packed"`` for the classes found at
 #: pack time (sorted, after ``"__background__"``), or an explicit sequence (label = position).
-Classes = Union[None, Literal["packed"], Sequence[str]]
+Classes = Literal["packed"] | Sequence[str] | None
 #: Bytes of one record field: a read-only view into the map, or a private array.
-Buffer = Union[memoryview, np.ndarray, bytes]
+Buffer = memoryview | np.ndarray | bytes
 
 _JPEG_SOI = b"\xff\xd8"
 #: torchvision >= 0.29 warns on every ``decode_jpeg`` call (moving to TorchCodec); the call is

@@ -21,10 +21,10 @@ import itertools
 import math
 import multiprocessing
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import get_spawning_popen
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset

@@ -17,7 +17,7 @@ import secrets
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Union
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .errors import WriteError
 
 __all__ = ["ContainerWriter", "ArchiveWriter", "Payload", "copy_range"]
 
-Payload = Union[bytes, bytearray, memoryview]  # not ``X | Y``: this runs on Python 3.9
+Payload = bytes | bytearray | memoryview
 _PAD = bytes(1 << 16)
 #: ``copy_file_range`` errors that mean "not here" (cross-device, unsupported): copy by hand.
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}

@@ -61,8 +61,8 @@ from PIL import Image
 from vocfactory import Sample, jpeg, obj, palette_mask, voc_xml, write_voc
 
 import torch_serialized
+from torch_serialized import atomic
 from torch_serialized import format as fmt
-from torch_serialized import writer as writer_module
 from torch_serialized.errors import (
     ChecksumError,
     CorruptFileError,
@@ -853,7 +853,7 @@ def test_crash_between_the_two_renames_restores_the_previous_pack(tmp_path, voc8
     out, _ = make_crash_state(work, voc8, voc40, old_form)
     assert not out.exists()
 
-    writer_module._TempPath.clean_stale(out)
+    atomic.clean_stale(out)
     assert listing(work) == ["voc"]
     assert snapshot(out) == previous
     assert len(open_pack(out)) == 8
@@ -866,7 +866,7 @@ def test_crash_after_the_second_rename_keeps_the_new_pack(tmp_path, voc8, voc40)
     out, pid = make_crash_state(tmp_path, voc8, voc40, "shards")
     os.replace(tmp_path / f".voc.tmp-{pid}-0ddba11a", out)  # the second rename happened
     committed = snapshot(out)
-    writer_module._TempPath.clean_stale(out)
+    atomic.clean_stale(out)
     assert listing(tmp_path) == ["voc"] and snapshot(out) == committed
 
 
@@ -877,7 +877,7 @@ def test_a_live_writers_folders_are_left_alone(tmp_path, voc8, voc40):
         for name in listing(tmp_path):
             os.replace(tmp_path / name, tmp_path / name.replace(f"-{pid}-", f"-{sleeper.pid}-"))
         before = listing(tmp_path)
-        writer_module._TempPath.clean_stale(out)  # that writer may still be between renames
+        atomic.clean_stale(out)  # that writer may still be between renames
         assert listing(tmp_path) == before and not out.exists()
     finally:
         sleeper.kill()
@@ -896,7 +896,7 @@ def test_failure_between_the_two_renames_puts_the_previous_pack_back(
             raise OSError(errno.EIO, "Input/output error (injected)")
         real_replace(src, dst)
 
-    monkeypatch.setattr(writer_module.os, "replace", failing_replace)
+    monkeypatch.setattr(atomic.os, "replace", failing_replace)
     with pytest.raises(WriteError, match="injected") as info:
         pack_voc(voc40, out, year="2007", **FORMS["shards"])
     monkeypatch.undo()

@@ -1,10 +1,8 @@
 """Records -> one container file, or a folder of shards plus a manifest.
 
-Output is atomic: everything is written under a hidden temporary name in the destination
-folder, fsynced, then renamed into place. On any failure or interruption the temporary
-output is removed and the destination keeps whatever it held before (nothing, or the
-previous complete pack). Temporary files left by a killed process are removed by the next
-writer that targets the same path. This module never imports torch.
+Output is atomic (see ``atomic``): on any failure or interruption the destination keeps
+whatever it held before (nothing, or the previous complete pack). This module never imports
+torch.
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ import contextlib
 import errno
 import json
 import os
-import secrets
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,6 +19,7 @@ import numpy as np
 
 from . import format as fmt
 from ._version import __version__
+from .atomic import AtomicOutput
 from .errors import WriteError
 
 __all__ = ["ContainerWriter", "ArchiveWriter", "Payload", "copy_range"]
@@ -226,74 +223,6 @@ class ContainerWriter:
         return desc
 
 
-class _TempPath:
-    """A hidden temporary sibling of ``final`` that is renamed over it on commit."""
-
-    def __init__(self, final: Path) -> None:
-        self.final = final
-        self.path = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-
-    @staticmethod
-    def clean_stale(final: Path) -> None:
-        """Remove temporaries of ``final`` left by processes that no longer run.
-
-        Replacing a shard folder takes two renames (``final`` -> ``.old-*``, temporary ->
-        ``final``). A writer killed between them leaves ``final`` missing and the previous
-        pack under its ``.old-*`` name: that pack is moved back to ``final`` first.
-        """
-        stale: list[tuple[str, Path]] = []
-        for entry in final.parent.glob(f".{glob_escape(final.name)}.*-*-*"):
-            kind_pid = entry.name[len(final.name) + 2 :].split("-")
-            if len(kind_pid) != 3 or kind_pid[0] not in ("tmp", "old"):
-                continue
-            try:
-                pid = int(kind_pid[1])
-            except ValueError:
-                continue
-            if pid != os.getpid() and not _pid_alive(pid):
-                stale.append((kind_pid[0], entry))
-        olds = [entry for kind, entry in stale if kind == "old"]
-        if olds and not os.path.lexists(final):
-            with contextlib.suppress(FileNotFoundError):  # another writer got there first
-                newest = max(olds, key=lambda entry: entry.lstat().st_ctime)
-                os.replace(newest, final)
-                _fsync_dir(final.parent)
-        for _, entry in stale:
-            if os.path.lexists(entry):
-                _remove(entry)
-
-
-def glob_escape(name: str) -> str:
-    """Escape glob metacharacters in a file name."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def is_pack(path: Path) -> bool:
     """Whether ``path`` holds a torch_serialized file or shard folder (safe to replace)."""
     if path.is_dir():
@@ -351,8 +280,6 @@ class ArchiveWriter:
                 f"{self.output} exists and is not a torch_serialized pack; "
                 "remove it or choose another output path",
             )
-        _TempPath.clean_stale(self.output)
-        self._temp = _TempPath(self.output)
         self._shards: list[dict[str, Any]] = []
         self._arrays: list[tuple[str, np.ndarray]] = []
         self._file: BinaryIO | None = None
@@ -362,12 +289,12 @@ class ArchiveWriter:
         self.num_records = 0
         self.bytes_written = 0
         self._closed = False
-        self._scratch: list[Path] = []
         try:
-            if self.sharded:
-                os.mkdir(self._temp.path)
+            self._out = AtomicOutput(self.output, folder=self.sharded)
         except OSError as exc:
-            raise WriteError(exc.errno, f"cannot create {self._temp.path}: {exc.strerror}") from exc
+            raise WriteError(
+                exc.errno, f"cannot create {exc.filename or self.output}: {exc.strerror}"
+            ) from exc
 
     # -- writing -------------------------------------------------------------------------
     def add(self, payloads: Sequence[Payload], row: tuple[Any, ...] | None = None) -> int:
@@ -409,10 +336,7 @@ class ArchiveWriter:
         """A new private folder beside the output for intermediate files (e.g. records packed
         by worker processes). It is removed with the temporary output on close or abort,
         and by the next writer of this output if this process is killed."""
-        path = _TempPath(self.output).path
-        os.mkdir(path)
-        self._scratch.append(path)
-        return path
+        return self._out.scratch()
 
     def add_array(self, name: str, array: np.ndarray) -> None:
         """Store a dataset-level array (in the last shard of a shard set)."""
@@ -436,9 +360,9 @@ class ArchiveWriter:
             self._finish_shard(None)
         if self.sharded:
             name = f"shard-{len(self._shards):05d}{fmt.FILE_SUFFIX}"
-            path = self._temp.path / name
+            path = self._out.path / name
         else:
-            name, path = self.output.name, self._temp.path
+            name, path = self.output.name, self._out.path
         self._file = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in _finish
         self._path = path
         self._shards.append({"file": name})
@@ -474,9 +398,7 @@ class ArchiveWriter:
             self._finish_shard(user)
             if self.sharded:
                 self._write_manifest(user)
-                _fsync_dir(self._temp.path)
-            self._remove_scratch()
-            self._commit()
+            self._out.commit()
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError) and not isinstance(exc, WriteError):
@@ -496,33 +418,16 @@ class ArchiveWriter:
             "user": dict(user),
         }
         for shard in self._shards:
-            path = self._temp.path / shard["file"]
+            path = self._out.path / shard["file"]
             with open(path, "rb") as f:
                 f.seek(-fmt.FOOTER_SIZE, os.SEEK_END)
                 shard["meta_crc32"] = fmt.unpack_footer(f.read(), str(path))["meta_crc32"]
-        path = self._temp.path / fmt.MANIFEST_NAME
+        path = self._out.path / fmt.MANIFEST_NAME
         with open(path, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, ensure_ascii=False, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-
-    def _commit(self) -> None:
-        final, temp = self.output, self._temp.path
-        if (not self.sharded or not final.exists()) and (self.sharded or not final.is_dir()):
-            os.replace(temp, final)
-            _fsync_dir(final.parent)
-            return
-        # A directory cannot be renamed over another one: move the old pack aside first.
-        old = final.parent / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.replace(final, old)
-        try:
-            os.replace(temp, final)
-        except BaseException:
-            os.replace(old, final)  # put the previous pack back before reporting the failure
-            raise
-        _fsync_dir(final.parent)
-        _remove(old)
 
     def abort(self) -> None:
         """Remove all temporary output; the destination is left untouched."""
@@ -532,12 +437,7 @@ class ArchiveWriter:
             self._file = None
         self._writer = None
         self._closed = True
-        _remove(self._temp.path)
-        self._remove_scratch()
-
-    def _remove_scratch(self) -> None:
-        while self._scratch:
-            _remove(self._scratch.pop())
+        self._out.abort()
 
     def write_error(self, exc: OSError) -> WriteError:
         """``exc``, raised while writing this output, as a ``WriteError`` that says what to do."""

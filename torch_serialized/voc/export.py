@@ -14,15 +14,14 @@ Records are read with their checksums verified.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import secrets
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 from tqdm.auto import tqdm
 
+from ..atomic import replace_file
 from ..errors import FormatError, WriteError
 from . import codec
 from .pack import VOCPack
@@ -151,18 +150,11 @@ def _mkdir(folder: Path) -> None:
 
 
 def _write_atomic(target: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` to a hidden temporary sibling, then rename it over ``target``."""
-    temp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    """Write one file atomically (``atomic.replace_file``), failing with a ``WriteError``."""
     try:
-        with open(temp, "xb") as file:
-            file.write(data)
-        os.replace(temp, target)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            temp.unlink()
-        if isinstance(exc, OSError):
-            raise WriteError(
-                exc.errno or errno.EIO,
-                f"writing {target} failed: {exc.strerror or exc}; no partial file was left",
-            ) from exc
-        raise
+        replace_file(target, data)
+    except OSError as exc:
+        raise WriteError(
+            exc.errno or errno.EIO,
+            f"writing {target} failed: {exc.strerror or exc}; no partial file was left",
+        ) from exc

@@ -1,0 +1,164 @@
+"""Atomic output: nothing is ever visible at a destination path but a complete result.
+
+Output is written under a hidden temporary sibling of the destination,
+``.{name}.tmp-{pid}-{8 hex digits}`` (a file, or a folder for shards), fsynced, then renamed
+over the destination. A folder cannot be renamed over another one, so a folder that replaces
+an existing one is first moved aside to ``.{name}.old-{pid}-{hex}``, and moved back if the
+second rename fails. On any failure the temporaries are removed and the destination keeps
+what it held (nothing, or the previous complete output). Temporaries left by a killed
+process are removed by the next writer of the same destination (``clean_stale``), which also
+moves a folder stranded between the two renames back into place. docs/FORMAT.md, "Writing
+safely", states the same for readers of the format. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+__all__ = ["AtomicOutput", "temp_sibling", "clean_stale", "replace_file", "remove"]
+
+_KINDS = ("tmp", "old")
+
+
+def temp_sibling(final: Path, kind: str = "tmp") -> Path:
+    """A new hidden name beside ``final``: ``.{name}.{kind}-{pid}-{hex}``."""
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    return final.parent / f".{final.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def clean_stale(final: Path) -> None:
+    """Remove the temporaries of ``final`` left by processes that no longer run.
+
+    A writer killed between the two renames of a folder replacement leaves ``final``
+    missing and the previous output under its ``.old-*`` name: that is moved back first.
+    """
+    stale: list[tuple[str, Path]] = []
+    for entry in final.parent.glob(f".{_glob_escape(final.name)}.*-*-*"):
+        kind_pid = entry.name[len(final.name) + 2 :].split("-")
+        if len(kind_pid) != 3 or kind_pid[0] not in _KINDS:
+            continue
+        try:
+            pid = int(kind_pid[1])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            stale.append((kind_pid[0], entry))
+    olds = [entry for kind, entry in stale if kind == "old"]
+    if olds and not os.path.lexists(final):
+        with contextlib.suppress(FileNotFoundError):  # another writer got there first
+            newest = max(olds, key=lambda entry: entry.lstat().st_ctime)
+            os.replace(newest, final)
+            _fsync_dir(final.parent)
+    for _, entry in stale:
+        if os.path.lexists(entry):
+            remove(entry)
+
+
+class AtomicOutput:
+    """A hidden temporary file or folder beside ``final`` that replaces ``final`` on commit.
+
+    Creating one removes stale temporaries of ``final`` (see ``clean_stale``). With
+    ``folder=True`` the temporary is created as an empty folder; otherwise the caller creates
+    the file at ``path``. ``scratch`` folders (for intermediate files) follow the same naming,
+    so they are removed with the output, or by the next writer after a kill.
+    """
+
+    def __init__(self, final: Path, *, folder: bool) -> None:
+        self.final = final
+        self.folder = folder
+        clean_stale(final)
+        self.path = temp_sibling(final)
+        self._scratch: list[Path] = []
+        if folder:
+            os.mkdir(self.path)
+
+    def scratch(self) -> Path:
+        """A new private folder beside the output, removed on commit or abort."""
+        path = temp_sibling(self.final)
+        os.mkdir(path)
+        self._scratch.append(path)
+        return path
+
+    def commit(self) -> None:
+        """Move the (fsynced) temporary over ``final``; the caller fsynced its files."""
+        if self.folder:
+            _fsync_dir(self.path)
+        self._remove_scratch()
+        final, temp = self.final, self.path
+        if not (final.exists() if self.folder else final.is_dir()):
+            os.replace(temp, final)
+            _fsync_dir(final.parent)
+            return
+        # A directory cannot be renamed over another one: move the old one aside first.
+        old = temp_sibling(final, "old")
+        os.replace(final, old)
+        try:
+            os.replace(temp, final)
+        except BaseException:
+            os.replace(old, final)  # put the previous output back before reporting the failure
+            raise
+        _fsync_dir(final.parent)
+        remove(old)
+
+    def abort(self) -> None:
+        """Remove the temporary output and scratch folders; ``final`` is left untouched."""
+        remove(self.path)
+        self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        while self._scratch:
+            remove(self._scratch.pop())
+
+
+def replace_file(target: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to a hidden temporary sibling, then rename it over ``target``.
+
+    Not fsynced (callers write thousands of small files): a crash leaves each file whole or
+    absent, never cut. On an error the temporary is removed and the error raised.
+    """
+    temp = temp_sibling(target)
+    try:
+        with open(temp, "xb") as file:
+            file.write(data)
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+
+
+def remove(path: Path) -> None:
+    """Remove a file, link or folder tree; absent is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _glob_escape(name: str) -> str:
+    """Escape glob metacharacters in a file name."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -44,7 +44,7 @@ class FieldBytes(Dataset):
     def __getitem__(self, i: int) -> tuple[int, bool, list[list[bytes]]]:
         data = [[bytes(r.field(i, k)) for k in range(len(r.fields))] for r in self.readers]
         # the shard that served the read is mapped by this process, not inherited
-        mapped_here = all(r.locate(i)[0]._pid == os.getpid() for r in self.readers)
+        mapped_here = all(r.locate(i)[0].mapped_by == os.getpid() for r in self.readers)
         return os.getpid(), mapped_here, data
 
 

@@ -19,7 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_serialized import format as fmt
-from torch_serialized.errors import CorruptFileError, FormatError, TruncatedFileError
+from torch_serialized.errors import (
+    CorruptFileError,
+    FormatError,
+    TruncatedFileError,
+    UnsupportedVersionError,
+)
 from torch_serialized.reader import ContainerReader, PackReader
 from torch_serialized.writer import ArchiveWriter
 
@@ -320,6 +325,116 @@ def test_unpack_footer_rejects_wrong_length(size):
 def test_pad_to():
     assert [fmt.pad_to(p, 64) for p in (0, 1, 63, 64, 65, 128)] == [0, 63, 1, 0, 63, 0]
     assert fmt.pad_to(7, 8) == 1
+
+
+# -- metadata and manifest codecs -----------------------------------------------------------
+_NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=8)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def _metadata(num: int, fields: list[str], user: dict, arrays: dict | None = None) -> bytes:
+    index = fmt.array_descriptor(np.zeros((num, len(fields)), fmt.INDEX_DTYPE), 64)
+    return fmt.build_metadata(
+        created_by="test",
+        num_records=num,
+        fields=fields,
+        alignment=64,
+        index=index,
+        arrays=arrays or {},
+        user=user,
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    num=st.integers(0, 20),
+    fields=st.lists(_NAMES, min_size=1, max_size=4, unique=True),
+    user=st.dictionaries(st.text(max_size=6), _JSON, max_size=4),
+)
+def test_metadata_round_trip(num, fields, user):
+    arrays = {"ids": {**fmt.array_descriptor(np.arange(num), 64), "per_record": True}}
+    data = _metadata(num, fields, user, arrays)
+    meta = fmt.parse_metadata(data, num_records=num, data_end=64 + 24 * num * 4, path="m")
+    assert list(meta) == [row["Key"] for row in table("Metadata")]
+    assert meta["format"] == fmt.FORMAT_NAME
+    assert meta["format_version"] == [fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR]
+    assert (meta["num_records"], meta["fields"], meta["user"]) == (num, fields, user)
+    assert meta["arrays"] == arrays
+    assert data == json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: b"\xff" + m, "not valid JSON"),
+        (lambda m: b"[1]", "not a JSON object"),
+        (lambda m: b"[" * 100_000, "not valid JSON"),
+        (lambda m: m.replace(b'"torch_serialized"', b'"other"'), "does not describe"),
+        (lambda m: m.replace(b'"num_records":2', b'"num_records":3'), "does not describe"),
+        (lambda m: m.replace(b'"user":{}', b'"user":[]'), "arrays or user"),
+        (lambda m: m.replace(b'"shape":[2,1]', b'"shape":[1,2]'), "record index"),
+    ],
+)
+def test_parse_metadata_refuses(edit, message):
+    data = edit(_metadata(2, ["a"], {}))
+    with pytest.raises(CorruptFileError, match=message):
+        fmt.parse_metadata(data, num_records=2, data_end=1024, path="m")
+
+
+def _shards(count: int) -> list[dict]:
+    return [fmt.manifest_shard(f"shard-{i:05d}.tser", i + 1, 100 * i, i) for i in range(count)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    count=st.integers(1, 5),
+    fields=st.lists(_NAMES, min_size=1, max_size=4, unique=True),
+    user=st.dictionaries(st.text(max_size=6), _JSON, max_size=4),
+)
+def test_manifest_round_trip(count, fields, user):
+    shards = _shards(count)
+    data = fmt.build_manifest(
+        created_by="test", num_records=99, fields=fields, shards=shards, user=user
+    )
+    manifest = fmt.parse_manifest(data, "manifest.json")
+    assert list(manifest) == [row["Key"] for row in table("Shard folders", 0)]
+    assert manifest["format"] == fmt.MANIFEST_FORMAT
+    assert manifest["version"] == fmt.MANIFEST_VERSION
+    assert (manifest["fields"], manifest["shards"], manifest["user"]) == (fields, shards, user)
+    assert data.endswith(b"\n")
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "message"),
+    [
+        (b"\xff", CorruptFileError, "not valid JSON"),
+        (b"[" * 100_000, CorruptFileError, "not valid JSON"),
+        (b'{"format": "x"}', CorruptFileError, "not a torch_serialized shard manifest"),
+        (
+            b'{"format": "torch_serialized.shards", "version": 2}',
+            UnsupportedVersionError,
+            "newer",
+        ),
+        (b'{"format": "torch_serialized.shards", "version": 1}', CorruptFileError, "no shards"),
+    ],
+)
+def test_parse_manifest_refuses(data, error, message):
+    with pytest.raises(error, match=message):
+        fmt.parse_manifest(data, "manifest.json")
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "/abs"])
+def test_parse_manifest_refuses_shard_paths(name):
+    shards = [fmt.manifest_shard(name, 1, 1, 1)]
+    data = fmt.build_manifest(created_by="t", num_records=1, fields=["a"], shards=shards, user={})
+    with pytest.raises(CorruptFileError, match="invalid shard entry"):
+        fmt.parse_manifest(data, "manifest.json")
 
 
 # -- dtype codec ----------------------------------------------------------------------------

@@ -42,10 +42,10 @@ def test_reopen_finds_datasets_inside_wrappers(synthetic_packs: Any) -> None:
 def test_reopen_is_idempotent_in_one_process(synthetic_packs: Any) -> None:
     ds = ts.VOCSerializedDataset(synthetic_packs.single, "train", decode="none")
     shard = ds.pack.reader.shards[0]
-    before = shard._mmap
+    before = shard._local
     ts.workers.reopen_dataset(ds)
     ts.workers.reopen_dataset(ds)
-    assert shard._mmap is before  # same process: nothing to do, nothing dropped
+    assert shard._local is before  # same process: nothing to do, nothing dropped
     assert _bytes_of(ds[0]) == _bytes_of(
         ts.VOCSerializedDataset(synthetic_packs.single, "train", decode="none")[0]
     )

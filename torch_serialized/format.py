@@ -41,22 +41,35 @@ exist, so nothing in a file can execute code. Each record field's CRC32 is store
 index; ``verify`` recomputes them.
 
 Readers MUST reject a newer ``major``; they MAY read a newer ``minor`` (additions only).
+
+A shard set is a folder of containers plus ``MANIFEST_NAME``, a JSON object: ``format``
+(``MANIFEST_FORMAT``), ``version`` (``MANIFEST_VERSION``), ``created_by``, ``num_records``,
+``fields``, ``shards`` (``{"file", "num_records", "bytes", "meta_crc32"}`` each, in record
+order) and ``user``.
+
+Each structure has its writing and its reading function side by side: ``pack_header`` /
+``unpack_header``, ``pack_footer`` / ``unpack_footer``, ``array_descriptor`` /
+``check_descriptor``, ``build_metadata`` / ``parse_metadata``, ``build_manifest`` /
+``parse_manifest``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 import zlib
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import CorruptFileError, TruncatedFileError
+from .errors import CorruptFileError, TruncatedFileError, UnsupportedVersionError
 
 __all__ = [
     "MAGIC",
+    "FORMAT_NAME",
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
     "HEADER",
@@ -78,11 +91,21 @@ __all__ = [
     "unpack_footer",
     "dtype_to_json",
     "dtype_from_json",
+    "array_bytes",
+    "array_descriptor",
+    "check_descriptor",
+    "build_metadata",
+    "parse_metadata",
+    "manifest_shard",
+    "build_manifest",
+    "parse_manifest",
 ]
 
 #: First and last 8 bytes of every container. The high-bit byte catches 7-bit transfers,
 #: CR LF catches newline translation, 0x1A stops ``type`` on DOS (as PNG does).
 MAGIC = b"\x89TSER\r\n\x1a"
+#: The metadata's ``format`` value.
+FORMAT_NAME = "torch_serialized"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 FILE_SUFFIX = ".tser"
@@ -110,6 +133,8 @@ MANIFEST_VERSION = 1
 #: bool, signed and unsigned integers and IEEE floats.
 _SIMPLE_CODE = re.compile(r"\|[biu]1|<[iu][248]|<f[248]")  # use fullmatch: "$" allows "\n"
 _MAX_FIELDS = 1024
+#: Largest metadata a reader accepts.
+MAX_META_BYTES = 1 << 30
 
 
 def crc32(data: bytes | memoryview, value: int = 0) -> int:
@@ -294,3 +319,136 @@ def check_descriptor(
             f"{shape} or the file; the file is damaged, re-pack it"
         )
     return dtype, shape, offset, nbytes, crc
+
+
+# -- metadata -----------------------------------------------------------------------------------
+def build_metadata(
+    *,
+    created_by: str,
+    num_records: int,
+    fields: Sequence[str],
+    alignment: int,
+    index: Mapping[str, Any],
+    arrays: Mapping[str, Mapping[str, Any]],
+    user: Mapping[str, Any],
+) -> bytes:
+    """The metadata of a container, encoded: compact UTF-8 JSON, keys in the documented order.
+
+    ``index`` and ``arrays`` are descriptors made by ``array_descriptor`` (arrays with their
+    ``per_record`` flag); ``user`` is the writer's own JSON object.
+    """
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
+        "created_by": created_by,
+        "num_records": num_records,
+        "fields": list(fields),
+        "alignment": alignment,
+        "index": dict(index),
+        "arrays": {name: dict(desc) for name, desc in arrays.items()},
+        "user": dict(user),
+    }
+    text = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8")
+
+
+def parse_metadata(data: bytes, *, num_records: int, data_end: int, path: str) -> dict[str, Any]:
+    """Validate a container's metadata bytes; return the object.
+
+    ``num_records`` is the footer's count and ``data_end`` the metadata's offset, the end of
+    the space arrays may occupy. Raises ``CorruptFileError`` for anything but metadata that
+    describes a container with those records, a valid index descriptor and valid arrays.
+    """
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptFileError(f"{path}: metadata is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CorruptFileError(f"{path}: metadata is not a JSON object")
+    fields = meta.get("fields")
+    num = meta.get("num_records")
+    if (
+        meta.get("format") != FORMAT_NAME
+        or not isinstance(fields, list)
+        or not fields
+        or not all(isinstance(f, str) for f in fields)
+        or type(num) is not int
+        or num != num_records
+    ):
+        raise CorruptFileError(f"{path}: metadata does not describe a torch_serialized file")
+    arrays = meta.get("arrays")
+    user = meta.get("user")
+    if not isinstance(arrays, dict) or not isinstance(user, dict):
+        raise CorruptFileError(f"{path}: metadata lacks its arrays or user sections")
+    dtype, shape, *_ = check_descriptor(meta.get("index"), "index", data_end, path)
+    if dtype != INDEX_DTYPE or shape != (num, len(fields)):
+        raise CorruptFileError(f"{path}: record index has dtype {dtype}, shape {shape}")
+    for name, desc in arrays.items():
+        check_descriptor(desc, name, data_end, path)
+        if desc.get("per_record") and desc["shape"][:1] != [num]:
+            raise CorruptFileError(f"{path}: per-record array {name!r} has the wrong length")
+    return meta
+
+
+# -- shard manifest -----------------------------------------------------------------------------
+def manifest_shard(file: str, num_records: int, nbytes: int, meta_crc32: int) -> dict[str, Any]:
+    """One entry of a manifest's ``shards`` list."""
+    return {"file": file, "num_records": num_records, "bytes": nbytes, "meta_crc32": meta_crc32}
+
+
+def build_manifest(
+    *,
+    created_by: str,
+    num_records: int,
+    fields: Sequence[str],
+    shards: Sequence[Mapping[str, Any]],
+    user: Mapping[str, Any],
+) -> bytes:
+    """The manifest of a shard set, encoded: indented UTF-8 JSON ending with a newline.
+
+    ``shards`` are ``manifest_shard`` entries in record order.
+    """
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "created_by": created_by,
+        "num_records": num_records,
+        "fields": list(fields),
+        "shards": [dict(shard) for shard in shards],
+        "user": dict(user),
+    }
+    return (json.dumps(manifest, indent=1, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+def parse_manifest(data: bytes, path: str) -> dict[str, Any]:
+    """Validate a manifest's bytes; return the object.
+
+    Raises ``UnsupportedVersionError`` for a newer manifest version and ``CorruptFileError``
+    for anything else that is not a manifest listing at least one shard by a plain file name.
+    """
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptFileError(f"{path}: not valid JSON ({exc}); re-pack the dataset") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise CorruptFileError(f"{path}: not a torch_serialized shard manifest")
+    version = manifest.get("version")
+    if not isinstance(version, int) or version > MANIFEST_VERSION:
+        raise UnsupportedVersionError(
+            f"{path}: manifest version {version!r} is newer than this torch_serialized reads "
+            f"({MANIFEST_VERSION}); upgrade torch_serialized"
+        )
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not shards or not isinstance(manifest.get("user"), dict):
+        raise CorruptFileError(f"{path}: manifest lists no shards")
+    for entry in shards:
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if (
+            not isinstance(name, str)
+            or Path(name).name != name
+            or name in ("", ".", "..")
+            or not isinstance(entry.get("num_records"), int)
+            or not isinstance(entry.get("meta_crc32"), int)
+        ):
+            raise CorruptFileError(f"{path}: invalid shard entry {entry!r}")
+    return manifest

@@ -11,7 +11,6 @@ never imports torch.
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import stat
@@ -34,7 +33,6 @@ from .errors import (
 
 __all__ = ["ContainerReader", "PackReader", "open_pack"]
 
-_MAX_META_BYTES = 1 << 30
 _IOV_MAX = getattr(os, "sysconf", lambda _name: 1024)("SC_IOV_MAX") or 1024
 #: Bytes one ``preadv`` call asks for at most: a run is read as a sequence of such calls, so
 #: the kernel's read-ahead streams the rest of the run while each piece is copied out (on a
@@ -42,30 +40,46 @@ _IOV_MAX = getattr(os, "sysconf", lambda _name: 1024)("SC_IOV_MAX") or 1024
 _READ_SIZE = 1 << 20
 
 
+class _Mapped:
+    """What one process holds of a container: the map, the index columns, the arrays and
+    (opened on first use) a descriptor for ``pread``. Never pickled, never shared."""
+
+    __slots__ = ("pid", "mmap", "view", "offsets", "lengths", "crcs", "arrays", "fd", "__weakref__")
+
+    def __init__(
+        self, mm: mmap.mmap, view: memoryview, index: np.ndarray, arrays: dict[str, np.ndarray]
+    ) -> None:
+        self.pid = os.getpid()
+        self.mmap, self.view, self.arrays = mm, view, arrays
+        self.offsets, self.lengths, self.crcs = index["offset"], index["length"], index["crc32"]
+        self.fd: int | None = None
+
+
 class ContainerReader:
     """One ``.tser`` container file.
 
-    ``checked=True`` recomputes each field's CRC32 on every read and raises
-    ``ChecksumError`` on a mismatch (slower; for untrusted storage).
+    Opening validates the file in the order of docs/FORMAT.md ("Truncation and damage
+    detection"): ``_read_header``, ``_read_footer``, ``_read_metadata``, then ``_read_arrays``
+    maps the record index and the arrays and checks them. ``checked=True`` recomputes each
+    field's CRC32 on every read and raises ``ChecksumError`` on a mismatch (slower; for
+    untrusted storage).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, checked: bool = False) -> None:
         self.path = str(path)
         self.checked = checked
-        self._pid: int | None = None
-        self._mmap: mmap.mmap | None = None
-        self._view: memoryview | None = None
-        self._offsets: np.ndarray | None = None
-        self._lengths: np.ndarray | None = None
-        self._arrays: dict[str, np.ndarray] = {}
+        self._local: _Mapped | None = None
         fd = self._open_fd()
         try:
-            self._validate(fd)
-            self._map(fd, check=True)
+            self.size = os.fstat(fd).st_size
+            self._read_header(fd)
+            footer = self._read_footer(fd)
+            self._read_metadata(fd, footer)
+            self._local = self._read_arrays(fd, check=True)
         finally:
             os.close(fd)
 
-    # -- opening -------------------------------------------------------------------------
+    # -- opening: one step per section of docs/FORMAT.md ---------------------------------------
     def _open_fd(self) -> int:
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -80,9 +94,9 @@ class ContainerReader:
                 "or a shard folder written by torch_serialized"
             ) from None
 
-    def _validate(self, fd: int) -> None:
-        path = self.path
-        size = os.fstat(fd).st_size
+    def _read_header(self, fd: int) -> None:
+        """Header: magic, checksum, alignment, and a major version this package reads."""
+        path, size = self.path, self.size
         if size < fmt.HEADER_SIZE + fmt.FOOTER_SIZE:
             raise TruncatedFileError(
                 f"{path}: {size} bytes is too short for a torch_serialized file "
@@ -94,6 +108,11 @@ class ContainerReader:
                 f"{path}: format version {major}.{minor} is newer than this torch_serialized "
                 f"reads ({fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}); upgrade torch_serialized"
             )
+        self.version = (major, minor)
+
+    def _read_footer(self, fd: int) -> dict[str, int]:
+        """Footer: present (no truncation), intact, the file's size, the metadata's place."""
+        path, size = self.path, self.size
         tail = os.pread(fd, fmt.FOOTER_SIZE, size - fmt.FOOTER_SIZE)
         if tail[-len(fmt.MAGIC) :] != fmt.MAGIC:
             raise TruncatedFileError(
@@ -107,53 +126,30 @@ class ContainerReader:
                 "re-copy or re-pack it"
             )
         meta_offset, meta_length = footer["meta_offset"], footer["meta_length"]
-        data_end = size - fmt.FOOTER_SIZE
         if (
             meta_offset < fmt.HEADER_SIZE
-            or meta_offset + meta_length != data_end
-            or meta_length > _MAX_META_BYTES
+            or meta_offset + meta_length != size - fmt.FOOTER_SIZE
+            or meta_length > fmt.MAX_META_BYTES
         ):
             raise CorruptFileError(f"{path}: metadata location in the footer is invalid")
-        raw = os.pread(fd, meta_length, meta_offset)
-        if fmt.crc32(raw) != footer["meta_crc32"]:
-            raise CorruptFileError(f"{path}: metadata checksum mismatch; the file is damaged")
-        try:
-            meta = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise CorruptFileError(f"{path}: metadata is not valid JSON: {exc}") from None
-        if not isinstance(meta, dict):
-            raise CorruptFileError(f"{path}: metadata is not a JSON object")
-        fields = meta.get("fields")
-        num = meta.get("num_records")
-        if (
-            meta.get("format") != "torch_serialized"
-            or not isinstance(fields, list)
-            or not fields
-            or not all(isinstance(f, str) for f in fields)
-            or type(num) is not int
-            or num != footer["num_records"]
-        ):
-            raise CorruptFileError(f"{path}: metadata does not describe a torch_serialized file")
-        arrays = meta.get("arrays")
-        user = meta.get("user")
-        if not isinstance(arrays, dict) or not isinstance(user, dict):
-            raise CorruptFileError(f"{path}: metadata lacks its arrays or user sections")
-        dtype, shape, *_ = fmt.check_descriptor(meta.get("index"), "index", meta_offset, path)
-        if dtype != fmt.INDEX_DTYPE or shape != (num, len(fields)):
-            raise CorruptFileError(f"{path}: record index has dtype {dtype}, shape {shape}")
-        for name, desc in arrays.items():
-            fmt.check_descriptor(desc, name, meta_offset, path)
-            if desc.get("per_record") and desc["shape"][:1] != [num]:
-                raise CorruptFileError(f"{path}: per-record array {name!r} has the wrong length")
-        self.version = (major, minor)
-        self.meta: dict[str, Any] = meta
-        self.fields: list[str] = fields
-        self.num_records: int = num
-        self.data_end = meta_offset
-        self._identity = (size, footer["meta_crc32"])
+        self.meta_crc32 = footer["meta_crc32"]
+        return footer
 
-    def _map(self, fd: int, *, check: bool) -> None:
-        """Map the file; with ``check``, verify index and array checksums and bounds."""
+    def _read_metadata(self, fd: int, footer: dict[str, int]) -> None:
+        """Metadata: its checksum, then its content (``format.parse_metadata``)."""
+        raw = os.pread(fd, footer["meta_length"], footer["meta_offset"])
+        if fmt.crc32(raw) != footer["meta_crc32"]:
+            raise CorruptFileError(f"{self.path}: metadata checksum mismatch; the file is damaged")
+        self.data_end = footer["meta_offset"]
+        self.meta: dict[str, Any] = fmt.parse_metadata(
+            raw, num_records=footer["num_records"], data_end=self.data_end, path=self.path
+        )
+        self.fields: list[str] = self.meta["fields"]
+        self.num_records: int = self.meta["num_records"]
+
+    def _read_arrays(self, fd: int, *, check: bool) -> _Mapped:
+        """Arrays: map the file and view the record index and every array in it; with
+        ``check``, verify their checksums and that the index points inside the data."""
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         view = memoryview(mm)
         # The record index is kept apart: a user array may also be called "index".
@@ -177,28 +173,38 @@ class ContainerReader:
                 ) from None
             views.append(array)
         index = views[0]
+        if check:
+            self._check_index(index)
         arrays = {name: array for (name, _), array in zip(descs[1:], views[1:])}
-        offsets, lengths = index["offset"], index["length"]
-        if check and index.size:
-            ends = offsets + lengths
-            if (
-                int(offsets.min()) < fmt.HEADER_SIZE
-                or int(ends.max()) > self.data_end
-                or bool((ends < offsets).any())
-            ):
-                raise CorruptFileError(
-                    f"{self.path}: record index points outside the data; the file is damaged"
-                )
-        self._mmap, self._view, self._arrays = mm, view, arrays
-        self._offsets, self._lengths, self._crcs = offsets, lengths, index["crc32"]
-        self._pid = os.getpid()
+        return _Mapped(mm, view, index, arrays)
 
-    def _reopen(self) -> None:
-        fd = self._open_same_file()
-        try:
-            self._map(fd, check=False)
-        finally:
-            os.close(fd)
+    def _check_index(self, index: np.ndarray) -> None:
+        """The record index: every field lies between the header and the metadata."""
+        if not index.size:
+            return
+        offsets, lengths = index["offset"], index["length"]
+        ends = offsets + lengths
+        if (
+            int(offsets.min()) < fmt.HEADER_SIZE
+            or int(ends.max()) > self.data_end
+            or bool((ends < offsets).any())
+        ):
+            raise CorruptFileError(
+                f"{self.path}: record index points outside the data; the file is damaged"
+            )
+
+    # -- one process, one map -----------------------------------------------------------------
+    def _mapped(self) -> _Mapped:
+        """This process's map, made on first use in a process that has none: the one check
+        that a reader forked or unpickled into another process maps the file again."""
+        local = self._local
+        if local is None or local.pid != os.getpid():
+            fd = self._open_same_file()
+            try:
+                local = self._local = self._read_arrays(fd, check=False)
+            finally:
+                os.close(fd)
+        return local
 
     def _open_same_file(self) -> int:
         """Open the path again, checking it still holds the file validated at creation."""
@@ -212,7 +218,10 @@ class ContainerReader:
         size = os.fstat(fd).st_size
         tail = os.pread(fd, fmt.FOOTER_SIZE, max(size - fmt.FOOTER_SIZE, 0))
         try:
-            same = (size, fmt.unpack_footer(tail, self.path)["meta_crc32"]) == self._identity
+            same = (size, fmt.unpack_footer(tail, self.path)["meta_crc32"]) == (
+                self.size,
+                self.meta_crc32,
+            )
         except CorruptFileError:
             same = False
         if not same:
@@ -223,18 +232,27 @@ class ContainerReader:
             )
         return fd
 
+    def _descriptor(self) -> int:
+        """This process's file descriptor for ``pread``, checked to be the validated file."""
+        local = self._mapped()
+        if local.fd is None:
+            local.fd = self._open_same_file()
+            weakref.finalize(local, os.close, local.fd)
+        return local.fd
+
+    @property
+    def mapped_by(self) -> int | None:
+        """The process that holds the current map (``None`` until one maps it)."""
+        return None if self._local is None else self._local.pid
+
     def reopen(self) -> None:
-        """Map the file again in this process (idempotent within one process)."""
-        if self._pid != os.getpid():
-            self._reopen()
+        """Map the file in this process now rather than on first read (idempotent)."""
+        self._mapped()
 
     # -- pickling: the map never crosses a process boundary --------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_mmap", "_view", "_offsets", "_lengths", "_crcs", "_fd", "_fd_pid"):
-            state[key] = None
-        state["_arrays"] = {}
-        state["_pid"] = None
+        state["_local"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -246,11 +264,10 @@ class ContainerReader:
 
     def field(self, i: int, k: int) -> memoryview:
         """Bytes of field ``k`` of record ``i`` (a read-only view into the map)."""
-        if self._pid != os.getpid():
-            self._reopen()
-        offset = int(self._offsets[i, k])  # type: ignore[index]
-        view = self._view[offset : offset + int(self._lengths[i, k])]  # type: ignore[index]
-        if self.checked and fmt.crc32(view) != int(self._crcs[i, k]):
+        local = self._mapped()
+        offset = int(local.offsets[i, k])
+        view = local.view[offset : offset + int(local.lengths[i, k])]
+        if self.checked and fmt.crc32(view) != int(local.crcs[i, k]):
             raise ChecksumError(
                 f"{self.path}: record {i} field {self.fields[k]!r} fails its checksum; "
                 "the file is damaged: run `torch-serialized verify` and re-pack it"
@@ -259,9 +276,7 @@ class ContainerReader:
 
     def arrays(self) -> Mapping[str, np.ndarray]:
         """The stored arrays by name (read-only views into the map)."""
-        if self._pid != os.getpid():
-            self._reopen()
-        return self._arrays
+        return self._mapped().arrays
 
     def is_per_record(self, name: str) -> bool:
         return bool(self.meta["arrays"][name].get("per_record"))
@@ -272,16 +287,14 @@ class ContainerReader:
 
     def verify(self) -> list[int]:
         """Indices of records whose bytes fail their checksum (empty when all is well)."""
-        if self._pid != os.getpid():
-            self._reopen()
-        assert self._view is not None  # noqa: S101
-        view, offsets, lengths, crcs = self._view, self._offsets, self._lengths, self._crcs
+        local = self._mapped()
+        view, offsets, lengths, crcs = local.view, local.offsets, local.lengths, local.crcs
         bad: list[int] = []
         num_fields = len(self.fields)
         for i in range(self.num_records):
             for k in range(num_fields):
-                off = int(offsets[i, k])  # type: ignore[index]
-                if fmt.crc32(view[off : off + int(lengths[i, k])]) != int(crcs[i, k]):  # type: ignore[index]
+                off = int(offsets[i, k])
+                if fmt.crc32(view[off : off + int(lengths[i, k])]) != int(crcs[i, k]):
                     bad.append(i)
                     break
         return bad
@@ -296,29 +309,28 @@ class ContainerReader:
         run of neighbouring records costs one sequential read and no extra copy. On a cold
         cache this reaches disk bandwidth where page faults on the map issue many small reads.
         """
-        if self._pid != os.getpid():
-            self._reopen()
+        local = self._mapped()
         wanted = [int(r) for r in records]
         if not wanted:
             return []
         if wanted != sorted(wanted) or wanted[0] < 0 or wanted[-1] >= self.num_records:
             raise IndexError(f"records must ascend within 0..{self.num_records - 1}")
-        offsets, lengths = self._offsets, self._lengths
-        order = sorted(fields, key=lambda k: int(offsets[wanted[0], k]))  # type: ignore[index]
+        offsets, lengths = local.offsets, local.lengths
+        order = sorted(fields, key=lambda k: int(offsets[wanted[0], k]))
         out: list[list[np.ndarray]] = []
         pieces: list[tuple[int, np.ndarray]] = []  # (file offset, destination), ascending
         for r in wanted:
             by_field: dict[int, np.ndarray] = {}
             for k in order:
-                array = np.empty(int(lengths[r, k]), dtype=np.uint8)  # type: ignore[index]
-                pieces.append((int(offsets[r, k]), array))  # type: ignore[index]
+                array = np.empty(int(lengths[r, k]), dtype=np.uint8)
+                pieces.append((int(offsets[r, k]), array))
                 by_field[k] = array
             out.append([by_field[k] for k in fields])
         self._scatter_read(pieces)
         if self.checked:
             for r, row in zip(wanted, out):
                 for k, array in zip(fields, row):
-                    if fmt.crc32(array.data) != int(self._crcs[r, k]):  # type: ignore[index]
+                    if fmt.crc32(array.data) != int(local.crcs[r, k]):
                         raise ChecksumError(
                             f"{self.path}: record {r} field {self.fields[k]!r} fails its "
                             "checksum; the file is damaged: run `torch-serialized verify` "
@@ -332,11 +344,10 @@ class ContainerReader:
         block so that block's disk reads overlap this one's."""
         if not len(records) or not hasattr(os, "posix_fadvise"):
             return
-        if self._pid != os.getpid():
-            self._reopen()
+        local = self._mapped()
         wanted = np.asarray(records, dtype=np.int64)
-        starts = self._offsets[wanted]  # type: ignore[index]
-        start, end = int(starts.min()), int((starts + self._lengths[wanted]).max())  # type: ignore[index]
+        starts = local.offsets[wanted]
+        start, end = int(starts.min()), int((starts + local.lengths[wanted]).max())
         os.posix_fadvise(self._descriptor(), start, end - start, os.POSIX_FADV_WILLNEED)
 
     def _scatter_read(self, pieces: list[tuple[int, np.ndarray]]) -> None:
@@ -368,14 +379,6 @@ class ContainerReader:
                     "after it was opened: re-copy or re-pack it"
                 )
 
-    def _descriptor(self) -> int:
-        """This process's file descriptor for ``pread``, checked to be the validated file."""
-        if getattr(self, "_fd_pid", None) != os.getpid():
-            fd = self._open_same_file()
-            weakref.finalize(self, os.close, fd)
-            self._fd, self._fd_pid = fd, os.getpid()
-        return self._fd
-
 
 class PackReader:
     """A packed dataset: one container file, or a shard folder with ``manifest.json``.
@@ -385,35 +388,14 @@ class PackReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, checked: bool = False) -> None:
-        p = Path(path)
-        if p.name == fmt.MANIFEST_NAME and p.is_file():
-            p = p.parent
-        self.path = str(p)
-        if p.is_dir() and (p / fmt.MANIFEST_NAME).is_file():
-            self.manifest: dict[str, Any] | None = _read_manifest(p)
-            self.shards = [
-                ContainerReader(p / shard["file"], checked=checked)
-                for shard in self.manifest["shards"]
-            ]
-            for shard, entry in zip(self.shards, self.manifest["shards"]):
-                if (shard.num_records, shard._identity[1]) != (
-                    entry["num_records"],
-                    entry["meta_crc32"],
-                ):
-                    raise CorruptFileError(
-                        f"{shard.path} does not match {p / fmt.MANIFEST_NAME} (records or "
-                        "checksum differ): a shard was replaced; re-pack the dataset"
-                    )
+        location, self.manifest, files = _locate(Path(path))
+        self.path = str(location)
+        self.shards = [ContainerReader(file, checked=checked) for file in files]
+        if self.manifest is not None:
+            _check_manifest_bindings(self.manifest, self.shards, location / fmt.MANIFEST_NAME)
             self.user: dict[str, Any] = self.manifest["user"]
-        elif p.exists():
-            self.manifest = None
-            self.shards = [ContainerReader(p, checked=checked)]
-            self.user = self.shards[0].user
         else:
-            raise FileNotFoundError(
-                f"{p} does not exist; pack a VOC dataset first with torch_serialized.pack_voc "
-                "or `torch-serialized pack`"
-            )
+            self.user = self.shards[0].user
         self.fields = self.shards[0].fields
         if any(s.fields != self.fields for s in self.shards):
             raise CorruptFileError(f"{self.path}: shards disagree on their fields")
@@ -421,14 +403,16 @@ class PackReader:
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.num_records = int(self.starts[-1])
         self._field_index = {name: k for k, name in enumerate(self.fields)}
+        # merged arrays, and the shard array dicts they were merged from (see ``arrays``)
         self._arrays: dict[str, np.ndarray] | None = None
+        self._arrays_from: list[Mapping[str, np.ndarray]] = []
 
     def __len__(self) -> int:
         return self.num_records
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_arrays"] = None
+        state["_arrays"], state["_arrays_from"] = None, []
         return state
 
     def field_index(self, name: str) -> int:
@@ -452,35 +436,43 @@ class PackReader:
         return shard.field(j, k)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """All arrays: per-record ones concatenated across shards, dataset-level ones as stored."""
-        if self._arrays is None or any(s._pid != os.getpid() for s in self.shards):
-            merged: dict[str, list[np.ndarray]] = {}
-            single: dict[str, np.ndarray] = {}
-            for shard in self.shards:
-                for name, array in shard.arrays().items():
-                    if shard.is_per_record(name):
-                        merged.setdefault(name, []).append(array)
-                    else:
-                        single[name] = array
-            out = dict(single)
-            for name, parts in merged.items():
-                if len(parts) != len(self.shards) or name in single:
-                    raise CorruptFileError(
-                        f"{self.path}: per-record array {name!r} is missing from some shards; "
-                        "the pack is damaged, re-pack it"
-                    )
-                try:
-                    out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                except (ValueError, TypeError) as exc:  # shapes or dtypes differ by shard
-                    raise CorruptFileError(
-                        f"{self.path}: shards disagree on array {name!r} ({exc}); "
-                        "the pack is damaged, re-pack it"
-                    ) from None
-            self._arrays = out
-        return self._arrays
+        """All arrays: per-record ones concatenated across shards, dataset-level ones as stored.
+
+        Merged again whenever a shard's arrays are not those merged before (the shard was
+        mapped again in this process), so the result always views this process's maps.
+        """
+        sources = [shard.arrays() for shard in self.shards]
+        if self._arrays is not None and all(
+            a is b for a, b in zip(sources, self._arrays_from, strict=True)
+        ):
+            return self._arrays
+        merged: dict[str, list[np.ndarray]] = {}
+        single: dict[str, np.ndarray] = {}
+        for shard, arrays in zip(self.shards, sources):
+            for name, array in arrays.items():
+                if shard.is_per_record(name):
+                    merged.setdefault(name, []).append(array)
+                else:
+                    single[name] = array
+        out = dict(single)
+        for name, parts in merged.items():
+            if len(parts) != len(self.shards) or name in single:
+                raise CorruptFileError(
+                    f"{self.path}: per-record array {name!r} is missing from some shards; "
+                    "the pack is damaged, re-pack it"
+                )
+            try:
+                out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            except (ValueError, TypeError) as exc:  # shapes or dtypes differ by shard
+                raise CorruptFileError(
+                    f"{self.path}: shards disagree on array {name!r} ({exc}); "
+                    "the pack is damaged, re-pack it"
+                ) from None
+        self._arrays, self._arrays_from = out, sources
+        return out
 
     def reopen(self) -> None:
-        """Map every shard again in this process (idempotent)."""
+        """Map every shard in this process now rather than on first read (idempotent)."""
         for shard in self.shards:
             shard.reopen()
 
@@ -494,40 +486,39 @@ class PackReader:
     @property
     def nbytes(self) -> int:
         """Bytes on disk, all files included."""
-        total = sum(s._identity[0] for s in self.shards)
+        total = sum(s.size for s in self.shards)
         if self.manifest is not None:
             total += (Path(self.path) / fmt.MANIFEST_NAME).stat().st_size
         return total
 
 
-def _read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / fmt.MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptFileError(f"{path}: not valid JSON ({exc}); re-pack the dataset") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != fmt.MANIFEST_FORMAT:
-        raise CorruptFileError(f"{path}: not a torch_serialized shard manifest")
-    version = manifest.get("version")
-    if not isinstance(version, int) or version > fmt.MANIFEST_VERSION:
-        raise UnsupportedVersionError(
-            f"{path}: manifest version {version!r} is newer than this torch_serialized reads "
-            f"({fmt.MANIFEST_VERSION}); upgrade torch_serialized"
-        )
-    shards = manifest.get("shards")
-    if not isinstance(shards, list) or not shards or not isinstance(manifest.get("user"), dict):
-        raise CorruptFileError(f"{path}: manifest lists no shards")
-    for entry in shards:
-        name = entry.get("file") if isinstance(entry, dict) else None
-        if (
-            not isinstance(name, str)
-            or Path(name).name != name
-            or name in ("", ".", "..")
-            or not isinstance(entry.get("num_records"), int)
-            or not isinstance(entry.get("meta_crc32"), int)
-        ):
-            raise CorruptFileError(f"{path}: invalid shard entry {entry!r}")
-    return manifest
+def _locate(path: Path) -> tuple[Path, dict[str, Any] | None, list[Path]]:
+    """Where the files of the pack at ``path`` live: the pack's own path, its manifest (shard
+    sets only) and its container files in record order."""
+    if path.name == fmt.MANIFEST_NAME and path.is_file():
+        path = path.parent
+    manifest_path = path / fmt.MANIFEST_NAME
+    if path.is_dir() and manifest_path.is_file():
+        manifest = fmt.parse_manifest(manifest_path.read_bytes(), str(manifest_path))
+        return path, manifest, [path / shard["file"] for shard in manifest["shards"]]
+    if path.exists():
+        return path, None, [path]
+    raise FileNotFoundError(
+        f"{path} does not exist; pack a VOC dataset first with torch_serialized.pack_voc "
+        "or `torch-serialized pack`"
+    )
+
+
+def _check_manifest_bindings(
+    manifest: Mapping[str, Any], shards: Sequence[ContainerReader], manifest_path: Path
+) -> None:
+    """Each shard is the file the manifest was written with (its records and checksum)."""
+    for shard, entry in zip(shards, manifest["shards"]):
+        if (shard.num_records, shard.meta_crc32) != (entry["num_records"], entry["meta_crc32"]):
+            raise CorruptFileError(
+                f"{shard.path} does not match {manifest_path} (records or "
+                "checksum differ): a shard was replaced; re-pack the dataset"
+            )
 
 
 def open_pack(path: str | os.PathLike[str], *, checked: bool = False) -> PackReader:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -22,7 +21,10 @@ from ._version import __version__
 from .atomic import AtomicOutput
 from .errors import WriteError
 
-__all__ = ["ContainerWriter", "ArchiveWriter", "Payload", "copy_range"]
+__all__ = ["ContainerWriter", "ArchiveWriter", "Payload", "CREATED_BY", "copy_range"]
+
+#: The ``created_by`` of every container and manifest written here.
+CREATED_BY = f"torch_serialized {__version__}"
 
 Payload = bytes | bytearray | memoryview
 _PAD = bytes(1 << 16)
@@ -91,6 +93,7 @@ class ContainerWriter:
         self._arrays: dict[str, tuple[np.ndarray, bool]] = {}
         self.num_records = 0
         self.position = 0
+        self.meta_crc32 = 0  # of the metadata, once ``finish`` wrote it
         self._hole = 0  # bytes reserved after the file's current end, not yet skipped
         self._write(fmt.pack_header(alignment))
 
@@ -191,27 +194,26 @@ class ContainerWriter:
         if self._rows is not None:
             arrays["records"] = (self._rows[: self.num_records], True)
         arrays.update(self._arrays)
-        index = self._index[: self.num_records]
-        meta: dict[str, Any] = {
-            "format": "torch_serialized",
-            "format_version": [fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR],
-            "created_by": f"torch_serialized {__version__}",
-            "num_records": self.num_records,
-            "fields": self.fields,
-            "alignment": self.alignment,
-            "index": self._write_array(index),
-            "arrays": {},
-            "user": dict(user),
+        index = self._write_array(self._index[: self.num_records])
+        descriptors = {
+            name: {**self._write_array(array), "per_record": per_record}
+            for name, (array, per_record) in arrays.items()
         }
-        for name, (array, per_record) in arrays.items():
-            meta["arrays"][name] = {**self._write_array(array), "per_record": per_record}
         self._align()
         meta_offset = self.position
-        blob = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        data = blob.encode("utf-8")
+        data = fmt.build_metadata(
+            created_by=CREATED_BY,
+            num_records=self.num_records,
+            fields=self.fields,
+            alignment=self.alignment,
+            index=index,
+            arrays=descriptors,
+            user=user,
+        )
         self._write(data)
         size = self.position + fmt.FOOTER_SIZE
-        footer = fmt.pack_footer(meta_offset, len(data), size, self.num_records, fmt.crc32(data))
+        self.meta_crc32 = fmt.crc32(data)
+        footer = fmt.pack_footer(meta_offset, len(data), size, self.num_records, self.meta_crc32)
         self._write(footer)
         return size
 
@@ -365,7 +367,6 @@ class ArchiveWriter:
             name, path = self.output.name, self._out.path
         self._file = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in _finish
         self._path = path
-        self._shards.append({"file": name})
         self._writer = ContainerWriter(
             self._file, self._fields, alignment=self._alignment, columns=self._columns
         )
@@ -373,7 +374,7 @@ class ArchiveWriter:
 
     def _finish_shard(self, user: Mapping[str, Any] | None) -> None:
         """Close the current file; the last one (``user`` given) gets metadata and arrays."""
-        if self._writer is None or self._file is None:
+        if self._writer is None or self._file is None or self._path is None:
             raise RuntimeError("no shard is open")
         if self._before_finish is not None:
             self._before_finish()  # records reserved in this file are copied in by now
@@ -383,7 +384,11 @@ class ArchiveWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        self._shards[-1].update(num_records=self._writer.num_records, bytes=size)
+        self._shards.append(
+            fmt.manifest_shard(
+                self._path.name, self._writer.num_records, size, self._writer.meta_crc32
+            )
+        )
         self._writer = None
         self._file = None
 
@@ -408,24 +413,15 @@ class ArchiveWriter:
         return self.output
 
     def _write_manifest(self, user: Mapping[str, Any]) -> None:
-        manifest = {
-            "format": fmt.MANIFEST_FORMAT,
-            "version": fmt.MANIFEST_VERSION,
-            "created_by": f"torch_serialized {__version__}",
-            "num_records": self.num_records,
-            "fields": self._fields,
-            "shards": self._shards,
-            "user": dict(user),
-        }
-        for shard in self._shards:
-            path = self._out.path / shard["file"]
-            with open(path, "rb") as f:
-                f.seek(-fmt.FOOTER_SIZE, os.SEEK_END)
-                shard["meta_crc32"] = fmt.unpack_footer(f.read(), str(path))["meta_crc32"]
-        path = self._out.path / fmt.MANIFEST_NAME
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, ensure_ascii=False, allow_nan=False)
-            f.write("\n")
+        data = fmt.build_manifest(
+            created_by=CREATED_BY,
+            num_records=self.num_records,
+            fields=self._fields,
+            shards=self._shards,
+            user=user,
+        )
+        with open(self._out.path / fmt.MANIFEST_NAME, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
 

@@ -50,7 +50,7 @@ from torch_serialized.errors import (
     WriteError,
 )
 from torch_serialized.reader import ContainerReader, PackReader, open_pack
-from torch_serialized.writer import ArchiveWriter
+from torch_serialized.writer import PackWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ["image", "target"]
@@ -67,7 +67,7 @@ def write_pack(
     out: Path, n: int, *, seed: int = 0, user: dict[str, Any] | None = None, **limits: Any
 ) -> Path:
     """A pack of ``n`` self-describing records (content shifted by ``seed``)."""
-    with ArchiveWriter(out, FIELDS, columns=COLUMNS, **limits) as w:
+    with PackWriter(out, FIELDS, columns=COLUMNS, **limits) as w:
         for i in range(n):
             j = i + seed
             w.add([payload(j, k, size_of(j, k)) for k in range(len(FIELDS))], (j, j / 2))
@@ -222,7 +222,7 @@ def test_round_trip(form, data, limit):
     limit = limit if form == "shards" else {}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pack"
-        with ArchiveWriter(out, data["fields"], columns=data["columns"], **limit) as w:
+        with PackWriter(out, data["fields"], columns=data["columns"], **limit) as w:
             for i, record in enumerate(data["records"]):
                 assert w.add(record, None if data["rows"] is None else data["rows"][i]) == i
             for name, array in data["arrays"].items():
@@ -303,14 +303,15 @@ def test_reserved_records_copied_in_equal_added_ones(form, data, limit, reserved
     holes, shard limits and the pread/pwrite fallback included)."""
     from unittest import mock
 
-    from torch_serialized.writer import ContainerWriter, copy_range
+    from torch_serialized.parallel import copy_range
+    from torch_serialized.writer import ContainerWriter
 
     limit = limit if form == "shards" else {}
     rows = data["rows"]
     with tempfile.TemporaryDirectory() as tmp:
 
-        def write(out: Path, **extra: Any) -> ArchiveWriter:
-            w = ArchiveWriter(out, data["fields"], columns=data["columns"], **limit, **extra)
+        def write(out: Path, **extra: Any) -> PackWriter:
+            w = PackWriter(out, data["fields"], columns=data["columns"], **limit, **extra)
             return w
 
         plain = write(Path(tmp) / "plain")
@@ -392,7 +393,7 @@ def test_empty_dataset(tmp_path, form):
 def test_record_of_many_mib(tmp_path, form):
     big = os.urandom(20 << 20)
     out = tmp_path / "big"
-    with ArchiveWriter(
+    with PackWriter(
         out, ["a", "b"], **({"max_shard_bytes": 1 << 20} if form == "shards" else {})
     ) as w:
         w.add([b"small", b""])
@@ -410,7 +411,7 @@ def test_record_of_many_mib(tmp_path, form):
 @pytest.mark.parametrize("alignment", [8, 4096])
 def test_other_alignments(tmp_path, alignment):
     out = tmp_path / "a.tser"
-    with ArchiveWriter(out, ["a"], alignment=alignment) as w:
+    with PackWriter(out, ["a"], alignment=alignment) as w:
         for i in range(20):
             w.add([payload(i, 0, i * 13)])
         w.close()
@@ -426,7 +427,7 @@ def test_other_alignments(tmp_path, alignment):
 @pytest.mark.parametrize("form", FORMS)
 def test_invalid_alignment_refused(tmp_path, alignment, form):
     with pytest.raises(ValueError, match="alignment"):
-        ArchiveWriter(tmp_path / "a", ["a"], alignment=alignment, **FORMS[form])
+        PackWriter(tmp_path / "a", ["a"], alignment=alignment, **FORMS[form])
     assert listing(tmp_path) == []
 
 
@@ -663,7 +664,7 @@ def test_checked_reader_reports_damaged_record(tmp_path, packs):
 @pytest.mark.parametrize("form", FORMS)
 def test_exception_mid_write_leaves_nothing(tmp_path, form):
     out = tmp_path / "out.tser"
-    with pytest.raises(RuntimeError, match="boom"), ArchiveWriter(out, FIELDS, **FORMS[form]) as w:
+    with pytest.raises(RuntimeError, match="boom"), PackWriter(out, FIELDS, **FORMS[form]) as w:
         for i in range(20):
             w.add([payload(i, 0, 100), b""])
         raise RuntimeError("boom")
@@ -673,7 +674,7 @@ def test_exception_mid_write_leaves_nothing(tmp_path, form):
 @pytest.mark.parametrize("form", FORMS)
 def test_failure_at_close_leaves_nothing(tmp_path, form):
     out = tmp_path / "out.tser"
-    with pytest.raises(TypeError), ArchiveWriter(out, FIELDS, **FORMS[form]) as w:
+    with pytest.raises(TypeError), PackWriter(out, FIELDS, **FORMS[form]) as w:
         w.add([b"a", b"b"])
         w.close({"not json": object()})
     assert listing(tmp_path) == []
@@ -682,14 +683,14 @@ def test_failure_at_close_leaves_nothing(tmp_path, form):
 @pytest.mark.parametrize("form", FORMS)
 def test_leaving_the_block_without_close_commits(tmp_path, form):
     out = tmp_path / "out"
-    with ArchiveWriter(out, FIELDS, **FORMS[form]) as w:
+    with PackWriter(out, FIELDS, **FORMS[form]) as w:
         w.add([b"a", b"b"])
     assert listing(tmp_path) == ["out"]
     assert bytes(open_pack(out).field(0, 1)) == b"b"
 
 
 def test_add_after_abort_is_refused(tmp_path):
-    w = ArchiveWriter(tmp_path / "out", FIELDS)
+    w = PackWriter(tmp_path / "out", FIELDS)
     w.add([b"a", b"b"])
     w.abort()
     with pytest.raises(ValueError, match="closed"):
@@ -705,7 +706,7 @@ def test_previous_pack_kept_on_failure_replaced_on_success(tmp_path, old_form, n
     out = write_pack(tmp_path / "out", 30, **FORMS[old_form])
     with (
         pytest.raises(KeyboardInterrupt),
-        ArchiveWriter(out, FIELDS, columns=COLUMNS, **FORMS[new_form]) as w,
+        PackWriter(out, FIELDS, columns=COLUMNS, **FORMS[new_form]) as w,
     ):
         for i in range(10):
             w.add([b"new", b"new"], (i, 0.0))
@@ -727,7 +728,7 @@ import sys, types
 package = types.ModuleType("torch_serialized")
 package.__path__ = [{str(ROOT / "torch_serialized")!r}]
 sys.modules["torch_serialized"] = package
-from torch_serialized.writer import ArchiveWriter
+from torch_serialized.writer import PackWriter
 from torch_serialized.errors import WriteError
 assert "torch" not in sys.modules, "the writer imported torch"
 """
@@ -751,9 +752,9 @@ def run_python(code: str, *args: str, **kwargs: Any) -> subprocess.Popen:
 
 SLOW_WRITER = """
     import time
-    single = ArchiveWriter(sys.argv[1] + "/single.tser", ["a"])
+    single = PackWriter(sys.argv[1] + "/single.tser", ["a"])
     (single.scratch() / "chunk-000000").write_bytes(bytes(1000))  # as pack workers leave it
-    shards = ArchiveWriter(sys.argv[1] + "/shards", ["a"], max_records_per_shard=2)
+    shards = PackWriter(sys.argv[1] + "/shards", ["a"], max_records_per_shard=2)
     for i in range(100000):
         single.add([bytes(1000)])
         shards.add([bytes(1000)])
@@ -783,7 +784,7 @@ def test_sigkill_mid_write_leaves_no_output_and_stale_temp_is_removed(tmp_path):
     assert not (tmp_path / "single.tser").exists() and not (tmp_path / "shards").exists()
 
     for name, limits in (("single.tser", {}), ("shards", {"max_records_per_shard": 2})):
-        with ArchiveWriter(tmp_path / name, ["a"], **limits) as w:
+        with PackWriter(tmp_path / name, ["a"], **limits) as w:
             assert not any(n.startswith(f".{name}.tmp-{proc.pid}-") for n in listing(tmp_path))
             w.add([b"fresh"])
             w.close()
@@ -799,7 +800,7 @@ FSIZE_WRITER = """
     results = {}
     for name, limits in (("single.tser", {}), ("shards", {"max_records_per_shard": 1000})):
         try:
-            with ArchiveWriter(sys.argv[1] + "/" + name, ["a"], **limits) as w:
+            with PackWriter(sys.argv[1] + "/" + name, ["a"], **limits) as w:
                 for i in range(64):
                     w.add([bytes(64 << 10)])
                 w.close()
@@ -834,7 +835,7 @@ def test_refuses_to_overwrite_what_is_not_a_pack(tmp_path, kind):
         out.mkdir()
         (out / "a.txt").write_text("x")
     with pytest.raises(WriteError, match="not a torch_serialized pack") as info:
-        ArchiveWriter(out, FIELDS)
+        PackWriter(out, FIELDS)
     assert isinstance(info.value, OSError) and info.value.errno == errno.EEXIST
     assert str(out) in str(info.value)
     assert listing(tmp_path) == ["precious"]
@@ -846,7 +847,7 @@ def test_refuses_to_overwrite_what_is_not_a_pack(tmp_path, kind):
 
 def test_missing_output_folder(tmp_path):
     with pytest.raises(WriteError, match="does not exist") as info:
-        ArchiveWriter(tmp_path / "no" / "out.tser", FIELDS)
+        PackWriter(tmp_path / "no" / "out.tser", FIELDS)
     assert info.value.errno == errno.ENOENT
 
 
@@ -945,7 +946,7 @@ def test_reading_every_record_does_not_grow_private_memory(tmp_path, form):
     n = 20_000
     out = tmp_path / "many"
     limits = {"max_records_per_shard": 5000} if form == "shards" else {}
-    with ArchiveWriter(out, ["a", "b"], **limits) as w:
+    with PackWriter(out, ["a", "b"], **limits) as w:
         for i in range(n):
             w.add([payload(i, 0, 50 + i % 300), payload(i, 1, i % 40)])
         w.close()
@@ -984,10 +985,10 @@ def test_file_replaced_by_junk_raises_file_changed(tmp_path, content):
 
 def test_unstorable_columns_and_arrays_refused_up_front(tmp_path):
     with pytest.raises(ValueError, match="cannot be stored"):
-        ArchiveWriter(tmp_path / "a", FIELDS, columns=np.dtype([("name", "U8")]))
+        PackWriter(tmp_path / "a", FIELDS, columns=np.dtype([("name", "U8")]))
     with pytest.raises(ValueError, match="distinct"):
-        ArchiveWriter(tmp_path / "a", ["x", "x"], max_records_per_shard=1)
-    with ArchiveWriter(tmp_path / "b", FIELDS) as w:
+        PackWriter(tmp_path / "a", ["x", "x"], max_records_per_shard=1)
+    with PackWriter(tmp_path / "b", FIELDS) as w:
         with pytest.raises(ValueError, match="cannot be stored"):
             w.add_array("names", np.array(["a", "b"]))
         with pytest.raises(ValueError, match="cannot be stored"):

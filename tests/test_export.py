@@ -16,7 +16,7 @@ from torch_serialized import ChecksumError, FormatError, SourceDataError, WriteE
 from torch_serialized.voc import codec
 from torch_serialized.voc.export import export_voc
 from torch_serialized.voc.synthetic import make_synthetic_voc
-from torch_serialized.writer import ArchiveWriter
+from torch_serialized.writer import PackWriter
 
 LIST = b"a\n"
 
@@ -109,7 +109,7 @@ def forge(
 ) -> Path:
     """A pack with the given ids, list files and base_dir, as a hostile writer could make it."""
     image = jpeg(8, 8)
-    with ArchiveWriter(path, codec.FIELDS, columns=codec.COLUMNS) as writer:
+    with PackWriter(path, codec.FIELDS, columns=codec.COLUMNS) as writer:
         for _ in ids:
             writer.add([image, b"", b"", b"", b"", b""], (8, 8, 0, 0))
         blob, offsets = codec.encode_ids(ids)

@@ -26,7 +26,7 @@ from torch_serialized.errors import (
     UnsupportedVersionError,
 )
 from torch_serialized.reader import ContainerReader, PackReader
-from torch_serialized.writer import ArchiveWriter
+from torch_serialized.writer import PackWriter
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md").read_text(encoding="utf-8")
 
@@ -198,7 +198,7 @@ def test_crc_check_value_in_document():
 
 
 def _written(tmp_path: Path, **kwargs) -> PackReader:
-    with ArchiveWriter(tmp_path / "p", ["a", "b"], columns=np.dtype([("n", "<u4")]), **kwargs) as w:
+    with PackWriter(tmp_path / "p", ["a", "b"], columns=np.dtype([("n", "<u4")]), **kwargs) as w:
         w.add([b"x", b"yy"], (1,))
         w.add_array("extra", np.arange(3))
         w.close({"k": 1})
@@ -226,7 +226,7 @@ def test_manifest_keys_match_document(tmp_path):
 
 def test_worked_example_matches_writer(tmp_path):
     path = tmp_path / "ex.tser"
-    with ArchiveWriter(path, ["image", "target"]) as w:
+    with PackWriter(path, ["image", "target"]) as w:
         w.add([b"\xff\xd8jpeg", b'{"a":1}'])
         w.add([b"", b"{}"])
         w.close({"note": "demo"})

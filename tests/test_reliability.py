@@ -3,7 +3,7 @@
 A loader under week-long training runs reads files that travel between machines. It must never
 crash the interpreter, silently return wrong data, lose the user's data or execute anything from
 a file. ``test_container.py`` covers single faults of the raw container (one flipped byte, cuts
-at fixed points, a killed ``ArchiveWriter``, ``RLIMIT_FSIZE`` on the writer); ``test_packer.py``
+at fixed points, a killed ``PackWriter``, ``RLIMIT_FSIZE`` on the writer); ``test_packer.py``
 covers bad VOC source files. This module adds:
 
 1. fuzzing: random files, and random damage to a real pack (one file and one shard of a shard

@@ -117,7 +117,7 @@ HEADER = struct.Struct("<8sHHIII36sI")
 FOOTER = struct.Struct("<QQQQIHH12sI8s")
 HEADER_SIZE = HEADER.size
 FOOTER_SIZE = FOOTER.size
-assert HEADER_SIZE == 64 and FOOTER_SIZE == 64  # noqa: S101 - import-time layout check
+assert HEADER_SIZE == 64 and FOOTER_SIZE == 64  # the layout tables rely on it
 
 #: One row per (record, field): where the bytes are and their CRC32.
 INDEX_DTYPE = np.dtype(

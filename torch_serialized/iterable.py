@@ -246,7 +246,7 @@ def read_blocks(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tser-read") as pool:
         pending = pool.submit(load, 0) if blocks else None
         for b, block in enumerate(blocks):
-            assert pending is not None  # noqa: S101 - submitted for every block
+            assert pending is not None
             data = pending.result()
             if data is None and gate.open:  # the gate opened after this block was planned
                 data = load(b)

@@ -21,15 +21,13 @@ from ._version import __version__
 from .atomic import AtomicOutput
 from .errors import WriteError
 
-__all__ = ["ContainerWriter", "ArchiveWriter", "Payload", "CREATED_BY", "copy_range"]
+__all__ = ["ContainerWriter", "PackWriter", "Payload", "CREATED_BY"]
 
 #: The ``created_by`` of every container and manifest written here.
 CREATED_BY = f"torch_serialized {__version__}"
 
 Payload = bytes | bytearray | memoryview
 _PAD = bytes(1 << 16)
-#: ``copy_file_range`` errors that mean "not here" (cross-device, unsupported): copy by hand.
-_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def _check_options(fields: Sequence[str], alignment: int, columns: np.dtype | None) -> None:
@@ -43,34 +41,10 @@ def _check_options(fields: Sequence[str], alignment: int, columns: np.dtype | No
         fmt.dtype_to_json(columns)  # refuse unstorable columns now, not after every record
 
 
-def copy_range(source: int, offset: int, target: int, at: int, length: int) -> None:
-    """Copy ``length`` bytes of file ``source`` from ``offset`` to file ``target`` at ``at``
-    (descriptors; their positions are left alone): ``copy_file_range`` where the file system
-    allows it (no user-space copy; a reflink where extents can be shared), else pread/pwrite.
-    """
-    copy = getattr(os, "copy_file_range", None)
-    done = 0
-    while done < length:
-        if copy is not None:
-            try:
-                n = copy(source, target, length - done, offset + done, at + done)
-            except OSError as exc:
-                if exc.errno not in _NO_COPY_RANGE:
-                    raise
-                copy = None  # another file system, or a kernel without it: copy by hand
-                continue
-        else:
-            data = os.pread(source, min(length - done, 1 << 20), offset + done)
-            n = os.pwrite(target, data, at + done) if data else 0
-        if n == 0:
-            raise OSError(errno.EIO, f"the source file ended {length - done} bytes early")
-        done += n
-
-
 class ContainerWriter:
     """Streams records into one open binary file in the container format.
 
-    The caller owns the file object (see ``ArchiveWriter`` for atomic output). ``columns``
+    The caller owns the file object (see ``PackWriter`` for atomic output). ``columns``
     is an optional structured dtype: one fixed-size row of it is stored per record, in the
     per-record array ``"records"``.
     """
@@ -143,7 +117,7 @@ class ContainerWriter:
 
         The caller copies the record's bytes (``entries``' first offset to its last end,
         padding between fields included) to ``offset`` of this file before it is finished
-        (see ``copy_range``); the alignment padding before the record is left as a hole,
+        (``parallel.copy_range`` does); the alignment padding before the record is left as a hole,
         which reads as the zeros ``add`` writes. This is how parallel packing stays
         byte-identical to one process while the bytes move in workers.
         """
@@ -236,7 +210,7 @@ def is_pack(path: Path) -> bool:
         return False
 
 
-class ArchiveWriter:
+class PackWriter:
     """Writes records to ``output``: one file, or shards plus manifest when a limit is set.
 
     With ``max_records_per_shard`` or ``max_shard_bytes``, ``output`` becomes a folder of
@@ -315,7 +289,7 @@ class ArchiveWriter:
         sizes = [int(n) for n in entries["length"]]
         placed: list[int] = []
         index = self._append(sizes, lambda writer: placed.append(writer.reserve(entries, row)[1]))
-        assert self._path is not None  # noqa: S101 - _append opened a file
+        assert self._path is not None
         return index, self._path, placed[0]
 
     def _append(self, sizes: Sequence[int], add: Callable[[ContainerWriter], Any]) -> int:
@@ -335,8 +309,8 @@ class ArchiveWriter:
         return self.num_records - 1
 
     def scratch(self) -> Path:
-        """A new private folder beside the output for intermediate files (e.g. records packed
-        by worker processes). It is removed with the temporary output on close or abort,
+        """A new private folder beside the output for intermediate files (e.g. records laid
+        out by pack processes). It is removed with the temporary output on close or abort,
         and by the next writer of this output if this process is killed."""
         return self._out.scratch()
 
@@ -451,7 +425,7 @@ class ArchiveWriter:
             f"writing {self.output} failed: {reason}; {hint}. No partial output was left",
         )
 
-    def __enter__(self) -> ArchiveWriter:
+    def __enter__(self) -> PackWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

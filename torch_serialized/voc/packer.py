@@ -12,28 +12,25 @@ byte-identical for any number of workers.
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
 import io
 import json
 import os
 import re
 import time
 import warnings
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from .. import format as fmt
 from .._version import __version__
 from ..errors import SourceDataError
-from ..writer import ArchiveWriter, ContainerWriter, copy_range
+from ..parallel import Record, Spilled, SpillPool, pays_off
+from ..writer import PackWriter
 from . import codec
 from .layout import find_voc_root, read_image_sets
 from .xml import extract_objects, parse_annotation
@@ -149,43 +146,50 @@ def pack_voc(
     record_of: dict[str, int] = {}
     record_classes: list[list[int]] = []
     source_bytes = 0
-    parallel = _Workers(jobs, workers, on_error == "skip") if _use_workers(jobs, workers) else None
+    pool = (
+        SpillPool(
+            functools.partial(_load_spilled, skip=on_error == "skip"), jobs, codec.FIELDS, workers
+        )
+        if pays_off(len(jobs), workers)
+        else None
+    )
     with contextlib.ExitStack() as stack:
         writer = stack.enter_context(
-            ArchiveWriter(
+            PackWriter(
                 output,
                 codec.FIELDS,
                 columns=codec.COLUMNS,
                 max_records_per_shard=max_samples_per_shard,
                 max_shard_bytes=max_shard_bytes,
-                before_finish=parallel.drain if parallel is not None else None,
+                before_finish=pool.drain if pool is not None else None,
             )
         )
-        if parallel is not None:  # on an error, stop the workers before the output is removed
-            stack.callback(parallel.close)
+        if pool is not None:  # on an error, stop the processes before the output is removed
+            stack.callback(pool.close)
         from tqdm.auto import tqdm  # here, not at the top: pack workers import this module
 
         bar = tqdm(total=len(jobs), unit="img", disable=not progress, desc=f"packing {output.name}")
         last = time.perf_counter()
-        items: Iterable[_Loaded | _Spilled | SkippedSample] = (
-            parallel.items(writer) if parallel is not None else _load_each(jobs, on_error)
+        items: Iterable[_Loaded | Spilled | SkippedSample] = (
+            pool.items(writer) if pool is not None else _load_each(jobs, on_error)
         )
         for item in items:
             if isinstance(item, SkippedSample):
                 skipped.append(item)
                 bar.update(1)
                 continue
-            loaded = item.loaded if isinstance(item, _Spilled) else item
+            loaded = item.info if isinstance(item, Spilled) else item
             class_ids = [classes.setdefault(n, len(classes)) for n in loaded.names]
             objects = b""
             if loaded.objects is not None:
                 obj = loaded.objects
                 objects = codec.encode_objects(obj.boxes, class_ids, obj.difficult, obj.truncated)
             row = (loaded.width, loaded.height, len(loaded.names), loaded.flags)
-            if isinstance(item, _Spilled):
-                assert parallel is not None  # noqa: S101 - only workers spill
-                record_of[loaded.id], target, at = writer.reserve(item.finish(objects), row)
-                parallel.place(item, target, at)
+            if isinstance(item, Spilled):
+                assert pool is not None  # only pack processes spill
+                entries = item.fill(codec.OBJECTS, objects)
+                record_of[loaded.id], target, at = writer.reserve(entries, row)
+                pool.place(item, target, at)
             else:
                 payloads = list(loaded.payloads)
                 payloads[codec.OBJECTS] = objects
@@ -307,167 +311,18 @@ def _listing(folder: Path) -> frozenset[str]:
         return frozenset()
 
 
-@dataclass
-class _Spilled:
-    """A sample a pack worker loaded and laid out in a scratch file, objects left blank."""
-
-    loaded: _Loaded  # without payloads
-    entries: np.ndarray  # its index row in the scratch file
-    path: str = ""  # the scratch file
-    objects: bytes = b""  # the encoded objects, once the writing process assigned class ids
-
-    def finish(self, objects: bytes) -> np.ndarray:
-        """The index row with the encoded objects in place of their blank (a worker writes
-        their bytes along with the record, see ``_Workers.place``)."""
-        entry = self.entries[codec.OBJECTS]
-        if len(objects) != int(entry["length"]):
-            raise RuntimeError(f"objects of {self.loaded.id!r} changed size between processes")
-        entry["crc32"] = fmt.crc32(objects)
-        self.objects = objects
-        return self.entries
-
-    def span(self) -> tuple[int, int]:
-        """Where the record's bytes start in the scratch file, and how many there are."""
-        start = int(self.entries["offset"][0])
-        return start, int(self.entries["offset"][-1] + self.entries["length"][-1]) - start
-
-
-#: (scratch file, offset, output file, offset, length, objects offset, objects): one record
-#: for a worker to copy into the output, with its objects written over their blank.
-_CopyOrder = tuple[str, int, str, int, int, int, bytes]
-_T = TypeVar("_T")
-
-
-class _Workers:
-    """Pack worker processes, for ``workers > 1``.
-
-    Workers load chunks of consecutive jobs and lay their records out in scratch files as the
-    output will hold them (``_spill_chunk``). The writing process takes the samples in job
-    order, assigns class ids, ``reserve``s each record in the output and hands the copy back
-    to the workers (``_copy_records``), so every byte is read, checksummed and written in
-    parallel and the writer only keeps the books. A bounded number of chunks is in flight,
-    so scratch files hold a few chunks at a time.
-    """
-
-    def __init__(self, jobs: Sequence[_Job], workers: int, skip: bool) -> None:
-        size = max(1, min(_CHUNK, len(jobs) // (workers * 4)))
-        self._chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
-        self._skip = skip
-        self._window = 2 * workers
-        self._pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
-        self._writer: ArchiveWriter | None = None
-        self._scratch = Path()
-        self._orders: list[_CopyOrder] = []  # placed, not yet handed to a worker
-        self._copies: deque[Future[None]] = deque()
-
-    def items(self, writer: ArchiveWriter) -> Iterator[_Spilled | SkippedSample]:
-        """Every job's sample (or why it was skipped), in job order."""
-        self._writer, self._scratch = writer, writer.scratch()
-        loads: deque[tuple[str, Future[list[_Spilled | SkippedSample]]]] = deque()
-
-        def load(k: int) -> None:
-            path = str(self._scratch / f"chunk-{k:06d}")
-            loads.append((path, self._pool.submit(_spill_chunk, self._chunks[k], self._skip, path)))
-
-        for k in range(min(len(self._chunks), self._window)):
-            load(k)
-        for k in range(len(self._chunks)):
-            path, future = loads.popleft()
-            items = self._result(future)
-            if k + self._window < len(self._chunks):
-                load(k + self._window)
-            for item in items:
-                if isinstance(item, _Spilled):
-                    item.path = path
-                yield item
-            self._send(path)
-            self._wait(self._window)
-
-    def place(self, item: _Spilled, target: Path, at: int) -> None:
-        """Copy ``item``'s record to ``at`` in ``target`` (soon, in a worker)."""
-        start, length = item.span()
-        objects_at = at + int(item.entries["offset"][codec.OBJECTS]) - start
-        self._orders.append((item.path, start, str(target), at, length, objects_at, item.objects))
-
-    def drain(self) -> None:
-        """Return once every placed record is in the output (before a file is finished)."""
-        self._send(None)
-        self._wait(0)
-
-    def close(self) -> None:
-        """Stop the workers; on an error, without waiting for the rest of the dataset."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def _send(self, done: str | None) -> None:
-        """Hand the placed records to a worker; ``done``: a scratch file it then deletes (no
-        earlier copy from it is still running: a ``drain`` waited for those)."""
-        orders, self._orders = self._orders, []
-        if orders or done is not None:
-            self._copies.append(self._pool.submit(_copy_records, orders, done))
-
-    def _wait(self, pending: int) -> None:
-        """Wait for the oldest copies until at most ``pending`` remain."""
-        while len(self._copies) > pending:
-            self._result(self._copies.popleft())
-
-    def _result(self, future: Future[_T]) -> _T:
-        """A worker's result; its write errors (disk full...) said as the writer says them."""
-        try:
-            return future.result()
-        except OSError as exc:
-            assert self._writer is not None  # noqa: S101 - set by items()
-            raise self._writer.write_error(exc) from exc
-
-
-#: Most jobs one worker task takes: large enough to amortise a task, small enough that
-#: scratch space and the work lost to an error stay small.
-_CHUNK = 64
-
-
-def _spill_chunk(jobs: Sequence[_Job], skip: bool, path: str) -> list[_Spilled | SkippedSample]:
-    """Load ``jobs`` and write their records to ``path`` laid out as the output will hold them
-    (runs in a pack worker). Objects are left blank: their class ids are only known in the
-    writing process, which sees the samples in dataset order."""
-    out: list[_Spilled | SkippedSample] = []
-    with open(path, "wb", buffering=1 << 20) as f:
-        writer = ContainerWriter(f, codec.FIELDS)
-        for job in jobs:
-            loaded = _load_or_skip(job, skip)
-            if isinstance(loaded, SkippedSample):
-                out.append(loaded)
-                continue
-            payloads = list(loaded.payloads)
-            if loaded.objects is not None:
-                payloads[codec.OBJECTS] = bytes(codec.OBJECT_DTYPE.itemsize * len(loaded.names))
-            writer.add(payloads)
-            loaded.payloads = []
-            out.append(_Spilled(loaded, writer.entries(writer.num_records - 1)))
-    return out
-
-
-def _copy_records(orders: Sequence[_CopyOrder], done: str | None) -> None:
-    """Copy records from scratch files into the output, then delete the scratch file
-    ``done`` (runs in a pack worker)."""
-    fds: dict[tuple[str, int], int] = {}
-    try:
-        for source, offset, target, at, length, objects_at, objects in orders:
-            for path, flags in ((source, os.O_RDONLY), (target, os.O_WRONLY)):
-                if (path, flags) not in fds:
-                    fds[path, flags] = os.open(path, flags)
-            out = fds[target, os.O_WRONLY]
-            copy_range(fds[source, os.O_RDONLY], offset, out, at, length)
-            if objects and os.pwrite(out, objects, objects_at) != len(objects):
-                raise OSError(errno.EIO, f"short write to {target}")
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if done is not None:
-        os.unlink(done)
-
-
-def _use_workers(jobs: Sequence[_Job], workers: int) -> bool:
-    """Whether worker processes pay off: not for one process or a handful of samples."""
-    return workers > 1 and len(jobs) >= 2 * workers
+def _load_spilled(job: _Job, skip: bool) -> Record | SkippedSample:
+    """A job's record for a pack process (``parallel.spill_chunk``): objects are left as
+    zero bytes, since their class ids are only known in the writing process, which sees the
+    samples in dataset order."""
+    loaded = _load_or_skip(job, skip)
+    if isinstance(loaded, SkippedSample):
+        return loaded
+    payloads = list(loaded.payloads)
+    if loaded.objects is not None:
+        payloads[codec.OBJECTS] = bytes(codec.OBJECT_DTYPE.itemsize * len(loaded.names))
+    loaded.payloads = []
+    return Record(payloads, loaded)
 
 
 def _load_each(jobs: Sequence[_Job], on_error: str) -> Iterator[_Loaded | SkippedSample]:
@@ -518,7 +373,7 @@ def _load(job: _Job) -> _Loaded:
         mask = _read(mask_path, job.needs_mask, job, "the mask")
     if "SegmentationObject" in listed:
         object_mask = _read(os.path.join(voc, "SegmentationObject", name + ".png"), False, job, "")
-    assert image is not None  # noqa: S101 - required files are never None
+    assert image is not None
     source_bytes = sum(len(b) for b in (image, annotation, mask, object_mask) if b)
 
     target_json = b""

@@ -112,17 +112,17 @@ def child_main(command: str, *args: str) -> None:
 def slow_pack(root: str, output: str, options: str, per_image: str) -> None:
     """``pack_voc`` with a pause before each image is read (a slow source disk), so that a
     SIGKILL sent at a random moment lands while the pack is being written."""
-    from torch_serialized.voc import packer
+    from torch_serialized.voc import pack
 
-    load, pause = packer._load, float(per_image)
+    load, pause = pack.load, float(per_image)
 
     def slow_load(job: Any, *args: Any) -> Any:
         time.sleep(pause)
         return load(job, *args)
 
-    packer._load = slow_load  # type: ignore[assignment]
+    pack.load = slow_load  # type: ignore[assignment]
     print("started", flush=True)
-    packer.pack_voc(root, output, year="2007", **json.loads(options))
+    pack.pack_voc(root, output, year="2007", **json.loads(options))
     print("done", flush=True)
 
 
@@ -131,7 +131,7 @@ def pack_and_report(root: str, folder: str, fsize: str, workers: str = "1") -> N
     file size limited to ``fsize`` bytes (0: no limit; pack workers inherit the limit); print
     what each raised and what was left in ``folder``."""
     from torch_serialized.errors import WriteError
-    from torch_serialized.voc.packer import pack_voc
+    from torch_serialized.voc.pack import pack_voc
 
     if int(fsize):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG instead
@@ -155,7 +155,7 @@ def pack_and_report(root: str, folder: str, fsize: str, workers: str = "1") -> N
 
 def repack(root: str, output: str, options: str, times: str) -> None:
     """Pack ``root`` over ``output`` ``times`` times in a row (another process re-packing)."""
-    from torch_serialized.voc.packer import pack_voc
+    from torch_serialized.voc.pack import pack_voc
 
     print("started", flush=True)
     for _ in range(int(times)):

@@ -19,7 +19,7 @@ from PIL import Image
 
 from torch_serialized import __version__
 from torch_serialized.cli import main, parse_size
-from torch_serialized.voc.pack import VOCPack
+from torch_serialized.voc.reader import VOCPackReader
 
 COMMANDS = ("pack", "info", "verify", "export", "bench", "demo")
 SCRIPT = Path(sys.executable).with_name("torch-serialized")
@@ -213,14 +213,14 @@ def test_pack_options_reach_the_packer(
     )  # fmt: skip
     assert status == 0, err
     assert "skipped  1 samples" in out and ".skipped.json" in out
-    pack = VOCPack(tmp_path / "a.tser")
+    pack = VOCPackReader(tmp_path / "a.tser")
     assert pack.meta["max_size"] == 200 and len(pack) == 23
     assert int(pack.columns["width"].max()) <= 200
     status, _, err = run(
         capsys, "pack", "-q", synthetic_devkit, tmp_path / "r.tser", "--image-storage", "raw"
     )
     assert status == 0, err
-    assert VOCPack(tmp_path / "r.tser").image_storage == "raw"
+    assert VOCPackReader(tmp_path / "r.tser").image_storage == "raw"
     status, _, err = run(capsys, "export", tmp_path / "r.tser", tmp_path / "out")
     assert status == 2 and "byte for byte" in err
 
@@ -254,7 +254,7 @@ def damage(pack: Path, source_file: Path, out: Path) -> None:
 def test_verify_names_the_damaged_sample(
     capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path
 ) -> None:
-    pack = VOCPack(synthetic_packs.single)
+    pack = VOCPackReader(synthetic_packs.single)
     record = 7
     image_id = pack.id(record)
     jpeg = voc_folder(synthetic_packs) / "JPEGImages" / f"{image_id}.jpg"
@@ -270,7 +270,7 @@ def test_verify_shards_names_shard_and_field(
 ) -> None:
     folder = tmp_path / "shards"
     shutil.copytree(synthetic_packs.shards, folder)
-    pack = VOCPack(folder)
+    pack = VOCPackReader(folder)
     flags = pack.columns["flags"]
     record = max(i for i in range(len(pack)) if flags[i] & 2)  # has a mask: in a later shard
     image_id = pack.id(record)

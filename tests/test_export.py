@@ -13,7 +13,7 @@ from torchvision.datasets import VOCDetection
 from vocfactory import jpeg
 
 from torch_serialized import ChecksumError, FormatError, SourceDataError, WriteError, pack_voc
-from torch_serialized.voc import codec
+from torch_serialized.voc import schema
 from torch_serialized.voc.export import export_voc
 from torch_serialized.voc.synthetic import make_synthetic_voc
 from torch_serialized.writer import PackWriter
@@ -109,18 +109,18 @@ def forge(
 ) -> Path:
     """A pack with the given ids, list files and base_dir, as a hostile writer could make it."""
     image = jpeg(8, 8)
-    with PackWriter(path, codec.FIELDS, columns=codec.COLUMNS) as writer:
+    with PackWriter(path, schema.FIELDS, columns=schema.COLUMNS) as writer:
         for _ in ids:
             writer.add([image, b"", b"", b"", b"", b""], (8, 8, 0, 0))
-        blob, offsets = codec.encode_ids(ids)
+        blob, offsets = schema.encode_ids(ids)
         writer.add_array("ids", blob)
         writer.add_array("id_offsets", offsets)
-        writer.add_array(codec.split_array_name("Main", "train"), np.arange(len(ids), dtype="<i8"))
+        writer.add_array(schema.split_array_name("Main", "train"), np.arange(len(ids), dtype="<i8"))
         for name, data in (files or {"ImageSets/Main/train.txt": LIST}).items():
             writer.add_array(f"file/{name}", np.frombuffer(data, dtype=np.uint8))
         meta = {
-            "schema": codec.SCHEMA,
-            "schema_version": codec.SCHEMA_VERSION,
+            "schema": schema.SCHEMA,
+            "schema_version": schema.SCHEMA_VERSION,
             "year": "2012",
             "base_dir": base_dir,
             "classes": [],

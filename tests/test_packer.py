@@ -17,8 +17,8 @@ from torchvision.datasets import VOCDetection, VOCSegmentation
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 import torch_serialized as ts
-from torch_serialized.voc.pack import VOCPack
-from torch_serialized.voc.packer import jpeg_size
+from torch_serialized.voc.images import jpeg_size
+from torch_serialized.voc.reader import VOCPackReader
 from torch_serialized.voc.synthetic import make_synthetic_voc
 
 
@@ -51,7 +51,7 @@ def _no_output(folder: Path) -> None:
 
 def test_one_pack_serves_every_image_set(synthetic: Path, tmp_path: Path) -> None:
     result = ts.pack_voc(synthetic, tmp_path / "out.tser", year="2007")
-    pack = VOCPack(result.path)
+    pack = VOCPackReader(result.path)
     ids = {pack.id(i) for i in range(len(pack))}
     assert len(ids) == len(pack) == result.num_samples  # each id stored once
     for image_set in ("train", "val", "trainval", "test"):
@@ -65,7 +65,7 @@ def test_one_pack_serves_every_image_set(synthetic: Path, tmp_path: Path) -> Non
 
 def test_voc_folder_itself_gives_the_year(synthetic: Path, tmp_path: Path) -> None:
     result = ts.Serializer(synthetic / "VOCdevkit" / "VOC2007", tmp_path / "out.tser").serialize()
-    assert VOCPack(result.path).year == "2007"
+    assert VOCPackReader(result.path).year == "2007"
     sample = ts.SerializedDataset(result.path).get_sample(0)
     assert sample["image"].dtype == np.uint8 and sample["image"].ndim == 3
     assert "annotation" in sample["target"]
@@ -347,7 +347,7 @@ def test_absent_optional_files_are_not_opened(
     """Masks (and annotations of Segmentation-only ids) that the folder listing lacks are never
     opened: a failed open per sample was ~5% of a pack. The samples stay torchvision's (the
     drop-in tests check every one of them on this devkit)."""
-    from torch_serialized.voc import packer
+    from torch_serialized.voc import source
 
     failed: list[str] = []
     real_open = open
@@ -359,13 +359,13 @@ def test_absent_optional_files_are_not_opened(
             failed.append(str(path))
             raise
 
-    monkeypatch.setattr(packer, "open", logged_open, raising=False)
+    monkeypatch.setattr(source, "open", logged_open, raising=False)
     result = ts.pack_voc(corner_devkit, tmp_path / "p.tser", year=None)
     assert result.num_samples > 0
     assert failed == []
-    pack = VOCPack(result.path)
+    pack = VOCPackReader(result.path)
     flags = pack.columns["flags"]
-    from torch_serialized.voc import codec
+    from torch_serialized.voc import schema
 
-    assert (flags & codec.HAS_MASK).any() and not (flags & codec.HAS_MASK).all()
-    assert (flags & codec.HAS_OBJECT_MASK).any()
+    assert (flags & schema.HAS_MASK).any() and not (flags & schema.HAS_MASK).all()
+    assert (flags & schema.HAS_OBJECT_MASK).any()

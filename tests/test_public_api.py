@@ -41,7 +41,7 @@ def test_unknown_attribute_raises_attribute_error() -> None:
 def test_packing_and_reading_files_never_import_torch() -> None:
     # pack workers and format tools must stay light: they are spawned processes.
     code = (
-        "import sys, torch_serialized, torch_serialized.voc.packer, torch_serialized.reader;"
+        "import sys, torch_serialized, torch_serialized.voc.pack, torch_serialized.reader;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -383,10 +383,10 @@ def test_stored_target_round_trips_exactly(target: dict[str, Any]) -> None:
     order included, for any text: the reader's parser must not be a different dialect."""
     import json
 
-    from torch_serialized.voc import codec
+    from torch_serialized.voc import schema
 
-    stored = codec.encode_target(target)
+    stored = schema.encode_target(target)
     for data in (stored, memoryview(stored), np.frombuffer(stored, np.uint8).data):
-        back = codec.decode_target(data)
+        back = schema.decode_target(data)
         assert back == target == json.loads(stored)
         assert json.dumps(back) == json.dumps(target)  # same key order at every level

@@ -23,24 +23,25 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .datasets import SerializedDataset, VOCSerializedDataset, VOCSerializedSegmentation
+    from .compat import SerializedDataset, Serializer
+    from .datasets import VOCSerializedDataset, VOCSerializedSegmentation
     from .iterable import VOCSerializedIterableDataset
     from .reader import PackReader, open_pack
     from .samplers import BlockShuffleSampler
     from .voc.export import export_voc
-    from .voc.packer import PackResult, Serializer, SkippedSample, pack_voc
+    from .voc.pack import PackResult, SkippedSample, pack_voc
     from .workers import worker_init_fn
 
 #: public name -> module that defines it
 _LAZY = {
-    "pack_voc": ".voc.packer",
-    "PackResult": ".voc.packer",
-    "SkippedSample": ".voc.packer",
-    "Serializer": ".voc.packer",
+    "pack_voc": ".voc.pack",
+    "PackResult": ".voc.pack",
+    "SkippedSample": ".voc.pack",
+    "Serializer": ".compat",
     "export_voc": ".voc.export",
     "VOCSerializedDataset": ".datasets",
     "VOCSerializedSegmentation": ".datasets",
-    "SerializedDataset": ".datasets",
+    "SerializedDataset": ".compat",
     "VOCSerializedIterableDataset": ".iterable",
     "BlockShuffleSampler": ".samplers",
     "worker_init_fn": ".workers",

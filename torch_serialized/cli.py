@@ -80,7 +80,7 @@ def _mb(num_bytes: float) -> str:
 # -- pack ---------------------------------------------------------------------------------------
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .voc.layout import find_voc_root, read_image_sets
-    from .voc.packer import pack_voc
+    from .voc.pack import pack_voc
 
     voc_root, year = find_voc_root(args.root, args.year)
     per_shard = args.samples_per_shard
@@ -122,16 +122,16 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 # -- info ---------------------------------------------------------------------------------------
 def _pack_info(path: str) -> dict[str, Any]:
     """Everything ``info`` shows, as JSON-ready values."""
-    from .voc import codec
-    from .voc.pack import VOCPack
+    from .voc import schema
+    from .voc.reader import VOCPackReader
 
-    pack = VOCPack(path)
+    pack = VOCPackReader(path)
     reader, meta = pack.reader, pack.meta
     columns = pack.columns
     flags = columns["flags"].astype(np.int64)
     histogram: Counter[str] = Counter()
     for record in range(len(pack)):
-        rows = np.frombuffer(pack.field(record, codec.OBJECTS), dtype=codec.OBJECT_DTYPE)
+        rows = np.frombuffer(pack.field(record, schema.OBJECTS), dtype=schema.OBJECT_DTYPE)
         histogram.update(pack.classes[c] for c in rows["class_id"].tolist())
     sizes = Counter(zip(columns["width"].tolist(), columns["height"].tolist()))
     num_objects = columns["num_objects"]
@@ -149,9 +149,9 @@ def _pack_info(path: str) -> dict[str, Any]:
             **meta.get("options", {}),
         },
         "num_samples": len(pack),
-        "with_annotation": int(np.count_nonzero(flags & codec.HAS_ANNOTATION)),
-        "with_mask": int(np.count_nonzero(flags & codec.HAS_MASK)),
-        "with_object_mask": int(np.count_nonzero(flags & codec.HAS_OBJECT_MASK)),
+        "with_annotation": int(np.count_nonzero(flags & schema.HAS_ANNOTATION)),
+        "with_mask": int(np.count_nonzero(flags & schema.HAS_MASK)),
+        "with_object_mask": int(np.count_nonzero(flags & schema.HAS_OBJECT_MASK)),
         "image_sets": meta.get("splits", {}),
         "classes": dict(histogram.most_common()),
         "class_counts": meta.get("class_counts", {}),
@@ -234,7 +234,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 # -- verify -------------------------------------------------------------------------------------
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .reader import PackReader
-    from .voc.pack import VOCPack
+    from .voc.reader import VOCPackReader
 
     started = time.perf_counter()
     try:
@@ -255,7 +255,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     try:
-        ids: Callable[[int], str] | None = VOCPack(args.path).id
+        ids: Callable[[int], str] | None = VOCPackReader(args.path).id
     except (TorchSerializedError, OSError, KeyError):
         ids = None
     checked = PackReader(args.path, checked=True)
@@ -288,12 +288,12 @@ def _safe_id(ids: Callable[[int], str], record: int) -> str:
 # -- export -------------------------------------------------------------------------------------
 def _cmd_export(args: argparse.Namespace) -> int:
     from .voc.export import export_voc
-    from .voc.pack import VOCPack
+    from .voc.reader import VOCPackReader
 
     started = time.perf_counter()
     folder = export_voc(args.path, args.out_root, overwrite=args.overwrite, progress=not args.quiet)
     seconds = time.perf_counter() - started
-    pack = VOCPack(args.path)
+    pack = VOCPackReader(args.path)
     print(
         f"exported {len(pack)} samples and {len(pack.files())} list files to {folder} in "
         f"{seconds:.2f} s; torchvision reads it with root={str(args.out_root)!r}, "

@@ -4,6 +4,10 @@
 returns for the same image set; ``VOCSerializedSegmentation`` does the same for
 ``VOCSegmentation``. Both subclass the torchvision classes so ``isinstance`` checks and
 ``torchvision.datasets.wrap_dataset_for_transforms_v2`` keep working.
+
+``open_split`` (a pack, one image set's records and their decoder) and ``joint_transforms``
+(torchvision's rule for ``transforms`` vs ``transform`` / ``target_transform``) are shared with
+the iterable dataset, so both kinds open packs and apply transforms the same way.
 """
 
 from __future__ import annotations
@@ -16,11 +20,58 @@ import numpy as np
 from torchvision.datasets import VOCDetection, VOCSegmentation
 from torchvision.datasets.vision import VisionDataset
 
-from .decoding import Classes, Decode, SampleDecoder, TargetFormat
-from .voc import codec
-from .voc.pack import VOCPack
+from .decode import Classes, Decode, SampleDecoder, TargetFormat
+from .voc import schema
+from .voc.reader import VOCPackReader
 
-__all__ = ["VOCSerializedDataset", "VOCSerializedSegmentation", "SerializedDataset"]
+__all__ = [
+    "VOCSerializedDataset",
+    "VOCSerializedSegmentation",
+    "open_split",
+    "joint_transforms",
+]
+
+
+def open_split(
+    path: str | os.PathLike[str],
+    task: str,
+    image_set: str,
+    *,
+    decode: Decode = "pil",
+    target_format: TargetFormat = "dict",
+    classes: Classes = None,
+    checked: bool = False,
+    zero_copy: bool = False,
+    year: str | None = None,
+) -> tuple[VOCPackReader, np.ndarray, SampleDecoder]:
+    """Open the pack at ``path`` for ``image_set`` of ``task``: the pack, the image set's
+    record numbers (list-file order) and the decoder of its records. ``year``, if given,
+    must be the pack's."""
+    pack = VOCPackReader(path, checked=checked)
+    if year is not None and str(year) != pack.year:
+        raise ValueError(
+            f"{pack.path} holds VOC{pack.year}, not VOC{year}; pass that pack's "
+            "year (or none: the pack knows it)"
+        )
+    records = pack.split(task, image_set)
+    decoder = SampleDecoder(
+        pack,
+        decode=decode,
+        target_format=target_format,
+        classes=classes,
+        split_key=f"{task}/{image_set}",
+        zero_copy=zero_copy,
+    )
+    return pack, records, decoder
+
+
+def joint_transforms(
+    transforms: Callable | None, transform: Callable | None, target_transform: Callable | None
+) -> Callable | None:
+    """The one callable applied to ``(image, target)``, by torchvision's own ``VisionDataset``
+    rule: ``transforms``, or ``transform`` / ``target_transform`` wrapped together, never both
+    kinds (``ValueError``)."""
+    return VisionDataset("", transforms, transform, target_transform).transforms
 
 
 class _PackedVOCBase:
@@ -29,7 +80,7 @@ class _PackedVOCBase:
     _TASK: str
     _TARGET_DIR: str
     _TARGET_EXT: str
-    pack: VOCPack
+    pack: VOCPackReader
     records: np.ndarray
     decoder: SampleDecoder
     image_set: str
@@ -52,23 +103,19 @@ class _PackedVOCBase:
                 "a pack is a local file: download with torchvision's VOCDetection(download=True) "
                 "once, pack it with torch_serialized.pack_voc, then pass the pack's path"
             )
-        self.pack = VOCPack(path, checked=checked)
-        if year is not None and str(year) != self.pack.year:
-            raise ValueError(
-                f"{self.pack.path} holds VOC{self.pack.year}, not VOC{year}; pass that pack's "
-                "year (or none: the pack knows it)"
-            )
-        self.year = self.pack.year
-        self.image_set = image_set
-        self.records = self.pack.split(self._TASK, image_set)
-        self.decoder = SampleDecoder(
-            self.pack,
+        self.pack, self.records, self.decoder = open_split(
+            path,
+            self._TASK,
+            image_set,
             decode=decode,
             target_format=target_format,
             classes=classes,
-            split_key=f"{self._TASK}/{image_set}",
+            checked=checked,
             zero_copy=zero_copy,
+            year=year,
         )
+        self.year = self.pack.year
+        self.image_set = image_set
 
     def __len__(self) -> int:
         return len(self.records)
@@ -160,8 +207,9 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         record = self._record(index)
-        img = self.decoder.image(record)
-        target = self.decoder.target(record)
+        pack, decoder = self.pack, self.decoder
+        img = decoder.image(record, pack.field(record, schema.IMAGE))
+        target = decoder.target(record, pack.field(record, decoder.target_field))
         if self.transforms is not None:
             img, target = self.transforms(img, target)
         return img, target
@@ -198,35 +246,9 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         record = self._record(index)
-        img = self.decoder.image(record)
-        target = self.decoder.mask(record)
+        pack, decoder = self.pack, self.decoder
+        img = decoder.image(record, pack.field(record, schema.IMAGE))
+        target = decoder.mask(pack.field(record, schema.MASK))
         if self.transforms is not None:
             img, target = self.transforms(img, target)
         return img, target
-
-
-class SerializedDataset:
-    """Every packed sample in storage order, as in the original design.
-
-    ``get_sample(i)`` returns ``{"id", "image": HWC uint8 numpy array, "target": dict}``
-    (``target`` is ``{}`` for ids without an annotation).
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.pack = VOCPack(path)
-        self.decoder = SampleDecoder(self.pack)
-
-    def __len__(self) -> int:
-        return len(self.pack)
-
-    def get_sample(self, index: int) -> dict[str, Any]:
-        record = range(len(self.pack))[index]
-        flags = int(self.pack.columns[record]["flags"])
-        target = self.decoder.target(record) if flags & codec.HAS_ANNOTATION else {}
-        return {
-            "id": self.pack.id(record),
-            "image": np.asarray(self.decoder.image(record)),
-            "target": target,
-        }
-
-    __getitem__ = get_sample

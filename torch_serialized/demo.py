@@ -26,7 +26,7 @@ from torchvision.datasets import VOCDetection, wrap_dataset_for_transforms_v2
 from torchvision.transforms import v2
 
 from .datasets import VOCSerializedDataset
-from .voc.packer import pack_voc
+from .voc.pack import pack_voc
 from .voc.synthetic import make_synthetic_voc
 
 __all__ = ["run_demo", "list_collate", "EpochResult"]

@@ -18,7 +18,6 @@ and resumption can replay it without I/O.
 from __future__ import annotations
 
 import itertools
-import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,13 +27,15 @@ from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset
-from torchvision.datasets.vision import StandardTransform
 
-from .decoding import Classes, Decode, SampleDecoder, TargetFormat
+from . import state as keys
+from .datasets import joint_transforms, open_split
+from .decode import Classes, Decode, TargetFormat
 from .reader import PackReader
-from .voc import codec
-from .voc.pack import VOCPack
-from .workers import distributed_info, worker_split
+from .state import Stateful
+from .topology import Topology, distributed_info, epoch_total, pad_or_trim, seeded_rng
+from .voc import schema
+from .voc.layout import TASKS
 
 __all__ = [
     "VOCSerializedIterableDataset",
@@ -49,13 +50,7 @@ __all__ = [
     "shuffle_buffer",
 ]
 
-_STATE_VERSION = 1
 _BLOCK_ORDER, _BUFFER = 0, 1  # independent random streams under one seed
-
-
-def _rng(seed: int, *key: int) -> np.random.Generator:
-    sequence = np.random.SeedSequence(seed % 2**64, spawn_key=tuple(k % 2**64 for k in key))
-    return np.random.Generator(np.random.PCG64(sequence))
 
 
 # -- plan: positions only ---------------------------------------------------------------------
@@ -92,7 +87,7 @@ def epoch_order(
     """
     num_blocks = len(bounds) - 1
     order = (
-        _rng(seed, _BLOCK_ORDER, epoch).permutation(num_blocks)
+        seeded_rng(seed, _BLOCK_ORDER, epoch).permutation(num_blocks)
         if shuffle
         else np.arange(num_blocks)
     )
@@ -112,39 +107,28 @@ def rank_share(
     *,
     drop_last: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's contiguous slice after making all ranks' counts equal.
-
-    As ``DistributedSampler``: without ``drop_last`` the epoch order is extended with its own
-    beginning (repeated as often as needed) to a multiple of ``world_size``; with it the tail
-    is cut off. Repeats get block ids of their own so a block never mixes a record with its
-    repeat.
+    """This rank's contiguous slice after making all ranks' counts equal (``topology``'s
+    rules, as ``DistributedSampler``): without ``drop_last`` the epoch order is extended with
+    its own beginning to a multiple of ``world_size``; with it the tail is cut off. Repeats
+    get block ids of their own so a block never mixes a record with its repeat.
     """
     n = len(positions)
-    if drop_last:
-        total = n // world_size * world_size
-        positions, block_ids = positions[:total], block_ids[:total]
+    total = epoch_total(n, world_size, drop_last)
+    if total > n:
+        copy = np.arange(total, dtype=np.int64) // n  # 0 for the original, then 1, 2...
+        block_ids = pad_or_trim(block_ids, total) + (int(block_ids.max()) + 1) * copy
     else:
-        total = math.ceil(n / world_size) * world_size
-        pad = total - n
-        if pad:
-            reps = math.ceil(pad / n)
-            stride = int(block_ids.max()) + 1
-            extra_ids = np.tile(block_ids, reps) + stride * np.repeat(np.arange(1, reps + 1), n)
-            positions = np.concatenate([positions, np.tile(positions, reps)[:pad]])
-            block_ids = np.concatenate([block_ids, extra_ids[:pad]])
-    per_rank = total // world_size
-    share = slice(rank * per_rank, (rank + 1) * per_rank)
-    return positions[share], block_ids[share]
+        block_ids = block_ids[:total]
+    share = Topology(rank, world_size).rank_slice(n, drop_last)
+    return pad_or_trim(positions, total)[share], block_ids[share]
 
 
 def worker_share(
     positions: np.ndarray, block_ids: np.ndarray, worker: int, num_workers: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Worker ``worker``'s contiguous piece of a rank's share; piece sizes differ by at most 1."""
-    n = len(positions)
-    start = worker * (n // num_workers) + min(worker, n % num_workers)
-    stop = start + n // num_workers + (worker < n % num_workers)
-    return positions[start:stop], block_ids[start:stop]
+    share = Topology(worker=worker, num_workers=num_workers).worker_slice(len(positions))
+    return positions[share], block_ids[share]
 
 
 def split_blocks(positions: np.ndarray, block_ids: np.ndarray) -> list[np.ndarray]:
@@ -280,7 +264,7 @@ def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) ->
 
 
 # -- the dataset -------------------------------------------------------------------------------
-class VOCSerializedIterableDataset(IterableDataset):
+class VOCSerializedIterableDataset(IterableDataset, Stateful):
     """The samples of ``VOCSerializedDataset`` (or ``VOCSerializedSegmentation`` with
     ``task="Segmentation"``) streamed in blocks, split across ranks and DataLoader workers.
 
@@ -355,41 +339,36 @@ class VOCSerializedIterableDataset(IterableDataset):
         checked: bool = False,
     ) -> None:
         super().__init__()
-        if task not in codec.TASKS:
-            raise ValueError(f"task must be one of {codec.TASKS}, got {task!r}")
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         if task == "Segmentation" and (target_format != "dict" or classes is not None):
             raise ValueError("target_format and classes apply to task='Main' only")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
-        if transforms is not None and (transform is not None or target_transform is not None):
-            raise ValueError(
-                "Only transforms or transform/target_transform can be passed as argument"
-            )
-        if world_size is not None or rank is not None:
-            distributed_info(rank, world_size)  # validate early
+        self.transforms = joint_transforms(transforms, transform, target_transform)
         self.transform = transform
         self.target_transform = target_transform
-        if transform is not None or target_transform is not None:
-            transforms = StandardTransform(transform, target_transform)
-        self.transforms = transforms
+        if world_size is not None or rank is not None:
+            distributed_info(rank, world_size)  # validate early
 
         self.root = str(path)
         self.image_set = image_set
         self.task = task
-        self.pack = VOCPack(path, checked=checked)
-        self.year = self.pack.year
-        self.records = np.array(self.pack.split(task, image_set), dtype=np.int64)
-        self.decoder = SampleDecoder(
-            self.pack,
+        self.pack, records, self.decoder = open_split(
+            path,
+            task,
+            image_set,
             decode=decode,
             target_format=target_format,
             classes=classes,
-            split_key=f"{task}/{image_set}",
+            checked=checked,
         )
-        target_field = codec.MASK if task == "Segmentation" else self.decoder.target_field
-        self._fields = (codec.IMAGE, target_field)
+        self.year = self.pack.year
+        self.records = np.array(records, dtype=np.int64)
+        target_field = schema.MASK if task == "Segmentation" else self.decoder.target_field
+        self._fields = (schema.IMAGE, target_field)
         self._bounds = block_bounds(self.records, self.pack.reader.starts, block_size)
 
         self.shuffle, self.seed = shuffle, seed
@@ -403,26 +382,24 @@ class VOCSerializedIterableDataset(IterableDataset):
         self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
 
     # -- plan --------------------------------------------------------------------------------
-    def _topology(self) -> tuple[int, int, int, int]:
-        rank, world_size = distributed_info(self.rank, self.world_size)
-        worker, num_workers = worker_split()
-        return rank, world_size, worker, num_workers
+    def _topology(self) -> Topology:
+        """The calling process's place: this dataset's rank and world size (or DDP's) and
+        the calling DataLoader worker."""
+        return Topology.current(self.rank, self.world_size)
 
     def __len__(self) -> int:
-        _, world_size = distributed_info(self.rank, self.world_size)
-        n = len(self.records)
-        return n // world_size if self.drop_last else math.ceil(n / world_size)
+        return self._topology().samples_per_rank(len(self.records), self.drop_last)
 
     def blocks(self, worker: int | None = None, num_workers: int | None = None) -> list[np.ndarray]:
         """Positions this rank's ``worker`` reads this epoch, block by block, in read order.
 
         Defaults to the calling DataLoader worker (the whole rank in the main process).
         """
-        rank, world_size, this_worker, this_num = self._topology()
-        worker = this_worker if worker is None else worker
-        num_workers = this_num if num_workers is None else num_workers
+        here = self._topology()
+        worker = here.worker if worker is None else worker
+        num_workers = here.num_workers if num_workers is None else num_workers
         plan = epoch_order(self._bounds, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
-        plan = rank_share(*plan, rank, world_size, drop_last=self.drop_last)
+        plan = rank_share(*plan, here.rank, here.world_size, drop_last=self.drop_last)
         return split_blocks(*worker_share(*plan, worker, num_workers))
 
     def reopen(self) -> None:
@@ -456,24 +433,24 @@ class VOCSerializedIterableDataset(IterableDataset):
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        rank, world_size, worker, num_workers = self._topology()
+        here = self._topology()
         skip = 0
         if self._resume is not None:
-            self._check_state(self._resume, (rank, world_size, worker, num_workers))
-            skip = int(self._resume["yielded"])
+            self._check_state(self._resume, here)
+            skip = int(self._resume[keys.YIELDED])
             self._resume = None
         self._yielded = skip
-        return self._samples(self.blocks(worker, num_workers), rank, worker, skip)
+        return self._samples(self.blocks(here.worker, here.num_workers), here, skip)
 
     def _samples(
-        self, blocks: list[np.ndarray], rank: int, worker: int, skip: int
+        self, blocks: list[np.ndarray], here: Topology, skip: int
     ) -> Iterator[tuple[Any, Any]]:
         gate = Gate(open=skip == 0)
         items: Iterator[Item] = read_blocks(
             blocks, self.records, self.pack.reader, self._fields, gate
         )
         if self.shuffle:
-            rng = _rng(self.seed, _BUFFER, self.epoch, rank, worker)
+            rng = seeded_rng(self.seed, _BUFFER, self.epoch, here.rank, here.worker)
             items = shuffle_buffer(items, self.shuffle_buffer, rng)
         for _ in itertools.islice(items, skip):
             pass
@@ -490,59 +467,53 @@ class VOCSerializedIterableDataset(IterableDataset):
             data = read_block(self.pack.reader, np.array([item.record]), self._fields)[item.record]
         img = self.decoder.image(item.record, data[0])
         if self.task == "Segmentation":
-            target = self.decoder.mask(item.record, data[1])
+            target = self.decoder.mask(data[1])
         else:
             target = self.decoder.target(item.record, data[1])
         if self.transforms is not None:
             img, target = self.transforms(img, target)
         return img, target
 
-    # -- resumption --------------------------------------------------------------------------
+    # -- resumption (``state``: torchdata's Stateful protocol) --------------------------------
     def _settings(self) -> dict[str, Any]:
-        return {
-            "num_samples": len(self.records),
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "drop_last": self.drop_last,
-            "block_size": self.block_size,
-            "shuffle_buffer": self.shuffle_buffer,
-        }
+        values = (
+            len(self.records),
+            self.shuffle,
+            self.seed,
+            self.drop_last,
+            self.block_size,
+            self.shuffle_buffer,
+        )
+        return dict(zip(keys.ORDER_KEYS, values, strict=True))
 
     def state_dict(self) -> dict[str, Any]:
         """Where this worker is: epoch, samples yielded in it, and the settings that fix the
         order (JSON-compatible)."""
         if self._resume is not None:  # loaded, not yet iterated: still that point
             return dict(self._resume)
-        rank, world_size, worker, num_workers = self._topology()
         return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "yielded": self._yielded,
-            "rank": rank,
-            "world_size": world_size,
-            "worker": worker,
-            "num_workers": num_workers,
+            keys.VERSION: keys.STATE_VERSION,
+            keys.EPOCH: self.epoch,
+            keys.YIELDED: self._yielded,
+            **_topology_state(self._topology()),
             **self._settings(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it
         stopped. Settings and topology must match the saved ones (checked then)."""
-        if state.get("version") != _STATE_VERSION:
+        if state.get(keys.VERSION) != keys.STATE_VERSION:
             raise ValueError(
-                f"state version {state.get('version')!r} is not {_STATE_VERSION}; it was not "
-                "saved by this VOCSerializedIterableDataset"
+                f"state version {state.get(keys.VERSION)!r} is not {keys.STATE_VERSION}; it "
+                "was not saved by this VOCSerializedIterableDataset"
             )
-        self.epoch = int(state["epoch"])
-        self._yielded = int(state["yielded"])
+        self.epoch = int(state[keys.EPOCH])
+        self._yielded = int(state[keys.YIELDED])
         self._resume = dict(state)
 
-    def _check_state(self, state: dict[str, Any], topology: tuple[int, int, int, int]) -> None:
-        saved = {k: state.get(k) for k in ("rank", "world_size", "worker", "num_workers")}
-        now = dict(zip(("rank", "world_size", "worker", "num_workers"), topology))
-        now.update(self._settings())
-        saved.update({k: state.get(k) for k in self._settings()})
-        diff = {k: (saved[k], now[k]) for k in now if saved[k] != now[k]}
+    def _check_state(self, state: dict[str, Any], here: Topology) -> None:
+        now = {**_topology_state(here), **self._settings()}
+        diff = {k: (state.get(k), now[k]) for k in now if state.get(k) != now[k]}
         if diff:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise ValueError(
@@ -563,3 +534,9 @@ class VOCSerializedIterableDataset(IterableDataset):
             lines.append(repr(self.transforms))
         body = "\n".join(" " * 4 + line for text in lines for line in text.splitlines())
         return f"{type(self).__name__}\n{body}"
+
+
+def _topology_state(here: Topology) -> dict[str, int]:
+    """The topology's part of a state (``state.TOPOLOGY_KEYS``)."""
+    values = (here.rank, here.world_size, here.worker, here.num_workers)
+    return dict(zip(keys.TOPOLOGY_KEYS, values, strict=True))

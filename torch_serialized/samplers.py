@@ -9,13 +9,12 @@ ones, where a full permutation would seek for every sample.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sized
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from .workers import distributed_info
+from .topology import Topology, distributed_info, epoch_total, pad_or_trim, seeded_rng
 
 __all__ = ["BlockShuffleSampler", "block_shuffle"]
 
@@ -80,11 +79,13 @@ class BlockShuffleSampler(Sampler[int]):
     @property
     def total_size(self) -> int:
         """Indices across all ranks per epoch (padding included)."""
-        n, w = self.num_indices, self.world_size
-        return n // w * w if self.drop_last else math.ceil(n / w) * w
+        return epoch_total(self.num_indices, self.world_size, self.drop_last)
 
     def __len__(self) -> int:
-        return self.total_size // self.world_size
+        return self._topology().samples_per_rank(self.num_indices, self.drop_last)
+
+    def _topology(self) -> Topology:
+        return Topology(self.rank, self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -93,15 +94,12 @@ class BlockShuffleSampler(Sampler[int]):
         """This rank's indices for the current epoch."""
         n = self.num_indices
         if self.shuffle:
-            sequence = np.random.SeedSequence(self.seed % 2**64, spawn_key=(self.epoch,))
-            order = block_shuffle(n, self.block_size, self.window, np.random.default_rng(sequence))
+            rng = seeded_rng(self.seed, self.epoch)
+            order = block_shuffle(n, self.block_size, self.window, rng)
         else:
             order = np.arange(n)
-        total = self.total_size
-        if total > n:
-            order = np.tile(order, math.ceil(total / n))
-        per_rank = len(self)
-        return order[:total][self.rank * per_rank : (self.rank + 1) * per_rank]
+        share = self._topology().rank_slice(n, self.drop_last)
+        return pad_or_trim(order, self.total_size)[share]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())

@@ -37,7 +37,7 @@ def _check_same(b: _Bench, tv: Any, ours: Any, count: int = 50) -> bool:
 
 
 def _scenario_bytes(b: _Bench) -> list[Row]:
-    from ..voc import codec
+    from ..voc import schema
 
     tv = b.tv()
     dict_ds = b.ours(decode="none")
@@ -54,10 +54,10 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
 
     # Floors: the two steps any copying decode="none" + dict target must take.
     def copy_image(i: int) -> Any:
-        return np.frombuffer(pack.field(int(records[i]), codec.IMAGE), np.uint8).copy()
+        return np.frombuffer(pack.field(int(records[i]), schema.IMAGE), np.uint8).copy()
 
     def parse_target(i: int) -> Any:
-        return codec.decode_target(pack.field(int(records[i]), codec.TARGET))
+        return schema.decode_target(pack.field(int(records[i]), schema.TARGET))
 
     getters = [tv_get, dict_ds.__getitem__, fast_ds.__getitem__]
     getters += [dict_view_ds.__getitem__, fast_view_ds.__getitem__]
@@ -177,7 +177,7 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
 
 
 def _mean_image_kb(pack: Any, records: np.ndarray) -> float:
-    from ..voc import codec
+    from ..voc import schema
 
     sample = records[:: max(1, len(records) // 100)]
-    return float(np.mean([len(pack.field(int(r), codec.IMAGE)) for r in sample])) / 1e3
+    return float(np.mean([len(pack.field(int(r), schema.IMAGE)) for r in sample])) / 1e3

@@ -40,14 +40,14 @@ class _Bench:
 
     def packed(self) -> Path:
         if self.pack is None:
-            from ..voc.packer import pack_voc
+            from ..voc.pack import pack_voc
 
             self.pack = pack_voc(self.tv_root, self.work / "voc.tser", year=self.year).path
         return self.pack
 
     def raw_packed(self) -> Path:
         if self.raw_pack is None:
-            from ..voc.packer import pack_voc
+            from ..voc.pack import pack_voc
 
             result = pack_voc(
                 self.tv_root, self.work / "voc-raw.tser", year=self.year, image_storage="raw"

@@ -19,7 +19,7 @@ from .system import _files_under, _pack_files
 
 
 def _scenario_pack(b: _Bench) -> list[Row]:
-    from ..voc.packer import pack_voc
+    from ..voc.pack import pack_voc
 
     widths = sorted({1, max(1, b.workers)})
     seconds: dict[int, list[float]] = {w: [] for w in widths}
@@ -52,7 +52,7 @@ def _scenario_pack(b: _Bench) -> list[Row]:
             done = pack_voc(b.tv_root, out, year=b.year, workers=w, check_images=True)
             checked[w].append(done.seconds)
             done.path.unlink()
-    startup = _import_seconds("torch_serialized.voc.packer") if b.workers > 1 else None
+    startup = _import_seconds("torch_serialized.voc.pack") if b.workers > 1 else None
     n = result.num_samples
     pack_size = result.num_bytes
     source_files = _files_under(b.voc_root)
@@ -99,7 +99,7 @@ def _scenario_pack(b: _Bench) -> list[Row]:
                     ""
                     if w == 1
                     else f"; output identical to 1 process: {identical}; a spawned worker "
-                    f"needs {startup:.1f} s to import torch_serialized.voc.packer"
+                    f"needs {startup:.1f} s to import torch_serialized.voc.pack"
                 )
                 + share,
             )

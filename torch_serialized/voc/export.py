@@ -23,17 +23,17 @@ from tqdm.auto import tqdm
 
 from ..atomic import replace_file
 from ..errors import FormatError, WriteError
-from . import codec
-from .pack import VOCPack
+from . import schema
+from .reader import VOCPackReader
 
 __all__ = ["export_voc"]
 
 # (field, flag that says the record has it, folder, extension); the image is always present.
 _OUTPUTS: tuple[tuple[int, int, str, str], ...] = (
-    (codec.IMAGE, 0, "JPEGImages", ".jpg"),
-    (codec.ANNOTATION, codec.HAS_ANNOTATION, "Annotations", ".xml"),
-    (codec.MASK, codec.HAS_MASK, "SegmentationClass", ".png"),
-    (codec.OBJECT_MASK, codec.HAS_OBJECT_MASK, "SegmentationObject", ".png"),
+    (schema.IMAGE, 0, "JPEGImages", ".jpg"),
+    (schema.ANNOTATION, schema.HAS_ANNOTATION, "Annotations", ".xml"),
+    (schema.MASK, schema.HAS_MASK, "SegmentationClass", ".png"),
+    (schema.OBJECT_MASK, schema.HAS_OBJECT_MASK, "SegmentationObject", ".png"),
 )
 
 
@@ -51,7 +51,7 @@ def export_voc(
     for a damaged record, and ``WriteError`` (``EEXIST``) when a file to write already exists
     and ``overwrite`` is false; that check happens before anything is written.
     """
-    pack = VOCPack(path, checked=True)
+    pack = VOCPackReader(path, checked=True)
     if pack.image_storage != "original" or pack.meta.get("max_size") is not None:
         raise ValueError(
             f"{pack.path} was packed with image_storage={pack.image_storage!r} and "
@@ -80,7 +80,7 @@ def export_voc(
 
 
 def _plan(
-    pack: VOCPack, voc: Path, files: dict[str, bytes]
+    pack: VOCPackReader, voc: Path, files: dict[str, bytes]
 ) -> Iterator[tuple[Path, int, int, bytes | None]]:
     """``(destination, record, field, None)`` per record file, ``(destination, -1, -1, bytes)``
     per list file. Raises on an unsafe id or path; the caller lists the whole plan first."""

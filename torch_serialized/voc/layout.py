@@ -1,29 +1,53 @@
 """Where a VOCdevkit lives on disk and which ids its ImageSets lists name.
 
-torchvision joins ``root`` with ``VOCdevkit/VOC{year}`` (``TrainVal/VOCdevkit/VOC2011`` for 2011)
-and reads ``ImageSets/{Main,Segmentation}/{image_set}.txt`` as ``[x.strip() for x in
-f.readlines()]``. :func:`find_voc_root` accepts that root or the ``VOC{year}`` folder itself;
-:func:`read_image_sets` returns the very id lists torchvision would build, and refuses the lines
-that would make torchvision look for a nameless ``JPEGImages/.jpg``.
+torchvision joins ``root`` with ``base_dir(year)`` (``VOCdevkit/VOC{year}``, but
+``TrainVal/VOCdevkit/VOC2011`` for 2011) and reads ``ImageSets/{Main,Segmentation}/
+{image_set}.txt`` as ``[x.strip() for x in f.readlines()]``. :func:`find_voc_root` accepts that
+root or the ``VOC{year}`` folder itself; :func:`read_image_sets` returns the very id lists
+torchvision would build, and refuses the lines that would make torchvision look for a nameless
+``JPEGImages/.jpg``; :func:`image_set_files` returns the list files' bytes.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from torch_serialized.errors import SourceDataError
 
-__all__ = ["STANDARD_IMAGE_SETS", "TASKS", "find_voc_root", "read_image_sets"]
+__all__ = [
+    "STANDARD_IMAGE_SETS",
+    "TASKS",
+    "base_dir",
+    "find_voc_root",
+    "is_voc_folder",
+    "read_image_sets",
+    "image_set_files",
+]
 
-#: The ImageSets sub-folders torchvision reads: ``Main`` for detection, ``Segmentation`` for masks.
+#: The ImageSets sub-folders torchvision reads: ``Main`` for detection, ``Segmentation`` for masks;
+#: also the order in which a pack lays out their ids.
 TASKS: tuple[str, ...] = ("Main", "Segmentation")
 #: The list names torchvision accepts as ``image_set`` (``test`` only for 2007).
 STANDARD_IMAGE_SETS: tuple[str, ...] = ("train", "val", "trainval", "test")
 
 _VOC_FOLDER = re.compile(r"VOC(\d{4})")
 _YEAR = re.compile(r"\d{4}")
+
+
+def base_dir(year: str) -> str:
+    """The folder torchvision expects under its ``root`` for ``year``: ``VOCdevkit/VOC{year}``,
+    except 2011, whose archive unpacks under ``TrainVal/``."""
+    if year == "2011":
+        return os.path.join("TrainVal", "VOCdevkit", "VOC2011")
+    return os.path.join("VOCdevkit", f"VOC{year}")
+
+
+def is_voc_folder(path: Path) -> bool:
+    """Whether ``path`` is a ``VOC20xx`` folder itself (its name then gives the year)."""
+    return _VOC_FOLDER.fullmatch(path.name) is not None and (path / "ImageSets").is_dir()
 
 
 def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path, str]:
@@ -55,9 +79,7 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
 def _candidates(root: Path, year: str) -> list[Path]:
     """Folders that may be ``VOC{year}``, torchvision's own choice first."""
     devkit = [root / "VOCdevkit" / f"VOC{year}", root / "TrainVal" / "VOCdevkit" / f"VOC{year}"]
-    if year == "2011":  # torchvision's 2011 archive unpacks under TrainVal/
-        devkit.reverse()
-    candidates = devkit
+    candidates = sorted(devkit, key=lambda path: path != root / base_dir(year))
     if root.name == f"VOC{year}":
         candidates.append(root)
     if root.name == "VOCdevkit":
@@ -176,3 +198,12 @@ def _ids(path: Path, lines: list[str]) -> list[str]:
                 "(and export would write) outside the VOC folder. Use plain ids (2008_000123)."
             )
     return lines
+
+
+def image_set_files(voc_root: Path) -> Iterator[tuple[str, bytes]]:
+    """Every list file under ImageSets, as ``(devkit-relative path, raw bytes)``, sorted, so
+    ``export`` can restore them byte for byte."""
+    base = voc_root / "ImageSets"
+    for path in sorted(base.rglob("*.txt")):
+        if path.is_file():
+            yield path.relative_to(voc_root).as_posix(), path.read_bytes()

@@ -1,88 +1,282 @@
-"""A packed VOC dataset seen through its schema: splits, ids, sizes and raw fields.
+"""Pack a VOCdevkit folder into one file (or shards): the ``pack_voc`` entry point.
 
-``VOCPack`` adds VOC meaning to a ``PackReader`` (see ``codec`` for the layout) and is shared
-by the map-style and iterable datasets. It holds numpy arrays only, never per-sample Python
-objects, so DataLoader workers do not grow their memory by touching samples.
+Every id listed in ``ImageSets/Main`` or ``ImageSets/Segmentation`` is stored once
+(``source.plan``), with its original image, XML and mask bytes, plus what makes reading fast
+(the parsed target as JSON, the objects as arrays, the image size; ``source.load``). This
+module only orchestrates: it assigns class ids in dataset order, writes each record
+(``PackWriter``, or ``parallel.SpillPool`` with ``workers > 1``), then the dataset-level arrays
+and the metadata described in ``schema``. Records are written in one fixed order, so the
+output is byte-identical for any number of pack processes. This module never imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import os
-from typing import Any
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from ..errors import FormatError
-from ..reader import PackReader
-from . import codec
+from .._version import __version__
+from ..errors import SourceDataError
+from ..parallel import Record, Spilled, SpillPool, pays_off
+from ..writer import PackWriter
+from . import schema
+from .images import ImageOptions
+from .layout import base_dir, find_voc_root, image_set_files, is_voc_folder, read_image_sets
+from .source import Job, LoadedSample, load, plan
 
-__all__ = ["VOCPack"]
+__all__ = ["pack_voc", "PackResult", "SkippedSample", "ImageStorage"]
+
+ImageStorage = Literal["original", "raw"]
 
 
-class VOCPack:
-    """Read access to a pack written by ``pack_voc``."""
+@dataclass(frozen=True)
+class SkippedSample:
+    """An id left out by ``on_error="skip"``, and why."""
 
-    def __init__(self, path: str | os.PathLike[str], *, checked: bool = False) -> None:
-        self.reader = PackReader(path, checked=checked)
-        meta = self.reader.user
-        if meta.get("schema") != codec.SCHEMA:
-            raise FormatError(
-                f"{self.reader.path} is a torch_serialized file but not a VOC pack "
-                f"(schema {meta.get('schema')!r}); pack it with torch_serialized.pack_voc"
-            )
-        version = meta.get("schema_version")
-        if not isinstance(version, int) or version > codec.SCHEMA_VERSION:
-            raise FormatError(
-                f"{self.reader.path}: VOC schema version {version!r} is newer than this "
-                f"torch_serialized reads ({codec.SCHEMA_VERSION}); upgrade torch_serialized"
-            )
-        if tuple(self.reader.fields) != codec.FIELDS:
-            raise FormatError(f"{self.reader.path}: unexpected fields {self.reader.fields}")
-        self.meta: dict[str, Any] = meta
-        self.year: str = meta["year"]
-        self.base_dir: str = meta["base_dir"]
-        self.classes: list[str] = list(meta["classes"])
-        self.image_storage: str = meta["image_storage"]
+    id: str
+    reason: str
 
-    @property
-    def path(self) -> str:
-        return self.reader.path
 
-    def __len__(self) -> int:
-        return len(self.reader)
+@dataclass(frozen=True)
+class PackResult:
+    """What ``pack_voc`` wrote."""
 
-    def image_sets(self, task: str) -> list[str]:
-        """Names of the image sets stored for ``task`` ("Main" or "Segmentation")."""
-        return list(self.meta["splits"].get(task, {}))
-
-    def split(self, task: str, image_set: str) -> np.ndarray:
-        """Record numbers of ``image_set`` in list-file order (duplicates kept)."""
-        name = codec.split_array_name(task, image_set)
-        arrays = self.reader.arrays()
-        if name not in arrays:
-            folder = "Main" if task == "Main" else "Segmentation"
-            raise ValueError(
-                f"image_set {image_set!r} is not in {self.path} (ImageSets/{folder} had "
-                f"{self.image_sets(task) or 'no lists'}); pick one of those or re-pack"
-            )
-        return arrays[name]
+    path: Path
+    num_samples: int
+    num_bytes: int
+    source_bytes: int
+    seconds: float
+    skipped: list[SkippedSample] = field(default_factory=list)
+    report: Path | None = None
 
     @property
-    def columns(self) -> np.ndarray:
-        """The per-record ``codec.COLUMNS`` table."""
-        return self.reader.arrays()["records"]
+    def samples_per_second(self) -> float:
+        return self.num_samples / self.seconds if self.seconds > 0 else float("inf")
 
-    def id(self, record: int) -> str:
-        arrays = self.reader.arrays()
-        return codec.decode_id(arrays["ids"], arrays["id_offsets"], record)
 
-    def field(self, record: int, k: int) -> memoryview:
-        return self.reader.field(record, k)
+@dataclass
+class _Books:
+    """What the writing process records about the samples it wrote, in order."""
 
-    def files(self) -> dict[str, bytes]:
-        """Raw ImageSets list files stored at pack time, by devkit-relative path."""
-        return {
-            name[len("file/") :]: array.tobytes()
-            for name, array in self.reader.arrays().items()
-            if name.startswith("file/")
+    classes: dict[str, int] = field(default_factory=dict)  # name -> class id, first seen first
+    record_of: dict[str, int] = field(default_factory=dict)  # id -> record number
+    record_classes: list[list[int]] = field(default_factory=list)  # class ids per record
+    skipped: list[SkippedSample] = field(default_factory=list)
+    source_bytes: int = 0
+
+
+def pack_voc(
+    root: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    year: str | None = "2012",
+    max_samples_per_shard: int | None = None,
+    max_shard_bytes: int | None = None,
+    workers: int = 1,
+    image_storage: ImageStorage = "original",
+    max_size: int | None = None,
+    check_images: bool = False,
+    on_error: Literal["raise", "skip"] = "raise",
+    progress: bool = False,
+) -> PackResult:
+    """Pack a VOC dataset into ``output`` (a ``.tser`` file, or a shard folder with a limit).
+
+    ``root`` is what torchvision calls root (the folder holding ``VOCdevkit/``) or the
+    ``VOCdevkit/VOC20xx`` folder itself (whose name then gives the year); ``year=None``
+    finds the year from the folder names. ``image_storage="raw"``
+    stores decoded RGB pixels (no decode at read time, larger file); ``max_size`` resizes
+    images so their longer side is at most that many pixels, scaling boxes and sizes with
+    them. Both change what is returned, so such packs are no longer byte-exact drop-ins.
+    ``check_images`` decodes every image at pack time. ``on_error="skip"`` leaves out bad
+    samples (listed in the result and a ``.skipped.json`` report) instead of failing.
+    ``workers > 1`` reads, parses and writes samples in that many spawned processes (scratch
+    files beside the output, removed at the end); the output is byte-identical to one
+    process. ``progress`` shows a progress bar.
+    """
+    if image_storage not in ("original", "raw"):
+        raise ValueError(f"image_storage must be 'original' or 'raw', got {image_storage!r}")
+    if max_size is not None and max_size < 1:
+        raise ValueError(f"max_size must be a positive number of pixels, got {max_size}")
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    started = time.perf_counter()
+    voc_root, year = find_voc_root(root, None if is_voc_folder(Path(root)) else year)
+    image_sets = read_image_sets(voc_root)
+    jobs = plan(voc_root, image_sets, ImageOptions(image_storage, max_size, check_images))
+    output = Path(output)
+    skip = on_error == "skip"
+    pool = (
+        SpillPool(functools.partial(_load_spilled, skip=skip), jobs, schema.FIELDS, workers)
+        if pays_off(len(jobs), workers)
+        else None
+    )
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(
+            PackWriter(
+                output,
+                schema.FIELDS,
+                columns=schema.COLUMNS,
+                max_records_per_shard=max_samples_per_shard,
+                max_shard_bytes=max_shard_bytes,
+                before_finish=pool.drain if pool is not None else None,
+            )
+        )
+        if pool is not None:  # on an error, stop the processes before the output is removed
+            stack.callback(pool.close)
+        books = _write_records(writer, jobs, pool, skip, progress, started)
+        splits, class_counts = _write_dataset_arrays(writer, books, image_sets, voc_root)
+        metadata = {
+            "schema": schema.SCHEMA,
+            "schema_version": schema.SCHEMA_VERSION,
+            "year": year,
+            "base_dir": base_dir(year),
+            "voc_folder": voc_root.name,
+            "num_samples": len(books.record_of),
+            "splits": splits,
+            "classes": list(books.classes),
+            "class_counts": class_counts,
+            "image_storage": image_storage,
+            "max_size": max_size,
+            "options": {
+                "max_samples_per_shard": max_samples_per_shard,
+                "max_shard_bytes": max_shard_bytes,
+                "check_images": check_images,
+                "on_error": on_error,
+            },
+            "source_bytes": books.source_bytes,
+            "skipped": [{"id": s.id, "reason": s.reason} for s in books.skipped],
+            "packed_by": f"torch_serialized {__version__}",
         }
+        path = writer.close(metadata)
+        num_bytes = writer.bytes_written
+
+    report = None
+    if books.skipped:
+        report = path.with_name(path.name + ".skipped.json")
+        report.write_text(
+            json.dumps(metadata["skipped"], indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+    return PackResult(
+        path=path,
+        num_samples=len(books.record_of),
+        num_bytes=num_bytes,
+        source_bytes=books.source_bytes,
+        seconds=time.perf_counter() - started,
+        skipped=books.skipped,
+        report=report,
+    )
+
+
+def _write_records(
+    writer: PackWriter,
+    jobs: Sequence[Job],
+    pool: SpillPool[Job] | None,
+    skip: bool,
+    progress: bool,
+    started: float,
+) -> _Books:
+    """Write every job's record in job order, assigning class ids as names first appear."""
+    from tqdm.auto import tqdm  # here, not at the top: pack processes import this module
+
+    books = _Books()
+    bar = tqdm(
+        total=len(jobs), unit="img", disable=not progress, desc=f"packing {writer.output.name}"
+    )
+    last = time.perf_counter()
+    items: Iterable[LoadedSample | Spilled | SkippedSample] = (
+        pool.items(writer) if pool is not None else (_load_or_skip(job, skip) for job in jobs)
+    )
+    for item in items:
+        bar.update(1)
+        if isinstance(item, SkippedSample):
+            books.skipped.append(item)
+            continue
+        loaded: LoadedSample = item.info if isinstance(item, Spilled) else item
+        class_ids = [books.classes.setdefault(n, len(books.classes)) for n in loaded.names]
+        objects = b""
+        if loaded.objects is not None:
+            obj = loaded.objects
+            objects = schema.encode_objects(obj.boxes, class_ids, obj.difficult, obj.truncated)
+        row = (loaded.width, loaded.height, len(loaded.names), loaded.flags)
+        if isinstance(item, Spilled):
+            assert pool is not None  # only pack processes spill
+            entries = item.fill(schema.OBJECTS, objects)
+            books.record_of[loaded.id], target, at = writer.reserve(entries, row)
+            pool.place(item, target, at)
+        else:
+            payloads = list(loaded.payloads)
+            payloads[schema.OBJECTS] = objects
+            books.record_of[loaded.id] = writer.add(payloads, row)
+        books.record_classes.append(class_ids)
+        books.source_bytes += loaded.source_bytes
+        now = time.perf_counter()
+        if progress and (now - last > 0.5 or bar.n == 1):
+            bar.set_postfix_str(f"{writer.bytes_written / (now - started) / 1e6:.0f} MB/s")
+            last = now
+    bar.close()
+    return books
+
+
+def _write_dataset_arrays(
+    writer: PackWriter,
+    books: _Books,
+    image_sets: Mapping[str, Mapping[str, Sequence[str]]],
+    voc_root: Path,
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """Ids, one record list per image set and the raw list files; return the image set
+    sizes and class counts for the metadata."""
+    blob, offsets = schema.encode_ids(list(books.record_of))
+    writer.add_array("ids", blob)
+    writer.add_array("id_offsets", offsets)
+    splits: dict[str, dict[str, int]] = {}
+    class_counts: dict[str, dict[str, int]] = {}
+    for task, sets in image_sets.items():
+        for name, listed in sets.items():
+            records = np.array(
+                [books.record_of[i] for i in listed if i in books.record_of], dtype="<i8"
+            )
+            writer.add_array(schema.split_array_name(task, name), records)
+            splits.setdefault(task, {})[name] = len(records)
+            listed_classes = [c for r in records for c in books.record_classes[r]]
+            counts = np.bincount(
+                np.array(listed_classes, dtype=np.int64), minlength=len(books.classes)
+            )
+            class_counts[f"{task}/{name}"] = {
+                n: int(counts[c]) for n, c in books.classes.items() if counts[c]
+            }
+    for rel, data in image_set_files(voc_root):
+        writer.add_array(f"file/{rel}", np.frombuffer(data, dtype=np.uint8))
+    return splits, class_counts
+
+
+def _load_or_skip(job: Job, skip: bool) -> LoadedSample | SkippedSample:
+    try:
+        return load(job)
+    except SourceDataError as exc:
+        if not skip:
+            raise
+        return SkippedSample(job.id, str(exc))
+
+
+def _load_spilled(job: Job, skip: bool) -> Record | SkippedSample:
+    """A job's record for a pack process (``parallel.spill_chunk``): objects are left as
+    zero bytes, since their class ids are only known in the writing process, which sees the
+    samples in dataset order."""
+    loaded = _load_or_skip(job, skip)
+    if isinstance(loaded, SkippedSample):
+        return loaded
+    payloads = list(loaded.payloads)
+    if loaded.objects is not None:
+        payloads[schema.OBJECTS] = bytes(schema.OBJECT_DTYPE.itemsize * len(loaded.names))
+    loaded.payloads = []
+    return Record(payloads, loaded)

@@ -34,7 +34,6 @@ __all__ = [
     "HAS_ANNOTATION",
     "HAS_MASK",
     "HAS_OBJECT_MASK",
-    "TASKS",
     "split_array_name",
     "encode_target",
     "decode_target",
@@ -72,9 +71,6 @@ OBJECT_DTYPE = np.dtype(
     ]
 )
 
-#: ImageSets sub-folders, in the order their ids are laid out in the file.
-TASKS = ("Main", "Segmentation")
-
 
 def split_array_name(task: str, image_set: str) -> str:
     """Name of the array listing the records of ``image_set`` of ``task``."""
@@ -90,8 +86,9 @@ def decode_target(data: bytes | memoryview) -> dict[str, Any]:
     """Inverse of ``encode_target`` (a fresh dict the caller may mutate).
 
     orjson, not ``json``: on the bytes-level hot path (``decode="none"``) parsing the target
-    is the largest cost after the image copy, and orjson does it ~2.7x faster (6.2 -> 2.3 µs
-    for a VOC target) with the same result for the strings, lists and dicts stored here.
+    is the largest cost after the image copy, and orjson is faster (benchmarks/README.md,
+    "Measurements behind the code") with the same result for the strings, lists and dicts
+    stored here.
     """
     result: dict[str, Any] = orjson.loads(data)
     return result

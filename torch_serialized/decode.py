@@ -1,8 +1,10 @@
-"""Turning a packed VOC record into what a dataset returns: image, target dict or tensors, mask.
+"""Bytes of a packed VOC record -> what a dataset returns: image, target dict or tensors, mask.
 
-One ``SampleDecoder`` serves both the map-style and the iterable datasets, so the two return
-identical samples. ``decode`` picks the image path (see ``Decode``), ``target_format`` the
-target (see ``TargetFormat``).
+Like torchvision's ``read_file`` then ``decode_jpeg(data)``, reading and decoding are apart:
+the caller reads a record's fields (a view into the map, or a private copy from a streaming
+read) and passes them in; the decoder never reads the pack. One ``SampleDecoder`` serves both
+the map-style and the iterable datasets, so the two return identical samples. ``decode`` picks
+the image path (see ``Decode``), ``target_format`` the target (see ``TargetFormat``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.functional import pil_to_tensor
 
-from .voc import codec
+from .voc import schema
 from .voc.classes import VOC_CLASSES
-from .voc.pack import VOCPack
+from .voc.reader import VOCPackReader
 
 __all__ = ["Decode", "TargetFormat", "Classes", "SampleDecoder", "label_names"]
 
@@ -46,7 +48,7 @@ _JPEG_SOI = b"\xff\xd8"
 _TV_DECODE_DEPRECATED = r"The image decoding and encoding capabilities of TorchVision"
 
 
-def label_names(pack: VOCPack, classes: Classes) -> list[str]:
+def label_names(pack: VOCPackReader, classes: Classes) -> list[str]:
     """The label name list that ``classes`` stands for."""
     if classes is None:
         return ["__background__", *VOC_CLASSES]
@@ -61,11 +63,15 @@ def label_names(pack: VOCPack, classes: Classes) -> list[str]:
 
 
 class SampleDecoder:
-    """Decodes records of one pack for one image set."""
+    """Decodes the fields of records of one pack, for one image set.
+
+    It keeps what decoding needs from the pack (image sizes, label ids, storage kind), not
+    the pack itself.
+    """
 
     def __init__(
         self,
-        pack: VOCPack,
+        pack: VOCPackReader,
         *,
         decode: Decode = "pil",
         target_format: TargetFormat = "dict",
@@ -77,7 +83,6 @@ class SampleDecoder:
             raise ValueError(f"decode must be 'pil', 'tensor' or 'none', got {decode!r}")
         if target_format not in ("dict", "tv_tensors"):
             raise ValueError(f"target_format must be 'dict' or 'tv_tensors', got {target_format!r}")
-        self.pack = pack
         self.decode = decode
         self.target_format = target_format
         #: tensors of stored bytes (``decode="none"``, raw pixels) view the map, not a copy
@@ -102,12 +107,10 @@ class SampleDecoder:
     @property
     def target_field(self) -> int:
         """The record field ``target`` decodes: the JSON dict or the object rows."""
-        return codec.TARGET if self.target_format == "dict" else codec.OBJECTS
+        return schema.TARGET if self.target_format == "dict" else schema.OBJECTS
 
-    def image(self, record: int, data: Buffer | None = None) -> Any:
-        """The image of ``record``; ``data`` is its image field if the caller already read it."""
-        if data is None:
-            data = self.pack.field(record, codec.IMAGE)
+    def image(self, record: int, data: Buffer) -> Any:
+        """The image of ``record`` from ``data``, its ``schema.IMAGE`` field."""
         if self.raw:
             return self._raw_image(record, data)
         if self.decode == "pil":
@@ -148,13 +151,11 @@ class SampleDecoder:
             return tensor
         return torch.frombuffer(data, dtype=torch.uint8)
 
-    def target(self, record: int, data: Buffer | None = None) -> Any:
-        """The target of ``record``; ``data`` is its ``target_field`` if already read."""
-        if data is None:
-            data = self.pack.field(record, self.target_field)
+    def target(self, record: int, data: Buffer) -> Any:
+        """The target of ``record`` from ``data``, its ``target_field``."""
         if self.target_format == "dict":
-            return codec.decode_target(_view(data))
-        objects = np.frombuffer(data, dtype=codec.OBJECT_DTYPE)
+            return schema.decode_target(_view(data))
+        objects = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
         boxes = tv_tensors.BoundingBoxes(
             torch.from_numpy(objects["box"].copy()),
             format=tv_tensors.BoundingBoxFormat.XYXY,
@@ -166,10 +167,9 @@ class SampleDecoder:
             "difficult": torch.from_numpy(objects["difficult"].astype(bool)),
         }
 
-    def mask(self, record: int, data: Buffer | None = None) -> Image.Image:
-        """The SegmentationClass mask of ``record``, as PIL opens the PNG (mode P, palette)."""
-        if data is None:
-            data = self.pack.field(record, codec.MASK)
+    def mask(self, data: Buffer) -> Image.Image:
+        """A SegmentationClass mask from its ``schema.MASK`` field, as PIL opens the PNG
+        (mode P, palette)."""
         return Image.open(_stream(data))
 
 

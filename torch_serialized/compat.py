@@ -1,0 +1,65 @@
+"""The original design's API, kept for code written against it: ``Serializer`` and
+``SerializedDataset``. New code uses ``pack_voc`` and ``VOCSerializedDataset``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .decode import SampleDecoder
+from .voc import schema
+from .voc.pack import PackResult, pack_voc
+from .voc.reader import VOCPackReader
+
+__all__ = ["Serializer", "SerializedDataset"]
+
+
+class Serializer:
+    """The original design's packer: ``Serializer(source_dir, output_file).serialize()``.
+
+    ``source_dir`` is the ``VOCdevkit/VOC20xx`` folder; ``kwargs`` go to ``pack_voc``.
+    """
+
+    def __init__(
+        self, source_dir: str | os.PathLike[str], output_file: str | os.PathLike[str], **kwargs: Any
+    ) -> None:
+        self.source_dir = Path(source_dir)
+        self.output_file = Path(output_file)
+        self.kwargs = kwargs
+
+    def serialize(self) -> PackResult:
+        """Pack ``source_dir`` into ``output_file``."""
+        return pack_voc(self.source_dir, self.output_file, **self.kwargs)
+
+
+class SerializedDataset:
+    """Every packed sample in storage order, as in the original design.
+
+    ``get_sample(i)`` returns ``{"id", "image": HWC uint8 numpy array, "target": dict}``
+    (``target`` is ``{}`` for ids without an annotation).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.pack = VOCPackReader(path)
+        self.decoder = SampleDecoder(self.pack)
+
+    def __len__(self) -> int:
+        return len(self.pack)
+
+    def get_sample(self, index: int) -> dict[str, Any]:
+        record = range(len(self.pack))[index]
+        pack, decoder = self.pack, self.decoder
+        flags = int(pack.columns[record]["flags"])
+        target = {}
+        if flags & schema.HAS_ANNOTATION:
+            target = decoder.target(record, pack.field(record, decoder.target_field))
+        return {
+            "id": pack.id(record),
+            "image": np.asarray(decoder.image(record, pack.field(record, schema.IMAGE))),
+            "target": target,
+        }
+
+    __getitem__ = get_sample

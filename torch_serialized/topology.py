@@ -1,0 +1,114 @@
+"""Who this process is in a training job, and the rules that share an epoch among processes.
+
+``Topology`` is a small frozen value (like Mosaic Streaming's ``World``): ``rank`` and
+``world_size`` of DDP (the arguments, else torch.distributed's, else one process) and
+``worker`` and ``num_workers`` of this rank's DataLoader (``get_worker_info``). The iterable
+dataset and ``BlockShuffleSampler`` both use it and the rules below, so both share an epoch
+out in the same way, as ``DistributedSampler`` does:
+
+- ``epoch_total``: samples of an epoch across ranks: ``n`` rounded up to a multiple of the
+  world size (padding), or down with ``drop_last``;
+- ``pad_or_trim``: an epoch order extended with its own beginning (repeated as often as
+  needed), or cut, to that total;
+- ``Topology.rank_slice``: rank ``r`` takes the ``r``-th contiguous slice, and
+  ``Topology.worker_slice`` splits a rank's share among its workers;
+- ``seeded_rng``: the random generator of a seed and a key (epoch, stream, rank...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import get_worker_info
+
+__all__ = [
+    "Topology",
+    "distributed_info",
+    "worker_info",
+    "epoch_total",
+    "pad_or_trim",
+    "seeded_rng",
+]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place: DDP ``rank`` of ``world_size``, DataLoader ``worker`` of
+    ``num_workers`` (``0`` of ``1`` in the main process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    worker: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.rank, self.world_size)
+        if self.num_workers < 1 or not 0 <= self.worker < self.num_workers:
+            raise ValueError(
+                f"need 0 <= worker < num_workers, got worker={self.worker}, "
+                f"num_workers={self.num_workers}"
+            )
+
+    @classmethod
+    def current(cls, rank: int | None = None, world_size: int | None = None) -> Topology:
+        """The calling process's topology; ``rank`` / ``world_size`` override DDP's."""
+        return cls(*distributed_info(rank, world_size), *worker_info())
+
+    def samples_per_rank(self, n: int, drop_last: bool) -> int:
+        """Samples each rank takes from an epoch of ``n``."""
+        return epoch_total(n, self.world_size, drop_last) // self.world_size
+
+    def rank_slice(self, n: int, drop_last: bool) -> slice:
+        """This rank's share of an epoch order of ``n`` padded or cut by ``pad_or_trim``."""
+        per_rank = self.samples_per_rank(n, drop_last)
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def worker_slice(self, n: int) -> slice:
+        """This worker's contiguous piece of ``n`` items; piece sizes differ by at most 1."""
+        size, extra = divmod(n, self.num_workers)
+        start = self.worker * size + min(self.worker, extra)
+        return slice(start, start + size + (self.worker < extra))
+
+
+def distributed_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """``(rank, world_size)``: the arguments if given, else torch.distributed's, else (0, 1)."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    _check(rank, world_size)
+    return rank, world_size
+
+
+def _check(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+def worker_info() -> tuple[int, int]:
+    """``(worker_id, num_workers)`` of this DataLoader worker, ``(0, 1)`` in the main process."""
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def epoch_total(n: int, world_size: int, drop_last: bool) -> int:
+    """Samples of an epoch of ``n`` across ``world_size`` ranks, each taking as many."""
+    return n // world_size * world_size if drop_last else math.ceil(n / world_size) * world_size
+
+
+def pad_or_trim(order: np.ndarray, total: int) -> np.ndarray:
+    """``order`` cut to ``total`` items, or extended with its own beginning (repeated as often
+    as needed) to ``total``."""
+    if total <= len(order):
+        return order[:total]
+    return np.resize(order, total)
+
+
+def seeded_rng(seed: int, *key: int) -> np.random.Generator:
+    """The generator of ``seed`` and ``key`` (numbers that name one independent stream)."""
+    sequence = np.random.SeedSequence(seed % 2**64, spawn_key=tuple(k % 2**64 for k in key))
+    return np.random.Generator(np.random.PCG64(sequence))

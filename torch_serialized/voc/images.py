@@ -1,0 +1,158 @@
+"""Pack-time image processing: what to store for an image, its size, and resizing.
+
+By default an image is stored as its file's bytes and only its size is needed, read from the
+JPEG header (``jpeg_size``) rather than through Pillow. ``ImageOptions`` can ask for more:
+``check_images`` decodes every image, ``image_storage="raw"`` stores decoded RGB pixels and
+``max_size`` shrinks large images (boxes and target dicts are scaled with ``scale_objects`` and
+``scale_target``). Pillow's decompression-bomb limit applies either way. This module never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from ..errors import SourceDataError
+from .xml import VOCObjects
+
+__all__ = ["ImageOptions", "store_image", "jpeg_size", "scale_objects", "scale_target"]
+
+#: JPEG quality of images re-encoded after resizing (``max_size`` with original storage).
+RESIZE_QUALITY = 90
+#: Start-of-frame markers (baseline, extended, progressive, lossless...): they hold the size.
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """How ``pack_voc`` stores images (its ``image_storage``, ``max_size``, ``check_images``)."""
+
+    image_storage: str = "original"
+    max_size: int | None = None
+    check_images: bool = False
+
+    @property
+    def decodes(self) -> bool:
+        """Whether every image must be decoded at pack time."""
+        return self.check_images or self.image_storage == "raw" or bool(self.max_size)
+
+
+def store_image(
+    data: bytes, path: str, options: ImageOptions
+) -> tuple[bytes, int, int, tuple[float, float] | None]:
+    """The bytes to store for an image, its stored size, and the box scale if resized."""
+    if not options.decodes:
+        size = jpeg_size(data)  # the common case: stored as is, only the size is needed
+        if size is not None:
+            _check_pixels(size, path)
+            return data, size[0], size[1], None
+    try:
+        img: Image.Image = Image.open(io.BytesIO(data))
+        width, height = img.size
+        if options.decodes:
+            img = img.convert("RGB")  # decodes every pixel: truncated data fails here
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise SourceDataError(
+            f"{path}: not a readable image ({exc}); replace the file or remove its id "
+            "from the lists (or pack with on_error='skip')"
+        ) from None
+    except Image.DecompressionBombError as exc:
+        raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
+    scale = None
+    if options.max_size and max(width, height) > options.max_size:
+        factor = options.max_size / max(width, height)
+        size = (max(1, round(width * factor)), max(1, round(height * factor)))
+        img = img.resize(size, Image.Resampling.BILINEAR, reducing_gap=3.0)
+        scale = (size[0] / width, size[1] / height)
+        width, height = size
+        if options.image_storage == "original":
+            out = io.BytesIO()
+            img.save(out, format="JPEG", quality=RESIZE_QUALITY)
+            return out.getvalue(), width, height, scale
+    if options.image_storage == "raw":
+        return img.tobytes(), width, height, scale
+    return data, width, height, scale
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` from a JPEG's start-of-frame header, or ``None`` if not found.
+
+    Reads a few hundred bytes of markers instead of opening the image with Pillow (a
+    measurable share of packing time). ``None`` (not a JPEG, odd markers) sends the caller
+    to Pillow.
+    """
+    if data[:2] != b"\xff\xd8":
+        return None
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if length < 2:
+            return None
+        if marker in _SOF_MARKERS:
+            if i + 9 > n:
+                return None
+            height = int.from_bytes(data[i + 5 : i + 7], "big")
+            width = int.from_bytes(data[i + 7 : i + 9], "big")
+            return (width, height) if width and height else None
+        i += 2 + length
+    return None
+
+
+def _check_pixels(size: tuple[int, int], path: str) -> None:
+    """Pillow's decompression-bomb rule, for images whose size was read without Pillow."""
+    limit = Image.MAX_IMAGE_PIXELS
+    pixels = size[0] * size[1]
+    if limit and pixels > 2 * limit:
+        raise SourceDataError(
+            f"{path}: image size ({pixels} pixels) exceeds limit of {2 * limit} pixels, could "
+            "be decompression bomb DOS attack; refusing a decompression bomb"
+        )
+    if limit and pixels > limit:
+        warnings.warn(
+            f"{path}: image size ({pixels} pixels) exceeds limit of {limit} pixels, could be "
+            "decompression bomb DOS attack.",
+            Image.DecompressionBombWarning,
+            stacklevel=2,
+        )
+
+
+def scale_objects(objects: VOCObjects, scale: tuple[float, float]) -> VOCObjects:
+    """``objects`` with their boxes scaled by ``(x, y)`` factors."""
+    boxes = objects.boxes * np.array([scale[0], scale[1], scale[0], scale[1]], np.float32)
+    return VOCObjects(
+        boxes=boxes, names=objects.names, difficult=objects.difficult, truncated=objects.truncated
+    )
+
+
+def scale_target(
+    target: dict[str, Any], scale: tuple[float, float], width: int, height: int
+) -> None:
+    """Rewrite size and bndbox strings of a target dict for a resized image."""
+    annotation = target.get("annotation")
+    if not isinstance(annotation, dict):
+        return
+    size = annotation.get("size")
+    if isinstance(size, dict):
+        size["width"], size["height"] = str(width), str(height)
+    for obj in annotation.get("object", []):
+        box = obj.get("bndbox") if isinstance(obj, dict) else None
+        if isinstance(box, dict):
+            for key, factor in (("xmin", 0), ("xmax", 0), ("ymin", 1), ("ymax", 1)):
+                if key in box:
+                    value = float(box[key]) * scale[factor]
+                    box[key] = f"{value:.2f}".rstrip("0").rstrip(".")

@@ -1,0 +1,168 @@
+"""The source side of a pack: which ids to store, in which order, and loading one id.
+
+``plan`` turns a devkit's image sets into one ``Job`` per distinct id, in the order a pack
+lays them out; ``load`` reads and parses everything about one id into a ``LoadedSample`` (its
+payloads in ``schema.FIELDS`` order, objects still as names: class ids are assigned by the
+writing process). Jobs and loaded samples are plain picklable values, because pack processes
+load them too. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import SourceDataError
+from . import schema
+from .images import ImageOptions, scale_objects, scale_target, store_image
+from .layout import TASKS
+from .xml import VOCObjects, extract_objects, parse_annotation
+
+__all__ = ["Job", "LoadedSample", "plan", "load"]
+
+#: Per-id files that may be absent, by folder: the extension after the id.
+_OPTIONAL_FILES = {"Annotations": ".xml", "SegmentationClass": ".png", "SegmentationObject": ".png"}
+#: Image sets in layout order: train ids first, then val, test, trainval, then custom lists.
+_LAYOUT_ORDER = {"train": 0, "val": 1, "test": 2, "trainval": 3}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One id to load."""
+
+    voc_root: str
+    id: str
+    listed_in: str  # "ImageSets/Main/train.txt line 3", for error messages
+    needs_annotation: bool
+    needs_mask: bool
+    options: ImageOptions
+    #: The ``_OPTIONAL_FILES`` folders that list this id's file: only those are opened
+    #: (a failed open per absent mask is a measurable share of a pack).
+    listed_in_folders: frozenset[str]
+
+
+@dataclass
+class LoadedSample:
+    """Everything about one id, ready to be written (objects not yet encoded)."""
+
+    id: str
+    payloads: list[bytes]  # in schema.FIELDS order, objects empty
+    width: int
+    height: int
+    flags: int
+    names: list[str]
+    objects: VOCObjects | None
+    source_bytes: int
+
+
+def plan(
+    voc_root: Path, image_sets: Mapping[str, Mapping[str, Sequence[str]]], options: ImageOptions
+) -> list[Job]:
+    """One job per distinct id, in layout order: train ids first, then val, test, the rest."""
+    first: dict[str, str] = {}
+    needs: dict[str, set[str]] = {}
+    for task in TASKS:
+        sets = image_sets.get(task, {})
+        for name in sorted(sets, key=lambda n: (_LAYOUT_ORDER.get(n, 4), n)):
+            for line, image_id in enumerate(sets[name], start=1):
+                first.setdefault(image_id, f"ImageSets/{task}/{name}.txt line {line}")
+                needs.setdefault(image_id, set()).add(task)
+    listings = {folder: _listing(voc_root / folder) for folder in _OPTIONAL_FILES}
+    return [
+        Job(
+            str(voc_root),
+            image_id,
+            listed_in,
+            "Main" in needs[image_id],
+            "Segmentation" in needs[image_id],
+            options,
+            frozenset(
+                folder
+                for folder, extension in _OPTIONAL_FILES.items()
+                if (image_id + extension).casefold() in listings[folder]
+            ),
+        )
+        for image_id, listed_in in first.items()
+    ]
+
+
+def _listing(folder: Path) -> frozenset[str]:
+    """The case-folded names in ``folder`` (none if it is missing): case-blind, so a file a
+    case-insensitive file system would open is never skipped."""
+    try:
+        return frozenset(name.casefold() for name in os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return frozenset()
+
+
+def load(job: Job) -> LoadedSample:
+    """Read and parse everything about one id; ``SourceDataError`` names what is wrong."""
+    voc, name = job.voc_root, job.id  # plain strings: pathlib is a measurable cost here
+    image_path = os.path.join(voc, "JPEGImages", name + ".jpg")
+    xml_path = os.path.join(voc, "Annotations", name + ".xml")
+    mask_path = os.path.join(voc, "SegmentationClass", name + ".png")
+    image = _read(image_path, job, "the image")
+    annotation = mask = object_mask = None
+    listed = job.listed_in_folders
+    if job.needs_annotation or "Annotations" in listed:
+        annotation = _read_optional(xml_path, job.needs_annotation, job, "the annotation")
+    if job.needs_mask or "SegmentationClass" in listed:
+        mask = _read_optional(mask_path, job.needs_mask, job, "the mask")
+    if "SegmentationObject" in listed:
+        path = os.path.join(voc, "SegmentationObject", name + ".png")
+        object_mask = _read_optional(path, False, job, "")
+    source_bytes = sum(len(b) for b in (image, annotation, mask, object_mask) if b)
+
+    target_json = b""
+    objects = None
+    names: list[str] = []
+    flags = 0
+    target: dict[str, Any] | None = None
+    if annotation is not None:
+        flags |= schema.HAS_ANNOTATION
+        target = parse_annotation(annotation, source=xml_path)
+        objects = extract_objects(target, source=xml_path)
+        names = objects.names
+    if mask is not None:
+        flags |= schema.HAS_MASK
+    if object_mask is not None:
+        flags |= schema.HAS_OBJECT_MASK
+
+    stored, width, height, scale = store_image(image, image_path, job.options)
+    if scale is not None and objects is not None and target is not None:
+        objects = scale_objects(objects, scale)
+        scale_target(target, scale, width, height)
+    if target is not None:
+        target_json = schema.encode_target(target)
+    payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
+    return LoadedSample(job.id, payloads, width, height, flags, names, objects, source_bytes)
+
+
+def _read(path: str, job: Job, what: str) -> bytes:
+    """A required file's bytes."""
+    data = _read_optional(path, True, job, what)
+    if data is None:  # _read_optional raises for a missing required file
+        raise SourceDataError(f"{path}: {what} of id {job.id!r} is missing")
+    return data
+
+
+def _read_optional(path: str, required: bool, job: Job, what: str) -> bytes | None:
+    """A file's bytes, or ``None`` when it is absent and not ``required``."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        if not required:
+            return None
+        raise SourceDataError(
+            f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing; "
+            "add the file or remove the id from the list (or pack with on_error='skip')"
+        ) from None
+    except OSError as exc:
+        raise SourceDataError(
+            f"{path}: cannot read {what} of id {job.id!r}: {exc.strerror or exc}; "
+            "fix the file's permissions or remove the id from the lists"
+        ) from None

@@ -5,7 +5,7 @@ python benchmarks/run.py --num-images 2000 --out-dir benchmarks/out
 
 import sys
 
-from torch_serialized.benchmark import main
+from torch_serialized.tools.benchmark import main
 
 if __name__ == "__main__":
     sys.exit(main())

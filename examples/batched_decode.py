@@ -24,7 +24,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from torch_serialized import VOCSerializedDataset, pack_voc
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized.tools import make_synthetic_voc
 
 
 def prepare(source: str | None, year: str, num_images: int, tmp: Path) -> Path:

@@ -28,9 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
-from torch_serialized import pack_voc
-from torch_serialized.iterable import VOCSerializedIterableDataset
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized import VOCSerializedIterableDataset, pack_voc
+from torch_serialized.tools import make_synthetic_voc
 
 NUM_CLASSES = 21  # VOC's 20 classes; label 0 is the background and never set
 

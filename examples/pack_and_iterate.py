@@ -19,9 +19,8 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import VOCDetection
 from torchvision.transforms import v2
 
-from torch_serialized import VOCSerializedDataset, pack_voc
-from torch_serialized.iterable import VOCSerializedIterableDataset
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized import VOCSerializedDataset, VOCSerializedIterableDataset, pack_voc
+from torch_serialized.tools import make_synthetic_voc
 
 
 def collate(batch: list[tuple[Any, Any]]) -> tuple[Any, ...]:

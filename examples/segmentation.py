@@ -24,7 +24,7 @@ from torchvision.models.segmentation import lraspp_mobilenet_v3_large
 from torchvision.transforms import v2
 
 from torch_serialized import VOCSerializedSegmentation, pack_voc
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized.tools import make_synthetic_voc
 
 IGNORE = 255  # VOC's "void" border around objects
 

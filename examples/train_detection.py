@@ -21,7 +21,7 @@ from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
 from torchvision.transforms import v2
 
 from torch_serialized import VOCSerializedDataset, pack_voc
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized.tools import make_synthetic_voc
 
 
 def collate(batch: list[tuple[Any, Any]]) -> tuple[Any, ...]:

@@ -16,7 +16,7 @@ import pytest
 from vocfactory import build_corner_case_devkit
 
 from torch_serialized import pack_voc
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized.tools import make_synthetic_voc
 
 CORNER_YEAR = "2007"
 SYNTHETIC_YEAR = "2007"

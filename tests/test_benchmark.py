@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from torch_serialized.benchmark import SCENARIOS, main, run_benchmark
+from torch_serialized.tools.benchmark import SCENARIOS, main, run_benchmark
 
 
 def _numbers(row: dict[str, Any]) -> list[float]:

@@ -15,7 +15,7 @@ import pytest
 import torch_serialized
 from torch_serialized.iterable import VOCSerializedIterableDataset
 from torch_serialized.reader import ContainerReader
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized.tools import make_synthetic_voc
 
 
 @pytest.fixture(scope="module")

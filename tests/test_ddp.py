@@ -16,7 +16,7 @@ import torch
 
 import torch_serialized
 from torch_serialized.datasets import VOCSerializedDataset
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized.tools import make_synthetic_voc
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
 REPO = Path(__file__).resolve().parents[1]

@@ -13,9 +13,9 @@ from torchvision.datasets import VOCDetection
 from vocfactory import jpeg
 
 from torch_serialized import ChecksumError, FormatError, SourceDataError, WriteError, pack_voc
+from torch_serialized.tools import make_synthetic_voc
 from torch_serialized.voc import schema
 from torch_serialized.voc.export import export_voc
-from torch_serialized.voc.synthetic import make_synthetic_voc
 from torch_serialized.writer import PackWriter
 
 LIST = b"a\n"

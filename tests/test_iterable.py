@@ -28,7 +28,7 @@ from torch_serialized.iterable import (
     split_blocks,
     worker_share,
 )
-from torch_serialized.voc.synthetic import make_synthetic_voc
+from torch_serialized.tools import make_synthetic_voc
 
 # DataLoader warns when asked for more workers than this machine's suggested maximum.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -17,9 +17,9 @@ from torchvision.datasets import VOCDetection, VOCSegmentation
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 import torch_serialized as ts
+from torch_serialized.tools import make_synthetic_voc
 from torch_serialized.voc.images import jpeg_size
 from torch_serialized.voc.reader import VOCPackReader
-from torch_serialized.voc.synthetic import make_synthetic_voc
 
 
 @pytest.fixture(scope="module")
@@ -345,8 +345,8 @@ def test_absent_optional_files_are_not_opened(
     corner_devkit: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Masks (and annotations of Segmentation-only ids) that the folder listing lacks are never
-    opened: a failed open per sample was ~5% of a pack. The samples stay torchvision's (the
-    drop-in tests check every one of them on this devkit)."""
+    opened (a failed open per sample costs time, see benchmarks/README.md). The samples stay
+    torchvision's (the drop-in tests check every one of them on this devkit)."""
     from torch_serialized.voc import source
 
     failed: list[str] = []

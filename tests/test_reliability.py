@@ -71,8 +71,8 @@ from torch_serialized.errors import (
     WriteError,
 )
 from torch_serialized.reader import open_pack
+from torch_serialized.tools import make_synthetic_voc
 from torch_serialized.voc.pack import pack_voc
-from torch_serialized.voc.synthetic import make_synthetic_voc
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 from torchvision.datasets import VOCDetection, VOCSegmentation
 
+from torch_serialized.tools import make_synthetic_voc
 from torch_serialized.voc.classes import VOC_CLASSES, VOC_COLORMAP, VOC_PALETTE, voc_colormap
-from torch_serialized.voc.synthetic import make_synthetic_voc
 
 VOC_SIZES = {(500, 375), (375, 500), (500, 333), (333, 500), (500, 500), (400, 300), (500, 400),
              (500, 334), (353, 500)}  # fmt: skip

@@ -1,8 +1,9 @@
 """The ``torch-serialized`` command line (also ``python -m torch_serialized``).
 
 A thin layer over the public API: ``pack`` (``pack_voc``), ``info`` and ``verify`` (the
-reader), ``export`` (``export_voc``), ``bench`` (``torch_serialized.benchmark``) and ``demo``
-(``torch_serialized.demo``). Errors of torch_serialized, bad paths and bad values print one
+reader), ``export`` (``export_voc``), ``bench`` (``torch_serialized.tools.run_benchmark``) and
+``demo`` (``torch_serialized.tools.run_demo``); this is the only module of the library that
+imports ``tools``. Errors of torch_serialized, bad paths and bad values print one
 line on stderr and exit with status 2 (``--debug`` shows the traceback instead); ``verify``
 exits 1 when it finds damage.
 """
@@ -304,7 +305,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 # -- bench and demo -----------------------------------------------------------------------------
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import benchmark
+    from .tools import run_benchmark
 
     options = {
         "year": args.year,
@@ -316,7 +317,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "scenarios": args.scenarios.split(",") if args.scenarios else None,
     }
     kwargs = {name: value for name, value in options.items() if value is not None}
-    result = benchmark.run_benchmark(args.root, quick=args.quick, **kwargs)
+    result = run_benchmark(args.root, quick=args.quick, **kwargs)
     out_dir = Path(args.out_dir)
     print(f"results written to {out_dir / 'results.md'} and results.json", end="")
     print(f", chart {result['chart']}" if result.get("chart") else "")
@@ -324,7 +325,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .tools import run_demo
 
     run_demo(
         num_images=args.num_images,
@@ -448,7 +449,7 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         "compare reading speed with torchvision's VOCDetection",
         "Benchmark torch_serialized against torchvision on ROOT, or on a generated "
-        "synthetic VOC set when ROOT is not given (torch_serialized.benchmark.run_benchmark).",
+        "synthetic VOC set when ROOT is not given (torch_serialized.tools.run_benchmark).",
     )
     bench.add_argument("root", nargs="?", help="torchvision's VOC root (default: synthetic data)")
     bench.add_argument("--year", help="VOC year of ROOT")

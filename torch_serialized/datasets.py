@@ -170,7 +170,7 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         classes: label names for ``"tv_tensors"`` targets; see ``Classes``.
         checked: verify each record's checksum as it is read.
         zero_copy: with ``decode="none"`` (and raw-pixel packs), return read-only views of
-            the mapped file instead of copies: no per-sample copy (~8 µs for a 100 KB JPEG),
+            the mapped file instead of copies: no per-sample copy of the stored bytes,
             for pipelines that only read the bytes, such as batched GPU ``decode_jpeg``.
             Writing into such a tensor crashes the process (the map is read-only); views
             keep the map alive and reading them pages the file in.

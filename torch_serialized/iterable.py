@@ -213,8 +213,8 @@ def read_blocks(
 
     A background thread reads block ``b + 1`` (the read releases the GIL) while the items of
     block ``b`` are decoded, so I/O and decoding overlap; before reading a block it asks the
-    kernel to start on the one after (~+20% for a cold shuffled epoch here). At most two
-    blocks' bytes are held.
+    kernel to start on the one after (see benchmarks/README.md, "Measurements behind the
+    code"). At most two blocks' bytes are held.
     Items produced while ``gate`` is closed (a resume replay) carry no data.
     """
     gate = gate or Gate()

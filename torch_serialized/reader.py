@@ -35,8 +35,9 @@ __all__ = ["ContainerReader", "PackReader", "open_pack"]
 
 _IOV_MAX = getattr(os, "sysconf", lambda _name: 1024)("SC_IOV_MAX") or 1024
 #: Bytes one ``preadv`` call asks for at most: a run is read as a sequence of such calls, so
-#: the kernel's read-ahead streams the rest of the run while each piece is copied out (on a
-#: cold disk 1 MiB calls move ~1.7x the bytes per second of one whole-block call).
+#: the kernel's read-ahead streams the rest of the run while each piece is copied out (faster
+#: than one whole-block call on a cold disk: benchmarks/README.md, "Measurements behind the
+#: code").
 _READ_SIZE = 1 << 20
 
 

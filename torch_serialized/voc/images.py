@@ -83,9 +83,9 @@ def store_image(
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
     """``(width, height)`` from a JPEG's start-of-frame header, or ``None`` if not found.
 
-    Reads a few hundred bytes of markers instead of opening the image with Pillow (a
-    measurable share of packing time). ``None`` (not a JPEG, odd markers) sends the caller
-    to Pillow.
+    Reads a few hundred bytes of markers instead of opening the image with Pillow, which is
+    much slower (benchmarks/README.md, "Measurements behind the code"). ``None`` (not a
+    JPEG, odd markers) sends the caller to Pillow.
     """
     if data[:2] != b"\xff\xd8":
         return None

@@ -39,8 +39,8 @@ class Job:
     needs_annotation: bool
     needs_mask: bool
     options: ImageOptions
-    #: The ``_OPTIONAL_FILES`` folders that list this id's file: only those are opened
-    #: (a failed open per absent mask is a measurable share of a pack).
+    #: The ``_OPTIONAL_FILES`` folders that list this id's file: only those are opened, as a
+    #: failed open per absent file costs (benchmarks/README.md, "Measurements behind the code").
     listed_in_folders: frozenset[str]
 
 
@@ -100,7 +100,7 @@ def _listing(folder: Path) -> frozenset[str]:
 
 def load(job: Job) -> LoadedSample:
     """Read and parse everything about one id; ``SourceDataError`` names what is wrong."""
-    voc, name = job.voc_root, job.id  # plain strings: pathlib is a measurable cost here
+    voc, name = job.voc_root, job.id  # plain strings, not pathlib: see benchmarks/README.md
     image_path = os.path.join(voc, "JPEGImages", name + ".jpg")
     xml_path = os.path.join(voc, "Annotations", name + ".xml")
     mask_path = os.path.join(voc, "SegmentationClass", name + ".png")

@@ -10,33 +10,33 @@ from typing import Any
 
 import numpy as np
 
-from .access import _tv_bytes_getter
-from .context import _Bench
-from .core import _IMAGE_SET, _MB, _MIB, _SEED, Row, _rates
-from .system import _files_under, _pack_files, _read_ahead_kb, _read_all
+from .access import tv_bytes_getter
+from .context import Bench
+from .core import IMAGE_SET, MB, MIB, SEED, Row, rates
+from .system import files_under, pack_file_paths, read_ahead_kb, read_all
 
 
 def _iterable_class() -> tuple[Any, str | None]:
     """The iterable dataset class, or None and why it cannot be imported."""
     try:
-        from ..iterable import VOCSerializedIterableDataset
+        from torch_serialized import VOCSerializedIterableDataset
     except Exception as exc:  # missing, or broken while it is being written
         return None, f"{type(exc).__name__}: {exc}"
     return VOCSerializedIterableDataset, None
 
 
-def _scenario_cold(b: _Bench) -> list[Row]:
+def scenario_cold(b: Bench) -> list[Row]:
     cache = b.cache
     pack = b.packed()
-    source = _files_under(b.voc_root)
-    pack_files = _pack_files(pack)
+    source = files_under(b.voc_root)
+    pack_files = pack_file_paths(pack)
     n = len(b.tv())
     order = b.indices(n)
     gc.collect()
     iterable_cls, iterable_error = _iterable_class()
 
     def tv_run() -> int:
-        get = _tv_bytes_getter(b.tv())
+        get = tv_bytes_getter(b.tv())
         for i in order:
             get(i)
         return len(order)
@@ -49,11 +49,11 @@ def _scenario_cold(b: _Bench) -> list[Row]:
         return len(order)
 
     def iterable_run() -> int:
-        ds = iterable_cls(pack, _IMAGE_SET, shuffle=True, seed=_SEED, decode="none")
+        ds = iterable_cls(pack, IMAGE_SET, shuffle=True, seed=SEED, decode="none")
         return sum(1 for _ in ds)
 
     def iterable_in_order_run() -> int:
-        ds = iterable_cls(pack, _IMAGE_SET, shuffle=False, decode="none")
+        ds = iterable_cls(pack, IMAGE_SET, shuffle=False, decode="none")
         return sum(1 for _ in ds)
 
     variants: dict[str, tuple[list[str], Callable[[], int]]] = {
@@ -65,7 +65,7 @@ def _scenario_cold(b: _Bench) -> list[Row]:
         variants["iterable_in_order"] = (pack_files, iterable_in_order_run)
 
     def ceiling_run() -> int:
-        _read_all(pack_files, chunk=_MIB)
+        read_all(pack_files, chunk=MIB)
         return len(order)
 
     # A block-shuffled reader (the iterable) cannot read in file order: its ceiling is the
@@ -74,7 +74,7 @@ def _scenario_cold(b: _Bench) -> list[Row]:
 
     def shuffled_blocks_run() -> int:
         chunks = [(p, o) for p in pack_files for o in range(0, os.path.getsize(p), block_bytes)]
-        for k in np.random.default_rng(_SEED).permutation(len(chunks)):
+        for k in np.random.default_rng(SEED).permutation(len(chunks)):
             path, offset = chunks[int(k)]
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -116,7 +116,7 @@ def _scenario_cold(b: _Bench) -> list[Row]:
         "mincore_check": cache.can_check,
         "resident_fraction": residency,
         "worst_resident_after_evict": worst,
-        "read_ahead_kb": _read_ahead_kb(b.work),
+        "read_ahead_kb": read_ahead_kb(b.work),
         "samples": counts,
     }
     if not cache.fadvise:
@@ -128,7 +128,7 @@ def _scenario_cold(b: _Bench) -> list[Row]:
     else:
         state = f"evicted (≤{worst:.1%} resident, mincore)"
     tv_rate = float(np.median([counts["tv"] / t for t in seconds["tv"]]))
-    pack_mb = sum(os.path.getsize(p) for p in pack_files) / _MB
+    pack_mb = sum(os.path.getsize(p) for p in pack_files) / MB
 
     def why(name: str, target: float, limit: str) -> str:
         reference = float(np.median([counts[limit] / t for t in seconds[limit]])) / tv_rate
@@ -156,8 +156,8 @@ def _scenario_cold(b: _Bench) -> list[Row]:
             "cold cache, bytes + dict target, random, incl. open",
             "samples/s",
             "rate",
-            _rates(counts["tv"], seconds["tv"]),
-            _rates(counts["ours"], seconds["ours"]),
+            rates(counts["tv"], seconds["tv"]),
+            rates(counts["ours"], seconds["ours"]),
             target=5.0,
             note=state,
             reason=why("ours", 5.0, "ceiling"),
@@ -173,8 +173,8 @@ def _scenario_cold(b: _Bench) -> list[Row]:
             "cold cache, iterable epoch (shuffle) vs tv random, incl. open",
             "samples/s",
             "rate",
-            _rates(counts["tv"], seconds["tv"]),
-            _rates(counts["iterable"], seconds["iterable"]) if iterable_cls else None,
+            rates(counts["tv"], seconds["tv"]),
+            rates(counts["iterable"], seconds["iterable"]) if iterable_cls else None,
             target=8.0,
             note=iterable_note,
             reason=why("iterable", 8.0, "ceiling_blocks") if iterable_cls else "",
@@ -188,8 +188,8 @@ def _scenario_cold(b: _Bench) -> list[Row]:
                 "cold cache, iterable epoch in storage order (shuffle=False), incl. open",
                 "samples/s",
                 "rate",
-                _rates(counts["tv"], seconds["tv"]),
-                _rates(counts["iterable_in_order"], seconds["iterable_in_order"]),
+                rates(counts["tv"], seconds["tv"]),
+                rates(counts["iterable_in_order"], seconds["iterable_in_order"]),
                 note="an unshuffled pass (evaluation, or warming a cache): sequential reads "
                 "that kernel read-ahead streams; compare with the plain read() ceiling",
             )
@@ -201,8 +201,8 @@ def _scenario_cold(b: _Bench) -> list[Row]:
             "cold cache, plain read() of the whole pack (disk reference)",
             "samples/s",
             "rate",
-            _rates(counts["tv"], seconds["tv"]),
-            _rates(counts["ceiling"], seconds["ceiling"]),
+            rates(counts["tv"], seconds["tv"]),
+            rates(counts["ceiling"], seconds["ceiling"]),
             note="sequential 1 MiB reads in one thread, no parsing: what a plain reader gets "
             "from this disk (readers that overlap their reads can do better)",
         )
@@ -214,9 +214,9 @@ def _scenario_cold(b: _Bench) -> list[Row]:
             "cold cache, read() of the pack in shuffled 64-record chunks (disk reference)",
             "samples/s",
             "rate",
-            _rates(counts["tv"], seconds["tv"]),
-            _rates(counts["ceiling_blocks"], seconds["ceiling_blocks"]),
-            note=f"{block_bytes / _MB:.1f} MB preads in random order, one thread: what a plain "
+            rates(counts["tv"], seconds["tv"]),
+            rates(counts["ceiling_blocks"], seconds["ceiling_blocks"]),
+            note=f"{block_bytes / MB:.1f} MB preads in random order, one thread: what a plain "
             "reader that shuffles 64-record blocks (the iterable's default) gets",
         )
     )

@@ -9,51 +9,51 @@ import subprocess
 import sys
 from typing import Any
 
-from .context import _Bench
-from .core import _IMAGE_SET, _MMAP_ENV, Row, Stat
-from .loader import _epoch, _loader, _shutdown, _worker_pids
-from .system import _smaps
+from .context import Bench
+from .core import IMAGE_SET, MMAP_ENV, Row, Stat
+from .loader import make_loader, run_epoch, shutdown_loader, worker_pids
+from .system import smaps
 
 
-def _memory_child(config: dict[str, Any]) -> dict[str, list[dict[str, float]]]:
+def memory_child(config: dict[str, Any]) -> dict[str, list[dict[str, float]]]:
     """Worker memory over two epochs of one loader, measured in a fresh process.
 
     Runs in a child interpreter so the parent the workers fork from holds only what a
-    training script would: the imports, the dataset and the loader. Returns one ``_smaps``
+    training script would: the imports, the dataset and the loader. Returns one ``smaps``
     dict per worker after the first batch (``start``), at the end of epoch 1 (``epoch1``)
     and at the end of epoch 2 (``last``).
     """
     from torchvision.datasets import VOCDetection
     from torchvision.transforms.functional import pil_to_tensor
 
-    from ..datasets import VOCSerializedDataset
+    from torch_serialized import VOCSerializedDataset
 
     if config["variant"] == "tv":
         root, year = config["root"], config["year"]
-        ds: Any = VOCDetection(root, year=year, image_set=_IMAGE_SET, transform=pil_to_tensor)
+        ds: Any = VOCDetection(root, year=year, image_set=IMAGE_SET, transform=pil_to_tensor)
     elif config["variant"] == "pil":  # the drop-in: the same decode as torchvision's
-        ds = VOCSerializedDataset(config["pack"], _IMAGE_SET, transform=pil_to_tensor)
+        ds = VOCSerializedDataset(config["pack"], IMAGE_SET, transform=pil_to_tensor)
     else:
-        ds = VOCSerializedDataset(config["pack"], _IMAGE_SET, decode="tensor")
-    loader = _loader(ds, config["workers"])
+        ds = VOCSerializedDataset(config["pack"], IMAGE_SET, decode="tensor")
+    loader = make_loader(ds, config["workers"])
     try:
         iterator = iter(loader)
         next(iterator)  # the workers are up and have touched the dataset
-        pids = _worker_pids(iterator)
-        memory = {"start": [_smaps(p) for p in pids]}
+        pids = worker_pids(iterator)
+        memory = {"start": [smaps(p) for p in pids]}
         for _batch in iterator:
             pass
-        memory["epoch1"] = [_smaps(p) for p in pids]
+        memory["epoch1"] = [smaps(p) for p in pids]
         del iterator
-        _epoch(loader)()
-        memory["last"] = [_smaps(p) for p in pids]
+        run_epoch(loader)()
+        memory["last"] = [smaps(p) for p in pids]
     finally:
-        _shutdown(loader)
+        shutdown_loader(loader)
     return memory
 
 
 def _memory_run(
-    b: _Bench, variant: str, env: dict[str, str] | None = None
+    b: Bench, variant: str, env: dict[str, str] | None = None
 ) -> dict[str, list[dict[str, float]]]:
     config = {
         "variant": variant,
@@ -64,8 +64,8 @@ def _memory_run(
     }
     code = (
         "import json, sys\n"
-        "from torch_serialized.benchmark.memory import _memory_child\n"
-        "print(json.dumps(_memory_child(json.loads(sys.argv[1]))))"
+        "from torch_serialized.tools.benchmark.memory import memory_child\n"
+        "print(json.dumps(memory_child(json.loads(sys.argv[1]))))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, json.dumps(config)],
@@ -86,7 +86,7 @@ def _growth(runs: list[dict[str, list[dict[str, float]]]], key: str, a: str, z: 
     )
 
 
-def _scenario_memory(b: _Bench) -> list[Row]:
+def scenario_memory(b: Bench) -> list[Row]:
     if b.workers < 1:
         b.details["memory"] = {"skipped": "needs DataLoader workers (workers >= 1)"}
         note = "not measured: workers=0"
@@ -101,7 +101,7 @@ def _scenario_memory(b: _Bench) -> list[Row]:
             got.append(_memory_run(b, variant))
     # Diagnostic: glibc's dynamic mmap threshold keeps freed large buffers (decoded images)
     # in the heap; a fixed threshold returns them to the system at once.
-    fixed = [_memory_run(b, "tensor", {_MMAP_ENV: str(128 * 1024)})]
+    fixed = [_memory_run(b, "tensor", {MMAP_ENV: str(128 * 1024)})]
     b.details["memory"] = {"workers": b.workers, "per_worker_mb": runs, "fixed_threshold": fixed}
     tv, pil, tensor = runs["tv"], runs["pil"], runs["tensor"]
     fixed_growth = _growth(fixed, "heap", "start", "epoch1")
@@ -110,7 +110,7 @@ def _scenario_memory(b: _Bench) -> list[Row]:
     later = "largest worker's growth over epoch 2"
     fresh = "; each run in a fresh process (parent = imports + dataset + loader)"
     glibc = (
-        f"with {_MMAP_ENV}=131072 decode='tensor' grows {{:.1f}} MB: glibc keeping freed "
+        f"with {MMAP_ENV}=131072 decode='tensor' grows {{:.1f}} MB: glibc keeping freed "
         "decode buffers (torchvision.io.decode_jpeg's output) is "
     )
 
@@ -147,7 +147,7 @@ def _scenario_memory(b: _Bench) -> list[Row]:
         Row(
             "memory_heap_fixed",
             "memory",
-            f"epoch-1 heap growth, decode='tensor' with {_MMAP_ENV}=131072 (diagnostic, 1 run)",
+            f"epoch-1 heap growth, decode='tensor' with {MMAP_ENV}=131072 (diagnostic, 1 run)",
             "MB",
             "info",
             None,
@@ -178,7 +178,7 @@ def _scenario_memory(b: _Bench) -> list[Row]:
             target=5.0,
             note=later,
             reason="memory kept from epoch to epoch; with "
-            f"{_MMAP_ENV}=131072 decode='tensor' grows {fixed_later.median:.1f} MB in epoch 2",
+            f"{MMAP_ENV}=131072 decode='tensor' grows {fixed_later.median:.1f} MB in epoch 2",
         ),
         Row(
             "memory_uss_growth",

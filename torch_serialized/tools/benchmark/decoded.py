@@ -7,12 +7,12 @@ import os
 
 import numpy as np
 
-from .context import _Bench
-from .core import _MB, Row, Stat, _interleaved, _loop, _per_sample_us, _rates
-from .system import _pack_files
+from .context import Bench
+from .core import MB, Row, Stat, interleaved, loop, per_sample_us, rates
+from .system import pack_file_paths
 
 
-def _scenario_decoded(b: _Bench) -> list[Row]:
+def scenario_decoded(b: Bench) -> list[Row]:
     from PIL import Image
 
     tv = b.tv()
@@ -28,15 +28,15 @@ def _scenario_decoded(b: _Bench) -> list[Row]:
         for data in payloads:
             Image.open(io.BytesIO(data)).convert("RGB")
 
-    _loop(tv.__getitem__, order[:32])()
-    _loop(ours.__getitem__, order[:32])()
-    times = _interleaved(
-        {"tv": _loop(tv.__getitem__, order), "ours": _loop(ours.__getitem__, order), "pure": pure},
+    loop(tv.__getitem__, order[:32])()
+    loop(ours.__getitem__, order[:32])()
+    times = interleaved(
+        {"tv": loop(tv.__getitem__, order), "ours": loop(ours.__getitem__, order), "pure": pure},
         b.repeats,
     )
     b.details["decoded"] = {
         "samples": n,
-        "ms_per_sample": {k: _per_sample_us(n, v[0]).median / 1e3 for k, v in times.items()},
+        "ms_per_sample": {k: per_sample_us(n, v[0]).median / 1e3 for k, v in times.items()},
     }
     pure_ms = Stat.of([s / n * 1e3 for s in times["pure"][0]])
     ours_ms = Stat.of([s / n * 1e3 for s in times["ours"][0]])
@@ -50,8 +50,8 @@ def _scenario_decoded(b: _Bench) -> list[Row]:
             "PIL image + dict target, random, 1 process",
             "samples/s",
             "rate",
-            _rates(n, times["tv"][0]),
-            _rates(n, times["ours"][0]),
+            rates(n, times["tv"][0]),
+            rates(n, times["ours"][0]),
             note="decode-bound: the JPEG decode is the same libjpeg call on both sides",
         ),
         Row(
@@ -73,7 +73,7 @@ def _scenario_decoded(b: _Bench) -> list[Row]:
     ]
 
 
-def _scenario_tensor(b: _Bench) -> list[Row]:
+def scenario_tensor(b: Bench) -> list[Row]:
     from torchvision.transforms.functional import pil_to_tensor
 
     tv = b.tv(transform=pil_to_tensor)
@@ -82,16 +82,16 @@ def _scenario_tensor(b: _Bench) -> list[Row]:
     n = len(tv)
     order = b.indices(n)
     for ds in (tv, ours, raw):
-        _loop(ds.__getitem__, order[:32])()
-    times = _interleaved(
+        loop(ds.__getitem__, order[:32])()
+    times = interleaved(
         {
-            "tv": _loop(tv.__getitem__, order),
-            "ours": _loop(ours.__getitem__, order),
-            "raw": _loop(raw.__getitem__, order),
+            "tv": loop(tv.__getitem__, order),
+            "ours": loop(ours.__getitem__, order),
+            "raw": loop(raw.__getitem__, order),
         },
         b.repeats,
     )
-    raw_bytes = sum(os.path.getsize(p) for p in _pack_files(b.raw_packed()))
+    raw_bytes = sum(os.path.getsize(p) for p in pack_file_paths(b.raw_packed()))
     b.details["tensor"] = {
         "samples": n,
         "raw_pack_bytes": raw_bytes,
@@ -104,8 +104,8 @@ def _scenario_tensor(b: _Bench) -> list[Row]:
             "CHW uint8 tensor, random (decode_jpeg)",
             "samples/s",
             "rate",
-            _rates(n, times["tv"][0]),
-            _rates(n, times["ours"][0]),
+            rates(n, times["tv"][0]),
+            rates(n, times["ours"][0]),
             target=1.3,
             note="tv: PIL decode + convert + pil_to_tensor; ours: torchvision.io.decode_jpeg",
             reason="decode_jpeg (libjpeg-turbo in torchvision) is decode-bound like PIL; the gain "
@@ -117,10 +117,10 @@ def _scenario_tensor(b: _Bench) -> list[Row]:
             "CHW uint8 tensor, random, raw-pixel pack",
             "samples/s",
             "rate",
-            _rates(n, times["tv"][0]),
-            _rates(n, times["raw"][0]),
+            rates(n, times["tv"][0]),
+            rates(n, times["raw"][0]),
             target=4.0,
-            note=f"raw pack: {raw_bytes / _MB:.0f} MB on disk",
+            note=f"raw pack: {raw_bytes / MB:.0f} MB on disk",
             reason="copying ~0.5 MB of pixels per sample bounds it (memory bandwidth)",
         ),
     ]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .core import _MB, _MIB
+from .core import MB, MIB
 
 
 class PageCache:
@@ -85,22 +85,22 @@ class PageCache:
         return cached / total if total else 0.0
 
 
-def _files_under(folder: Path) -> list[str]:
+def files_under(folder: Path) -> list[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files]
 
 
-def _pack_files(path: Path) -> list[str]:
-    return _files_under(path) if path.is_dir() else [str(path)]
+def pack_file_paths(path: Path) -> list[str]:
+    return files_under(path) if path.is_dir() else [str(path)]
 
 
-def _read_all(paths: Iterable[str], chunk: int = 4 * _MIB) -> None:
+def read_all(paths: Iterable[str], chunk: int = 4 * MIB) -> None:
     for path in paths:
         with open(path, "rb", buffering=0) as f:
             while f.read(chunk):
                 pass
 
 
-def _smaps(pid: int) -> dict[str, float]:
+def smaps(pid: int) -> dict[str, float]:
     """Memory of a process in MB: USS, PSS, RSS, anonymous (``smaps_rollup``) and ``heap``.
 
     ``heap`` is the private dirty memory of anonymous mappings (heap, stacks, anonymous
@@ -125,15 +125,15 @@ def _smaps(pid: int) -> dict[str, float]:
             elif anonymous and first[0] == "Private_Dirty:":
                 heap += int(first[1])
     return {
-        "uss": (kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)) * 1024 / _MB,
-        "pss": kb.get("Pss", 0) * 1024 / _MB,
-        "rss": kb.get("Rss", 0) * 1024 / _MB,
-        "anon": kb.get("Anonymous", 0) * 1024 / _MB,
-        "heap": heap * 1024 / _MB,
+        "uss": (kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)) * 1024 / MB,
+        "pss": kb.get("Pss", 0) * 1024 / MB,
+        "rss": kb.get("Rss", 0) * 1024 / MB,
+        "anon": kb.get("Anonymous", 0) * 1024 / MB,
+        "heap": heap * 1024 / MB,
     }
 
 
-def _read_ahead_kb(path: Path) -> int | None:
+def read_ahead_kb(path: Path) -> int | None:
     """Read-ahead of the block device holding ``path`` (None where unknown, e.g. overlayfs)."""
     dev = os.stat(path).st_dev
     base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
@@ -145,13 +145,13 @@ def _read_ahead_kb(path: Path) -> int | None:
     return None
 
 
-def _environment(work: Path) -> dict[str, Any]:
+def environment(work: Path) -> dict[str, Any]:
     import PIL
     import torch
     import torchvision
     from PIL import features
 
-    from .._version import __version__
+    from torch_serialized import __version__
 
     cpu_model = None
     try:
@@ -181,6 +181,6 @@ def _environment(work: Path) -> dict[str, Any]:
         "cpus_usable": usable,
         "cpu_model": cpu_model,
         "memory_gb": round(memory_gb, 1) if memory_gb else None,
-        "read_ahead_kb": _read_ahead_kb(work),
+        "read_ahead_kb": read_ahead_kb(work),
         "torch_threads": torch.get_num_threads(),
     }

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from .context import _Bench
-from .core import _MB, Row, Stat, _rates
-from .system import _files_under, _pack_files
+from .context import Bench
+from .core import MB, Row, Stat, rates
+from .system import files_under, pack_file_paths
 
 
-def _scenario_pack(b: _Bench) -> list[Row]:
-    from ..voc.pack import pack_voc
+def scenario_pack(b: Bench) -> list[Row]:
+    from torch_serialized import pack_voc
 
     widths = sorted({1, max(1, b.workers)})
     seconds: dict[int, list[float]] = {w: [] for w in widths}
@@ -55,10 +55,10 @@ def _scenario_pack(b: _Bench) -> list[Row]:
     startup = _import_seconds("torch_serialized.voc.pack") if b.workers > 1 else None
     n = result.num_samples
     pack_size = result.num_bytes
-    source_files = _files_under(b.voc_root)
+    source_files = files_under(b.voc_root)
     source_apparent = sum(os.stat(p).st_size for p in source_files)
     source_allocated = sum(os.stat(p).st_blocks * 512 for p in source_files)
-    pack_allocated = sum(os.stat(p).st_blocks * 512 for p in _pack_files(b.packed()))
+    pack_allocated = sum(os.stat(p).st_blocks * 512 for p in pack_file_paths(b.packed()))
     b.details["pack"] = {
         "num_samples": n,
         "workers": widths,
@@ -76,7 +76,7 @@ def _scenario_pack(b: _Bench) -> list[Row]:
     }
     rows = []
     for w in widths:
-        mbps = Stat.of([pack_size / s / _MB for s in seconds[w]])
+        mbps = Stat.of([pack_size / s / MB for s in seconds[w]])
         writer_us = Stat.of(cpu[w]["writer"]).median * 1e6
         workers_us = Stat.of(cpu[w]["workers"]).median * 1e6
         share = (
@@ -93,7 +93,7 @@ def _scenario_pack(b: _Bench) -> list[Row]:
                 "samples/s",
                 "info",
                 None,
-                _rates(n, seconds[w]),
+                rates(n, seconds[w]),
                 note=f"{mbps.median:.0f} MB/s written"
                 + (
                     ""
@@ -115,7 +115,7 @@ def _scenario_pack(b: _Bench) -> list[Row]:
                 "samples/s",
                 "info",
                 None,
-                _rates(n, times),
+                rates(n, times),
                 note="every image decoded at pack time: CPU-bound work"
                 + (f"; {speedup:.2f}x the 1-process rate" if w > 1 else ""),
             )
@@ -127,9 +127,9 @@ def _scenario_pack(b: _Bench) -> list[Row]:
             "size on disk (allocated)",
             "MB",
             "cost",
-            Stat.of([source_allocated / _MB]),
-            Stat.of([pack_allocated / _MB]),
-            note=f"source folder: {len(source_files)} files, {source_apparent / _MB:.1f} MB "
+            Stat.of([source_allocated / MB]),
+            Stat.of([pack_allocated / MB]),
+            note=f"source folder: {len(source_files)} files, {source_apparent / MB:.1f} MB "
             f"apparent; pack adds parsed targets and object arrays",
         )
     )
@@ -160,7 +160,7 @@ def _import_seconds(module: str) -> float:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    for part in sorted(_pack_files(path)):
+    for part in sorted(pack_file_paths(path)):
         digest.update(os.path.relpath(part, path).encode() if path.is_dir() else b"")
         with open(part, "rb") as f:
             while chunk := f.read(1 << 22):

@@ -13,25 +13,25 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .access import _scenario_bytes
-from .cold import _scenario_cold
-from .context import _Bench
-from .core import _IMAGE_SET, _SEED, SCENARIOS, Row
-from .decoded import _scenario_decoded, _scenario_tensor
-from .loader import _scenario_dataloader
-from .memory import _scenario_memory
-from .packing import _scenario_pack
-from .report import _json_default, _miss_text, _plot, _row_from_dict, render_markdown
-from .system import _environment, _files_under, _read_all
+from .access import scenario_bytes
+from .cold import scenario_cold
+from .context import Bench
+from .core import IMAGE_SET, SCENARIOS, SEED, Row
+from .decoded import scenario_decoded, scenario_tensor
+from .loader import scenario_dataloader
+from .memory import scenario_memory
+from .packing import scenario_pack
+from .report import json_default, miss_text, plot_chart, render_markdown, row_from_dict
+from .system import environment, files_under, read_all
 
-_RUNNERS: dict[str, Callable[[_Bench], list[Row]]] = {
-    "pack": _scenario_pack,
-    "bytes": _scenario_bytes,
-    "decoded": _scenario_decoded,
-    "tensor": _scenario_tensor,
-    "cold": _scenario_cold,
-    "dataloader": _scenario_dataloader,
-    "memory": _scenario_memory,
+_RUNNERS: dict[str, Callable[[Bench], list[Row]]] = {
+    "pack": scenario_pack,
+    "bytes": scenario_bytes,
+    "decoded": scenario_decoded,
+    "tensor": scenario_tensor,
+    "cold": scenario_cold,
+    "dataloader": scenario_dataloader,
+    "memory": scenario_memory,
 }
 
 
@@ -73,17 +73,17 @@ def run_benchmark(
     say = print if progress else (lambda *a, **k: None)
     try:
         if root is None:
-            from ..voc.synthetic import make_synthetic_voc
+            from ..synthetic import make_synthetic_voc
 
             say(f"generating {num_images} synthetic VOC images in {work / 'voc'} ...")
-            tv_root = make_synthetic_voc(work / "voc", num_images, year=year, seed=_SEED)
+            tv_root = make_synthetic_voc(work / "voc", num_images, year=year, seed=SEED)
             data = "synthetic"
         else:
             tv_root, data = Path(root), f"VOC at {root}"
-        bench = _Bench(tv_root, year, work, repeats, quick, workers)
+        bench = Bench(tv_root, year, work, repeats, quick, workers)
         if "pack" not in chosen:
             bench.packed()
-        _read_all(_files_under(bench.voc_root))  # a warm start for the warm scenarios
+        read_all(files_under(bench.voc_root))  # a warm start for the warm scenarios
         scenario_results: dict[str, Any] = {}
         started = time.perf_counter()
         for name in chosen:
@@ -96,21 +96,21 @@ def run_benchmark(
                 "details": bench.details.get(name, {}),
                 "seconds": time.perf_counter() - t0,
             }
-        all_rows = [_row_from_dict(r) for s in scenario_results.values() for r in s["rows"]]
+        all_rows = [row_from_dict(r) for s in scenario_results.values() for r in s["rows"]]
         result: dict[str, Any] = {
-            "environment": _environment(work),
+            "environment": environment(work),
             "config": {
                 "data": data,
                 "num_images": len(bench.tv()),
                 "year": year,
-                "image_set": _IMAGE_SET,
+                "image_set": IMAGE_SET,
                 "repeats": repeats,
                 "workers": workers,
                 "quick": quick,
                 "scenarios": chosen,
             },
             "scenarios": scenario_results,
-            "misses": [_miss_text(r) for r in all_rows if r.met is False],
+            "misses": [miss_text(r) for r in all_rows if r.met is False],
             "seconds": time.perf_counter() - started,
         }
     finally:
@@ -118,8 +118,8 @@ def run_benchmark(
             shutil.rmtree(temp, ignore_errors=True)
     markdown = render_markdown(result)
     (out / "results.md").write_text(markdown, encoding="utf-8")
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
-    result["chart"] = str(out / "results.png") if _plot(result, out / "results.png") else None
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=json_default) + "\n")
+    result["chart"] = str(out / "results.png") if plot_chart(result, out / "results.png") else None
     say(markdown)
     return result
 

@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import VOCDetection, wrap_dataset_for_transforms_v2
 from torchvision.transforms import v2
 
-from .datasets import VOCSerializedDataset
-from .voc.pack import pack_voc
-from .voc.synthetic import make_synthetic_voc
+from torch_serialized import VOCSerializedDataset, pack_voc
+
+from .synthetic import make_synthetic_voc
 
 __all__ = ["run_demo", "list_collate", "EpochResult"]
 

@@ -25,7 +25,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from .classes import VOC_CLASSES, VOC_IGNORE_INDEX, VOC_PALETTE
+from torch_serialized.voc.classes import VOC_CLASSES, VOC_IGNORE_INDEX, VOC_PALETTE
+from torch_serialized.voc.layout import base_dir
 
 __all__ = ["make_synthetic_voc"]
 
@@ -392,12 +393,6 @@ def _splits(rng: np.random.Generator, year: str, segmented: Sequence[bool]) -> l
     return split
 
 
-def _voc_dir(root: Path, year: str) -> Path:
-    """Where torchvision looks for ``year`` (VOC2011 sits under an extra ``TrainVal`` folder)."""
-    base = root / "TrainVal" if year == "2011" else root
-    return base / "VOCdevkit" / f"VOC{year}"
-
-
 def _write_image_sets(folder: Path, ids: Sequence[str], splits: Sequence[str], year: str) -> None:
     """``train``/``val``/``trainval`` (and ``test`` for 2007) lists, one sorted id per line."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -434,7 +429,7 @@ def make_synthetic_voc(
     if segmentation_every < 0:
         raise ValueError(f"segmentation_every must be >= 0 (0: no masks), got {segmentation_every}")
     root = Path(root)
-    voc = _voc_dir(root, year)
+    voc = root / base_dir(year)
     folders = ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject")
     for name in folders:
         (voc / name).mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,9 @@ SCENARIOS: tuple[str, ...] = (
 )
 
 
-#: Best peer per row, from /work/shared/PEERS.md (2,000 synthetic images, 2 cores): the ratio to
-#: torchvision (or, for packing, samples/s) and who reached it. For reference only.
+#: Best other system per row (the ratio to torchvision, or samples/s for packing, and who
+#: reached it), from a comparison on the same machine class and data: benchmarks/README.md,
+#: "Peers". For reference only; not re-measured here.
 PEER_BEST: dict[str, tuple[float, str]] = {
     "pack_1": (3581.0, "LMDB"),
     "bytes_random_dict": (5.3, "FFCV format"),
@@ -34,12 +35,12 @@ PEER_BEST: dict[str, tuple[float, str]] = {
 }
 
 
-_IMAGE_SET = "trainval"
-_MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-_BATCH_SIZE = 32
-_SEED = 0
-_MB = 1e6
-_MIB = 1 << 20
+IMAGE_SET = "trainval"
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+BATCH_SIZE = 32
+SEED = 0
+MB = 1e6
+MIB = 1 << 20
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Row:
         return self
 
 
-def _interleaved(
+def interleaved(
     variants: dict[str, Callable[[], Any]], repeats: int
 ) -> dict[str, tuple[list[float], list[float]]]:
     """Run each variant once per repeat, in turn; wall and CPU seconds of every run."""
@@ -119,15 +120,15 @@ def _interleaved(
     return times
 
 
-def _rates(n: int, seconds: Sequence[float]) -> Stat:
+def rates(n: int, seconds: Sequence[float]) -> Stat:
     return Stat.of([n / s for s in seconds])
 
 
-def _per_sample_us(n: int, seconds: Sequence[float]) -> Stat:
+def per_sample_us(n: int, seconds: Sequence[float]) -> Stat:
     return Stat.of([s / n * 1e6 for s in seconds])
 
 
-def _loop(get: Callable[[int], Any], indices: Sequence[int], passes: int = 1) -> Callable[[], None]:
+def loop(get: Callable[[int], Any], indices: Sequence[int], passes: int = 1) -> Callable[[], None]:
     def run() -> None:
         for _ in range(passes):
             for i in indices:

@@ -1,4 +1,4 @@
-"""``_Bench``: what every scenario shares (data, packs, settings, details, page cache)."""
+"""``Bench``: what every scenario shares (data, packs, settings, details, page cache)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from .core import _IMAGE_SET, _SEED
+from .core import IMAGE_SET, SEED
 from .system import PageCache
 
 
 @dataclass
-class _Bench:
+class Bench:
     tv_root: Path
     year: str
     work: Path
@@ -31,23 +31,23 @@ class _Bench:
     def tv(self, **kwargs: Any) -> Any:
         from torchvision.datasets import VOCDetection
 
-        return VOCDetection(str(self.tv_root), year=self.year, image_set=_IMAGE_SET, **kwargs)
+        return VOCDetection(str(self.tv_root), year=self.year, image_set=IMAGE_SET, **kwargs)
 
     def ours(self, path: Path | None = None, **kwargs: Any) -> Any:
-        from ..datasets import VOCSerializedDataset
+        from torch_serialized import VOCSerializedDataset
 
-        return VOCSerializedDataset(path or self.packed(), _IMAGE_SET, **kwargs)
+        return VOCSerializedDataset(path or self.packed(), IMAGE_SET, **kwargs)
 
     def packed(self) -> Path:
         if self.pack is None:
-            from ..voc.pack import pack_voc
+            from torch_serialized import pack_voc
 
             self.pack = pack_voc(self.tv_root, self.work / "voc.tser", year=self.year).path
         return self.pack
 
     def raw_packed(self) -> Path:
         if self.raw_pack is None:
-            from ..voc.pack import pack_voc
+            from torch_serialized import pack_voc
 
             result = pack_voc(
                 self.tv_root, self.work / "voc-raw.tser", year=self.year, image_storage="raw"
@@ -57,11 +57,11 @@ class _Bench:
 
     @property
     def voc_root(self) -> Path:
-        from ..voc.layout import find_voc_root
+        from torch_serialized.voc.layout import find_voc_root
 
         return find_voc_root(self.tv_root, self.year)[0]
 
     def indices(self, n: int, limit: int | None = None) -> list[int]:
         """A fixed random order over ``n`` samples (the first ``limit`` of it)."""
-        perm = np.random.default_rng(_SEED).permutation(n)
+        perm = np.random.default_rng(SEED).permutation(n)
         return [int(i) for i in perm[:limit]]

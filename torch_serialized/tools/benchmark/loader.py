@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .context import _Bench
-from .core import _BATCH_SIZE, _SEED, Row, _interleaved, _rates
+from .context import Bench
+from .core import BATCH_SIZE, SEED, Row, interleaved, rates
 
 
 def _keep_lists(batch: list[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
@@ -15,22 +15,22 @@ def _keep_lists(batch: list[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
     return list(images), list(targets)
 
 
-def _loader(ds: Any, workers: int) -> Any:
+def make_loader(ds: Any, workers: int) -> Any:
     import torch
     from torch.utils.data import DataLoader
 
     return DataLoader(
         ds,
-        batch_size=_BATCH_SIZE,
+        batch_size=BATCH_SIZE,
         shuffle=True,
         num_workers=workers,
         collate_fn=_keep_lists,
         persistent_workers=workers > 0,
-        generator=torch.Generator().manual_seed(_SEED),
+        generator=torch.Generator().manual_seed(SEED),
     )
 
 
-def _epoch(loader: Any) -> Callable[[], None]:
+def run_epoch(loader: Any) -> Callable[[], None]:
     def run() -> None:
         for _images, _targets in loader:
             pass
@@ -38,18 +38,18 @@ def _epoch(loader: Any) -> Callable[[], None]:
     return run
 
 
-def _shutdown(loader: Any) -> None:
+def shutdown_loader(loader: Any) -> None:
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
     loader._iterator = None
 
 
-def _worker_pids(iterator: Any) -> list[int]:
+def worker_pids(iterator: Any) -> list[int]:
     return [int(p.pid) for p in getattr(iterator, "_workers", []) if p.pid]
 
 
-def _scenario_dataloader(b: _Bench) -> list[Row]:
+def scenario_dataloader(b: Bench) -> list[Row]:
     """One warm-up epoch per variant, then timed epochs interleaved across the variants.
 
     The three loaders keep their persistent workers alive side by side (idle ones sleep).
@@ -62,35 +62,35 @@ def _scenario_dataloader(b: _Bench) -> list[Row]:
         "pil": b.ours(decode="pil", transform=pil_to_tensor),
     }
     n = len(datasets["tv"])
-    loaders = {k: _loader(ds, b.workers) for k, ds in datasets.items()}
+    loaders = {k: make_loader(ds, b.workers) for k, ds in datasets.items()}
     try:
         for loader in loaders.values():
-            _epoch(loader)()
-        times = _interleaved({k: _epoch(v) for k, v in loaders.items()}, b.repeats)
+            run_epoch(loader)()
+        times = interleaved({k: run_epoch(v) for k, v in loaders.items()}, b.repeats)
     finally:
         for loader in loaders.values():
-            _shutdown(loader)
-    b.details["dataloader"] = {"samples": n, "workers": b.workers, "batch_size": _BATCH_SIZE}
-    tv = _rates(n, times["tv"][0])
+            shutdown_loader(loader)
+    b.details["dataloader"] = {"samples": n, "workers": b.workers, "batch_size": BATCH_SIZE}
+    tv = rates(n, times["tv"][0])
     return [
         Row(
             "dataloader_tensor",
             "dataloader",
-            f"DataLoader epoch, {b.workers} workers, bs {_BATCH_SIZE}, decode='tensor'",
+            f"DataLoader epoch, {b.workers} workers, bs {BATCH_SIZE}, decode='tensor'",
             "samples/s",
             "rate",
             tv,
-            _rates(n, times["tensor"][0]),
+            rates(n, times["tensor"][0]),
             note="tv: VOCDetection + pil_to_tensor; after one warm-up epoch, persistent workers",
         ),
         Row(
             "dataloader_pil",
             "dataloader",
-            f"DataLoader epoch, {b.workers} workers, bs {_BATCH_SIZE}, decode='pil' + to tensor",
+            f"DataLoader epoch, {b.workers} workers, bs {BATCH_SIZE}, decode='pil' + to tensor",
             "samples/s",
             "rate",
             tv,
-            _rates(n, times["pil"][0]),
+            rates(n, times["pil"][0]),
             note="same decode as tv: shows the loader overhead alone",
         ),
     ]

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from .context import _Bench
-from .core import Row, _interleaved, _loop, _per_sample_us, _rates
+from .context import Bench
+from .core import Row, interleaved, loop, per_sample_us, rates
 
 
-def _tv_bytes_getter(tv: Any) -> Callable[[int], Any]:
+def tv_bytes_getter(tv: Any) -> Callable[[int], Any]:
     """What ``VOCDetection.__getitem__`` does, minus the decode: read bytes, parse the XML."""
     from torchvision.datasets.voc import ET_parse
 
@@ -25,9 +25,9 @@ def _tv_bytes_getter(tv: Any) -> Callable[[int], Any]:
     return get
 
 
-def _check_same(b: _Bench, tv: Any, ours: Any, count: int = 50) -> bool:
+def _check_same(b: Bench, tv: Any, ours: Any, count: int = 50) -> bool:
     """Ours returns torchvision's bytes and target for a sample of indices."""
-    get = _tv_bytes_getter(tv)
+    get = tv_bytes_getter(tv)
     for i in b.indices(len(tv), count):
         data, target = get(i)
         mine, my_target = ours[i]
@@ -36,8 +36,8 @@ def _check_same(b: _Bench, tv: Any, ours: Any, count: int = 50) -> bool:
     return True
 
 
-def _scenario_bytes(b: _Bench) -> list[Row]:
-    from ..voc import schema
+def scenario_bytes(b: Bench) -> list[Row]:
+    from torch_serialized.voc import schema
 
     tv = b.tv()
     dict_ds = b.ours(decode="none")
@@ -49,7 +49,7 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
     sequential = list(range(n))
     passes = 1 if b.quick else 3
     same = _check_same(b, tv, dict_ds)
-    tv_get = _tv_bytes_getter(tv)
+    tv_get = tv_bytes_getter(tv)
     pack, records = dict_ds.pack, dict_ds.records
 
     # Floors: the two steps any copying decode="none" + dict target must take.
@@ -62,24 +62,24 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
     getters = [tv_get, dict_ds.__getitem__, fast_ds.__getitem__]
     getters += [dict_view_ds.__getitem__, fast_view_ds.__getitem__]
     for get in getters:  # warm caches and maps
-        _loop(get, sequential)()
-    times = _interleaved(
+        loop(get, sequential)()
+    times = interleaved(
         {
-            "tv": _loop(tv_get, order, passes),
-            "dict": _loop(dict_ds.__getitem__, order, passes),
-            "fast": _loop(fast_ds.__getitem__, order, passes),
-            "dict_view": _loop(dict_view_ds.__getitem__, order, passes),
-            "fast_view": _loop(fast_view_ds.__getitem__, order, passes),
-            "tv_seq": _loop(tv_get, sequential, passes),
-            "dict_seq": _loop(dict_ds.__getitem__, sequential, passes),
-            "copy_image": _loop(copy_image, order, passes),
-            "json_target": _loop(parse_target, order, passes),
+            "tv": loop(tv_get, order, passes),
+            "dict": loop(dict_ds.__getitem__, order, passes),
+            "fast": loop(fast_ds.__getitem__, order, passes),
+            "dict_view": loop(dict_view_ds.__getitem__, order, passes),
+            "fast_view": loop(fast_view_ds.__getitem__, order, passes),
+            "tv_seq": loop(tv_get, sequential, passes),
+            "dict_seq": loop(dict_ds.__getitem__, sequential, passes),
+            "copy_image": loop(copy_image, order, passes),
+            "json_target": loop(parse_target, order, passes),
         },
         b.repeats,
     )
     count = n * passes
-    wall = {k: _per_sample_us(count, v[0]).median for k, v in times.items()}
-    cpu = {k: _per_sample_us(count, v[1]).median for k, v in times.items()}
+    wall = {k: per_sample_us(count, v[0]).median for k, v in times.items()}
+    cpu = {k: per_sample_us(count, v[1]).median for k, v in times.items()}
     b.details["bytes"] = {
         "same_output_as_torchvision": same,
         "passes": passes,
@@ -115,8 +115,8 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
             "bytes + dict target, random, warm",
             "samples/s",
             "rate",
-            _rates(count, times["tv"][0]),
-            _rates(count, times["dict"][0]),
+            rates(count, times["tv"][0]),
+            rates(count, times["dict"][0]),
             target=8.0,
             note=note_us.format(wall["tv"], cpu["tv"], wall["dict"], cpu["dict"])
             + f"; same output as tv: {same}",
@@ -128,8 +128,8 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
             "bytes + tv_tensors target, random, warm",
             "samples/s",
             "rate",
-            _rates(count, times["tv"][0]),
-            _rates(count, times["fast"][0]),
+            rates(count, times["tv"][0]),
+            rates(count, times["fast"][0]),
             target=20.0,
             note=note_us.format(wall["tv"], cpu["tv"], wall["fast"], cpu["fast"]),
             reason=why("fast", 20.0),
@@ -140,8 +140,8 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
             "bytes + dict target, random, warm, zero_copy=True (read-only views)",
             "samples/s",
             "rate",
-            _rates(count, times["tv"][0]),
-            _rates(count, times["dict_view"][0]),
+            rates(count, times["tv"][0]),
+            rates(count, times["dict_view"][0]),
             target=8.0,
             note=note_us.format(wall["tv"], cpu["tv"], wall["dict_view"], cpu["dict_view"])
             + "; opt-in: the image bytes are a view of the map, not a copy",
@@ -153,8 +153,8 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
             "bytes + tv_tensors target, random, warm, zero_copy=True",
             "samples/s",
             "rate",
-            _rates(count, times["tv"][0]),
-            _rates(count, times["fast_view"][0]),
+            rates(count, times["tv"][0]),
+            rates(count, times["fast_view"][0]),
             target=20.0,
             note=note_us.format(wall["tv"], cpu["tv"], wall["fast_view"], cpu["fast_view"]),
             reason=why("fast_view", 20.0),
@@ -165,8 +165,8 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
             "bytes + dict target, sequential, warm",
             "samples/s",
             "rate",
-            _rates(count, times["tv_seq"][0]),
-            _rates(count, times["dict_seq"][0]),
+            rates(count, times["tv_seq"][0]),
+            rates(count, times["dict_seq"][0]),
             note=note_us.format(wall["tv_seq"], cpu["tv_seq"], wall["dict_seq"], cpu["dict_seq"]),
         ),
     ]
@@ -177,7 +177,7 @@ def _scenario_bytes(b: _Bench) -> list[Row]:
 
 
 def _mean_image_kb(pack: Any, records: np.ndarray) -> float:
-    from ..voc import schema
+    from torch_serialized.voc import schema
 
     sample = records[:: max(1, len(records) // 100)]
     return float(np.mean([len(pack.field(int(r), schema.IMAGE)) for r in sample])) / 1e3

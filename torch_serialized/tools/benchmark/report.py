@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .core import _IMAGE_SET, Row, Stat
+from .core import IMAGE_SET, Row, Stat
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -64,7 +64,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# torch_serialized vs torchvision VOCDetection",
         "",
-        f"{cfg['num_images']} images ({cfg['data']}), image set {_IMAGE_SET!r}, "
+        f"{cfg['num_images']} images ({cfg['data']}), image set {IMAGE_SET!r}, "
         f"{cfg['repeats']} repeat(s), median (min–max); {env['cpus_usable']} usable CPUs "
         f"({env['cpu_model']}), torch {env['torch']}, torchvision {env['torchvision']}, "
         f"Pillow {env['pillow']}, read-ahead {env['read_ahead_kb']} KiB; {env['date']}.",
@@ -74,7 +74,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     ]
     rows = [r for s in result["scenarios"].values() for r in s["rows"]]
     for r in rows:
-        row = _row_from_dict(r)
+        row = row_from_dict(r)
         lines.append(
             f"| {row.name} | {row.unit} | {_cell(row.baseline, row.unit)} | "
             f"{_cell(row.ours, row.unit)} | {_ratio_cell(row)} | {_target_cell(row)} | "
@@ -88,18 +88,18 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _row_from_dict(d: dict[str, Any]) -> Row:
+def row_from_dict(d: dict[str, Any]) -> Row:
     stats = {k: Stat(**d[k]) if d[k] else None for k in ("baseline", "ours")}
     peer = tuple(d["peer_best"]) if d["peer_best"] else None
     return Row(**{**d, **stats, "peer_best": peer})  # type: ignore[arg-type]
 
 
-def _miss_text(row: Row) -> str:
+def miss_text(row: Row) -> str:
     value = _ratio_cell(row) if row.ratio is not None else _cell(row.ours, row.unit)
     return f"{row.name}: {value} vs target {_target_cell(row)}: {row.reason or 'see details'}"
 
 
-def _plot(result: dict[str, Any], path: Path) -> bool:
+def plot_chart(result: dict[str, Any], path: Path) -> bool:
     """Bar chart of the ratios to torchvision with targets and peer bests; False without mpl."""
     try:
         import matplotlib
@@ -109,7 +109,7 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     rows = [
-        _row_from_dict(r)
+        row_from_dict(r)
         for s in result["scenarios"].values()
         for r in s["rows"]
         if r["kind"] in ("rate", "cost") and r["ratio"] is not None
@@ -138,7 +138,7 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, (np.integer, np.floating)):

@@ -188,7 +188,7 @@ def test_order_is_deterministic_and_changes_with_epoch_and_seed(packs, positions
     assert first != order(packs, positions_of, epoch=3, seed=1)
 
 
-def test_order_independent_of_pack_layout(packs, positions_of) -> None:
+def test_order_independent_of_pack_layout(packs) -> None:
     """Same blocks when the list visits shards in any order: trainval ignores shard cuts."""
     single = cheap(packs["single"], "trainval", shuffle=True)
     shards = cheap(packs["shards"], "trainval", shuffle=True)

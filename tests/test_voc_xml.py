@@ -23,7 +23,7 @@ from vocfactory import (
 )
 
 from torch_serialized.errors import SourceDataError
-from torch_serialized.voc.xml import VOCObjects, extract_objects, image_size, parse_annotation
+from torch_serialized.voc.xml import VOCObjects, extract_objects, parse_annotation
 
 
 def ordered(value: Any) -> Any:
@@ -290,7 +290,7 @@ def test_too_deep_nesting_is_a_source_error() -> None:
         parse_annotation(data, source="deep.xml")
 
 
-# --- extract_objects and image_size -------------------------------------------------------------
+# --- extract_objects -------------------------------------------------------------------------
 
 
 def objects_of(xml: bytes) -> VOCObjects:
@@ -354,15 +354,6 @@ def test_extract_objects_needs_an_annotation_root() -> None:
         extract_objects(
             parse_annotation(b"<other><a>1</a></other>", source="r.xml"), source="r.xml"
         )
-
-
-def test_image_size() -> None:
-    assert image_size(parse_annotation(voc_xml("a.jpg", 500, 375), source="a")) == (500, 375)
-    labelme = voc_xml("a.jpg", 0, 0, size={"height": "338.0", "width": "500"})
-    assert image_size(parse_annotation(labelme, source="a")) == (500, 338)
-    for size in ({"width": 5}, {"width": "x", "height": 5}, {"width": 0, "height": 5}, None):
-        assert image_size(parse_annotation(voc_xml("a.jpg", 1, 1, size=size), source="a")) is None
-    assert image_size({}) is None
 
 
 # torchvision's target: nested dicts and lists of strings, any text XML can carry.

@@ -232,11 +232,10 @@ def unpack_footer(data: bytes, path: str) -> dict[str, int]:
 def dtype_to_json(dtype: np.dtype) -> str | list[list[str]]:
     """A JSON description of a simple or flat structured dtype (see ``dtype_from_json``)."""
     if dtype.names is None:
-        code = _simple_code(dtype)
-        return code
+        return _simple_code(dtype)
     out: list[list[str]] = []
     for name in dtype.names:
-        sub, offset = dtype.fields[name][:2]  # type: ignore[index]
+        sub = dtype.fields[name][0]  # type: ignore[index]
         out.append([name, _simple_code(sub)])
     if np.dtype([(n, c) for n, c in out]) != dtype:
         raise ValueError(f"structured dtype {dtype} has padding or offsets; use a packed dtype")

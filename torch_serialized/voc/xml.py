@@ -22,7 +22,7 @@ import numpy as np
 
 from torch_serialized.errors import SourceDataError
 
-__all__ = ["VOCObjects", "parse_annotation", "extract_objects", "image_size"]
+__all__ = ["VOCObjects", "parse_annotation", "extract_objects"]
 
 # The separator ElementTree's own expat parser uses; namespace rules must match it exactly, or a
 # document could pass the safety check yet fail in ElementTree (or the reverse).
@@ -82,7 +82,7 @@ def _check_safe(data: bytes, source: str) -> None:
     def refuse_skipped(name: str, _is_parameter: bool) -> NoReturn:
         raise _Unsafe(f"references the undeclared entity {name!r}")
 
-    def check_doctype(name: str, system_id: str | None, public_id: str | None, _: bool) -> None:
+    def check_doctype(_name: str, system_id: str | None, public_id: str | None, _: bool) -> None:
         if system_id or public_id:
             raise _Unsafe(f"references the external DTD {system_id or public_id!r}")
 
@@ -229,29 +229,3 @@ def _flag(obj: dict[str, Any], key: str, where: str) -> int:
     if text in ("0", "1"):
         return int(text)
     raise SourceDataError(f"{where}: <{key}> is {text!r}; write 0 or 1.")
-
-
-def image_size(target: dict[str, Any]) -> tuple[int, int] | None:
-    """``(width, height)`` from ``<size>``, or ``None`` when absent or not positive integers.
-
-    Only a hint: tools write stale or wrong sizes, so the image itself is the truth.
-    """
-    annotation = target.get("annotation")
-    size = annotation.get("size") if isinstance(annotation, dict) else None
-    if not isinstance(size, dict):
-        return None
-    width, height = _positive_int(size.get("width")), _positive_int(size.get("height"))
-    if width is None or height is None:
-        return None
-    return width, height
-
-
-def _positive_int(text: Any) -> int | None:
-    """``text`` as a positive int (``"500"`` or ``"500.0"``), else ``None``."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        return None
-    if not value.is_integer() or value <= 0:
-        return None
-    return int(value)

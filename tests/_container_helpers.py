@@ -1,7 +1,9 @@
-"""Helpers for tests/test_container.py that child processes must be able to import.
+"""Container helpers shared by the writer, reader, parallel and atomic tests.
 
-spawn and forkserver workers unpickle objects by importing their module, so the Dataset
-wrapper and the functions run in other processes live here, at module level.
+Record contents are derived from their indices (``payload(i, k, size)``), so every read checks
+itself; ``write_pack`` writes such records, ``parse_container`` is an independent reader written
+from docs/FORMAT.md. spawn and forkserver workers unpickle objects by importing their module,
+so the Dataset wrapper and the functions run in other processes live here, at module level.
 """
 
 from __future__ import annotations
@@ -10,15 +12,34 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import struct
+import subprocess
+import sys
+import textwrap
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from torch.utils.data import Dataset
 
+from torch_serialized import format as fmt
+from torch_serialized.errors import TorchSerializedError
 from torch_serialized.reader import PackReader
+from torch_serialized.writer import PackWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ["image", "target"]
+COLUMNS = np.dtype([("id", "<u4"), ("w", "<f4")])
+SHARDED = {"max_records_per_shard": 7}
+#: PackWriter limits of the two pack forms.
+FORMS = {"single": {}, "shards": SHARDED}
+ignore_fork_warning = pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded:DeprecationWarning",
+    "ignore:This DataLoader will create:UserWarning",
+)
 
 
 def payload(i: int, k: int, size: int) -> bytes:
@@ -74,6 +95,110 @@ def read_error(reader: PackReader, conn: Any) -> None:
     else:
         conn.send(None)
     conn.close()
+
+
+def write_pack(
+    out: Path, n: int, *, seed: int = 0, user: dict[str, Any] | None = None, **limits: Any
+) -> Path:
+    """A pack of ``n`` self-describing records (content shifted by ``seed``)."""
+    with PackWriter(out, FIELDS, columns=COLUMNS, **limits) as w:
+        for i in range(n):
+            j = i + seed
+            w.add([payload(j, k, size_of(j, k)) for k in range(len(FIELDS))], (j, j / 2))
+        w.add_array("classes", np.arange(5, dtype="<i8"))
+        w.close({"seed": seed} if user is None else user)
+    return out
+
+
+def check_pack(reader: PackReader, n: int, seed: int = 0) -> None:
+    assert len(reader) == n and reader.fields == FIELDS
+    for i in range(n):
+        for k in range(len(FIELDS)):
+            assert bytes(reader.field(i, k)) == payload(i + seed, k, size_of(i + seed, k))
+
+
+def container_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        manifest = json.loads((path / fmt.MANIFEST_NAME).read_text())
+        return [path / s["file"] for s in manifest["shards"]]
+    return [path]
+
+
+def record_spans(path: Path) -> list[tuple[int, Path, int, int]]:
+    """(global record, file, offset, length) of every non-empty field, by the spec."""
+    spans, start = [], 0
+    for file in container_files(path):
+        meta, index = parse_container(file)
+        for i in range(index.shape[0]):
+            for k in range(index.shape[1]):
+                if index[i, k]["length"]:
+                    spans.append(
+                        (start + i, file, int(index[i, k]["offset"]), int(index[i, k]["length"]))
+                    )
+        start += meta["num_records"]
+    return spans
+
+
+def flip(file: Path, position: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def copy_pack(src: Path, dst_folder: Path) -> Path:
+    dst = dst_folder / src.name
+    if src.is_dir():
+        shutil.copytree(src, dst)
+    else:
+        shutil.copyfile(src, dst)
+    return dst
+
+
+def assert_bad_content(exc: BaseException, path: Path) -> None:
+    """``exc`` says the file at ``path`` has bad content (our ``ValueError``) and names it."""
+    assert isinstance(exc, ValueError) and isinstance(exc, TorchSerializedError)
+    assert str(path) in str(exc)
+
+
+def no_pack_output(folder: Path) -> None:
+    """Nothing named like the output (``out*``), nor its temporaries (``.out*``), is left."""
+    leftovers = [p.name for p in folder.iterdir() if p.name.startswith((".out", "out"))]
+    assert leftovers == []
+
+
+# Child scripts import writer and errors without the package __init__ (which imports torch):
+# faster, and it checks that the writer never imports torch.
+PRELUDE = f"""
+import sys, types
+package = types.ModuleType("torch_serialized")
+package.__path__ = [{str(ROOT / "torch_serialized")!r}]
+sys.modules["torch_serialized"] = package
+from torch_serialized.writer import PackWriter
+from torch_serialized.errors import WriteError
+assert "torch" not in sys.modules, "the writer imported torch"
+"""
+
+
+def run_python(code: str, *args: str, **kwargs: Any) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 # -- an independent reader, written from docs/FORMAT.md with struct, json and numpy only ---

@@ -1,4 +1,5 @@
-"""Helpers for tests/test_reliability.py that other processes import.
+"""Pack-level helpers of the reliability tests (atomic, reader, fuzz, pack), and what their
+child processes import.
 
 spawn children unpickle their target by importing its module, and ``python -c`` children call
 ``child_main`` from here, so everything run in another process lives at module level. Nothing
@@ -15,6 +16,7 @@ import pickle
 import random
 import resource
 import signal
+import subprocess
 import sys
 import time
 import types
@@ -23,6 +25,49 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+#: ``pack_voc`` limits of the two pack forms.
+PACK_FORMS: dict[str, dict[str, Any]] = {"single": {}, "shards": {"max_samples_per_shard": 5}}
+
+
+def out_name(form: str) -> str:
+    return "voc" if form == "shards" else "voc.tser"
+
+
+def snapshot(path: Path) -> dict[str, bytes] | None:
+    """Every byte of a pack (file or shard folder), or None if nothing is there."""
+    if path.is_dir():
+        return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return None
+
+
+def read_records(reader: Any) -> list[list[bytes]]:
+    return [
+        [bytes(reader.field(i, k)) for k in range(len(reader.fields))] for i in range(len(reader))
+    ]
+
+
+def run_child(command: str, *args: str) -> subprocess.Popen:
+    """``child_main(command, *args)`` of this module in a fresh interpreter (no torch)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    code = "import sys, _reliability_helpers as h; h.child_main(*sys.argv[1:])"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, command, *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (as a killed writer's would be)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
 
 
 def light_import() -> None:

@@ -12,39 +12,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from torchvision.transforms.functional import pil_to_tensor
 
 import torch_serialized
 from torch_serialized.datasets import VOCSerializedDataset, VOCSerializedSegmentation
-from torch_serialized.iterable import (
-    VOCSerializedIterableDataset,
-    block_bounds,
-    epoch_order,
-    rank_share,
-    shuffle_buffer,
-    split_blocks,
-    worker_share,
-)
-from torch_serialized.tools import make_synthetic_voc
+from torch_serialized.iterable import VOCSerializedIterableDataset
 
 # DataLoader warns when asked for more workers than this machine's suggested maximum.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 NUM_IMAGES = 60
-
-
-@pytest.fixture(scope="module")
-def packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("iterable")
-    root = make_synthetic_voc(tmp / "src", NUM_IMAGES, year="2007")
-    single = torch_serialized.pack_voc(root, tmp / "one.tser", year="2007").path
-    shards = torch_serialized.pack_voc(
-        root, tmp / "shards", year="2007", max_samples_per_shard=7
-    ).path
-    return {"single": Path(single), "shards": Path(shards)}
 
 
 def digest(image: torch.Tensor) -> str:
@@ -57,10 +35,10 @@ def drop(target: Any) -> int:
 
 
 @pytest.fixture(scope="module")
-def positions_of(packs: dict[str, Path]) -> dict[tuple[str, str], dict[str, int]]:
+def positions_of(stream_packs: dict[str, Path]) -> dict[tuple[str, str], dict[str, int]]:
     """digest -> position, per (pack kind, image set), from the map-style dataset."""
     table = {}
-    for kind, path in packs.items():
+    for kind, path in stream_packs.items():
         for image_set in ("train", "trainval", "test"):
             ds = VOCSerializedDataset(path, image_set, decode="none", transform=digest)
             table[kind, image_set] = {ds[i][0]: i for i in range(len(ds))}
@@ -107,14 +85,14 @@ def expected_counts(n: int, world: int, drop_last: bool) -> tuple[int, int]:
     ],
 )
 def test_every_sample_once_plus_padding(
-    packs, positions_of, kind, image_set, shuffle, world, workers
+    stream_packs, positions_of, kind, image_set, shuffle, world, workers
 ) -> None:
     table = positions_of[kind, image_set]
     n = len(table)
     per_rank, total = expected_counts(n, world, drop_last=False)
     seen: list[int] = []
     for rank in range(world):
-        ds = cheap(packs[kind], image_set, shuffle=shuffle, rank=rank, world_size=world)
+        ds = cheap(stream_packs[kind], image_set, shuffle=shuffle, rank=rank, world_size=world)
         ds.set_epoch(1)
         got = [table[d] for d in read_ids(ds, workers)]
         assert len(got) == len(ds) == per_rank
@@ -133,14 +111,21 @@ def test_every_sample_once_plus_padding(
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_drop_last_delivers_each_sample_at_most_once(packs, positions_of, world, workers) -> None:
+def test_drop_last_delivers_each_sample_at_most_once(
+    stream_packs, positions_of, world, workers
+) -> None:
     table = positions_of["shards", "trainval"]
     n = len(table)
     per_rank, total = expected_counts(n, world, drop_last=True)
     seen: list[int] = []
     for rank in range(world):
         ds = cheap(
-            packs["shards"], "trainval", shuffle=True, rank=rank, world_size=world, drop_last=True
+            stream_packs["shards"],
+            "trainval",
+            shuffle=True,
+            rank=rank,
+            world_size=world,
+            drop_last=True,
         )
         got = [table[d] for d in read_ids(ds, workers)]
         assert len(got) == len(ds) == per_rank
@@ -148,68 +133,70 @@ def test_drop_last_delivers_each_sample_at_most_once(packs, positions_of, world,
     assert len(seen) == len(set(seen)) == total
 
 
-def test_pickled_copy_iterates_alike(packs) -> None:
+def test_pickled_copy_iterates_alike(stream_packs) -> None:
     """What spawn/forkserver workers get: a pickled copy that maps the pack on first use."""
-    ds = cheap(packs["shards"], "test", shuffle=True)
+    ds = cheap(stream_packs["shards"], "test", shuffle=True)
     ds.set_epoch(4)
     copy = pickle.loads(pickle.dumps(ds))
     assert torch_serialized.workers.reopen_dataset(copy) == 1  # what worker_init_fn does
     assert [d for d, _ in copy] == [d for d, _ in ds]
 
 
-def test_fewer_samples_than_ranks_pads_by_repeating(packs) -> None:
-    ds = VOCSerializedDataset(packs["single"], "train", decode="none")
+def test_fewer_samples_than_ranks_pads_by_repeating(stream_packs) -> None:
+    ds = VOCSerializedDataset(stream_packs["single"], "train", decode="none")
     n = len(ds)
     world = n + 2
     got = []
     for rank in range(world):
-        it = cheap(packs["single"], "train", rank=rank, world_size=world)
+        it = cheap(stream_packs["single"], "train", rank=rank, world_size=world)
         assert len(it) == 1
         got.append(list(it.blocks()[0]))
     assert [p for g in got for p in g] == [*range(n), 0, 1]
 
 
-def test_torch_distributed_defaults_to_one_rank(packs) -> None:
-    ds = cheap(packs["single"], "train")
-    assert len(ds) == len(VOCSerializedDataset(packs["single"], "train"))
+def test_torch_distributed_defaults_to_one_rank(stream_packs) -> None:
+    ds = cheap(stream_packs["single"], "train")
+    assert len(ds) == len(VOCSerializedDataset(stream_packs["single"], "train"))
 
 
 # -- order ------------------------------------------------------------------------------------
-def order(packs, positions_of, *, seed=0, epoch=0, workers=2, rank=0, world=2) -> list[int]:
-    ds = cheap(packs["shards"], "trainval", shuffle=True, seed=seed, rank=rank, world_size=world)
+def order(stream_packs, positions_of, *, seed=0, epoch=0, workers=2, rank=0, world=2) -> list[int]:
+    ds = cheap(
+        stream_packs["shards"], "trainval", shuffle=True, seed=seed, rank=rank, world_size=world
+    )
     ds.set_epoch(epoch)
     return [positions_of["shards", "trainval"][d] for d in read_ids(ds, workers)]
 
 
-def test_order_is_deterministic_and_changes_with_epoch_and_seed(packs, positions_of) -> None:
-    first = order(packs, positions_of, epoch=3)
-    assert first == order(packs, positions_of, epoch=3)
-    assert first != order(packs, positions_of, epoch=4)
-    assert first != order(packs, positions_of, epoch=3, seed=1)
+def test_order_is_deterministic_and_changes_with_epoch_and_seed(stream_packs, positions_of) -> None:
+    first = order(stream_packs, positions_of, epoch=3)
+    assert first == order(stream_packs, positions_of, epoch=3)
+    assert first != order(stream_packs, positions_of, epoch=4)
+    assert first != order(stream_packs, positions_of, epoch=3, seed=1)
 
 
-def test_order_independent_of_pack_layout(packs) -> None:
+def test_order_independent_of_pack_layout(stream_packs) -> None:
     """Same blocks when the list visits shards in any order: trainval ignores shard cuts."""
-    single = cheap(packs["single"], "trainval", shuffle=True)
-    shards = cheap(packs["shards"], "trainval", shuffle=True)
+    single = cheap(stream_packs["single"], "trainval", shuffle=True)
+    shards = cheap(stream_packs["shards"], "trainval", shuffle=True)
     assert [list(b) for b in single.blocks()] == [list(b) for b in shards.blocks()]
 
 
-def test_block_order_is_shared_by_ranks(packs) -> None:
+def test_block_order_is_shared_by_ranks(stream_packs) -> None:
     """Rank slices of one epoch order: concatenated they are the whole padded order."""
     plans = [
         np.concatenate(
-            cheap(packs["shards"], "trainval", shuffle=True, rank=r, world_size=3).blocks()
+            cheap(stream_packs["shards"], "trainval", shuffle=True, rank=r, world_size=3).blocks()
         )
         for r in range(3)
     ]
-    whole = np.concatenate(cheap(packs["shards"], "trainval", shuffle=True).blocks())
+    whole = np.concatenate(cheap(stream_packs["shards"], "trainval", shuffle=True).blocks())
     joined = np.concatenate(plans)
     assert list(joined[: len(whole)]) == list(whole)
 
 
-def test_unshuffled_blocks_follow_storage_and_shards(packs) -> None:
-    ds = cheap(packs["shards"], "test", block_size=4)
+def test_unshuffled_blocks_follow_storage_and_shards(stream_packs) -> None:
+    ds = cheap(stream_packs["shards"], "test", block_size=4)
     starts = ds.pack.reader.starts
     for block in ds.blocks():
         records = ds.records[block]
@@ -225,10 +212,10 @@ def _pixels(sample: tuple[Any, Any]) -> bytes:
 
 
 @pytest.mark.parametrize("kind", ["single", "shards"])
-def test_samples_equal_the_map_style_dataset(packs, kind) -> None:
-    reference = VOCSerializedDataset(packs[kind], "trainval")
+def test_samples_equal_the_map_style_dataset(stream_packs, kind) -> None:
+    reference = VOCSerializedDataset(stream_packs[kind], "trainval")
     by_pixels = {_pixels(reference[i]): i for i in range(len(reference))}
-    ds = VOCSerializedIterableDataset(packs[kind], "trainval", shuffle=True, block_size=5)
+    ds = VOCSerializedIterableDataset(stream_packs[kind], "trainval", shuffle=True, block_size=5)
     ds.set_epoch(2)
     seen = []
     for img, target in ds:
@@ -243,10 +230,10 @@ def test_samples_equal_the_map_style_dataset(packs, kind) -> None:
 # torchvision 0.29 deprecates torchvision.io decoding (used by decode="tensor").
 @pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 @pytest.mark.parametrize("decode", ["tensor", "none"])
-def test_tensor_paths_equal_the_map_style_dataset(packs, decode) -> None:
+def test_tensor_paths_equal_the_map_style_dataset(stream_packs, decode) -> None:
     kw = {"decode": decode, "target_format": "tv_tensors", "classes": "packed"}
-    reference = VOCSerializedDataset(packs["shards"], "test", **kw)
-    ds = VOCSerializedIterableDataset(packs["shards"], "test", block_size=3, **kw)
+    reference = VOCSerializedDataset(stream_packs["shards"], "test", **kw)
+    ds = VOCSerializedIterableDataset(stream_packs["shards"], "test", block_size=3, **kw)
     got = list(ds)
     assert len(got) == len(reference)
     for i, (img, target) in enumerate(got):
@@ -258,10 +245,10 @@ def test_tensor_paths_equal_the_map_style_dataset(packs, decode) -> None:
         assert target["boxes"].canvas_size == ref_target["boxes"].canvas_size
 
 
-def test_segmentation_task_equals_the_map_style_dataset(packs) -> None:
-    reference = VOCSerializedSegmentation(packs["shards"], "trainval")
+def test_segmentation_task_equals_the_map_style_dataset(stream_packs) -> None:
+    reference = VOCSerializedSegmentation(stream_packs["shards"], "trainval")
     ds = VOCSerializedIterableDataset(
-        packs["shards"], "trainval", task="Segmentation", checked=True
+        stream_packs["shards"], "trainval", task="Segmentation", checked=True
     )
     got = list(ds)
     assert len(got) == len(reference) == len(ds)
@@ -284,17 +271,17 @@ def _both(img: Any, target: dict[str, Any]) -> tuple[Any, Any]:
 @pytest.mark.parametrize(
     "kw", [{"transform": pil_to_tensor, "target_transform": _name}, {"transforms": _both}]
 )
-def test_transforms_applied_as_the_map_style_dataset(packs, kw) -> None:
-    reference = VOCSerializedDataset(packs["single"], "train", **kw)
-    got = list(VOCSerializedIterableDataset(packs["single"], "train", **kw))
+def test_transforms_applied_as_the_map_style_dataset(stream_packs, kw) -> None:
+    reference = VOCSerializedDataset(stream_packs["single"], "train", **kw)
+    got = list(VOCSerializedIterableDataset(stream_packs["single"], "train", **kw))
     for i, (img, name) in enumerate(got):
         ref_img, ref_name = reference[i]
         assert torch.equal(img, ref_img)
         assert name == ref_name
 
 
-def test_arguments_are_checked(packs) -> None:
-    path = packs["single"]
+def test_arguments_are_checked(stream_packs) -> None:
+    path = stream_packs["single"]
     with pytest.raises(ValueError, match="Only transforms or transform"):
         VOCSerializedIterableDataset(path, transforms=_both, transform=pil_to_tensor)
     with pytest.raises(ValueError, match="task"):
@@ -312,11 +299,13 @@ def test_arguments_are_checked(packs) -> None:
 
 # -- resumption -------------------------------------------------------------------------------
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_resume_mid_epoch_matches_an_uninterrupted_epoch(packs, positions_of, shuffle) -> None:
+def test_resume_mid_epoch_matches_an_uninterrupted_epoch(
+    stream_packs, positions_of, shuffle
+) -> None:
     table = positions_of["shards", "trainval"]
 
     def make() -> VOCSerializedIterableDataset:
-        ds = cheap(packs["shards"], "trainval", shuffle=shuffle, rank=1, world_size=2)
+        ds = cheap(stream_packs["shards"], "trainval", shuffle=shuffle, rank=1, world_size=2)
         ds.set_epoch(5)
         return ds
 
@@ -328,7 +317,7 @@ def test_resume_mid_epoch_matches_an_uninterrupted_epoch(packs, positions_of, sh
         head = [table[next(it)[0]] for _ in range(stop)]
         state = json.loads(json.dumps(first.state_dict()))
         assert (state["epoch"], state["yielded"]) == (5, stop)
-        resumed = cheap(packs["shards"], "trainval", shuffle=shuffle, rank=1, world_size=2)
+        resumed = cheap(stream_packs["shards"], "trainval", shuffle=shuffle, rank=1, world_size=2)
         resumed.load_state_dict(state)
         assert resumed.state_dict() == state
         tail = [table[d] for d, _ in resumed]
@@ -337,10 +326,10 @@ def test_resume_mid_epoch_matches_an_uninterrupted_epoch(packs, positions_of, sh
         assert [table[d] for d, _ in resumed] == full
 
 
-def test_resume_rejects_other_settings(packs) -> None:
-    ds = cheap(packs["single"], "trainval", shuffle=True, rank=0, world_size=2)
+def test_resume_rejects_other_settings(stream_packs) -> None:
+    ds = cheap(stream_packs["single"], "trainval", shuffle=True, rank=0, world_size=2)
     state = ds.state_dict()
-    other = cheap(packs["single"], "trainval", shuffle=True, rank=0, world_size=2, seed=7)
+    other = cheap(stream_packs["single"], "trainval", shuffle=True, rank=0, world_size=2, seed=7)
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         iter(other)
@@ -348,8 +337,8 @@ def test_resume_rejects_other_settings(packs) -> None:
         other.load_state_dict({"epoch": 0, "yielded": 0})
 
 
-def test_set_epoch_resets_progress(packs) -> None:
-    ds = cheap(packs["single"], "train")
+def test_set_epoch_resets_progress(stream_packs) -> None:
+    ds = cheap(stream_packs["single"], "train")
     it = iter(ds)
     next(it)
     assert ds.state_dict()["yielded"] == 1
@@ -359,12 +348,12 @@ def test_set_epoch_resets_progress(packs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11
-def test_resume_through_stateful_dataloader(packs, positions_of) -> None:
+def test_resume_through_stateful_dataloader(stream_packs, positions_of) -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     table = positions_of["shards", "trainval"]
 
     def loader() -> Any:
-        ds = cheap(packs["shards"], "trainval", shuffle=True)
+        ds = cheap(stream_packs["shards"], "trainval", shuffle=True)
         ds.set_epoch(2)
         return stateful.StatefulDataLoader(
             ds, batch_size=3, num_workers=2, collate_fn=lambda batch: [d for d, _ in batch]
@@ -383,76 +372,18 @@ def test_resume_through_stateful_dataloader(packs, positions_of) -> None:
     assert head + tail == full
 
 
-# -- stages -----------------------------------------------------------------------------------
-def test_block_bounds_cut_at_shards_only_for_ordered_lists() -> None:
-    starts = np.array([0, 5, 10])
-    ordered = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9])
-    assert list(block_bounds(ordered, starts, 3)) == [0, 3, 4, 7, 9]
-    interleaved = np.array([5, 6, 0, 1, 7, 2])
-    assert list(block_bounds(interleaved, starts, 4)) == [0, 4, 6]
-    assert list(block_bounds(np.zeros(0, np.int64), starts, 4)) == [0]
-    assert list(block_bounds(ordered, np.array([0, 10]), 4)) == [0, 4, 8, 9]
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    n=st.integers(0, 40),
-    block=st.integers(1, 9),
-    world=st.integers(1, 5),
-    workers=st.integers(1, 4),
-    shuffle=st.booleans(),
-    drop_last=st.booleans(),
-    epoch=st.integers(0, 3),
-)
-def test_plan_partitions_the_epoch(n, block, world, workers, shuffle, drop_last, epoch) -> None:
-    bounds = np.append(np.arange(0, n, block), n) if n else np.zeros(1, np.int64)
-    positions, ids = epoch_order(bounds, shuffle=shuffle, seed=3, epoch=epoch)
-    assert sorted(positions.tolist()) == list(range(n))
-    per_rank, total = expected_counts(n, world, drop_last)
-    got: list[int] = []
-    for rank in range(world):
-        share = rank_share(positions, ids, rank, world, drop_last=drop_last)
-        assert len(share[0]) == per_rank
-        sizes = []
-        for w in range(workers):
-            blocks = split_blocks(*worker_share(*share, w, workers))
-            sizes.append(sum(len(b) for b in blocks))
-            for b in blocks:
-                assert len(b) <= block
-                assert list(b) == list(range(b[0], b[0] + len(b)))  # a run of one block
-                got += b.tolist()
-        assert max(sizes) - min(sizes) <= 1
-    assert len(got) == total
-    if drop_last:
-        assert len(set(got)) == total
-    else:
-        assert set(got) == set(range(n))
-        assert got[n:] == (got[:n] * world)[: total - n]
-
-
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(0, 50), size=st.integers(0, 12), seed=st.integers(0, 2**32))
-def test_shuffle_buffer_is_a_bounded_permutation(n, size, seed) -> None:
-    rng = np.random.default_rng(seed)
-    out = list(shuffle_buffer(range(n), size, rng))
-    assert sorted(out) == list(range(n))
-    assert all(i >= item - max(size, 1) for i, item in enumerate(out))
-    again = list(shuffle_buffer(range(n), size, np.random.default_rng(seed)))
-    assert out == again
-
-
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_persistent_workers_follow_set_epoch(packs, context) -> None:
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_persistent_workers_follow_set_epoch(stream_packs, context) -> None:
     # A persistent worker keeps its copy of the dataset across epochs: set_epoch in the main
     # process must still reach it, or every epoch would repeat the first one's order.
-    ds = cheap(packs["single"], "trainval", shuffle=True, seed=3)
+    ds = cheap(stream_packs["single"], "trainval", shuffle=True, seed=3)
     loader = DataLoader(
         ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
     )
     seen = []
     for epoch in range(3):
         ds.set_epoch(epoch)
-        fresh = cheap(packs["single"], "trainval", shuffle=True, seed=3)
+        fresh = cheap(stream_packs["single"], "trainval", shuffle=True, seed=3)
         fresh.set_epoch(epoch)
         expected = read_ids(fresh, workers=2)
         seen.append([d for d, _ in loader])
@@ -460,8 +391,8 @@ def test_persistent_workers_follow_set_epoch(packs, context) -> None:
     assert seen[0] != seen[1] != seen[2]
 
 
-def test_plain_pickle_keeps_the_epoch_number(packs) -> None:
-    ds = cheap(packs["single"], "trainval", shuffle=True)
+def test_plain_pickle_keeps_the_epoch_number(stream_packs) -> None:
+    ds = cheap(stream_packs["single"], "trainval", shuffle=True)
     ds.set_epoch(7)
     copy = pickle.loads(pickle.dumps(ds))
     assert copy.epoch == 7

@@ -34,8 +34,11 @@ __all__ = [
     "png",
     "real_voc_roots",
     "smooth_rgb",
+    "tiny_devkit",
     "voc_xml",
     "write_voc",
+    "FULL_JPEG",
+    "TRUNCATED_JPEG",
 ]
 
 #: One ImageSets list: ids (written one per line with "\n") or the file's raw text.
@@ -563,3 +566,22 @@ def real_voc_roots() -> list[tuple[Path, str]]:
         (voc.parent.parent, voc.name[3:])
         for voc in sorted(REAL_VOC.glob("*/VOCdevkit/VOC[0-9][0-9][0-9][0-9]"))
     ]
+
+
+def tiny_devkit(root: Path, ids: list[str], **overrides: bytes | None) -> Path:
+    """A 2007 devkit whose ids all have a small JPEG and XML (train: all, val: the first);
+    ``overrides`` replace files by name (``"003.jpg"``, ``"003.xml"``)."""
+    samples = []
+    for i, image_id in enumerate(ids):
+        image = overrides.get(f"{image_id}.jpg", jpeg(32, 24, seed=i))
+        xml = overrides.get(
+            f"{image_id}.xml", voc_xml(f"{image_id}.jpg", 32, 24, [obj("dog", (1, 2, 20, 20))])
+        )
+        samples.append(Sample(image_id, image, xml))  # type: ignore[arg-type]
+    write_voc(root, "2007", samples, {"Main": {"train": ids, "val": ids[:1]}})
+    return root
+
+
+#: A 200x150 JPEG, and the same cut in half: header intact, scan data missing.
+FULL_JPEG = jpeg(200, 150, seed=1)
+TRUNCATED_JPEG = FULL_JPEG[: len(FULL_JPEG) // 2]

@@ -8,6 +8,9 @@ line on stderr and exit with status 2 (``--debug`` shows the traceback instead);
 exits 1 when it finds damage.
 """
 
+# More than 400 lines: one function per command plus the one argument parser, kept together
+# so a command's options sit beside the code that uses them.
+
 from __future__ import annotations
 
 import argparse

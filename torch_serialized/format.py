@@ -53,6 +53,9 @@ Each structure has its writing and its reading function side by side: ``pack_hea
 ``parse_manifest``.
 """
 
+# More than 400 lines: the whole specification in one module, docs/FORMAT.md's twin, each
+# structure's writing and reading functions side by side.
+
 from __future__ import annotations
 
 import json

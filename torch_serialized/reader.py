@@ -8,6 +8,9 @@ A reopen checks that the file on disk is still the one that was validated. This 
 never imports torch.
 """
 
+# More than 400 lines: the reading half of the format (ContainerReader, PackReader), the
+# mirror of writer.py; its opening steps follow docs/FORMAT.md section by section.
+
 from __future__ import annotations
 
 import errno

@@ -5,6 +5,9 @@ whatever it held before (nothing, or the previous complete pack). This module ne
 torch.
 """
 
+# More than 400 lines: the writing half of the format (ContainerWriter, PackWriter), the
+# mirror of reader.py; the layout arithmetic of add() and reserve() must stay in one place.
+
 from __future__ import annotations
 
 import contextlib

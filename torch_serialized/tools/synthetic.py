@@ -13,6 +13,9 @@ the work were divided between processes (on one platform: another libjpeg or num
 round a few pixels differently).
 """
 
+# More than 400 lines: one recipe (image texture, object shapes, masks, XML, lists) whose
+# parts share the random streams that make every byte reproducible.
+
 from __future__ import annotations
 
 import math

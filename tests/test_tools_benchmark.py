@@ -27,6 +27,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Pat
     return result, out
 
 
+@pytest.mark.slow
 def test_every_scenario_has_positive_measurements(quick: tuple[dict[str, Any], Path]) -> None:
     result, _ = quick
     assert list(result["scenarios"]) == list(SCENARIOS)
@@ -44,6 +45,7 @@ def test_every_scenario_has_positive_measurements(quick: tuple[dict[str, Any], P
                 assert row["ratio"] > 0
 
 
+@pytest.mark.slow
 def test_correctness_checks_inside_the_benchmark(quick: tuple[dict[str, Any], Path]) -> None:
     result, _ = quick
     scenarios = result["scenarios"]
@@ -54,6 +56,7 @@ def test_correctness_checks_inside_the_benchmark(quick: tuple[dict[str, Any], Pa
         assert cold["worst_resident_after_evict"] < 0.05
 
 
+@pytest.mark.slow
 def test_files_and_environment(quick: tuple[dict[str, Any], Path]) -> None:
     result, out = quick
     saved = json.loads((out / "results.json").read_text())

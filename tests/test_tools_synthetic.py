@@ -13,7 +13,7 @@ from PIL import Image
 from torchvision.datasets import VOCDetection, VOCSegmentation
 
 from torch_serialized.tools import make_synthetic_voc
-from torch_serialized.voc.classes import VOC_CLASSES, VOC_COLORMAP, VOC_PALETTE, voc_colormap
+from torch_serialized.voc.classes import VOC_CLASSES, VOC_PALETTE
 
 VOC_SIZES = {(500, 375), (375, 500), (500, 333), (333, 500), (500, 500), (400, 300), (500, 400),
              (500, 334), (353, 500)}  # fmt: skip
@@ -38,16 +38,6 @@ def voc40(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """40 images at the default settings (every 4th image segmented)."""
     root = make_synthetic_voc(tmp_path_factory.mktemp("voc40"), 40)
     return root / "VOCdevkit" / "VOC2012"
-
-
-def test_classes_and_colormap() -> None:
-    assert len(VOC_CLASSES) == 20 and list(VOC_CLASSES) == sorted(VOC_CLASSES)
-    assert VOC_CLASSES[0] == "aeroplane" and VOC_CLASSES[-1] == "tvmonitor"
-    assert len(VOC_COLORMAP) == 256 and len(VOC_PALETTE) == 768
-    assert VOC_COLORMAP[:4] == ((0, 0, 0), (128, 0, 0), (0, 128, 0), (128, 128, 0))
-    assert VOC_COLORMAP[15] == (192, 128, 128)  # person
-    assert VOC_COLORMAP[255] == (224, 224, 192)  # void
-    assert voc_colormap(21) == VOC_COLORMAP[:21]
 
 
 def test_byte_identical_and_independent_of_count(tmp_path: Path) -> None:

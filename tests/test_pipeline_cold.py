@@ -12,22 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import torch_serialized
+from torch_serialized import reader as reader_module
 from torch_serialized.iterable import VOCSerializedIterableDataset
 from torch_serialized.reader import ContainerReader
-from torch_serialized.tools import make_synthetic_voc
-
-
-@pytest.fixture(scope="module")
-def packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("cold")
-    root = make_synthetic_voc(tmp / "src", 60, year="2007")
-    return {
-        "single": torch_serialized.pack_voc(root, tmp / "one.tser", year="2007").path,
-        "shards": torch_serialized.pack_voc(
-            root, tmp / "shards", year="2007", max_samples_per_shard=7
-        ).path,
-    }
 
 
 def evict(path: Path) -> None:
@@ -46,10 +33,15 @@ def evict(path: Path) -> None:
 @pytest.mark.parametrize("image_set", ["test", "trainval"])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_cold_epoch_reads_each_block_in_storage_order(
-    packs, monkeypatch, kind, image_set, shuffle
+    stream_packs, monkeypatch, kind, image_set, shuffle
 ) -> None:
     ds = VOCSerializedIterableDataset(
-        packs[kind], image_set, shuffle=shuffle, block_size=5, shuffle_buffer=8, decode="none"
+        stream_packs[kind],
+        image_set,
+        shuffle=shuffle,
+        block_size=5,
+        shuffle_buffer=8,
+        decode="none",
     )
     ds.set_epoch(1)
     reader = ds.pack.reader
@@ -66,7 +58,7 @@ def test_cold_epoch_reads_each_block_in_storage_order(
 
     monkeypatch.setattr(ContainerReader, "read_records", logged_read_records)
     monkeypatch.setattr(ContainerReader, "field", no_field)
-    evict(packs[kind])
+    evict(stream_packs[kind])
     samples = list(ds)
 
     blocks = ds.blocks()
@@ -87,48 +79,14 @@ def test_cold_epoch_reads_each_block_in_storage_order(
     assert next(requests, None) is None
 
 
-def test_a_run_is_read_in_bounded_sequential_calls(packs, monkeypatch) -> None:
-    """A multi-megabyte run is split into ``preadv`` calls of about ``_READ_SIZE`` bytes that
-    follow each other through the file, so read-ahead streams the run (one whole-run call
-    was measured ~1.7x slower on a cold disk), and the bytes still equal the mapped ones."""
-    from torch_serialized import reader as reader_module
-
-    shard = ContainerReader(packs["single"])
-    records = list(range(len(shard)))
-    fields = list(range(len(shard.fields)))
-    calls: list[tuple[int, int]] = []  # (file offset, bytes asked for)
-    preadv = os.preadv
-
-    def logged_preadv(fd: int, buffers, offset: int) -> int:  # type: ignore[no-untyped-def]
-        calls.append((offset, sum(len(b) for b in buffers)))
-        return preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(reader_module.os, "preadv", logged_preadv)
-    rows = shard.read_records(records, fields)
-    monkeypatch.undo()
-
-    largest_field = max(len(shard.field(r, k)) for r in records for k in fields)
-    span = sum(size for _, size in calls)
-    assert span > 3 * reader_module._READ_SIZE, "the fixture must span several calls"
-    assert len(calls) >= span // (reader_module._READ_SIZE + largest_field)
-    for (offset, size), (next_offset, _) in zip(calls, calls[1:]):
-        assert size < reader_module._READ_SIZE + largest_field + 64
-        gap = next_offset - (offset + size)  # at most the alignment padding between records
-        assert 0 <= gap < 64, "calls follow each other through the file"
-    for r, row in zip(records, rows):
-        for k, array in zip(fields, row):
-            assert array.tobytes() == bytes(shard.field(r, k))
-
-
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
 @pytest.mark.parametrize("kind", ["single", "shards"])
-def test_each_block_is_hinted_before_it_is_read(packs, monkeypatch, kind) -> None:
+def test_each_block_is_hinted_before_it_is_read(stream_packs, monkeypatch, kind) -> None:
     """Before reading a block the reader asks the kernel to start on the next one, so on a
     cold disk their reads overlap: every record after the first block is hinted first."""
-    from torch_serialized import reader as reader_module
 
     ds = VOCSerializedIterableDataset(
-        packs[kind], "trainval", shuffle=True, block_size=5, shuffle_buffer=0, decode="none"
+        stream_packs[kind], "trainval", shuffle=True, block_size=5, shuffle_buffer=0, decode="none"
     )
     reader = ds.pack.reader
     start_of = {s.path: int(reader.starts[i]) for i, s in enumerate(reader.shards)}

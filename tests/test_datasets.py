@@ -32,6 +32,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 from vocfactory import REAL_VOC, real_voc_roots
 
+import torch_serialized as ts
 from torch_serialized import VOCSerializedDataset, VOCSerializedSegmentation
 
 if TYPE_CHECKING:
@@ -465,6 +466,7 @@ def test_dataloader_batches_equal_torchvision(synthetic_packs: Packed, flavour: 
     assert_same_tensors(expected, actual)
 
 
+@pytest.mark.slow
 def test_dataloader_under_spawn(synthetic_packs: Packed) -> None:
     """Both flavours in one spawn pool (a spawned worker pays ~10 s importing torch): the
     pickled datasets, maps dropped, must reopen them; torchvision's batches are read in-process.
@@ -547,6 +549,7 @@ def test_zero_copy_raw_pixels_and_workers(synthetic_devkit: Path, tmp_path: Path
     assert all(torch.equal(a, copies[i][0]) for i, a in enumerate(got))
 
 
+@pytest.mark.slow
 def test_zero_copy_contract_no_warning_and_writes_fault(corner_packs: Packed) -> None:
     """In a fresh interpreter: reading views warns nothing (even under ``-W error``), and
     writing into one is refused by the read-only map (SIGSEGV), never silently stored."""
@@ -568,3 +571,40 @@ def test_zero_copy_contract_no_warning_and_writes_fault(corner_packs: Packed) ->
         [sys.executable, "-c", write, str(corner_packs.single)], capture_output=True, timeout=120
     )
     assert done.returncode == -signal.SIGSEGV
+
+
+# --- 7. torchvision's keywords, decoding undecoded bytes in batches -------------------------------
+def test_torchvision_keywords_year_and_download(synthetic_devkit: Path, tmp_path: Path) -> None:
+    path = ts.pack_voc(synthetic_devkit, tmp_path / "out.tser", year="2007").path
+    tv = VOCDetection(synthetic_devkit, year="2007", image_set="val", download=False)
+    ours = ts.VOCSerializedDataset(path, year="2007", image_set="val", download=False)
+    assert len(ours) == len(tv) and ours[0][1] == tv[0][1]
+    segmentation = VOCSegmentation(synthetic_devkit, year="2007", image_set="val")
+    assert len(ts.VOCSerializedSegmentation(path, year="2007", image_set="val")) == len(
+        segmentation
+    )
+    with pytest.raises(ValueError, match="VOC2007, not VOC2012"):
+        ts.VOCSerializedDataset(path, year="2012")
+    with pytest.raises(ValueError, match="local file"):
+        ts.VOCSerializedDataset(path, download=True)
+
+
+def test_undecoded_bytes_batch_decode_like_the_tensor_path(
+    synthetic_devkit: Path, tmp_path: Path
+) -> None:
+    # README: decode="none" output goes to torchvision.io.decode_jpeg in batches (GPU there;
+    # the same call on the CPU here) and gives what decode="tensor" gives per sample.
+    import warnings
+
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    path = ts.pack_voc(synthetic_devkit, tmp_path / "out.tser", year="2007").path
+    raw = ts.VOCSerializedDataset(path, "train", decode="none")
+    tensors = ts.VOCSerializedDataset(path, "train", decode="tensor")
+    batch = [raw[i][0] for i in range(len(raw))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 -> TorchCodec
+        decoded = decode_jpeg(batch, mode=ImageReadMode.RGB)
+    assert len(decoded) == len(tensors) > 0
+    for i, image in enumerate(decoded):
+        assert torch.equal(image, tensors[i][0])

@@ -1,0 +1,42 @@
+"""The exception tree: every class subclasses a built-in, so existing handlers keep working."""
+
+from __future__ import annotations
+
+import pytest
+
+import torch_serialized as ts
+from torch_serialized import errors
+
+#: class -> the built-in it must also be
+BUILTIN = {
+    "FormatError": ValueError,
+    "CorruptFileError": ValueError,
+    "TruncatedFileError": ValueError,
+    "UnsupportedVersionError": ValueError,
+    "ChecksumError": ValueError,
+    "SourceDataError": ValueError,
+    "FileChangedError": OSError,
+    "WriteError": OSError,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_each_error_is_ours_and_a_builtin(name: str) -> None:
+    cls = getattr(errors, name)
+    assert issubclass(cls, errors.TorchSerializedError) and issubclass(cls, BUILTIN[name])
+    assert getattr(ts, name) is cls and cls.__doc__
+
+
+def test_the_tree() -> None:
+    assert issubclass(errors.TruncatedFileError, errors.CorruptFileError)
+    assert issubclass(errors.ChecksumError, errors.CorruptFileError)
+    assert issubclass(errors.CorruptFileError, errors.FormatError)
+    assert issubclass(errors.UnsupportedVersionError, errors.FormatError)
+    assert sorted(errors.__all__) == sorted(["TorchSerializedError", *BUILTIN])
+
+
+def test_os_errors_keep_errno_and_message() -> None:
+    exc = errors.WriteError(28, "disk full")
+    assert exc.errno == 28 and exc.strerror == "disk full"
+    with pytest.raises(OSError):
+        raise exc

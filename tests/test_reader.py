@@ -1,0 +1,517 @@
+"""ContainerReader and PackReader: shapes, damage detection, processes, memory, concurrency.
+
+Damage is single, deliberate faults (one flipped byte, cuts at fixed points, edited
+manifests); random damage is in test_reader_fuzz.py.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import struct
+import zlib
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _container_helpers import (
+    FORMS,
+    SHARDED,
+    FieldBytes,
+    assert_bad_content,
+    check_pack,
+    copy_pack,
+    flip,
+    ignore_fork_warning,
+    parse_container,
+    payload,
+    read_all_pickled,
+    read_error,
+    record_spans,
+    size_of,
+    write_pack,
+)
+from _reliability_helpers import (
+    PACK_FORMS,
+    crc_reader,
+    out_name,
+    read_pickled,
+    read_records,
+    run_child,
+)
+
+import torch_serialized
+from torch_serialized import format as fmt
+from torch_serialized.errors import (
+    ChecksumError,
+    CorruptFileError,
+    FileChangedError,
+    FormatError,
+    TruncatedFileError,
+    UnsupportedVersionError,
+)
+from torch_serialized.reader import ContainerReader, open_pack
+from torch_serialized.voc.pack import pack_voc
+from torch_serialized.writer import PackWriter
+
+
+def test_manifest_path_and_reader_shapes(container_packs):
+    reader = open_pack(container_packs["shards"] / fmt.MANIFEST_NAME)
+    assert reader.path == str(container_packs["shards"])
+    assert [s.num_records for s in reader.shards] == [7, 7, 7, 7, 2]
+    assert reader.starts.tolist() == [0, 7, 14, 21, 28, 30]
+    check_pack(reader, 30)
+    assert reader.arrays()["records"]["id"].tolist() == list(range(30))
+    assert reader.nbytes == sum(f.stat().st_size for f in container_packs["shards"].iterdir())
+    assert reader.field_index("target") == 1
+    with pytest.raises(KeyError, match="nope"):
+        reader.field_index("nope")
+
+
+@pytest.mark.parametrize("position", [0, 8, 9, 12, 16, 20, 30, 59, 60, 63])
+def test_corrupted_header_byte(tmp_path, container_packs, position):
+    path = copy_pack(container_packs["single"], tmp_path)
+    flip(path, position)
+    with pytest.raises(CorruptFileError) as info:
+        open_pack(path)
+    assert_bad_content(info.value, path)
+
+
+def test_wrong_magic(tmp_path, container_packs):
+    path = copy_pack(container_packs["single"], tmp_path)
+    with open(path, "r+b") as f:
+        f.write(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(CorruptFileError, match="not a torch_serialized file") as info:
+        open_pack(path)
+    assert_bad_content(info.value, path)
+
+
+def test_not_a_pack_at_all(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"hello world\n" * 100)
+    with pytest.raises(FormatError) as info:
+        open_pack(path)
+    assert_bad_content(info.value, path)
+
+
+@pytest.mark.parametrize("cut", [0, 7, 64, 100, 127, 128, 0.5, -65, -64, -63, -8, -1])
+def test_truncated_file(tmp_path, container_packs, cut):
+    path = copy_pack(container_packs["single"], tmp_path)
+    size = path.stat().st_size
+    keep = int(size * cut) if isinstance(cut, float) else cut % size if cut < 0 else cut
+    os.truncate(path, keep)
+    with pytest.raises(TruncatedFileError) as info:
+        open_pack(path)
+    assert_bad_content(info.value, path)
+
+
+@pytest.mark.parametrize("extra", [b"\x00", bytes(4096)])
+def test_appended_bytes(tmp_path, container_packs, extra):
+    path = copy_pack(container_packs["single"], tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data + extra + data[-64:])  # ends like a footer, but the size is wrong
+    with pytest.raises(TruncatedFileError, match="footer says") as info:
+        open_pack(path)
+    assert_bad_content(info.value, path)
+
+
+def patch_version(path: Path, major: int, minor: int) -> None:
+    with open(path, "r+b") as f:
+        header = bytearray(f.read(64))
+        header[8:12] = struct.pack("<HH", major, minor)
+        header[60:64] = struct.pack("<I", fmt.crc32(bytes(header[:60])))
+        f.seek(0)
+        f.write(header)
+
+
+def test_newer_major_version(tmp_path, container_packs):
+    path = copy_pack(container_packs["single"], tmp_path)
+    patch_version(path, fmt.FORMAT_MAJOR + 1, 0)
+    with pytest.raises(UnsupportedVersionError, match="newer") as info:
+        open_pack(path)
+    assert_bad_content(info.value, path)
+
+
+def test_newer_minor_version_is_read(tmp_path, container_packs):
+    path = copy_pack(container_packs["single"], tmp_path)
+    patch_version(path, fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR + 3)
+    reader = open_pack(path)
+    assert reader.shards[0].version == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR + 3)
+    check_pack(reader, 30)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_flipped_record_bytes(tmp_path, container_packs, form):
+    path = copy_pack(container_packs[form], tmp_path)
+    spans = record_spans(path)
+    damaged = sorted({spans[0][0], spans[len(spans) // 2][0], spans[-1][0]})
+    for record, file, offset, length in spans:
+        if record in damaged:
+            flip(file, offset + length // 2)
+    reader = open_pack(path)  # record bytes are not read at open
+    assert reader.verify() == damaged  # global ids
+    if form == "shards":
+        assert len({reader.locate(i)[0].path for i in damaged}) == 3
+    intact = [i for i in range(30) if i not in damaged]
+    for i in intact:
+        assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
+    checked = open_pack(path, checked=True)
+    for i in intact:
+        for k in range(2):
+            assert bytes(checked.field(i, k)) == payload(i, k, size_of(i, k))
+    for i in damaged:
+        shard, local = checked.locate(i)
+        with pytest.raises(ChecksumError, match=f"record {local} ") as info:
+            for k in range(2):
+                checked.field(i, k)
+        assert_bad_content(info.value, Path(shard.path))
+
+
+def test_missing_path(tmp_path):
+    path = tmp_path / "nope.tser"
+    with pytest.raises(FileNotFoundError, match="nope.tser"):
+        open_pack(path)
+    with pytest.raises(FileNotFoundError, match="nope.tser"):
+        ContainerReader(path)
+
+
+def test_folder_without_manifest(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(FormatError, match="manifest") as info:
+        open_pack(tmp_path / "d")
+    assert_bad_content(info.value, tmp_path / "d")
+
+
+def test_missing_shard(tmp_path, container_packs):
+    path = copy_pack(container_packs["shards"], tmp_path)
+    (path / "shard-00002.tser").unlink()
+    with pytest.raises(FileNotFoundError, match="shard-00002"):
+        open_pack(path)
+
+
+def test_manifest_pointing_to_replaced_shard(tmp_path, container_packs):
+    path = copy_pack(container_packs["shards"], tmp_path)
+    other = write_pack(tmp_path / "other", 30, seed=100, **SHARDED)
+    shutil.copyfile(other / "shard-00001.tser", path / "shard-00001.tser")
+    with pytest.raises(CorruptFileError, match="replaced") as info:
+        open_pack(path)
+    assert_bad_content(info.value, path / "shard-00001.tser")
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "message"),
+    [
+        (lambda m: "{not json", CorruptFileError, "not valid JSON"),
+        (
+            lambda m: {**m, "format": "zip"},
+            CorruptFileError,
+            "not a torch_serialized shard manifest",
+        ),
+        (lambda m: {**m, "version": fmt.MANIFEST_VERSION + 1}, UnsupportedVersionError, "newer"),
+        (lambda m: {**m, "shards": []}, CorruptFileError, "no shards"),
+        (
+            lambda m: {**m, "shards": [{**m["shards"][0], "file": "../s.tser"}]},
+            CorruptFileError,
+            "invalid shard",
+        ),
+        (
+            lambda m: {**m, "shards": [{**m["shards"][0], "file": "/etc/passwd"}]},
+            CorruptFileError,
+            "invalid shard",
+        ),
+        (
+            lambda m: {**m, "shards": [{**m["shards"][0], "num_records": 8}]},
+            CorruptFileError,
+            "replaced",
+        ),
+    ],
+)
+def test_damaged_manifest(tmp_path, container_packs, edit, error, message):
+    path = copy_pack(container_packs["shards"], tmp_path)
+    manifest = path / fmt.MANIFEST_NAME
+    edited = edit(json.loads(manifest.read_text()))
+    manifest.write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    with pytest.raises(error, match=message) as info:
+        open_pack(path)
+    assert isinstance(info.value, ValueError)
+    assert str(path) in str(info.value)
+
+
+def test_checked_reader_reports_damaged_record(tmp_path, container_packs):
+    path = copy_pack(container_packs["single"], tmp_path)
+    record, file, offset, length = record_spans(path)[4]
+    flip(file, offset)
+    reader = open_pack(path, checked=True)
+    with pytest.raises(ChecksumError, match=f"record {record} ") as info:
+        for k in range(2):
+            reader.field(record, k)
+    assert_bad_content(info.value, path)
+
+
+@ignore_fork_warning
+@pytest.mark.parametrize(
+    ("context", "persistent"),
+    [
+        ("fork", False),
+        ("fork", True),
+        pytest.param("spawn", True, marks=pytest.mark.slow),
+        pytest.param("forkserver", True, marks=pytest.mark.slow),
+    ],
+)
+def test_dataloader_workers(container_packs, context, persistent):
+    from torch.utils.data import DataLoader
+
+    readers = [open_pack(container_packs["single"]), open_pack(container_packs["shards"])]
+    dataset = FieldBytes(readers)
+    expected = [dataset[i][2] for i in range(len(dataset))]  # mapped here before the workers start
+    assert expected[3][0] == [payload(3, k, size_of(3, k)) for k in range(2)]
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=2,
+        persistent_workers=persistent,
+        multiprocessing_context=context,
+    )
+    epochs = [list(loader) for _ in range(2 if persistent else 1)]
+    for got in epochs:
+        assert [data for _, _, data in got] == expected
+        assert all(mapped_here for _, mapped_here, _ in got)
+    pids = [{pid for pid, _, _ in got} for got in epochs]
+    assert os.getpid() not in pids[0] and len(pids[0]) == 2
+    assert all(p == pids[0] for p in pids)  # persistent workers served both epochs
+
+
+@ignore_fork_warning
+def test_pickled_reader_reopens_in_another_process(container_packs):
+    blobs, expected = [], []
+    for form in FORMS:
+        reader = open_pack(container_packs[form])
+        reader.arrays()  # mapped and cached here; none of it may travel
+        blob = pickle.dumps(reader)
+        assert len(blob) < 64 << 10
+        blobs.append(blob)
+        data = [[bytes(reader.field(i, k)) for k in range(2)] for i in range(len(reader))]
+        expected.append((data, {name: a.tobytes() for name, a in reader.arrays().items()}))
+        assert read_all_pickled(blob)[1:] == expected[-1]  # same process, fresh map
+    # spawn and forkserver workers unpickle readers in test_dataloader_workers; fork is cheap
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        results = list(pool.map(read_all_pickled, blobs))
+    for (pid, data, arrays), want in zip(results, expected):
+        assert pid != os.getpid() and (data, arrays) == want
+
+
+@ignore_fork_warning
+@pytest.mark.parametrize("form", FORMS)
+def test_file_replaced_after_open_raises_file_changed(tmp_path, form):
+    out = write_pack(tmp_path / "out", 30, **FORMS[form])
+    reader = open_pack(out)
+    blob = pickle.dumps(reader)
+    write_pack(out, 30, seed=7, **FORMS[form])  # replaced atomically by a new pack
+
+    check_pack(reader, 30)  # this process keeps reading the file it validated
+    with pytest.raises(FileChangedError) as info:
+        pickle.loads(blob).field(0, 0)
+    assert isinstance(info.value, OSError) and str(out) in str(info.value)
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=read_error, args=(reader, child))
+    proc.start()
+    child.close()
+    assert parent.poll(60), "the forked child sent nothing"
+    result = parent.recv()
+    proc.join()
+    assert result is not None, "a forked child read a replaced file without noticing"
+    name, is_oserror, message = result
+    assert name == "FileChangedError" and is_oserror and str(out) in message
+
+
+def smaps() -> dict[str, int]:
+    values = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        values[key] = int(value.split()[0]) * 1024
+    return values
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_reading_every_record_does_not_grow_private_memory(tmp_path, form):
+    if not Path("/proc/self/smaps_rollup").exists():
+        pytest.skip("needs /proc/self/smaps_rollup (Linux >= 4.14)")
+    n = 20_000
+    out = tmp_path / "many"
+    limits = {"max_records_per_shard": 5000} if form == "shards" else {}
+    with PackWriter(out, ["a", "b"], **limits) as w:
+        for i in range(n):
+            w.add([payload(i, 0, 50 + i % 300), payload(i, 1, i % 40)])
+        w.close()
+    size = (
+        sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        if out.is_dir()
+        else out.stat().st_size
+    )
+    reader = open_pack(out)
+    bytes(reader.field(0, 0))
+    before = smaps()
+    total = 0
+    for i in range(n):
+        total += len(bytes(reader.field(i, 0))) + len(bytes(reader.field(i, 1)))
+    after = smaps()
+    assert total == sum(50 + i % 300 + i % 40 for i in range(n))
+    mib = 1 << 20
+    assert after["Anonymous"] - before["Anonymous"] < 4 * mib
+    assert after["Private_Dirty"] - before["Private_Dirty"] < 4 * mib
+    uss = after["Private_Clean"] + after["Private_Dirty"]
+    assert uss - (before["Private_Clean"] + before["Private_Dirty"]) < size + 4 * mib
+
+
+@pytest.mark.parametrize("content", [b"", b"tiny", b"x" * 200])
+def test_file_replaced_by_junk_raises_file_changed(tmp_path, content):
+    out = write_pack(tmp_path / "out.tser", 5)
+    reader = open_pack(out)
+    blob = pickle.dumps(reader)
+    junk = tmp_path / "junk"
+    junk.write_bytes(content)
+    os.replace(junk, out)  # a new inode: the map held by `reader` stays valid
+    with pytest.raises(FileChangedError, match="replaced or modified"):
+        pickle.loads(blob).field(0, 0)
+    check_pack(reader, 5)
+
+
+def test_a_run_is_read_in_bounded_sequential_calls(stream_packs, monkeypatch) -> None:
+    """A multi-megabyte run is split into ``preadv`` calls of about ``_READ_SIZE`` bytes that
+    follow each other through the file, so read-ahead streams the run (one whole-run call
+    was measured ~1.7x slower on a cold disk), and the bytes still equal the mapped ones."""
+    from torch_serialized import reader as reader_module
+
+    shard = ContainerReader(stream_packs["single"])
+    records = list(range(len(shard)))
+    fields = list(range(len(shard.fields)))
+    calls: list[tuple[int, int]] = []  # (file offset, bytes asked for)
+    preadv = os.preadv
+
+    def logged_preadv(fd: int, buffers, offset: int) -> int:  # type: ignore[no-untyped-def]
+        calls.append((offset, sum(len(b) for b in buffers)))
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(reader_module.os, "preadv", logged_preadv)
+    rows = shard.read_records(records, fields)
+    monkeypatch.undo()
+
+    largest_field = max(len(shard.field(r, k)) for r in records for k in fields)
+    span = sum(size for _, size in calls)
+    assert span > 3 * reader_module._READ_SIZE, "the fixture must span several calls"
+    assert len(calls) >= span // (reader_module._READ_SIZE + largest_field)
+    for (offset, size), (next_offset, _) in zip(calls, calls[1:]):
+        assert size < reader_module._READ_SIZE + largest_field + 64
+        gap = next_offset - (offset + size)  # at most the alignment padding between records
+        assert 0 <= gap < 64, "calls follow each other through the file"
+    for r, row in zip(records, rows):
+        for k, array in zip(fields, row):
+            assert array.tobytes() == bytes(shard.field(r, k))
+
+
+def index_crcs(path: Path) -> dict[tuple[int, int], int]:
+    """(global record, field) -> CRC32 stored in the index, read by the independent parser."""
+    files = [path]
+    if path.is_dir():
+        manifest = json.loads((path / fmt.MANIFEST_NAME).read_text())
+        files = [path / s["file"] for s in manifest["shards"]]
+    out, start = {}, 0
+    for file in files:
+        meta, index = parse_container(file)
+        for i in range(index.shape[0]):
+            for k in range(index.shape[1]):
+                out[(start + i, k)] = int(index[i, k]["crc32"])
+        start += meta["num_records"]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_six_spawned_readers_at_once_read_identical_bytes(voc40_packs, form):
+    path = voc40_packs[form]
+    expected = index_crcs(path)
+    parent = open_pack(path)
+    assert {
+        (i, k): zlib.crc32(b)
+        for i, row in enumerate(read_records(parent))
+        for k, b in enumerate(row)
+    } == expected
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(6), ctx.Queue()
+    procs = [
+        ctx.Process(target=crc_reader, args=(str(path), rank, 3, barrier, results))
+        for rank in range(6)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        reports = [results.get(timeout=180) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0] * 6
+    assert sorted(rank for rank, *_ in reports) == list(range(6))
+    assert len({pid for _, pid, *_ in reports}) == 6
+    for rank, _, crcs, changed, torch_loaded in reports:
+        assert crcs == expected, f"reader {rank} read different bytes"
+        assert changed == 0
+        assert not torch_loaded, "reading a pack imported torch"
+
+
+def fingerprints(dataset: Any) -> list[tuple[bytes, str]]:
+    """Each sample of a decode="none" dataset: its stored image bytes and its target."""
+    out = []
+    for i in range(len(dataset)):
+        image, target = dataset[i]
+        out.append((image.numpy().tobytes(), json.dumps(target, sort_keys=True)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_reader_keeps_old_data_while_another_process_repacks(tmp_path, voc40, voc8, form):
+    options = PACK_FORMS[form]
+    out = tmp_path / out_name(form)
+    pack_voc(voc40, out, year="2007", **options)
+    reference = tmp_path / "ref"
+    reference.mkdir()
+    new_path = pack_voc(voc8, reference / out.name, year="2007", **options).path
+
+    reader = open_pack(out)
+    dataset = torch_serialized.VOCSerializedDataset(out, "trainval", decode="none")
+    old_records, old_samples = read_records(reader), fingerprints(dataset)
+    blob = pickle.dumps(reader)
+
+    proc = run_child("repack", str(voc8), str(out), json.dumps(options), "4")
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.stderr else ""
+    rounds = 0
+    while proc.poll() is None:  # the path is being replaced under our feet, four times
+        assert read_records(reader) == old_records
+        assert fingerprints(dataset) == old_samples
+        rounds += 1
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert rounds > 0
+    assert read_records(reader) == old_records, "the open reader changed after the re-pack"
+    assert fingerprints(dataset) == old_samples
+
+    assert read_records(open_pack(out)) == read_records(open_pack(new_path))
+    fresh = torch_serialized.VOCSerializedDataset(out, "trainval", decode="none")
+    expected = torch_serialized.VOCSerializedDataset(new_path, "trainval", decode="none")
+    assert fingerprints(fresh) == fingerprints(expected) != old_samples
+
+    # the old reader sent to a new process: refused, never a mix of old index and new bytes
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        result = pool.submit(read_pickled, blob).result(timeout=180)
+    assert result[:3] == ("error", "FileChangedError", True), result
+    assert str(out) in result[3]

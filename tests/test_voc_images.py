@@ -1,0 +1,130 @@
+"""voc.images: image sizes from JPEG headers, image checks, and Pillow's decompression-bomb rule."""
+
+from __future__ import annotations
+
+import io
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from _container_helpers import (
+    listing,
+)
+from PIL import Image
+from vocfactory import (
+    TRUNCATED_JPEG,
+    Sample,
+    jpeg,
+    obj,
+    tiny_devkit,
+    voc_xml,
+    write_voc,
+)
+
+import torch_serialized
+import torch_serialized as ts
+from torch_serialized.errors import (
+    SourceDataError,
+)
+from torch_serialized.voc.images import jpeg_size
+from torch_serialized.voc.pack import pack_voc
+
+
+def test_truncated_jpeg_passes_without_image_checks(tmp_path: Path) -> None:
+    # torchvision does not validate at load time either; checking is opt-in and really decodes.
+    root = tiny_devkit(tmp_path / "src", ["a", "b"], **{"b.jpg": TRUNCATED_JPEG})
+    assert ts.pack_voc(root, tmp_path / "out.tser", year="2007").num_samples == 2
+
+
+def test_jpeg_size_matches_pillow_on_every_corner_case(corner_devkit: Path) -> None:
+    images = sorted((corner_devkit / "VOCdevkit" / "VOC2007" / "JPEGImages").glob("*.jpg"))
+    assert images
+    for path in images:
+        data = path.read_bytes()
+        size = jpeg_size(data)
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format == "JPEG":
+                assert size == image.size, path.name
+            else:  # PNG bytes behind a .jpg name: Pillow decides
+                assert size is None
+    assert jpeg_size(b"\xff\xd8\xff\xe0\x00") is None  # cut inside the markers
+    assert jpeg_size(b"GIF89a") is None
+
+
+def test_pillow_limits_unchanged_by_import_and_pack(tmp_path, voc8):
+    fresh = subprocess.run(
+        [sys.executable, "-c", "from PIL import Image, ImageFile; "
+         "print(Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    from PIL import ImageFile
+
+    def current() -> list[str]:
+        return [str(Image.MAX_IMAGE_PIXELS), str(ImageFile.LOAD_TRUNCATED_IMAGES)]
+
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.walk_packages(torch_serialized.__path__, "torch_serialized."):
+        if not module.name.endswith("__main__"):
+            try:
+                importlib.import_module(module.name)
+            except ModuleNotFoundError as exc:  # an optional dependency (e.g. matplotlib)
+                if exc.name and exc.name.startswith("torch_serialized"):
+                    raise
+    assert current() == fresh
+    pack = pack_voc(voc8, tmp_path / "voc.tser", year="2007", check_images=True).path
+    for decode in ("pil", "tensor"):
+        torch_serialized.VOCSerializedDataset(pack, "trainval", decode=decode)[0]
+    assert current() == fresh
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A 100-byte PNG whose header claims ``width`` x ``height`` RGB pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(bytes(64)))
+        + chunk(b"IEND", b"")
+    )
+
+
+def jpeg_claiming(width: int, height: int) -> bytes:
+    """A tiny real JPEG whose SOF0 header is patched to claim ``width`` x ``height``."""
+    data = bytearray(jpeg(16, 16))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("check_images", [False, True])
+@pytest.mark.parametrize(
+    "bomb", [png_claiming(50_000, 50_000), jpeg_claiming(65_000, 65_000)], ids=["png", "jpeg"]
+)
+def test_decompression_bomb_is_refused_at_pack_time(tmp_path, bounded_memory, bomb, check_images):
+    ids = ["a", "b"]
+    samples = [
+        Sample(i, image, voc_xml(f"{i}.jpg", 16, 16, [obj("dog", (1, 1, 8, 8))]))
+        for i, image in zip(ids, [jpeg(16, 16), bomb])
+    ]
+    write_voc(tmp_path / "src", "2007", samples, {"Main": {"train": ids}})
+    out = tmp_path / "out"
+    out.mkdir()
+    started = time.perf_counter()
+    with pytest.raises(SourceDataError, match="decompression bomb") as info:
+        pack_voc(tmp_path / "src", out / "voc.tser", year="2007", check_images=check_images)
+    assert time.perf_counter() - started < 10, "the bomb was decoded"
+    assert "b.jpg" in str(info.value)
+    assert listing(out) == []

@@ -1,0 +1,259 @@
+"""pack_voc: layout, options, determinism, clear failures on bad source data, a full disk."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _container_helpers import (
+    listing,
+    no_pack_output,
+)
+from _reliability_helpers import (
+    ROOT,
+    TESTS,
+    run_child,
+)
+from PIL import Image
+from torchvision.datasets import VOCDetection
+from vocfactory import (
+    TRUNCATED_JPEG,
+    obj,
+    tiny_devkit,
+    voc_xml,
+)
+
+import torch_serialized as ts
+from torch_serialized.voc.reader import VOCPackReader
+
+
+def test_one_pack_serves_every_image_set(synthetic_devkit: Path, tmp_path: Path) -> None:
+    result = ts.pack_voc(synthetic_devkit, tmp_path / "out.tser", year="2007")
+    pack = VOCPackReader(result.path)
+    ids = {pack.id(i) for i in range(len(pack))}
+    assert len(ids) == len(pack) == result.num_samples  # each id stored once
+    for image_set in ("train", "val", "trainval", "test"):
+        tv = VOCDetection(synthetic_devkit, "2007", image_set)
+        expected = [Path(p).stem for p in tv.images]
+        assert [pack.id(int(r)) for r in pack.split("Main", image_set)] == expected
+    assert pack.meta["splits"]["Main"]["trainval"] == len(
+        VOCDetection(synthetic_devkit, "2007", "trainval")
+    )
+
+
+def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) -> None:
+    single = ts.pack_voc(synthetic_devkit, tmp_path / "one.tser", year="2007")
+    sharded = ts.pack_voc(
+        synthetic_devkit, tmp_path / "shards", year="2007", max_samples_per_shard=5
+    )
+    assert (sharded.path / "manifest.json").is_file()
+    assert len(list(sharded.path.glob("*.tser"))) == -(-single.num_samples // 5)
+    a = ts.VOCSerializedDataset(single.path, "trainval")
+    b = ts.VOCSerializedDataset(sharded.path, "trainval")
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        assert a[i][1] == b[i][1]
+        assert a[i][0].tobytes() == b[i][0].tobytes()
+    by_bytes = ts.pack_voc(
+        synthetic_devkit, tmp_path / "sized", year="2007", max_shard_bytes=400_000
+    )
+    assert len(list(by_bytes.path.glob("*.tser"))) > 2
+    assert len(ts.VOCSerializedDataset(by_bytes.path, "test")) == len(
+        VOCDetection(synthetic_devkit, "2007", "test")
+    )
+
+
+def test_raw_storage_returns_torchvision_pixels(synthetic_devkit: Path, tmp_path: Path) -> None:
+    raw = ts.pack_voc(synthetic_devkit, tmp_path / "raw.tser", year="2007", image_storage="raw")
+    tv = VOCDetection(synthetic_devkit, "2007", "train")
+    ours = ts.VOCSerializedDataset(raw.path, "train")
+    tensors = ts.VOCSerializedDataset(raw.path, "train", decode="tensor")
+    for i in range(len(tv)):
+        image, target = tv[i]
+        mine, my_target = ours[i]
+        assert mine.mode == "RGB" and mine.size == image.size
+        assert mine.tobytes() == image.tobytes() and my_target == target
+        chw = tensors[i][0]
+        assert chw.shape == (3, image.height, image.width)
+        assert np.array_equal(chw.permute(1, 2, 0).numpy(), np.asarray(image))
+
+
+def test_max_size_scales_images_boxes_and_sizes(synthetic_devkit: Path, tmp_path: Path) -> None:
+    small = ts.pack_voc(synthetic_devkit, tmp_path / "small.tser", year="2007", max_size=128)
+    tv = VOCDetection(synthetic_devkit, "2007", "train")
+    ours = ts.VOCSerializedDataset(small.path, "train")
+    fast = ts.VOCSerializedDataset(small.path, "train", target_format="tv_tensors")
+    for i in range(len(tv)):
+        image, target = tv[i]
+        mine, my_target = ours[i]
+        scale = 128 / max(image.size)
+        assert max(mine.size) == 128
+        assert abs(mine.width - image.width * scale) <= 1
+        size = my_target["annotation"]["size"]
+        assert (int(size["width"]), int(size["height"])) == mine.size
+        boxes = fast[i][1]["boxes"]
+        assert tuple(boxes.canvas_size) == (mine.height, mine.width)
+        original = [
+            [float(o["bndbox"][k]) for k in ("xmin", "ymin", "xmax", "ymax")]
+            for o in target["annotation"]["object"]
+        ]
+        sx, sy = mine.width / image.width, mine.height / image.height
+        expected = np.array(original, dtype=np.float32) * np.array([sx, sy, sx, sy], np.float32)
+        assert np.allclose(boxes.numpy(), expected, atol=1e-3)
+        dict_boxes = [
+            [float(o["bndbox"][k]) for k in ("xmin", "ymin", "xmax", "ymax")]
+            for o in my_target["annotation"]["object"]
+        ]
+        assert np.allclose(dict_boxes, expected, atol=0.01)
+
+
+def test_missing_annotation_fails_and_skip_mode_reports(tmp_path: Path) -> None:
+    root = tiny_devkit(tmp_path / "src", ["a", "b", "c"])
+    (root / "VOCdevkit/VOC2007/Annotations/c.xml").unlink()
+    with pytest.raises(ts.SourceDataError, match=r"c\.xml"):
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007")
+    no_pack_output(tmp_path)
+    result = ts.pack_voc(root, tmp_path / "out.tser", year="2007", on_error="skip")
+    assert [s.id for s in result.skipped] == ["c"] and "c.xml" in result.skipped[0].reason
+    assert result.report is not None
+    assert json.loads(result.report.read_text())[0]["id"] == "c"
+    assert ts.VOCSerializedDataset(result.path, "train").ids == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "check_images", "expected"),
+    [
+        ("b.jpg", b"this is not an image", False, "not a readable image"),
+        ("b.jpg", TRUNCATED_JPEG, True, "not a readable image"),
+        ("b.xml", b"<annotation><object></annotation>", False, "line 1"),
+        (
+            "b.xml",
+            b'<?xml version="1.0"?><!DOCTYPE a [<!ENTITY x "xx"><!ENTITY y "&x;&x;">]>'
+            b"<annotation>&y;</annotation>",
+            False,
+            "entit",
+        ),
+    ],
+)
+def test_bad_files_fail_fast_with_the_file_named(
+    tmp_path: Path, name: str, content: bytes, check_images: bool, expected: str
+) -> None:
+    root = tiny_devkit(tmp_path / "src", ["a", "b"], **{name: content})
+    with pytest.raises(ts.SourceDataError) as info:
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007", check_images=check_images)
+    assert name in str(info.value) and expected in str(info.value)
+    no_pack_output(tmp_path)
+
+
+def test_missing_list_files_and_blank_lines(tmp_path: Path) -> None:
+    root = tiny_devkit(tmp_path / "src", ["a"])
+    lists = root / "VOCdevkit/VOC2007/ImageSets/Main"
+    (lists / "train.txt").write_text("a\n\na\n")
+    with pytest.raises(ts.SourceDataError, match=r"train\.txt.*line 2"):
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007")
+    for path in lists.iterdir():
+        path.unlink()
+    with pytest.raises(ts.SourceDataError, match="ImageSets"):
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007")
+    no_pack_output(tmp_path)
+
+
+def test_empty_list_file_gives_an_empty_image_set(tmp_path: Path) -> None:
+    root = tiny_devkit(tmp_path / "src", ["a"])
+    (root / "VOCdevkit/VOC2007/ImageSets/Main/val.txt").write_text("")
+    result = ts.pack_voc(root, tmp_path / "out.tser", year="2007")
+    assert (
+        len(ts.VOCSerializedDataset(result.path, "val"))
+        == len(VOCDetection(root, "2007", "val"))
+        == 0
+    )
+
+
+def test_packed_classes_and_unknown_labels(tmp_path: Path) -> None:
+    xml = voc_xml("a.jpg", 32, 24, [obj("helmet", (1, 2, 3, 4)), obj("head", (2.5, 3, 9, 9.75))])
+    root = tiny_devkit(tmp_path / "src", ["a", "b"], **{"a.xml": xml})
+    result = ts.pack_voc(root, tmp_path / "out.tser", year="2007")
+    with pytest.raises(ValueError, match="helmet"):
+        ts.VOCSerializedDataset(result.path, "train", target_format="tv_tensors")
+    ds = ts.VOCSerializedDataset(result.path, "train", target_format="tv_tensors", classes="packed")
+    target = ds[0][1]
+    names = ["__background__", "dog", "head", "helmet"]
+    assert [names[i] for i in target["labels"].tolist()] == ["helmet", "head"]
+    assert target["boxes"].tolist()[1] == [2.5, 3.0, 9.0, 9.75]
+    custom = ts.VOCSerializedDataset(
+        result.path, "train", target_format="tv_tensors", classes=["helmet", "head", "dog"]
+    )
+    assert custom[0][1]["labels"].tolist() == [0, 1]
+
+
+def test_image_bytes_are_stored_unchanged(synthetic_devkit: Path, tmp_path: Path) -> None:
+    result = ts.pack_voc(synthetic_devkit, tmp_path / "out.tser", year="2007")
+    ds = ts.VOCSerializedDataset(result.path, "trainval", decode="none")
+    tv = VOCDetection(synthetic_devkit, "2007", "trainval")
+    for i in range(len(ds)):
+        assert bytes(ds[i][0].numpy()) == Path(tv.images[i]).read_bytes()
+        with Image.open(io.BytesIO(bytes(ds[i][0].numpy()))) as image:
+            assert image.format == "JPEG"
+
+
+def check_disk_full_report(stdout: str, folder: Path, code: int, hint: str) -> None:
+    results = json.loads(stdout.strip().splitlines()[-1])
+    for name in ("voc.tser", "voc"):
+        report = results[name]
+        assert report is not None, f"{name}: the pack succeeded"
+        assert report["error"] == "WriteError" and report["oserror"]
+        assert report["errno"] == code
+        assert str(folder / name) in report["message"]
+        assert hint in report["message"] and "No partial output" in report["message"]
+    assert results["left"] == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_file_size_limit_under_pack_voc_raises_write_error_and_leaves_nothing(
+    tmp_path, voc40, workers
+):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    proc = run_child("pack_and_report", str(voc40), str(folder), str(256 << 10), str(workers))
+    stdout, stderr = proc.communicate(timeout=100)
+    assert proc.returncode == 0, stderr  # not killed by SIGXFSZ, no traceback
+    assert "Traceback" not in stderr
+    check_disk_full_report(stdout, folder, errno.EFBIG, "file size limit")
+    assert listing(folder) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_full_tmpfs_under_pack_voc_raises_write_error_and_leaves_nothing(tmp_path, voc40, workers):
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare to mount a private tmpfs")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    code = "import sys, _reliability_helpers as h; h.child_main(*sys.argv[1:])"
+    script = 'mount -t tmpfs -o size=2m tmpfs "$1" || exit 77; shift; exec "$@"'
+    proc = subprocess.run(
+        [unshare, "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(folder)]
+        + [sys.executable, "-c", code, "pack_and_report", str(voc40), str(folder), "0"]
+        + [str(workers)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    cannot_mount = proc.returncode == 77 or (proc.returncode == 1 and "unshare" in proc.stderr)
+    if cannot_mount and not proc.stdout and "Traceback" not in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    check_disk_full_report(proc.stdout, folder, errno.ENOSPC, "free disk space")

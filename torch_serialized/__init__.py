@@ -1,7 +1,7 @@
 """torch_serialized: pack Pascal VOC once, then read it fast through mmap.
 
 The public API; everything else is internal. Names are imported on first use (PEP 562), so
-processes that only pack or read files (e.g. ``pack_voc`` workers) never import torch.
+processes that only pack or read files (e.g. ``pack_voc``'s pack processes) never import torch.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class ContainerWriter:
         padding between fields included) to ``offset`` of this file before it is finished
         (``parallel.copy_range`` does); the alignment padding before the record is left as a hole,
         which reads as the zeros ``add`` writes. This is how parallel packing stays
-        byte-identical to one process while the bytes move in workers.
+        byte-identical to one process while the bytes move in pack processes.
         """
         if len(entries) != len(self.fields):
             raise ValueError(f"expected {len(self.fields)} entries, got {len(entries)}")

@@ -23,9 +23,11 @@ def scenario_pack(b: Bench) -> list[Row]:
 
     widths = sorted({1, max(1, b.workers)})
     seconds: dict[int, list[float]] = {w: [] for w in widths}
-    # CPU seconds of the writing process and of its workers: with enough cores the writer's
+    # CPU seconds of the writing process and of its pack processes: with enough cores the writer's
     # share per sample is the ceiling of a parallel pack (2 cores cannot show the scaling).
-    cpu: dict[int, dict[str, list[float]]] = {w: {"writer": [], "workers": []} for w in widths}
+    cpu: dict[int, dict[str, list[float]]] = {
+        w: {"writer": [], "pack_processes": []} for w in widths
+    }
     digests: set[str] = set()
     result: Any = None
     for r in range(b.repeats):
@@ -35,7 +37,7 @@ def scenario_pack(b: Bench) -> list[Row]:
             result = pack_voc(b.tv_root, out, year=b.year, workers=w)
             after = _cpu_seconds()
             seconds[w].append(result.seconds)
-            for k in ("writer", "workers"):
+            for k in ("writer", "pack_processes"):
                 cpu[w][k].append((after[k] - before[k]) / max(1, result.num_samples))
             digests.add(_sha256(result.path))
             if b.pack is None:
@@ -61,12 +63,12 @@ def scenario_pack(b: Bench) -> list[Row]:
     pack_allocated = sum(os.stat(p).st_blocks * 512 for p in pack_file_paths(b.packed()))
     b.details["pack"] = {
         "num_samples": n,
-        "workers": widths,
+        "pack_processes": widths,
         "seconds": {str(w): s for w, s in seconds.items()},
         "cpu_seconds_per_sample": {str(w): c for w, c in cpu.items()},
         "check_images_seconds": {str(w): s for w, s in checked.items()},
         "outputs_identical": identical,
-        "pack_worker_import_seconds": startup,
+        "pack_process_import_seconds": startup,
         "pack_bytes": pack_size,
         "pack_allocated_bytes": pack_allocated,
         "source_bytes_packed": result.source_bytes,
@@ -78,10 +80,11 @@ def scenario_pack(b: Bench) -> list[Row]:
     for w in widths:
         mbps = Stat.of([pack_size / s / MB for s in seconds[w]])
         writer_us = Stat.of(cpu[w]["writer"]).median * 1e6
-        workers_us = Stat.of(cpu[w]["workers"]).median * 1e6
+        processes_us = Stat.of(cpu[w]["pack_processes"]).median * 1e6
         share = (
             f"; CPU per sample: {writer_us:.0f} µs in the writing process (with enough cores "
-            f"at most ~{1e6 / writer_us:,.0f} samples/s), {workers_us:.0f} µs in the workers"
+            f"at most ~{1e6 / writer_us:,.0f} samples/s), {processes_us:.0f} µs in the pack "
+            "processes"
             if w > 1 and writer_us > 0
             else ""
         )
@@ -98,7 +101,7 @@ def scenario_pack(b: Bench) -> list[Row]:
                 + (
                     ""
                     if w == 1
-                    else f"; output identical to 1 process: {identical}; a spawned worker "
+                    else f"; output identical to 1 process: {identical}; a spawned pack process "
                     f"needs {startup:.1f} s to import torch_serialized.voc.pack"
                 )
                 + share,
@@ -147,12 +150,12 @@ def _cpu_seconds() -> dict[str, float]:
     )
     return {
         "writer": own.ru_utime + own.ru_stime,
-        "workers": children.ru_utime + children.ru_stime,
+        "pack_processes": children.ru_utime + children.ru_stime,
     }
 
 
 def _import_seconds(module: str) -> float:
-    """Seconds a fresh interpreter takes to import ``module`` (a spawned pack worker's start)."""
+    """Seconds a fresh interpreter takes to import ``module`` (a spawned pack process's start)."""
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
     return time.perf_counter() - start

@@ -1,4 +1,5 @@
-"""Run by tests/test_ddp.py under torchrun: iterate a pack on this rank, write what it saw.
+"""Run by tests/test_iterable_ddp.py under torchrun: iterate a pack on this rank, write what it
+saw.
 
 Usage: python -m torch.distributed.run --nproc_per_node=2 tests/_ddp_worker.py PACK OUT_DIR
 Each rank writes OUT_DIR/rank<R>.json with its rank, world size, len() and the digests of the

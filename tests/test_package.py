@@ -156,3 +156,23 @@ def test_a_module_over_400_lines_says_why_at_its_top() -> None:
         if len(lines) > MAX_LINES and REASON not in top:
             unexplained.append(f"{module_name(path)}: {len(lines)} lines")
     assert unexplained == []
+
+
+def test_examples_import_only_public_names() -> None:
+    import torch_serialized
+    import torch_serialized.tools
+
+    public = {
+        "torch_serialized": set(torch_serialized.__all__),
+        "torch_serialized.tools": set(torch_serialized.tools.__all__),
+    }
+    examples = sorted((ROOT / "examples").glob("*.py"))
+    assert examples
+    offenders = [
+        f"{path.name}: {target} {names}"
+        for path in examples
+        for target, names in imports_of(path)
+        if target.startswith("torch_serialized")
+        and (target not in public or not set(names) <= public[target])
+    ]
+    assert offenders == []

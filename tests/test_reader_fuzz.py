@@ -343,7 +343,7 @@ def test_random_manifests_are_refused_with_our_errors(tmp_path, bounded_memory, 
     (folder / "sub").mkdir(exist_ok=True)
     try:
         outcome = read_all(folder)
-    except FileNotFoundError as exc:  # a listed shard is missing: test_container's contract
+    except FileNotFoundError as exc:  # a listed shard is missing: test_reader's contract
         assert "gone" in str(exc)
         return
     if isinstance(outcome, Outcome):  # only a manifest that lists real shards correctly

@@ -1,5 +1,9 @@
-"""Pascal VOC source side: find a VOCdevkit, list its ids, parse its XML exactly as torchvision.
+"""Pascal VOC on both sides of a pack.
 
-Import the submodules directly (``torch_serialized.voc.xml``, ``torch_serialized.voc.layout``);
-nothing is re-exported here so that importing one does not pull in the others.
+Source side, in the order a pack is made: ``layout`` (find a VOCdevkit, read its ImageSets),
+``xml`` (annotation XML -> torchvision's exact target), ``classes``, ``schema`` (what a packed
+VOC record holds, and its codecs), ``source`` (plan the ids, load one id), ``images``
+(pack-time image work) and ``pack`` (``pack_voc``). Reading side: ``reader``
+(``VOCPackReader``) and ``export`` (``export_voc``). Import the submodules directly; nothing is
+re-exported here, so importing one does not pull in the others.
 """

@@ -1,0 +1,1 @@
+"""Tools for the tests and benchmarks of torch_serialized; the library never imports them."""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import http.client
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torch_serialized.tools.loopback import start_http_server
+from torch_serialized.tools import loopback
+from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote, Served
@@ -53,7 +52,7 @@ def test_a_stopped_server_is_gone(tmp_path: Path) -> None:
     server = start_http_server(tmp_path)
     port = server.port
     server.stop()
-    assert server._proc.poll() is not None
+    assert not server._proc.is_alive()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
@@ -117,15 +116,12 @@ def test_proxy_faults(http_server: Served) -> None:
         proxy.add_fault("explode")
 
 
-def test_proxy_refuses_an_upstream_off_this_machine() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "torch_serialized.tools.loopback", "proxy", "http://10.1.2.3:80"],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=60,
-    )
-    assert out.returncode != 0 and "127.0.0.1" in out.stderr
+def test_proxy_refuses_an_upstream_off_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="127.0.0.1"):
+        start_fault_proxy("http://10.1.2.3:80")
+    with pytest.raises(SystemExit):
+        loopback.main(["proxy", "http://10.1.2.3:80"])
+    assert "127.0.0.1" in capsys.readouterr().err
 
 
 def test_the_guard_refuses_addresses_off_this_machine() -> None:

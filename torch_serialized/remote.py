@@ -479,7 +479,13 @@ class RemoteStore:
     def size(self, key: str = "") -> int:
         """Size in bytes of the object ``key``."""
         path = self._path(key)
-        return int(self.call("size", key, lambda: self.fs.size(path)))
+        size = self.call("size", key, lambda: self.fs.size(path))
+        if size is None:  # an HTTP server that sends no Content-Length
+            raise RemoteError(
+                f"{self.url_of(key)}: the server does not report the object's size; pass "
+                "expected_size (from the manifest) or serve the pack with a server that does"
+            )
+        return int(size)
 
     def read_bytes(self, key: str = "", start: int | None = None, end: int | None = None) -> bytes:
         """The bytes of ``key`` (``[start, end)`` if given), for small objects (a manifest)."""

@@ -10,9 +10,10 @@
   latency to every request and caps the bandwidth of all responses together. It counts requests
   by method and path, and the body bytes it sent.
 
-Each server runs in its own process (``python -m torch_serialized.tools.loopback KIND ...``), so the
-caller stays single-threaded (``fork`` stays safe), and exits when its parent closes its stdin or
-dies. Every socket is bound to 127.0.0.1 on a free port.
+Each server runs in its own process (``multiprocessing``, spawned), so the caller stays
+single-threaded (``fork`` stays safe), and exits when its parent stops it or dies. Every socket is
+bound to 127.0.0.1 on a free port. ``python -m torch_serialized.tools.loopback KIND ...`` runs
+one by hand (it prints ``READY <port>``).
 """
 
 from __future__ import annotations
@@ -20,18 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
-import select
-import subprocess
 import sys
-import tempfile
 import threading
 import time
+import traceback
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 __all__ = [
     "FaultProxy",
@@ -92,45 +94,37 @@ _S = TypeVar("_S", bound="LoopbackServer")
 class LoopbackServer:
     """A server process on 127.0.0.1; ``url`` is its base URL. Stop it with :meth:`stop`."""
 
-    def __init__(self, args: list[str], *, startup_timeout: float = 60.0) -> None:
-        self._args = args
-        self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
-        env = {**os.environ, **S3_ENVIRONMENT, "NO_PROXY": "*", "no_proxy": "*"}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "torch_serialized.tools.loopback", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=env,
+    def __init__(self, kind: str, *args: Any, startup_timeout: float = 60.0) -> None:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads
+        ready_r, ready_w = ctx.Pipe(duplex=False)
+        alive_r, self._alive = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_serve, args=(kind, args, ready_w, alive_r), name=f"loopback-{kind}"
         )
-        self.port = self._wait_ready(startup_timeout)
+        self._proc.daemon = True  # ended at interpreter exit if stop() was never called
+        self._proc.start()
+        ready_w.close()
+        alive_r.close()
+        message: tuple[str, Any]
+        try:
+            message = ready_r.recv() if ready_r.poll(startup_timeout) else ("ERROR", "timed out")
+        except EOFError:
+            message = ("ERROR", f"the process died (exit code {self._proc.exitcode})")
+        finally:
+            ready_r.close()
+        if message[0] != "READY":
+            self.stop()
+            raise RuntimeError(f"loopback {kind} server {args} did not start: {message[1]}")
+        self.port = int(message[1])
         self.url = f"http://{HOST}:{self.port}"
 
-    def _wait_ready(self, timeout: float) -> int:
-        assert self._proc.stdout is not None
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        line = self._proc.stdout.readline().decode() if ready else ""
-        if not line.startswith("READY "):
-            self.stop()
-            self._stderr.seek(0)
-            raise RuntimeError(
-                f"loopback server {self._args} did not start: {line!r}\n"
-                + self._stderr.read().decode(errors="replace")[-4000:]
-            )
-        return int(line.split()[1])
-
     def stop(self) -> None:
-        """Stop the server (closing its stdin asks it to exit) and wait for it."""
-        if self._proc.stdin is not None and not self._proc.stdin.closed:
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
+        """Stop the server (closing its pipe asks it to exit) and wait for it."""
+        self._alive.close()
+        self._proc.join(10)
+        if self._proc.is_alive():
             self._proc.kill()
-            self._proc.wait()
-        if self._proc.stdout is not None:
-            self._proc.stdout.close()
-        self._stderr.close()
+            self._proc.join()
 
     def __enter__(self: _S) -> _S:
         return self
@@ -144,13 +138,12 @@ class LoopbackServer:
 
 def start_http_server(root: str | os.PathLike[str], *, ranges: bool = True) -> LoopbackServer:
     """Serve the folder ``root`` over HTTP (GET and HEAD; ``Range`` unless ``ranges=False``)."""
-    args = ["http", os.fspath(root)]
-    return LoopbackServer(args if ranges else [*args, "--no-ranges"])
+    return LoopbackServer("http", os.fspath(root), ranges)
 
 
 def start_s3_server() -> LoopbackServer:
     """moto's S3 server (empty, in memory); its ``url`` is the ``endpoint_url``."""
-    return LoopbackServer(["s3"])
+    return LoopbackServer("s3")
 
 
 @dataclass(frozen=True)
@@ -170,7 +163,8 @@ class FaultProxy(LoopbackServer):
     """A fault-injecting HTTP proxy in front of ``upstream``; ``url`` is where clients go."""
 
     def __init__(self, upstream: str) -> None:
-        super().__init__(["proxy", upstream])
+        _check_upstream(upstream)
+        super().__init__("proxy", upstream)
         self.upstream = upstream
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -241,17 +235,45 @@ def start_fault_proxy(upstream: str) -> FaultProxy:
 # --------------------------------------------------------------------------- server side
 
 
-def _exit_with_parent() -> None:
-    """Exit when stdin closes: the parent stopped us, or died."""
+Ready = Callable[[int], None]
+
+
+def _check_upstream(upstream: str) -> None:
+    if not upstream.startswith(f"http://{HOST}:"):
+        raise ValueError(
+            f"the upstream must be on http://{HOST}: a loopback server, not {upstream}"
+        )
+
+
+def _serve(kind: str, args: tuple[Any, ...], ready_w: Any, alive_r: Any) -> None:
+    """The server process: run ``kind`` until the parent closes its end of ``alive_r`` or dies."""
 
     def watch() -> None:
-        sys.stdin.buffer.read()
+        with suppress(EOFError, OSError):
+            alive_r.recv()
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True).start()
+    try:
+        _run(kind, args, lambda port: ready_w.send(("READY", port)))
+    except BaseException:
+        ready_w.send(("ERROR", traceback.format_exc()))
+        raise
 
 
-def _ready(port: int) -> None:
+def _run(kind: str, args: tuple[Any, ...], ready: Ready) -> None:
+    if kind == "http":
+        asyncio.run(_run_http(Path(args[0]), bool(args[1]), ready))
+    elif kind == "s3":
+        _run_s3(ready)
+    elif kind == "proxy":
+        _check_upstream(args[0])
+        asyncio.run(_run_proxy(args[0].rstrip("/"), ready))
+    else:
+        raise ValueError(f"unknown loopback server kind {kind!r}")
+
+
+def _print_ready(port: int) -> None:
     sys.stdout.write(f"READY {port}\n")
     sys.stdout.flush()
 
@@ -298,7 +320,7 @@ class _ProxyState:
         return None
 
 
-async def _run_proxy(upstream: str) -> None:
+async def _run_proxy(upstream: str, ready: Ready) -> None:
     import aiohttp
     from aiohttp import web
 
@@ -405,11 +427,11 @@ async def _run_proxy(upstream: str) -> None:
     await runner.setup()
     site = web.TCPSite(runner, HOST, 0)
     await site.start()
-    _ready(runner.addresses[0][1])
+    ready(runner.addresses[0][1])
     await asyncio.Event().wait()
 
 
-async def _run_http(root: Path, ranges: bool) -> None:
+async def _run_http(root: Path, ranges: bool, ready: Ready) -> None:
     from aiohttp import web
 
     base = root.resolve()
@@ -429,16 +451,16 @@ async def _run_http(root: Path, ranges: bool) -> None:
     await runner.setup()
     site = web.TCPSite(runner, HOST, 0)
     await site.start()
-    _ready(runner.addresses[0][1])
+    ready(runner.addresses[0][1])
     await asyncio.Event().wait()
 
 
-def _run_s3() -> None:
+def _run_s3(ready: Ready) -> None:
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address=HOST, port=0, verbose=False)
     server.start()
-    _ready(server.get_host_and_port()[1])
+    ready(server.get_host_and_port()[1])
     threading.Event().wait()
 
 
@@ -452,15 +474,16 @@ def main(argv: list[str] | None = None) -> None:
     proxy = sub.add_parser("proxy", help="a fault-injecting proxy")
     proxy.add_argument("upstream", help="http://127.0.0.1:PORT")
     args = parser.parse_args(argv)
-    _exit_with_parent()
     if args.kind == "http":
-        asyncio.run(_run_http(args.root, not args.no_ranges))
+        _run("http", (args.root, not args.no_ranges), _print_ready)
     elif args.kind == "s3":
-        _run_s3()
+        _run("s3", (), _print_ready)
     else:
-        if not args.upstream.startswith(f"http://{HOST}:"):
-            parser.error(f"the upstream must be on http://{HOST}: a loopback server")
-        asyncio.run(_run_proxy(args.upstream.rstrip("/")))
+        try:
+            _check_upstream(args.upstream)
+        except ValueError as exc:
+            parser.error(str(exc))
+        _run("proxy", (args.upstream,), _print_ready)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 Each server runs in its own process (``multiprocessing``, spawned), so the caller stays
 single-threaded (``fork`` stays safe), and exits when its parent stops it or dies. Every socket is
 bound to 127.0.0.1 on a free port. ``python -m torch_serialized.tools.loopback KIND ...`` runs
-one by hand (it prints ``READY <port>``).
+one by hand (it prints ``READY <port>``). As with any spawned process, a script that starts one
+must do it under ``if __name__ == "__main__":`` (the child imports the script's main module).
 """
 
 from __future__ import annotations
@@ -109,7 +110,11 @@ class LoopbackServer:
         try:
             message = ready_r.recv() if ready_r.poll(startup_timeout) else ("ERROR", "timed out")
         except EOFError:
-            message = ("ERROR", f"the process died (exit code {self._proc.exitcode})")
+            message = (
+                "ERROR",
+                "the process ended before it was ready (a script that starts servers must do it "
+                "under `if __name__ == '__main__':`)",
+            )
         finally:
             ready_r.close()
         if message[0] != "READY":
@@ -456,7 +461,11 @@ async def _run_http(root: Path, ranges: bool, ready: Ready) -> None:
 
 
 def _run_s3(ready: Ready) -> None:
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request on stderr
 
     server = ThreadedMotoServer(ip_address=HOST, port=0, verbose=False)
     server.start()

@@ -17,6 +17,9 @@ BUILTIN = {
     "SourceDataError": ValueError,
     "FileChangedError": OSError,
     "WriteError": OSError,
+    "RemoteError": OSError,
+    "RemoteNotFoundError": FileNotFoundError,
+    "RemoteAccessError": PermissionError,
 }
 
 
@@ -32,7 +35,15 @@ def test_the_tree() -> None:
     assert issubclass(errors.ChecksumError, errors.CorruptFileError)
     assert issubclass(errors.CorruptFileError, errors.FormatError)
     assert issubclass(errors.UnsupportedVersionError, errors.FormatError)
-    assert sorted(errors.__all__) == sorted(["TorchSerializedError", *BUILTIN])
+    assert issubclass(errors.RemoteNotFoundError, errors.RemoteError)
+    assert issubclass(errors.RemoteAccessError, errors.RemoteError)
+    assert sorted(errors.__all__) == sorted(["TorchSerializedError", "CacheLimitWarning", *BUILTIN])
+
+
+def test_cache_limit_is_a_warning_not_an_error() -> None:
+    assert issubclass(errors.CacheLimitWarning, UserWarning)
+    assert not issubclass(errors.CacheLimitWarning, errors.TorchSerializedError)
+    assert ts.CacheLimitWarning is errors.CacheLimitWarning
 
 
 def test_os_errors_keep_errno_and_message() -> None:

@@ -43,6 +43,10 @@ PUBLIC = [
     "FileChangedError",
     "WriteError",
     "SourceDataError",
+    "RemoteError",
+    "RemoteNotFoundError",
+    "RemoteAccessError",
+    "CacheLimitWarning",
 ]
 
 

@@ -11,10 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (
+    CacheLimitWarning,
     ChecksumError,
     CorruptFileError,
     FileChangedError,
     FormatError,
+    RemoteAccessError,
+    RemoteError,
+    RemoteNotFoundError,
     SourceDataError,
     TorchSerializedError,
     TruncatedFileError,
@@ -73,6 +77,10 @@ __all__ = [
     "FileChangedError",
     "WriteError",
     "SourceDataError",
+    "RemoteError",
+    "RemoteNotFoundError",
+    "RemoteAccessError",
+    "CacheLimitWarning",
 ]
 
 

@@ -17,6 +17,10 @@ __all__ = [
     "FileChangedError",
     "WriteError",
     "SourceDataError",
+    "RemoteError",
+    "RemoteNotFoundError",
+    "RemoteAccessError",
+    "CacheLimitWarning",
 ]
 
 
@@ -54,3 +58,19 @@ class WriteError(TorchSerializedError, OSError):
 
 class SourceDataError(TorchSerializedError, ValueError):
     """The VOC source data given to the packer is missing, malformed or unsafe."""
+
+
+class RemoteError(TorchSerializedError, OSError):
+    """Reading or writing a pack at a URL failed (network, server or permissions)."""
+
+
+class RemoteNotFoundError(RemoteError, FileNotFoundError):
+    """The object at a URL does not exist (HTTP 404, no such key or bucket); never retried."""
+
+
+class RemoteAccessError(RemoteError, PermissionError):
+    """The server refused access to a URL (HTTP 401/403, bad credentials); never retried."""
+
+
+class CacheLimitWarning(UserWarning):
+    """The local cache had to exceed ``cache_limit_bytes``: what is in use alone is larger."""

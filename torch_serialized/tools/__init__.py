@@ -8,6 +8,9 @@ names. Its public entry points are the names below, imported on first use (PEP 5
 - ``make_synthetic_voc(root, num_images, *, year, seed, ...)``: a deterministic VOCdevkit;
 - ``run_benchmark(root=None, *, quick=False, ...)``: the benchmark (``torch-serialized bench``);
 - ``run_demo(*, num_images=200, workers=2, ...)``: the demo (``torch-serialized demo``).
+
+``tools.loopback`` holds the real servers on 127.0.0.1 (HTTP with Range, S3 through moto, a
+fault-injecting proxy) that the tests and the remote benchmark use.
 """
 
 from __future__ import annotations

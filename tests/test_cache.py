@@ -1,0 +1,345 @@
+"""The local cache: keys, one download per object across processes, LRU, list and clear."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from torch_serialized.cache import (
+    CACHE_ENV,
+    Cache,
+    PackCache,
+    clear_cache,
+    default_cache_dir,
+    list_cache,
+    pack_key,
+)
+from torch_serialized.errors import CacheLimitWarning
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+
+WORKER = Path(__file__).with_name("_remote_worker.py")
+URL = "s3://bucket/voc"
+PART = 64 << 10
+
+
+def blob(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+class Source:
+    """A download callable over in-memory objects that counts its calls."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = objects
+        self.calls: list[str] = []
+
+    def __call__(self, name: str) -> Callable[[Path], None]:
+        def download(dest: Path) -> None:
+            self.calls.append(name)
+            tmp = dest.with_name(f".{dest.name}.x.partial")
+            tmp.write_bytes(self.objects[name])
+            os.replace(tmp, dest)
+
+        return download
+
+
+def fetch(pc: PackCache, source: Source, name: str) -> Path:
+    return pc.fetch(name, len(source.objects[name]), source(name))
+
+
+def age(path: Path, seconds_ago: float) -> None:
+    t = time.time() - seconds_ago
+    os.utime(path, (t, t))
+
+
+@contextmanager
+def held_elsewhere(
+    cache_dir: Path, url: str, identity: str, name: str, size: int
+) -> Iterator[None]:
+    """Another process holds object ``name`` (a shared lock) while the block runs."""
+    spec = {
+        "cache_dir": str(cache_dir),
+        "url": url,
+        "identity": identity,
+        "name": name,
+        "size": size,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), "hold", json.dumps(spec)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
+        yield
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+# --------------------------------------------------------------------------- where and keys
+
+
+def test_default_cache_dir_reads_the_environment_when_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "env-cache"))
+    assert default_cache_dir() == tmp_path / "env-cache"
+    assert Cache().directory == tmp_path / "env-cache"
+    assert Cache(tmp_path / "given").directory == tmp_path / "given"
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "torch_serialized"
+
+
+def test_keys_differ_by_identity_and_url(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    a = cache.pack(URL, "manifest-sha-1")
+    assert cache.pack(URL + "/", "manifest-sha-1").directory == a.directory
+    assert cache.pack(URL, "manifest-sha-2").directory != a.directory
+    assert cache.pack("s3://bucket/other", "manifest-sha-1").directory != a.directory
+    assert a.directory.name == pack_key(URL, "manifest-sha-1")
+
+
+def test_a_repacked_pack_never_sees_stale_shards(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    old, new = Source({"s.tser": b"old!"}), Source({"s.tser": b"new!"})
+    assert fetch(cache.pack(URL, "v1"), old, "s.tser").read_bytes() == b"old!"
+    assert fetch(cache.pack(URL, "v2"), new, "s.tser").read_bytes() == b"new!"
+    assert new.calls == ["s.tser"]
+
+
+@pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "pack.json"])
+def test_object_names_are_plain_file_names(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match="cached object"):
+        Cache(tmp_path).pack(URL, "i").path(name)
+
+
+# --------------------------------------------------------------------------- fetch
+
+
+def test_fetch_downloads_once_then_serves_from_disk(tmp_path: Path) -> None:
+    source = Source({"a.tser": blob(1000)})
+    pc = Cache(tmp_path).pack(URL, "i")
+    path = fetch(pc, source, "a.tser")
+    assert path.read_bytes() == source.objects["a.tser"]
+    assert fetch(pc, source, "a.tser") == path
+    pc.close()
+    assert fetch(Cache(tmp_path).pack(URL, "i"), source, "a.tser") == path  # a new process too
+    assert source.calls == ["a.tser"]
+    assert pc.held() == []
+
+
+def test_a_cached_file_of_the_wrong_size_is_downloaded_again(tmp_path: Path) -> None:
+    source = Source({"a.tser": blob(1000)})
+    pc = Cache(tmp_path).pack(URL, "i")
+    path = fetch(pc, source, "a.tser")
+    pc.close()
+    path.write_bytes(b"cut short")  # damaged by hand: not our writer
+    assert fetch(pc, source, "a.tser").read_bytes() == source.objects["a.tser"]
+    assert source.calls == ["a.tser", "a.tser"]
+
+
+def test_a_dead_writers_partial_file_is_removed(tmp_path: Path) -> None:
+    source = Source({"a.tser": blob(100)})
+    pc = Cache(tmp_path).pack(URL, "i")
+    pc.directory.mkdir(parents=True)
+    stale = pc.directory / ".a.tser.0123456789ab.partial"
+    stale.write_bytes(b"half")
+    fetch(pc, source, "a.tser")
+    assert not stale.exists()
+
+
+def test_put_stores_and_replaces_small_objects(tmp_path: Path) -> None:
+    pc = Cache(tmp_path).pack(URL, "i")
+    assert pc.put("manifest.json", b"{}").read_bytes() == b"{}"
+    assert pc.put("manifest.json", b"{}").read_bytes() == b"{}"
+    pc.close()
+    assert pc.put("manifest.json", b'{"a": 1}').read_bytes() == b'{"a": 1}'
+    assert pc.held() == ["manifest.json"]
+
+
+def test_a_pack_cache_pickles_without_what_it_holds(tmp_path: Path) -> None:
+    source = Source({"a.tser": blob(10)})
+    pc = Cache(tmp_path).pack(URL, "i")
+    fetch(pc, source, "a.tser")
+    clone = pickle.loads(pickle.dumps(pc))
+    assert clone.held() == [] and pc.held() == ["a.tser"]
+    assert fetch(clone, source, "a.tser").read_bytes() == source.objects["a.tser"]
+    assert source.calls == ["a.tser"]
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def test_lru_eviction_never_takes_a_held_object(tmp_path: Path) -> None:
+    objects = {f"s{i}.tser": blob(1000, i) for i in range(6)}
+    source = Source(objects)
+    cache = Cache(tmp_path, limit_bytes=3000)
+    pc = cache.pack(URL, "i")
+    for i, name in enumerate(["s0.tser", "s1.tser", "s2.tser"]):
+        age(fetch(pc, source, name), 100 - i)  # s0 is the least recently used
+    pc.release("s1.tser")
+    pc.release("s2.tser")  # s0 stays held by this process
+    fetch(pc, source, "s3.tser")
+    assert sorted(p.name for p in pc.directory.glob("s*.tser")) == ["s0.tser", "s2.tser", "s3.tser"]
+    pc.release("s3.tser")
+    age(pc.path("s3.tser"), 200)  # now the oldest, but another process holds it
+    with held_elsewhere(tmp_path, URL, "i", "s3.tser", 1000):
+        fetch(pc, source, "s4.tser")
+        names = sorted(p.name for p in pc.directory.glob("s*.tser"))
+        assert names == ["s0.tser", "s3.tser", "s4.tser"]
+    assert pc.path("s0.tser").read_bytes() == objects["s0.tser"]
+
+
+def test_the_limit_spans_every_pack_in_the_folder(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, limit_bytes=2500)
+    a, b = cache.pack(URL, "a"), cache.pack("s3://bucket/other", "b")
+    source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1)})
+    age(fetch(a, source, "x.tser"), 100)
+    a.close()
+    fetch(b, source, "x.tser")
+    fetch(b, source, "y.tser")
+    assert not a.path("x.tser").exists()
+    assert sum(p.bytes for p in list_cache(tmp_path)) <= 2500
+
+
+def test_a_working_set_over_the_limit_warns_and_still_works(tmp_path: Path) -> None:
+    source = Source({f"s{i}.tser": blob(1000, i) for i in range(3)})
+    pc = Cache(tmp_path, limit_bytes=1500).pack(URL, "i")
+    fetch(pc, source, "s0.tser")
+    with pytest.warns(CacheLimitWarning, match="cache_limit_bytes=1500"):
+        assert fetch(pc, source, "s1.tser").exists()
+    fetch(pc, source, "s2.tser")  # one warning per cache, not one per object
+    assert pc.held() == ["s0.tser", "s1.tser", "s2.tser"]
+
+
+def test_no_limit_evicts_nothing(tmp_path: Path) -> None:
+    source = Source({f"s{i}.tser": blob(1000, i) for i in range(4)})
+    pc = Cache(tmp_path).pack(URL, "i")
+    for name in source.objects:
+        fetch(pc, source, name)
+        pc.release(name)
+    assert len(list(pc.directory.glob("s*.tser"))) == 4
+
+
+# --------------------------------------------------------------------------- list and clear
+
+
+def test_list_and_clear(tmp_path: Path) -> None:
+    source = Source({"a.tser": blob(100), "b.tser": blob(200, 1)})
+    one, two = Cache(tmp_path).pack(URL, "one"), Cache(tmp_path).pack("s3://b/two", "two")
+    fetch(one, source, "a.tser")
+    fetch(one, source, "b.tser")
+    fetch(two, source, "a.tser")
+    one.release("b.tser")
+    two.close()
+    listed = {p.url: p for p in list_cache(tmp_path)}
+    assert set(listed) == {URL, "s3://b/two"}
+    assert (listed[URL].objects, listed[URL].bytes, listed[URL].in_use) == (2, 300, 1)
+    assert listed[URL].identity == "one" and listed[URL].last_used > 0
+
+    result = clear_cache(tmp_path, url="s3://b/two")
+    assert (result.packs_removed, result.objects_removed, result.bytes_freed) == (1, 1, 100)
+    result = clear_cache(tmp_path)  # a.tser of "one" is held: it stays
+    assert (result.packs_removed, result.objects_removed, result.objects_in_use) == (0, 1, 1)
+    assert one.path("a.tser").exists() and not one.path("b.tser").exists()
+    one.close()
+    assert clear_cache(tmp_path).packs_removed == 1
+    assert list_cache(tmp_path) == []
+    assert clear_cache(tmp_path / "never-made").packs_removed == 0
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_processes_sharing_a_cache_download_each_object_once(
+    remote: Remote, tmp_path: Path
+) -> None:
+    data = blob(6 * PART + 5, 7)
+    remote.put("manifest.json", b'{"shards": ["s.tser"]}')
+    remote.put("s.tser", data)
+    remote.proxy.configure(latency=0.05, bandwidth=256 << 10)  # ~2 s: the four overlap
+    spec = {
+        "url": remote.url,
+        "storage_options": remote.storage_options,
+        "cache_dir": str(tmp_path / "cache"),
+        "part_size": PART,
+        "name": "s.tser",
+        "size": len(data),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "fetch", json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4
+    assert outputs == [_sha(data)] * 4
+    assert remote.proxy.count("GET", remote.path("s.tser")) == 7  # the parts of one download
+    assert remote.proxy.count("GET", remote.path("manifest.json")) == 4
+    cached = list((tmp_path / "cache").rglob("s.tser"))
+    assert len(cached) == 1 and cached[0].read_bytes() == data
+    assert not list((tmp_path / "cache").rglob("*.partial"))
+
+
+def test_a_killed_download_leaves_no_file_that_passes_as_complete(
+    remote: Remote, tmp_path: Path
+) -> None:
+    data = blob(8 * PART, 9)
+    remote.put("manifest.json", b"{}")
+    remote.put("s.tser", data)
+    remote.proxy.configure(bandwidth=256 << 10)  # two seconds for the whole object
+    spec = {
+        "url": remote.url,
+        "storage_options": remote.storage_options,
+        "cache_dir": str(tmp_path / "cache"),
+        "part_size": PART,
+        "name": "s.tser",
+        "size": len(data),
+    }
+    proc = subprocess.Popen([sys.executable, str(WORKER), "fetch", json.dumps(spec)])
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "cache").rglob("*.partial")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    time.sleep(0.3)
+    proc.kill()
+    proc.wait()
+    assert not list((tmp_path / "cache").rglob("s.tser"))  # only the partial file
+    remote.proxy.configure()
+    out = subprocess.run(
+        [sys.executable, str(WORKER), "fetch", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == _sha(data)
+    assert not list((tmp_path / "cache").rglob("*.partial"))  # the dead one's was removed

@@ -1,0 +1,515 @@
+"""Remote locations: URL rules, fault classification, retried downloads and uploads.
+
+Downloads and uploads go to real servers on 127.0.0.1 (``remote_fixtures``) through a proxy that
+injects the faults; nothing of ours is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from torch_serialized.errors import (
+    ChecksumError,
+    RemoteAccessError,
+    RemoteError,
+    RemoteNotFoundError,
+)
+from torch_serialized.remote import (
+    Fault,
+    RemoteStore,
+    RetryPolicy,
+    classify_error,
+    digest_verifier,
+    is_url,
+    redact_url,
+)
+from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+
+PART = 64 << 10
+FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def store(remote: Remote, retry: RetryPolicy = FAST, **options: Any) -> RemoteStore:
+    return RemoteStore(
+        remote.url, {**remote.storage_options, **options}, retry=retry, part_size=PART
+    )
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# --------------------------------------------------------------------------- locations
+
+
+@pytest.mark.parametrize(
+    ("location", "expected"),
+    [
+        ("s3://bucket/prefix/voc", True),
+        ("gs://bucket/voc", True),
+        ("https://example.invalid/voc", True),
+        ("http://127.0.0.1:8000/voc", True),
+        ("file:///tmp/voc", True),
+        ("memory://voc", True),
+        ("/data/voc", False),
+        ("relative/voc.tser", False),
+        ("C:\\data\\voc", False),
+        ("c://data/voc", False),  # a drive letter, not a scheme
+        (Path("s3://bucket/voc"), False),  # a path object is always local
+    ],
+)
+def test_is_url(location: Any, expected: bool) -> None:
+    assert is_url(location) is expected
+
+
+def test_redact_url_hides_passwords_and_signed_queries() -> None:
+    assert redact_url("https://me:secret@host/p?X-Amz-Signature=abc") == "https://me:***@host/p?…"
+    assert redact_url("s3://bucket/key") == "s3://bucket/key"
+
+
+def test_a_local_path_is_not_a_store() -> None:
+    with pytest.raises(ValueError, match="not a URL"):
+        RemoteStore("/data/voc")
+
+
+def test_import_and_local_use_load_no_backend(tmp_path: Path) -> None:
+    code = f"""
+import sys
+import torch_serialized
+from torch_serialized import pack_voc, VOCSerializedDataset
+from torch_serialized.cache import Cache
+from torch_serialized.remote import RemoteStore, is_url
+from torch_serialized.remote_pack import resolve
+from torch_serialized.tools import make_synthetic_voc
+root = make_synthetic_voc({str(tmp_path)!r}, 4, year="2007")
+pack = pack_voc(root, {str(tmp_path / "p.tser")!r}, year="2007").path
+ds = VOCSerializedDataset(pack)
+ds[0]
+RemoteStore("s3://bucket/voc")  # made, not used: opens nothing
+Cache({str(tmp_path / "cache")!r}).pack("s3://bucket/voc", "x")
+heavy = ["s3fs", "gcsfs", "aiohttp", "botocore", "aiobotocore", "fsspec.implementations.http"]
+print(sorted(m for m in heavy if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_missing_backend_names_the_extra_to_install() -> None:
+    code = """
+import sys
+sys.modules["s3fs"] = None  # as if not installed
+from torch_serialized.remote import RemoteStore
+try:
+    RemoteStore("s3://bucket/voc").size("manifest.json")
+except ImportError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pip install 'torch_serialized[s3]'" in out.stdout
+    assert "s3://bucket/voc" in out.stdout
+
+
+# --------------------------------------------------------------------------- classification
+
+
+def _client_error(code: str, status: int) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "GetObject",
+    )
+
+
+def _s3fs_translated(code: str, status: int) -> Exception:
+    from s3fs.errors import translate_boto_error
+
+    return translate_boto_error(_client_error(code, status))
+
+
+def _aiohttp_status(status: int) -> Exception:
+    import aiohttp
+
+    return aiohttp.ClientResponseError(None, (), status=status)  # type: ignore[arg-type]
+
+
+def _aiohttp_payload() -> Exception:
+    import aiohttp
+    from aiohttp.http_exceptions import ContentLengthError
+
+    try:
+        raise aiohttp.ClientPayloadError("Response payload is not completed") from (
+            ContentLengthError("Not enough data to satisfy content length header")
+        )
+    except aiohttp.ClientPayloadError as exc:
+        return exc
+
+
+def _gcs_http(code: int) -> Exception:
+    from gcsfs.retry import HttpError
+
+    return HttpError({"code": code, "message": "m"})
+
+
+def _botocore(name: str) -> Exception:
+    import botocore.exceptions as be
+
+    cls = getattr(be, name)
+    return cls(endpoint_url="http://127.0.0.1:1/x", error="e")
+
+
+def _requests(name: str) -> Exception:
+    import requests.exceptions as re
+
+    return getattr(re, name)("e")
+
+
+CLASSIFIED = {
+    # fsspec HTTP (aiohttp)
+    "http 404": (lambda: FileNotFoundError("http://h/x"), Fault.NOT_FOUND),
+    "http 403": (lambda: _aiohttp_status(403), Fault.DENIED),
+    "http 401": (lambda: _aiohttp_status(401), Fault.DENIED),
+    "http 429": (lambda: _aiohttp_status(429), Fault.TRANSIENT),
+    "http 500": (lambda: _aiohttp_status(500), Fault.TRANSIENT),
+    "http 503": (lambda: _aiohttp_status(503), Fault.TRANSIENT),
+    "http 400": (lambda: _aiohttp_status(400), Fault.FATAL),
+    "http 416": (lambda: _aiohttp_status(416), Fault.FATAL),
+    "http truncated body": (_aiohttp_payload, Fault.TRANSIENT),
+    "http disconnected": (lambda: __import__("aiohttp").ServerDisconnectedError(), Fault.TRANSIENT),
+    # s3fs, as it translates botocore's errors, and botocore's own
+    "s3 NoSuchKey": (lambda: _s3fs_translated("NoSuchKey", 404), Fault.NOT_FOUND),
+    "s3 NoSuchBucket": (lambda: _s3fs_translated("NoSuchBucket", 404), Fault.NOT_FOUND),
+    "s3 AccessDenied": (lambda: _s3fs_translated("AccessDenied", 403), Fault.DENIED),
+    "s3 InvalidAccessKeyId": (lambda: _s3fs_translated("InvalidAccessKeyId", 403), Fault.DENIED),
+    "s3 SlowDown": (lambda: _s3fs_translated("SlowDown", 503), Fault.TRANSIENT),
+    "s3 InternalError": (lambda: _s3fs_translated("InternalError", 500), Fault.TRANSIENT),
+    "s3 429": (lambda: _s3fs_translated("TooManyRequests", 429), Fault.TRANSIENT),
+    "s3 bare 503": (lambda: _client_error("503", 503), Fault.TRANSIENT),
+    "s3 InvalidRange": (lambda: _s3fs_translated("InvalidRange", 416), Fault.FATAL),
+    "botocore closed": (lambda: _botocore("ConnectionClosedError"), Fault.TRANSIENT),
+    "botocore endpoint": (lambda: _botocore("EndpointConnectionError"), Fault.TRANSIENT),
+    "botocore read timeout": (lambda: _botocore("ReadTimeoutError"), Fault.TRANSIENT),
+    "botocore connect timeout": (lambda: _botocore("ConnectTimeoutError"), Fault.TRANSIENT),
+    "s3fs EBUSY": (lambda: OSError(errno.EBUSY, "SlowDown"), Fault.TRANSIENT),
+    # gcsfs
+    "gcs 404": (lambda: FileNotFoundError("b/x"), Fault.NOT_FOUND),
+    "gcs 403": (lambda: OSError("Forbidden: b/x\nno access"), Fault.DENIED),
+    "gcs 503": (lambda: _gcs_http(503), Fault.TRANSIENT),
+    "gcs 429": (lambda: _gcs_http(429), Fault.TRANSIENT),
+    "gcs 400": (lambda: _gcs_http(400), Fault.FATAL),
+    "gcs 502 (ProxyError)": (lambda: _requests("ProxyError"), Fault.TRANSIENT),
+    "requests chunked": (lambda: _requests("ChunkedEncodingError"), Fault.TRANSIENT),
+    # the OS and asyncio
+    "reset": (lambda: ConnectionResetError(errno.ECONNRESET, "reset"), Fault.TRANSIENT),
+    "refused": (lambda: ConnectionRefusedError(errno.ECONNREFUSED, "refused"), Fault.TRANSIENT),
+    "timeout": (lambda: TimeoutError("timed out"), Fault.TRANSIENT),
+    "asyncio timeout": (lambda: asyncio.TimeoutError(), Fault.TRANSIENT),
+    "permission": (lambda: PermissionError("no"), Fault.DENIED),
+    "disk full is not ours to retry": (lambda: OSError(errno.ENOSPC, "full"), Fault.FATAL),
+    "a bug": (lambda: TypeError("bad argument"), Fault.FATAL),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLASSIFIED))
+def test_classify_error(case: str) -> None:
+    make, expected = CLASSIFIED[case]
+    assert classify_error(make()) is expected
+
+
+def test_classify_error_follows_the_cause_chain() -> None:
+    try:
+        try:
+            raise _aiohttp_status(503)
+        except Exception as inner:
+            raise OSError(errno.EIO, "wrapped") from inner
+    except OSError as exc:
+        assert classify_error(exc) is Fault.TRANSIENT
+
+
+def test_retry_policy_backs_off_exponentially_within_bounds() -> None:
+    rng = random.Random(1)
+    policy = RetryPolicy(attempts=8, base_delay=0.5, max_delay=3.0)
+    for retry in range(1, 8):
+        full = min(3.0, 0.5 * 2 ** (retry - 1))
+        for _ in range(20):
+            assert full / 2 <= policy.delay(retry, rng) <= full
+    exact = RetryPolicy(base_delay=0.5, max_delay=3.0, jitter=False)
+    assert [exact.delay(k, rng) for k in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"attempts": 0}, {"base_delay": -1.0}, {"base_delay": 2.0, "max_delay": 1.0}]
+)
+def test_retry_policy_rejects_nonsense(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="RetryPolicy"):
+        RetryPolicy(**kwargs)
+
+
+def test_digest_verifier(tmp_path: Path) -> None:
+    f = tmp_path / "x"
+    f.write_bytes(b"123456789")
+    assert digest_verifier(hashlib.sha256(b"123456789").hexdigest())(f)
+    assert digest_verifier("CBF43926", "crc32")(f)
+    assert not digest_verifier("00000000", "crc32")(f)
+    with pytest.raises(ValueError):
+        digest_verifier("00", "no-such-hash")
+
+
+# --------------------------------------------------------------------------- downloads
+
+
+def test_download_is_identical_and_one_request_per_part(remote: Remote, tmp_path: Path) -> None:
+    data = payload(5 * PART + 123)
+    remote.put("obj.bin", data)
+    dest = store(remote).download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
+    assert dest.read_bytes() == data
+    assert leftovers(tmp_path) == ["obj.bin"]
+    assert remote.proxy.count("GET", remote.path("obj.bin")) == 6
+
+
+def test_download_of_an_empty_and_a_small_object(remote: Remote, tmp_path: Path) -> None:
+    remote.put("empty", b"")
+    remote.put("small", b"abc")
+    s = store(remote)
+    assert s.download("empty", tmp_path / "empty").read_bytes() == b""
+    assert s.download("small", tmp_path / "small").read_bytes() == b"abc"
+    assert s.read_bytes("small") == b"abc"
+
+
+FAULTS: dict[str, dict[str, Any]] = {
+    "drop": {"kind": "drop"},
+    "503": {"kind": "status", "status": 503},
+    "429": {"kind": "status", "status": 429},
+    "500": {"kind": "status", "status": 500},
+    "truncate": {"kind": "truncate"},
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_transient_faults_are_retried(remote: Remote, tmp_path: Path, fault: str) -> None:
+    data = payload(3 * PART, seed=2)
+    remote.put("obj.bin", data)
+    remote.proxy.add_fault(count=2, method="GET", **FAULTS[fault])
+    dest = store(remote).download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
+    assert dest.read_bytes() == data
+    assert sum(remote.proxy.stats()["faults"].values()) == 2
+    assert leftovers(tmp_path) == ["obj.bin"]
+
+
+def test_latency_is_only_slower(remote: Remote, tmp_path: Path) -> None:
+    data = payload(2 * PART)
+    remote.put("obj.bin", data)
+    remote.proxy.configure(latency=0.1)
+    start = time.monotonic()
+    store(remote).download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
+    assert time.monotonic() - start >= 0.1
+    assert (tmp_path / "obj.bin").read_bytes() == data
+
+
+def test_a_stalled_response_times_out_and_is_retried(remote: Remote, tmp_path: Path) -> None:
+    data = payload(PART // 2)
+    remote.put("obj.bin", data)
+    if remote.kind == "s3":
+        options: dict[str, Any] = {"config_kwargs": {"read_timeout": 0.5, "connect_timeout": 2}}
+    else:
+        import aiohttp
+
+        options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(sock_read=0.5)}}
+    remote.proxy.add_fault("delay", delay=2.0, count=1, method="GET")
+    s = store(remote, **options)
+    start = time.monotonic()
+    assert s.download("obj.bin", tmp_path / "o", expected_size=len(data)).read_bytes() == data
+    assert time.monotonic() - start < 2.0  # did not wait for the stalled answer
+    assert remote.proxy.count("GET", remote.path("obj.bin")) >= 2
+
+
+@pytest.mark.parametrize("fault", ["drop", "503", "truncate"])
+def test_exhausted_retries_raise_our_error(remote: Remote, tmp_path: Path, fault: str) -> None:
+    data = payload(2 * PART, seed=3)
+    remote.put("obj.bin", data)
+    remote.proxy.add_fault(count=None, method="GET", **FAULTS[fault])
+    with pytest.raises(RemoteError) as info:
+        store(remote).download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
+    assert type(info.value) is RemoteError  # neither not-found nor access denied
+    assert "obj.bin" in str(info.value)
+    assert "3 times" in str(info.value)
+    assert leftovers(tmp_path) == []  # a cut download leaves nothing that passes as complete
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "builtin", "hint"),
+    [
+        (404, RemoteNotFoundError, FileNotFoundError, "bucket name"),
+        (403, RemoteAccessError, PermissionError, "credentials"),
+    ],
+)
+def test_not_found_and_denied_are_not_retried(
+    remote: Remote, tmp_path: Path, status: int, error: type, builtin: type, hint: str
+) -> None:
+    data = payload(2 * PART)
+    remote.put("obj.bin", data)
+    remote.proxy.add_fault("status", status=status, count=None, method="GET")
+    with pytest.raises(error) as info:
+        store(remote).download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
+    assert isinstance(info.value, builtin)
+    message = str(info.value)
+    assert hint in message
+    assert (remote.url if remote.kind == "s3" else remote.proxy.url) in message
+    assert remote.proxy.count("GET", remote.path("obj.bin")) == 1
+    assert leftovers(tmp_path) == []
+
+
+def test_a_missing_object_is_not_found(remote: Remote, tmp_path: Path) -> None:
+    with pytest.raises(RemoteNotFoundError, match="nothing-here"):
+        store(remote).download("nothing-here", tmp_path / "x")
+    with pytest.raises(RemoteNotFoundError):
+        store(remote).read_bytes("nothing-here")
+
+
+def test_checksum_mismatch_downloads_once_more_then_raises(remote: Remote, tmp_path: Path) -> None:
+    data = payload(2 * PART)
+    remote.put("obj.bin", data)
+    wrong = digest_verifier(hashlib.sha256(b"other").hexdigest())
+    with pytest.raises(ChecksumError) as info:
+        store(remote).download(
+            "obj.bin", tmp_path / "obj.bin", expected_size=len(data), verify=wrong
+        )
+    assert "obj.bin" in str(info.value) and "twice" in str(info.value)
+    assert remote.proxy.count("GET", remote.path("obj.bin")) == 4  # two parts, twice
+    assert leftovers(tmp_path) == []
+
+
+def test_a_checksum_mismatch_that_heals_on_the_second_download(
+    remote: Remote, tmp_path: Path
+) -> None:
+    data = payload(2 * PART)
+    remote.put("obj.bin", data)
+    calls: list[bytes] = []
+
+    def flaky(path: Path) -> bool:  # a bit flipped on the way the first time
+        calls.append(path.read_bytes())
+        return len(calls) > 1
+
+    s = store(remote)
+    assert s.download("obj.bin", tmp_path / "o", expected_size=len(data), verify=flaky).exists()
+    assert len(calls) == 2 and calls[1] == data
+    assert (tmp_path / "o").read_bytes() == data
+
+
+def test_an_object_smaller_than_expected_is_an_error(remote: Remote, tmp_path: Path) -> None:
+    data = payload(2 * PART)
+    remote.put("obj.bin", data)
+    with pytest.raises(RemoteError, match="obj.bin"):
+        store(remote).download("obj.bin", tmp_path / "o", expected_size=len(data) + 10)
+    assert leftovers(tmp_path) == []
+
+
+def test_a_server_without_range_support_is_read_whole(tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    data = payload(4 * PART + 7)
+    (served / "obj.bin").write_bytes(data)
+    with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
+        s = RemoteStore(proxy.url, retry=FAST, part_size=PART)
+        for name in ("a", "b"):
+            dest = s.download("obj.bin", tmp_path / name, expected_size=len(data))
+            assert dest.read_bytes() == data
+        proxy.add_fault("truncate", count=1, method="GET")  # and a cut stream is retried
+        assert s.download("obj.bin", tmp_path / "c", expected_size=len(data)).read_bytes() == data
+        assert proxy.count("GET", "/obj.bin") == 4  # one whole body each, plus the cut one
+
+
+def test_memory_and_file_urls(tmp_path: Path) -> None:
+    import fsspec
+
+    data = payload(3 * PART)
+    fsspec.filesystem("memory").pipe(f"/ts-{os.getpid()}/obj.bin", data)
+    got = RemoteStore(f"memory://ts-{os.getpid()}", part_size=PART).download(
+        "obj.bin", tmp_path / "m"
+    )
+    assert got.read_bytes() == data
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "obj.bin").write_bytes(data)
+    s = RemoteStore((tmp_path / "src").as_uri(), part_size=PART)
+    assert s.download("obj.bin", tmp_path / "f").read_bytes() == data
+
+
+def test_a_store_pickles_without_its_filesystem(remote: Remote, tmp_path: Path) -> None:
+    import pickle
+
+    remote.put("obj.bin", b"hello")
+    s = store(remote)
+    assert s.read_bytes("obj.bin") == b"hello"
+    clone = pickle.loads(pickle.dumps(s))
+    assert clone._fs is None
+    assert clone.read_bytes("obj.bin") == b"hello"
+
+
+# --------------------------------------------------------------------------- uploads
+
+
+def _pack_folder(root: Path) -> dict[str, bytes]:
+    files = {
+        "shard-00000.tser": payload(3 * PART, 1),
+        "shard-00001.tser": payload(PART + 1, 2),
+        "sub/extra.bin": b"x",
+        "manifest.json": b'{"shards": 2}',
+    }
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+def test_upload_folder_to_s3_puts_the_manifest_last(s3_remote: Remote, tmp_path: Path) -> None:
+    files = _pack_folder(tmp_path)
+    keys = store(s3_remote).upload_folder(tmp_path)
+    assert keys[-1] == "manifest.json" and sorted(keys) == sorted(files)
+    for name, data in files.items():
+        assert s3_remote.get(name) == data
+    puts = [e for e in s3_remote.proxy.stats()["log"] if e.startswith("PUT ")]
+    assert puts[-1] == f"PUT {s3_remote.path('manifest.json')}"
+    assert len(puts) == len(files)
+
+
+def test_upload_is_retried(s3_remote: Remote, tmp_path: Path) -> None:
+    (tmp_path / "one.tser").write_bytes(payload(PART))
+    s3_remote.proxy.add_fault("status", status=503, count=1, method="PUT")
+    store(s3_remote).upload_file(tmp_path / "one.tser", "one.tser")
+    assert s3_remote.get("one.tser") == payload(PART)
+
+
+def test_upload_to_a_file_url_never_shows_a_partial_file(tmp_path: Path) -> None:
+    files = _pack_folder(tmp_path / "src")
+    dest = tmp_path / "dest"
+    keys = RemoteStore(dest.as_uri()).upload_folder(tmp_path / "src")
+    assert keys[-1] == "manifest.json"
+    for name, data in files.items():
+        assert (dest / name).read_bytes() == data
+    assert not list(dest.rglob("*.partial"))
+
+
+def test_upload_folder_needs_its_manifest(tmp_path: Path) -> None:
+    (tmp_path / "shard.tser").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        RemoteStore((tmp_path / "out").as_uri()).upload_folder(tmp_path)

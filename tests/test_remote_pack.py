@@ -1,0 +1,163 @@
+"""resolve() and RemotePack: a remote pack through the cache, shards on demand or prefetched."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import random
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from _remote_worker import fetch_in_worker
+
+from torch_serialized.errors import ChecksumError, RemoteNotFoundError
+from torch_serialized.remote import RetryPolicy, digest_verifier
+from torch_serialized.remote_pack import RemotePack, ShardRequest, resolve
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+
+PART = 64 << 10
+FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
+MANIFEST = b'{"format": "torch_serialized.shards", "shards": ["a.tser", "b.tser"]}'
+
+
+def blob(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def shards(remote: Remote) -> dict[str, bytes]:
+    data = {"a.tser": blob(3 * PART, 1), "b.tser": blob(2 * PART + 9, 2)}
+    remote.put("manifest.json", MANIFEST)
+    for name, content in data.items():
+        remote.put(name, content)
+    return data
+
+
+def open_pack(remote: Remote, cache_dir: Path) -> RemotePack:
+    return resolve(remote.url, remote.storage_options, cache_dir, retry=FAST, part_size=PART)
+
+
+def test_resolve_reads_the_manifest_into_the_cache(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    with open_pack(remote, tmp_path) as pack:
+        assert pack.manifest_path is not None
+        assert pack.manifest_path.read_bytes() == MANIFEST
+        assert pack.manifest_path.parent == pack.path
+        assert pack.identity == sha(MANIFEST)
+        assert pack.path.is_relative_to(tmp_path)
+        assert remote.proxy.count("GET", remote.path("manifest.json")) == 1
+
+
+def test_shards_are_fetched_once_and_verified(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    with open_pack(remote, tmp_path) as pack:
+        for name, data in shards.items():
+            path = pack.fetch_shard(name, len(data), digest_verifier(sha(data)))
+            assert path.read_bytes() == data and path.parent == pack.path
+        pack.fetch_shard("a.tser", len(shards["a.tser"]))
+    with open_pack(remote, tmp_path) as again:  # a new run: the shards are cached
+        assert again.fetch_shard("b.tser", len(shards["b.tser"])).read_bytes() == shards["b.tser"]
+    assert remote.proxy.count("GET", remote.path("a.tser")) == 3
+    assert remote.proxy.count("GET", remote.path("b.tser")) == 3
+
+
+def test_prefetch_downloads_in_the_background(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    with open_pack(remote, tmp_path) as pack:
+        pack.prefetch([ShardRequest(n, len(d), digest_verifier(sha(d))) for n, d in shards.items()])
+        deadline = time.monotonic() + 30
+        while not all((pack.path / n).exists() for n in shards):  # no fetch_shard call yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        before = remote.proxy.stats()["total"]
+        for name, data in shards.items():
+            assert pack.fetch_shard(name, len(data)).read_bytes() == data
+        assert remote.proxy.stats()["total"] == before
+        assert pack.cache.held() == ["a.tser", "b.tser", "manifest.json"]
+        pack.release("a.tser")
+        assert pack.cache.held() == ["b.tser", "manifest.json"]
+    assert pack.cache.held() == []
+
+
+def test_a_failed_prefetch_raises_when_the_shard_is_asked_for(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    with open_pack(remote, tmp_path) as pack:
+        pack.prefetch(["missing.tser"])
+        with pytest.raises(RemoteNotFoundError, match=r"missing\.tser"):
+            pack.fetch_shard("missing.tser")
+
+
+def test_a_corrupt_shard_raises_checksum_error_and_is_not_cached(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    with open_pack(remote, tmp_path) as pack:
+        with pytest.raises(ChecksumError, match=r"a\.tser"):
+            pack.fetch_shard("a.tser", len(shards["a.tser"]), digest_verifier(sha(b"other")))
+        assert not (pack.path / "a.tser").exists()
+
+
+def test_a_repacked_url_gets_a_new_cache_folder(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    old = open_pack(remote, tmp_path)
+    old.fetch_shard("a.tser", len(shards["a.tser"]))
+    remote.put("manifest.json", MANIFEST + b" ")
+    remote.put("a.tser", b"new contents")
+    with open_pack(remote, tmp_path) as new:
+        assert new.path != old.path and new.identity != old.identity
+        assert new.fetch_shard("a.tser", 12).read_bytes() == b"new contents"
+    assert (old.path / "a.tser").read_bytes() == shards["a.tser"]  # the old reader is intact
+    old.close()
+
+
+def test_a_folder_without_a_manifest(remote: Remote, tmp_path: Path) -> None:
+    with pytest.raises(RemoteNotFoundError, match=r"manifest\.json.*\.tser"):
+        open_pack(remote, tmp_path)
+
+
+def test_a_single_file_pack_is_downloaded_whole(remote: Remote, tmp_path: Path) -> None:
+    data = blob(3 * PART + 100, 5)
+    remote.put("one.tser", data)
+    url = f"{remote.url}/one.tser"
+    with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as pack:
+        assert pack.manifest_path is None
+        assert pack.path.name == "one.tser" and pack.path.read_bytes() == data
+        first = pack.identity
+    remote.put("one.tser", data[:-64] + bytes(64))  # re-packed: a different footer
+    with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as pack:
+        assert pack.identity != first
+        assert pack.path.read_bytes() == data[:-64] + bytes(64)
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_worker_processes_share_one_download(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path, method: str
+) -> None:
+    pack = open_pack(remote, tmp_path)
+    remote.proxy.configure(latency=0.05)
+    jobs = [(pack, name, len(shards[name])) for name in ["a.tser", "b.tser", "a.tser", "b.tser"]]
+    with warnings.catch_warnings():
+        # Python 3.12+ warns that forking a process with threads (fsspec's event loop) may
+        # deadlock; DataLoader forks all the same, and the fork handlers make it safe here.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with multiprocessing.get_context(method).Pool(2) as pool:
+            digests = pool.map(fetch_in_worker, jobs, chunksize=1)
+    assert digests == [sha(shards[name]) for _, name, _ in jobs]
+    assert remote.proxy.count("GET", remote.path("a.tser")) == 3
+    assert remote.proxy.count("GET", remote.path("b.tser")) == 3
+    pack.close()

@@ -1,0 +1,510 @@
+"""The local cache of remote packs: one download per object, shared by every process.
+
+Design
+------
+* **Where.** ``cache_dir``, else ``$TORCH_SERIALIZED_CACHE``, else ``~/.cache/torch_serialized``,
+  read when a :class:`Cache` is made (never at import). It should be on a local filesystem:
+  the locks below are ``flock`` locks.
+* **Layout.** ``<cache_dir>/v1/<key>/`` holds one pack: ``pack.json`` (its URL and identity),
+  the objects under their names in the pack (``manifest.json``, shard files), ``.locks/`` and
+  ``.<name>.<random>.partial`` files being downloaded. ``key`` hashes the URL **and** the pack's
+  identity (the manifest's checksum), so a pack re-packed at the same URL gets a fresh folder and
+  never mixes with stale shards.
+* **One download per object, never a corrupt file.** A process that misses an object takes an
+  exclusive ``flock`` on ``.locks/<name>.lock``, looks again (another process may just have
+  finished), and only then downloads, to a temporary name renamed into place when complete and
+  checked. Others wait on the lock and then find the object. A process that dies mid-download
+  drops its lock with it; its partial file is deleted by the next one to take the lock.
+* **Readers hold what they use.** :meth:`PackCache.fetch` returns the object's path while this
+  process holds a shared ``flock`` on it, until :meth:`PackCache.release` (or ``close``).
+* **Bounded, least recently used out.** With ``limit_bytes`` set, room for a download is made
+  first (under ``<cache_dir>/.evict.lock``, so evictions do not race): objects go oldest use first
+  (an object's mtime is its last fetch), each only if an exclusive non-blocking ``flock``
+  succeeds, so an object some process holds is never removed. When what is held and in flight
+  alone exceeds the limit, the cache grows past it and warns (:class:`CacheLimitWarning`) once per
+  :class:`Cache`: a soft limit that stops an epoch would cost more than the bytes it saves.
+* :func:`list_cache` and :func:`clear_cache` are what ``torch-serialized cache list|clear``
+  shows and does; ``clear`` skips objects in use.
+"""
+
+# More than 400 lines: the cache's locking, eviction and listing rules belong together: each
+# relies on the others' lock order.
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import CacheLimitWarning
+
+__all__ = [
+    "CACHE_ENV",
+    "Cache",
+    "CachedPack",
+    "ClearResult",
+    "PackCache",
+    "clear_cache",
+    "default_cache_dir",
+    "list_cache",
+]
+
+CACHE_ENV = "TORCH_SERIALIZED_CACHE"
+_LAYOUT = "v1"
+_PACK_INFO = "pack.json"
+_LOCKS = ".locks"
+_PARTIAL = ".partial"
+
+
+def default_cache_dir() -> Path:
+    """``$TORCH_SERIALIZED_CACHE`` if set, else ``~/.cache/torch_serialized``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "torch_serialized"
+
+
+def pack_key(url: str, identity: str) -> str:
+    """The folder name of a pack: a hash of its URL and its identity."""
+    return hashlib.sha256(f"{url.rstrip('/')}\n{identity}".encode()).hexdigest()[:32]
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or "\\" in name or name.startswith(".") or name == _PACK_INFO:
+        raise ValueError(f"{name!r} cannot be a cached object's name (a plain file name)")
+
+
+@contextmanager
+def _flocked(path: Path, operation: int) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, operation)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock; never LOCK_UN (a forked child shares the lock)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _try_remove(path: Path) -> bool:
+    """Delete ``path`` if no process holds it (exclusive non-blocking flock); True if deleted."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if not _same_file(fd, path):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: Path
+    size: int
+    mtime: float
+    partial: bool
+
+
+def _objects(pack_dir: Path) -> list[_Entry]:
+    """The objects and partial downloads of one pack folder."""
+    out = []
+    try:
+        items = list(os.scandir(pack_dir))
+    except FileNotFoundError:
+        return []
+    for item in items:
+        if item.name in (_PACK_INFO, _LOCKS) or not item.is_file(follow_symlinks=False):
+            continue
+        partial = item.name.startswith(".") and item.name.endswith(_PARTIAL)
+        if item.name.startswith(".") and not partial:
+            continue
+        try:
+            st = item.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        out.append(_Entry(Path(item.path), st.st_size, st.st_mtime, partial))
+    return out
+
+
+def _pack_dirs(root: Path) -> list[Path]:
+    layout = root / _LAYOUT
+    try:
+        return sorted(p for p in layout.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except FileNotFoundError:
+        return []
+
+
+class Cache:
+    """A cache folder shared by every process on the machine, optionally bounded.
+
+    ``limit_bytes`` (None: unbounded) bounds the bytes of all packs in the folder together.
+    """
+
+    def __init__(
+        self, cache_dir: str | os.PathLike[str] | None = None, limit_bytes: int | None = None
+    ) -> None:
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"cache_limit_bytes must be >= 0 or None, got {limit_bytes}")
+        self.directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.limit_bytes = limit_bytes
+        self._warned = False
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.directory)!r}, limit_bytes={self.limit_bytes!r})"
+
+    def pack(self, url: str, identity: str) -> PackCache:
+        """The cache of one pack, identified by its URL and identity (its manifest's checksum)."""
+        return PackCache(self, url, identity)
+
+    def make_room(self, need: int) -> None:
+        """Evict least recently used objects no process holds until ``need`` more bytes fit."""
+        if self.limit_bytes is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
+            entries = [e for d in _pack_dirs(self.directory) for e in _objects(d)]
+            total = sum(e.size for e in entries)
+            for entry in sorted((e for e in entries if not e.partial), key=lambda e: e.mtime):
+                if total + need <= self.limit_bytes:
+                    break
+                if _try_remove(entry.path):
+                    total -= entry.size
+            if total + need > self.limit_bytes and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    CacheLimitWarning(
+                        f"{self.directory}: the cache needs {total + need} bytes, more than "
+                        f"cache_limit_bytes={self.limit_bytes}, because that much is in use or "
+                        "being downloaded right now (by every process sharing this cache). It "
+                        "grows past the limit; raise the limit or read fewer shards at once "
+                        "(fewer workers or less prefetch)"
+                    ),
+                    stacklevel=4,
+                )
+
+
+class PackCache:
+    """The cached objects of one pack; get them with :meth:`fetch`.
+
+    Thread-safe. After a fork the child holds nothing (the parent keeps its locks); pickling
+    drops what this process holds.
+    """
+
+    def __init__(self, cache: Cache, url: str, identity: str) -> None:
+        self.cache = cache
+        self.url = url
+        self.identity = identity
+        self.directory = cache.directory / _LAYOUT / pack_key(url, identity)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._mutex = threading.Lock()
+        self._held: dict[str, int] = {}
+        # Close what is still held when this object goes away, even without close().
+        self._finalizer = weakref.finalize(self, _close_all, self._held)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_pid", "_mutex", "_held", "_finalizer"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def __repr__(self) -> str:
+        return f"PackCache({str(self.directory)!r})"
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            # Closing our copies of the parent's descriptors leaves the parent's locks in place.
+            self._finalizer()
+            self._reset()
+
+    def path(self, name: str) -> Path:
+        """Where object ``name`` is (or will be) cached."""
+        _check_name(name)
+        return self.directory / name
+
+    def _prepare(self) -> None:
+        (self.directory / _LOCKS).mkdir(parents=True, exist_ok=True)
+        info = self.directory / _PACK_INFO
+        if not info.exists():
+            _write_atomic(
+                info,
+                json.dumps(
+                    {"url": self.url, "identity": self.identity, "created": time.time()}
+                ).encode(),
+            )
+
+    def put(self, name: str, data: bytes) -> Path:
+        """Store small ``data`` (a manifest) as object ``name``, atomically, and hold it."""
+        self._check_fork()
+        path = self.path(name)
+        self._prepare()
+        with _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX):
+            fd = self._open_held(path, len(data))
+            if fd is None or _read_fd(fd) != data:
+                if fd is not None:
+                    os.close(fd)
+                self.cache.make_room(len(data))
+                _write_atomic(path, data)
+                fd = self._open_held(path, len(data))
+        if fd is None:  # evicted between the rename and the lock: only under extreme pressure
+            raise FileNotFoundError(f"{path}: removed from the cache as soon as it was written")
+        return self._keep(name, fd)
+
+    def fetch(
+        self, name: str, expected_size: int | None, download: Callable[[Path], object]
+    ) -> Path:
+        """The local path of object ``name``, downloaded first if it is not cached.
+
+        ``download(dest)`` must create ``dest`` atomically with the whole object
+        (:meth:`RemoteStore.download <torch_serialized.remote.RemoteStore.download>` does);
+        several processes asking for one object make one call between them. The object stays
+        held (never evicted) until :meth:`release`. A cached file whose size is not
+        ``expected_size`` is downloaded again.
+        """
+        self._check_fork()
+        path = self.path(name)
+        with self._mutex:
+            if name in self._held:
+                _touch(path)
+                return path
+        for _ in range(3):
+            fd = self._open_held(path, expected_size)
+            if fd is None:
+                self._prepare()
+                with _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX):
+                    fd = self._open_held(path, expected_size)
+                    if fd is None:
+                        for stale in self.directory.glob(f".{name}.*{_PARTIAL}"):
+                            stale.unlink(missing_ok=True)  # its writer died: we hold the lock
+                        self.cache.make_room(expected_size or 0)
+                        download(path)
+                        fd = self._open_held(path, expected_size)
+            if fd is not None:
+                return self._keep(name, fd)
+        raise OSError(
+            f"{path}: the cached object kept disappearing or changing size right after its "
+            "download; is another program deleting files in the cache folder?"
+        )
+
+    def _keep(self, name: str, fd: int) -> Path:
+        with self._mutex:
+            if name in self._held:
+                os.close(fd)
+            else:
+                self._held[name] = fd
+        path = self.directory / name
+        _touch(path)
+        return path
+
+    def _open_held(self, path: Path, expected_size: int | None) -> int | None:
+        """A descriptor of ``path`` holding a shared lock, if it is there and complete."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an evictor unlinks it
+            if _same_file(fd, path) and (
+                expected_size is None or os.fstat(fd).st_size == expected_size
+            ):
+                fd, keep = -1, fd
+                return keep
+            return None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def held(self) -> list[str]:
+        """Names of the objects this process holds."""
+        self._check_fork()
+        with self._mutex:
+            return sorted(self._held)
+
+    def release(self, name: str) -> None:
+        """Stop holding object ``name``: it may be evicted once no process holds it."""
+        self._check_fork()
+        with self._mutex:
+            fd = self._held.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Release every object this process holds."""
+        self._check_fork()
+        with self._mutex:
+            _close_all(self._held)
+
+
+def _close_all(held: dict[str, int]) -> None:
+    while held:
+        _, fd = held.popitem()
+        with suppress(OSError):
+            os.close(fd)
+
+
+def _touch(path: Path) -> None:
+    with suppress(FileNotFoundError):
+        os.utime(path)  # the mtime is the last use: the LRU order
+
+
+def _read_fd(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0) if size else b""
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}{_PARTIAL}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- list and clear
+
+
+@dataclass(frozen=True)
+class CachedPack:
+    """One pack in a cache folder, as ``torch-serialized cache list`` shows it."""
+
+    directory: Path
+    url: str
+    identity: str
+    objects: int
+    bytes: int
+    last_used: float  # seconds since the epoch; 0.0 if it holds no object
+    in_use: int  # objects some process holds or is downloading right now
+
+
+@dataclass(frozen=True)
+class ClearResult:
+    """What :func:`clear_cache` did."""
+
+    packs_removed: int
+    objects_removed: int
+    bytes_freed: int
+    objects_in_use: int  # skipped: some process holds or is downloading them
+
+
+def _is_busy(entry: _Entry, pack_dir: Path) -> bool:
+    if entry.partial:  # busy while its writer holds the object's download lock
+        name = entry.path.name[1:].rsplit(".", 2)[0]
+        lock = pack_dir / _LOCKS / f"{name}.lock"
+        if not lock.exists():
+            return False
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    else:
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _info(pack_dir: Path) -> dict[str, Any]:
+    try:
+        info = json.loads((pack_dir / _PACK_INFO).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPack]:
+    """Every pack in the cache folder (default: :func:`default_cache_dir`), by URL."""
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    out = []
+    for pack_dir in _pack_dirs(root):
+        info = _info(pack_dir)
+        entries = _objects(pack_dir)
+        done = [e for e in entries if not e.partial]
+        out.append(
+            CachedPack(
+                directory=pack_dir,
+                url=str(info.get("url", "?")),
+                identity=str(info.get("identity", "?")),
+                objects=len(done),
+                bytes=sum(e.size for e in done),
+                last_used=max((e.mtime for e in done), default=0.0),
+                in_use=sum(_is_busy(e, pack_dir) for e in entries),
+            )
+        )
+    return sorted(out, key=lambda p: (p.url, -p.last_used))
+
+
+def clear_cache(
+    cache_dir: str | os.PathLike[str] | None = None, *, url: str | None = None
+) -> ClearResult:
+    """Delete the cached packs (only those of ``url`` if given), except objects in use.
+
+    A pack folder is removed once nothing in it is in use; objects that some process holds or is
+    downloading are left, and counted in ``objects_in_use``.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    packs = objects = freed = busy = 0
+    if not (root / _LAYOUT).is_dir():
+        return ClearResult(0, 0, 0, 0)
+    with _flocked(root / ".evict.lock", fcntl.LOCK_EX):
+        for pack_dir in _pack_dirs(root):
+            if url is not None and _info(pack_dir).get("url", "").rstrip("/") != url.rstrip("/"):
+                continue
+            left = 0
+            for entry in _objects(pack_dir):
+                if _is_busy(entry, pack_dir):
+                    left += 1
+                elif entry.partial:
+                    entry.path.unlink(missing_ok=True)
+                elif _try_remove(entry.path):
+                    objects += 1
+                    freed += entry.size
+            busy += left
+            if left == 0:
+                # Move aside first: a process starting on this pack now recreates a clean one.
+                trash = root / _LAYOUT / f".trash-{uuid.uuid4().hex[:12]}"
+                try:
+                    pack_dir.rename(trash)
+                except OSError:
+                    continue
+                shutil.rmtree(trash, ignore_errors=True)
+                packs += 1
+    return ClearResult(packs, objects, freed, busy)

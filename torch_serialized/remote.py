@@ -1,0 +1,703 @@
+"""Pack locations at URLs and the transfer of single objects to and from them.
+
+Design
+------
+* **A location** is either a local path or an fsspec URL (``s3://``, ``gs://``, ``https://``,
+  ``http://``, ``file://``, ``memory://``...). :func:`is_url` decides, and only a ``str`` with a
+  scheme of two or more letters is a URL: an ``os.PathLike`` never is, so a local path never
+  reaches fsspec or the cache.
+* **Backends load lazily.** :class:`RemoteStore` opens its fsspec filesystem on first use, in the
+  process that uses it (again after a fork, never pickled), so ``import torch_serialized`` and
+  local use never import s3fs, gcsfs or aiohttp. A missing backend names the extra to install.
+* **One retry layer, ours.** Each remote call goes through :func:`classify_error`, which maps what
+  s3fs/botocore, gcsfs, fsspec's HTTP filesystem (aiohttp) and the OS raise to a
+  :class:`Fault`: transient faults (connection reset/refused, timeouts, truncated bodies, HTTP 408,
+  429 and 5xx) are retried with exponential backoff and jitter under a :class:`RetryPolicy`;
+  404 and 401/403 raise at once. For S3 the backends' own retries (botocore's and s3fs's) are
+  turned off unless ``storage_options`` sets them, otherwise their counts multiply ours and a dead
+  endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries.
+* **Downloads are ranged parts.** An object is fetched as parts of ``part_size`` bytes
+  (``cat_file(path, start, end)``, a few in parallel) written with ``pwrite`` into a temporary file
+  of the final size in the destination folder, then checked (every part's length; the caller's
+  ``verify``), fsynced and renamed. A dropped connection costs one part, not the object; parallel
+  requests hide per-request latency; every fsspec backend supports it. A server that ignores
+  ``Range`` (``python -m http.server``) is detected once and read as one stream instead.
+  A checksum mismatch re-downloads once, then raises
+  :class:`~torch_serialized.errors.ChecksumError`.
+* **Uploads put the manifest last**, so a reader never sees a manifest naming missing shards.
+  Object stores write an object atomically; on ``file://`` an object is written to a temporary
+  name and renamed.
+
+Messages name the URL with any password and query string hidden.
+"""
+
+# More than 400 lines: one transfer layer (fault classes, the retry policy, ranged downloads
+# and manifest-last uploads) that every backend goes through; split it when it is wired in.
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import errno
+import hashlib
+import http.client
+import logging
+import os
+import random
+import re
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import ChecksumError, RemoteAccessError, RemoteError, RemoteNotFoundError
+
+__all__ = [
+    "Fault",
+    "RetryPolicy",
+    "RemoteStore",
+    "classify_error",
+    "digest_verifier",
+    "is_url",
+    "redact_url",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_PART_SIZE = 8 << 20
+DEFAULT_CONCURRENCY = 4
+_STREAM_CHUNK = 1 << 20
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
+# Which extra brings the backend of a protocol, for the message when it is missing.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+# Protocols whose object writes are atomic (a reader sees the old object or the whole new one).
+_ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "memory", "az", "abfs", "abfss", "adl"}
+_LOCAL = {"file", "local"}
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """True if ``location`` is an fsspec URL; a path object or a plain path is local."""
+    return isinstance(location, str) and _URL.match(location) is not None
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a message: password and query string (signed tokens) hidden."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"{user}@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "…" if parts.query else "", ""))
+
+
+# --------------------------------------------------------------------------- faults and retries
+
+
+class Fault(enum.Enum):
+    """What a failed remote call means for the caller."""
+
+    TRANSIENT = "transient"  # retry with backoff
+    NOT_FOUND = "not found"  # the object or bucket does not exist: never retried
+    DENIED = "denied"  # credentials or permissions: never retried
+    FATAL = "fatal"  # anything else (bad request, bug): never retried
+
+
+class ShortReadError(ConnectionError):
+    """A response body ended before the bytes asked for: a cut connection, retried."""
+
+
+class _RangeIgnoredError(Exception):
+    """The server answered a ranged read with more bytes than asked: it ignores ``Range``."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(f"asked for a range, got {len(data)} bytes")
+        self.data = data
+
+
+# Raised as they are, not as a RemoteError: bugs, and the signal that Range is ignored.
+_OURS_TO_FIX = (
+    TypeError,
+    AttributeError,
+    NameError,
+    AssertionError,
+    NotImplementedError,
+    _RangeIgnoredError,
+)
+_TRANSIENT_STATUS = {408, 425, 429}
+_S3_CODES = {
+    "NoSuchKey": 404,
+    "NoSuchBucket": 404,
+    "NotFound": 404,
+    "AccessDenied": 403,
+    "AllAccessDisabled": 403,
+    "InvalidAccessKeyId": 403,
+    "SignatureDoesNotMatch": 403,
+    "ExpiredToken": 403,
+    "InvalidToken": 403,
+    "SlowDown": 503,
+    "ServiceUnavailable": 503,
+    "InternalError": 500,
+    "RequestTimeout": 408,
+    "RequestTimeTooSkewed": 403,
+    "TooManyRequests": 429,
+    "Throttling": 429,
+    "ThrottlingException": 429,
+}
+_TRANSIENT_ERRNO = {
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.EAGAIN,
+    errno.EBUSY,  # s3fs: SlowDown / 503
+    errno.ENETUNREACH,
+    errno.EHOSTUNREACH,
+    getattr(errno, "EREMOTEIO", errno.EIO),  # s3fs: InternalError / 500
+}
+# Transient exception classes of the backends, looked up only in modules already imported: an
+# exception of a module that is not loaded cannot have been raised, and nothing gets imported.
+_BACKEND_TRANSIENT = {
+    "aiohttp": ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError"),
+    "botocore.exceptions": (
+        "HTTPClientError",
+        "ConnectionError",
+        "ConnectionClosedError",
+        "EndpointConnectionError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+    ),
+    "urllib3.exceptions": ("ProtocolError", "IncompleteRead", "TimeoutError"),
+    "requests.exceptions": ("ConnectionError", "ChunkedEncodingError", "Timeout"),
+    "google.auth.exceptions": ("TransportError",),
+    "fsspec.exceptions": ("FSTimeoutError",),
+}
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    found: list[type[BaseException]] = [
+        ConnectionError,
+        TimeoutError,
+        asyncio.TimeoutError,
+        http.client.IncompleteRead,
+    ]
+    for module_name, names in _BACKEND_TRANSIENT.items():
+        module = sys.modules.get(module_name)
+        for name in names:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                found.append(cls)
+    return tuple(found)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (each once)."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo and len(seen) < 16:
+        e = todo.pop(0)
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return seen
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries, whichever backend raised it."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, Mapping):  # botocore ClientError
+        code = response.get("Error", {}).get("Code")
+        if code in _S3_CODES:
+            return _S3_CODES[code]
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+        if isinstance(code, str) and code.isdigit():
+            return int(code)
+    # aiohttp ClientResponseError.status (also urllib's HTTPError), requests' HTTPError, gcsfs's
+    # HttpError.code. Not any ``code``: aiohttp's parser errors carry a code 400 for a cut body.
+    candidates = [getattr(exc, "status", None), getattr(response, "status_code", None)]
+    if type(exc).__name__ == "HttpError":
+        candidates.append(getattr(exc, "code", None))
+    for value in candidates:
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+            return value
+    return None
+
+
+def _fault_of_status(status: int) -> Fault:
+    if status in (404, 410):
+        return Fault.NOT_FOUND
+    if status in (401, 403):
+        return Fault.DENIED
+    if status in _TRANSIENT_STATUS or status >= 500:
+        return Fault.TRANSIENT
+    return Fault.FATAL
+
+
+def classify_error(exc: BaseException) -> Fault:
+    """What a remote call's exception means: retry it, or report not found / denied / fatal.
+
+    Knows the exceptions of s3fs (and botocore/aiobotocore under it), gcsfs, fsspec's HTTP
+    filesystem (aiohttp) and the OS; an HTTP status anywhere in the exception chain decides first.
+    """
+    chain = _causes(exc)
+    for e in chain:
+        status = _http_status(e)
+        if status is not None:
+            return _fault_of_status(status)
+    transient = _transient_types()
+    for e in chain:
+        if isinstance(e, FileNotFoundError):
+            return Fault.NOT_FOUND
+        if isinstance(e, PermissionError):
+            return Fault.DENIED
+        if isinstance(e, transient):
+            return Fault.TRANSIENT
+        if isinstance(e, OSError) and str(e).startswith("Forbidden"):  # gcsfs's 403
+            return Fault.DENIED
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO:
+            return Fault.TRANSIENT
+    return Fault.FATAL
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient faults are retried: ``attempts`` tries in all, exponential backoff.
+
+    The wait before retry ``k`` (1, 2, ...) is ``min(max_delay, base_delay * 2 ** (k - 1))``;
+    with ``jitter`` a uniformly random half of it is dropped, so that many workers retrying
+    together do not hit the server in step.
+    """
+
+    attempts: int = 5
+    base_delay: float = 0.5
+    max_delay: float = 20.0
+    jitter: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+        if not 0 <= self.base_delay <= self.max_delay:
+            raise ValueError(
+                "RetryPolicy needs 0 <= base_delay <= max_delay, got "
+                f"base_delay={self.base_delay!r}, max_delay={self.max_delay!r}"
+            )
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        """Seconds to wait before retry number ``retry`` (1 for the first retry)."""
+        full = min(self.max_delay, self.base_delay * 2.0 ** (retry - 1))
+        return full / 2 + rng.uniform(0.0, full / 2) if self.jitter else full
+
+
+def digest_verifier(expected: str, algorithm: str = "sha256") -> Callable[[Path], bool]:
+    """A ``verify`` callback: True if the file's digest is ``expected`` (hex, any case).
+
+    ``algorithm`` is a :mod:`hashlib` name or ``"crc32"`` (zlib's, as in the container format).
+    """
+    if algorithm != "crc32":
+        hashlib.new(algorithm)  # fail now on an unknown algorithm, not after a download
+    want = expected.lower()
+
+    def verify(path: Path) -> bool:
+        crc = 0
+        h = None if algorithm == "crc32" else hashlib.new(algorithm)
+        with open(path, "rb") as f:
+            while chunk := f.read(_STREAM_CHUNK):
+                if h is None:
+                    crc = zlib.crc32(chunk, crc)
+                else:
+                    h.update(chunk)
+        got = f"{crc & 0xFFFFFFFF:08x}" if h is None else h.hexdigest()
+        return got == want
+
+    return verify
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class RemoteStore:
+    """A pack location at a URL: reads, downloads and uploads objects below it, with retries.
+
+    ``key`` arguments are paths relative to ``url`` (``"manifest.json"``); ``""`` is ``url``
+    itself (a single-file pack). ``storage_options`` go to fsspec as they are (credentials,
+    ``endpoint_url``, timeouts...). Safe to share between threads; pickles without its
+    filesystem, which each process opens for itself on first use.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
+        if not is_url(url):
+            raise ValueError(f"{url!r} is not a URL (a local path is read without RemoteStore)")
+        if part_size < 1 or max_concurrency < 1:
+            raise ValueError("part_size and max_concurrency must be >= 1")
+        self.url = url.rstrip("/") if not url.endswith("://") else url
+        self.protocol = url.split("://", 1)[0].lower()
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self.retry = retry or RetryPolicy()
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._fs: Any = None
+        self._root = ""
+        self._ranges_ok: bool | None = None
+        self._rng = random.Random()  # never the global RNG: the user's seeds stay untouched
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_pid", "_lock", "_fs", "_root", "_ranges_ok", "_rng"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({redact_url(self.url)!r})"
+
+    # -- naming
+
+    def url_of(self, key: str = "") -> str:
+        """The URL of ``key`` below this location, for messages (password hidden)."""
+        return redact_url(f"{self.url}/{key}" if key else self.url)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem, opened on first use in this process."""
+        if self._pid != os.getpid():
+            self._reset()  # a forked child: the parent's event loop and sessions are unusable
+        with self._lock:
+            if self._fs is None:
+                self._fs, self._root = self._open()
+            return self._fs
+
+    def _open(self) -> tuple[Any, str]:
+        from fsspec.core import url_to_fs  # fsspec is light; it imports backends on demand
+
+        try:
+            options = _with_default_timeouts(self.protocol, self.storage_options)
+            fs, root = url_to_fs(self.url, skip_instance_cache=True, **options)
+        except ImportError as exc:
+            extra = _EXTRAS.get(self.protocol)
+            hint = f"pip install 'torch_serialized[{extra}]'" if extra else "install its backend"
+            raise ImportError(
+                f"{self.url_of()}: reading {self.protocol}:// URLs needs a package that is not "
+                f"installed ({exc}); {hint}"
+            ) from exc
+        except ValueError as exc:
+            raise RemoteError(f"{self.url_of()}: fsspec cannot open this URL: {exc}") from exc
+        if self.protocol in ("s3", "s3a") and "retries" not in self.storage_options:
+            fs.retries = 1  # s3fs's own retry loop; ours is the one that counts
+        return fs, str(root).rstrip("/")
+
+    def _path(self, key: str) -> str:
+        self.fs  # noqa: B018 - opens the filesystem and sets the root
+        return f"{self._root}/{key}" if key else self._root
+
+    # -- retries
+
+    def call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        """``fn()`` under the retry policy; errors become ours, naming the URL of ``key``."""
+        policy = self.retry
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return fn()
+            except Exception as exc:
+                fault = classify_error(exc)
+                if fault is Fault.TRANSIENT and attempt < policy.attempts:
+                    pause = policy.delay(attempt, self._rng)
+                    log.info(
+                        "%s %s: %s (attempt %d of %d), retrying in %.2fs",
+                        what,
+                        self.url_of(key),
+                        _describe(exc),
+                        attempt,
+                        policy.attempts,
+                        pause,
+                    )
+                    time.sleep(pause)
+                    continue
+                if fault is Fault.FATAL and isinstance(exc, _OURS_TO_FIX):
+                    raise  # a programming error stays what it is
+                raise self._error(what, key, fault, exc, attempt) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _error(
+        self, what: str, key: str, fault: Fault, exc: Exception, attempt: int
+    ) -> RemoteError:
+        url = self.url_of(key)
+        if fault is Fault.NOT_FOUND:
+            return RemoteNotFoundError(
+                f"{url}: not found ({_describe(exc)}). Check the path in the URL and, for an "
+                "object store, the bucket name"
+            )
+        if fault is Fault.DENIED:
+            return RemoteAccessError(
+                f"{url}: access denied ({_describe(exc)}). Check the credentials (the "
+                "storage_options argument, or the backend's usual configuration such as "
+                "AWS_PROFILE / ~/.aws or GOOGLE_APPLICATION_CREDENTIALS), the bucket's access "
+                "policy and the path"
+            )
+        if fault is Fault.TRANSIENT:
+            return RemoteError(
+                f"{url}: {what} failed {attempt} times, the last with {_describe(exc)}. Check "
+                "the network and the endpoint, or allow more attempts (RetryPolicy)"
+            )
+        if any(_http_status(e) == 416 for e in _causes(exc)):
+            return RemoteError(
+                f"{url}: {what} failed: the object is shorter than expected (HTTP 416). The "
+                "manifest and the object disagree: re-upload the pack"
+            )
+        return RemoteError(f"{url}: {what} failed: {_describe(exc)}")
+
+    # -- reading
+
+    def size(self, key: str = "") -> int:
+        """Size in bytes of the object ``key``."""
+        path = self._path(key)
+        size = self.call("size", key, lambda: self.fs.size(path))
+        if size is None:  # an HTTP server that sends no Content-Length
+            raise RemoteError(
+                f"{self.url_of(key)}: the server does not report the object's size; pass "
+                "expected_size (from the manifest) or serve the pack with a server that does"
+            )
+        return int(size)
+
+    def read_bytes(self, key: str = "", start: int | None = None, end: int | None = None) -> bytes:
+        """The bytes of ``key`` (``[start, end)`` if given), for small objects (a manifest)."""
+        path = self._path(key)
+
+        def read() -> bytes:
+            data = bytes(self.fs.cat_file(path, start=start, end=end))
+            if start is not None and end is not None and len(data) != end - start:
+                if len(data) < end - start:
+                    raise ShortReadError(f"got {len(data)} of {end - start} bytes")
+                raise _RangeIgnoredError(data)
+            return data
+
+        return self.call("read", key, read)
+
+    def download(
+        self,
+        key: str,
+        dest: str | os.PathLike[str],
+        *,
+        expected_size: int | None = None,
+        verify: Callable[[Path], bool] | None = None,
+    ) -> Path:
+        """Download ``key`` to the local file ``dest``, atomically; return ``dest``.
+
+        The bytes go to a temporary file beside ``dest``, are checked (size; ``verify(path)``
+        must return True) and fsynced, then renamed: ``dest`` is never a partial or unchecked
+        file. A mismatch under ``verify`` downloads once more, then raises ``ChecksumError``.
+        Raises ``RemoteNotFoundError``/``RemoteAccessError`` at once, ``RemoteError`` once
+        transient faults have used up the retry policy.
+        """
+        dest = Path(dest)
+        size = self.size(key) if expected_size is None else expected_size
+        if size < 0:
+            raise ValueError(f"expected_size must be >= 0, got {size}")
+        for round_ in (1, 2):
+            tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.partial"
+            try:
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                try:
+                    self._fill(key, fd, size)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if verify is None or verify(tmp):
+                    os.replace(tmp, dest)
+                    _fsync_dir(dest.parent)
+                    return dest
+            finally:
+                tmp.unlink(missing_ok=True)
+            log.warning("%s: checksum mismatch after download %d of 2", self.url_of(key), round_)
+        raise ChecksumError(
+            f"{self.url_of(key)}: object {key or dest.name!r} does not match its checksum in the "
+            "manifest, twice. The object on the server is damaged or was replaced without its "
+            "manifest: re-upload the pack (or pack it again)"
+        )
+
+    def _fill(self, key: str, fd: int, size: int) -> None:
+        """Write the ``size`` bytes of ``key`` into ``fd`` (ranged parts, or one stream)."""
+        os.ftruncate(fd, size)
+        if size == 0:
+            return
+        parts = [(s, min(s + self.part_size, size)) for s in range(0, size, self.part_size)]
+        if len(parts) == 1:
+            data = self.read_bytes(key)  # no Range header: works with any server
+            if len(data) != size:
+                raise RemoteError(
+                    f"{self.url_of(key)}: the object has {len(data)} bytes, expected {size}. "
+                    "The manifest and the object disagree: re-upload the pack"
+                )
+            _pwrite_all(fd, data, 0)
+            return
+        try:
+            if self._ranges_ok is None:  # learn once per process whether Range is honoured
+                self._fetch_part(key, fd, *parts[0])
+                self._ranges_ok = True
+                parts = parts[1:]
+            if self._ranges_ok:
+                self._fetch_parts(key, fd, parts)
+                return
+        except _RangeIgnoredError as exc:
+            self._ranges_ok = False
+            log.warning("%s: the server ignores Range requests; streaming", self.url_of(key))
+            if len(exc.data) == size:  # the probe brought the whole object: keep it
+                _pwrite_all(fd, exc.data, 0)
+                return
+        self.call("download", key, lambda: self._stream(key, fd, size))
+
+    def _fetch_part(self, key: str, fd: int, start: int, end: int) -> None:
+        _pwrite_all(fd, self.read_bytes(key, start, end), start)
+
+    def _fetch_parts(self, key: str, fd: int, parts: list[tuple[int, int]]) -> None:
+        if not parts:
+            return
+        with ThreadPoolExecutor(min(self.max_concurrency, len(parts))) as pool:
+            futures = [pool.submit(self._fetch_part, key, fd, s, e) for s, e in parts]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in done:
+                if future.exception() is not None:
+                    for other in futures:
+                        other.cancel()
+                    future.result()
+
+    def _stream(self, key: str, fd: int, size: int) -> None:
+        """One sequential read of the whole object (servers without Range support)."""
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, size)
+        written = 0
+        options = {"block_size": 0} if self.protocol in ("http", "https") else {}
+        with self.fs.open(self._path(key), "rb", **options) as f:
+            while written < size:
+                chunk = f.read(min(_STREAM_CHUNK, size - written))
+                if not chunk:
+                    raise ShortReadError(f"the body ended after {written} of {size} bytes")
+                _pwrite_all(fd, chunk, written)
+                written += len(chunk)
+
+    # -- writing
+
+    def upload_file(self, local: str | os.PathLike[str], key: str = "") -> None:
+        """Upload the local file ``local`` as ``key``, so that no reader sees it half written."""
+        local = os.fspath(local)
+        path = self._path(key)
+        if self.protocol in _LOCAL:  # a rename is atomic, a copy is not
+            tmp = f"{path}.{uuid.uuid4().hex[:12]}.partial"
+
+            def put() -> None:
+                try:
+                    self.fs.put_file(local, tmp)
+                    self.fs.mv(tmp, path)
+                finally:
+                    if self.fs.exists(tmp):
+                        self.fs.rm_file(tmp)
+
+            self.call("upload", key, put)
+        else:
+            if self.protocol not in _ATOMIC_PUT:
+                log.debug("%s: uploads to %s:// may not be atomic", self.url_of(key), self.protocol)
+            self.call("upload", key, lambda: self.fs.put_file(local, path))
+
+    def upload_folder(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        last: Iterable[str] = ("manifest.json",),
+        threads: int = 4,
+    ) -> list[str]:
+        """Upload every file of ``folder`` (recursively) below this URL; return the keys.
+
+        The files named in ``last`` (paths relative to ``folder``) go up after all others, in the
+        order given, so a reader that finds the manifest finds every shard it names. Nothing is
+        deleted at the destination: readers of an earlier pack keep its shards.
+        """
+        root = Path(folder)
+        if not root.is_dir():
+            raise NotADirectoryError(f"{root}: not a folder")
+        later = list(last)
+        for name in later:
+            if not (root / name).is_file():
+                raise FileNotFoundError(f"{root / name}: missing; it must be uploaded last")
+        keys = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        first = [k for k in keys if k not in later]
+        if self.protocol in _LOCAL:
+            for key in {k.rpartition("/")[0] for k in keys}:
+                self.fs.makedirs(self._path(key), exist_ok=True)
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for future in [pool.submit(self.upload_file, root / k, k) for k in first]:
+                future.result()
+        for key in later:
+            self.upload_file(root / key, key)
+        self.fs.invalidate_cache()
+        return first + later
+
+
+def _with_default_timeouts(protocol: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` plus our defaults: no backend retries for S3, read timeouts for HTTP."""
+    out = dict(options)
+    if protocol in ("s3", "s3a"):
+        config = dict(out.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        out["config_kwargs"] = config
+    elif protocol in ("http", "https"):
+        import aiohttp  # the backend of this URL: needed now anyway
+
+        client = dict(out.get("client_kwargs") or {})
+        # aiohttp's default is 5 minutes for a whole request and no limit between bytes.
+        client.setdefault(
+            "timeout", aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
+        )
+        out["client_kwargs"] = client
+    return out
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0].rstrip('.')}" if text else type(exc).__name__
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,210 @@
+"""A pack at a URL, read through the local cache: what a reader holds instead of a local path.
+
+:func:`resolve` opens a pack location: for a shard folder it reads ``manifest.json`` fresh from
+the server (it is small, and it is what changes when the pack is re-packed), names the pack by the
+sha256 of those bytes, and stores it in the cache; for a single ``.tser`` object it downloads the
+whole file. The :class:`RemotePack` it returns then gives shards on demand
+(:meth:`~RemotePack.fetch_shard`, a download on first touch) or ahead of time
+(:meth:`~RemotePack.prefetch`, background threads, so downloading overlaps reading).
+
+Random access (map-style datasets) over a remote shard folder ends up with every shard cached;
+streaming needs only the shards in use plus the ones prefetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cache import Cache, PackCache
+from .errors import RemoteNotFoundError
+from .format import FILE_SUFFIX, MANIFEST_NAME
+from .remote import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, RemoteStore, RetryPolicy
+
+__all__ = ["RemotePack", "ShardRequest", "resolve"]
+
+_TAIL = 64  # a container's footer: its identity, as a manifest is a shard folder's
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """A shard to download: its name in the pack, its size and checksum test from the manifest."""
+
+    name: str
+    size: int | None = None
+    verify: Callable[[Path], bool] | None = None
+
+
+def resolve(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
+    *,
+    retry: RetryPolicy | None = None,
+    prefetch_threads: int = 2,
+    part_size: int = DEFAULT_PART_SIZE,
+    max_concurrency: int = DEFAULT_CONCURRENCY,
+) -> RemotePack:
+    """Open the pack at ``url`` through the cache: a shard folder, or one ``.tser`` object.
+
+    A URL ending in ``.tser`` is a single-file pack, downloaded whole now; any other URL is a
+    shard folder whose ``manifest.json`` is read now and whose shards are downloaded when asked.
+    """
+    store = RemoteStore(
+        url, storage_options, retry=retry, part_size=part_size, max_concurrency=max_concurrency
+    )
+    cache = Cache(cache_dir, cache_limit_bytes)
+    if store.url.endswith(FILE_SUFFIX):
+        size = store.size()
+        tail = store.read_bytes("", max(0, size - _TAIL), size) if size else b""
+        identity = hashlib.sha256(f"{size}\n".encode() + tail).hexdigest()
+        pack_cache = cache.pack(store.url, identity)
+        name = store.url.rsplit("/", 1)[-1]
+
+        def same_tail(path: Path) -> bool:  # the object was not replaced while we downloaded
+            with open(path, "rb") as f:
+                f.seek(max(0, size - _TAIL))
+                return f.read() == tail
+
+        path = pack_cache.fetch(
+            name,
+            size,
+            lambda dest: store.download("", dest, expected_size=size, verify=same_tail),
+        )
+        return RemotePack(store, pack_cache, path, None, prefetch_threads)
+    try:
+        manifest = store.read_bytes(MANIFEST_NAME)
+    except RemoteNotFoundError as exc:
+        raise RemoteNotFoundError(
+            f"{exc}. A shard folder's URL must contain {MANIFEST_NAME}; a single-file pack's URL "
+            f"ends with {FILE_SUFFIX}"
+        ) from exc.__cause__
+    pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
+    manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
+    return RemotePack(store, pack_cache, pack_cache.directory, manifest_path, prefetch_threads)
+
+
+class RemotePack:
+    """A remote pack and its cache. Build it with :func:`resolve`.
+
+    ``path`` is what a reader opens: the cache folder holding ``manifest.json`` (shards appear in
+    it as they are fetched) or the cached ``.tser`` file. ``manifest_path`` is None for a
+    single file. Objects this process fetched stay held (never evicted) until released.
+    Pickles without its threads and locks: each process fetches for itself.
+    """
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        cache: PackCache,
+        path: Path,
+        manifest_path: Path | None,
+        prefetch_threads: int = 2,
+    ) -> None:
+        if prefetch_threads < 1:
+            raise ValueError(f"prefetch_threads must be >= 1, got {prefetch_threads}")
+        self.store = store
+        self.cache = cache
+        self.path = path
+        self.manifest_path = manifest_path
+        self.prefetch_threads = prefetch_threads
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._mutex = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future[Path]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_pid", "_mutex", "_pool", "_pending"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def __repr__(self) -> str:
+        return f"RemotePack({self.store.url_of()!r}, cache={str(self.cache.directory)!r})"
+
+    def __enter__(self) -> RemotePack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def identity(self) -> str:
+        """sha256 of the manifest (a shard folder) or of the size and footer (a single file)."""
+        return self.cache.identity
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            self._reset()  # the parent's threads do not exist here
+
+    def fetch_shard(
+        self,
+        name: str,
+        expected_size: int | None = None,
+        verify: Callable[[Path], bool] | None = None,
+    ) -> Path:
+        """The local path of shard ``name``, downloaded now unless cached or prefetched.
+
+        ``verify(path)`` (the manifest's checksum) runs on each download; see
+        :meth:`RemoteStore.download <torch_serialized.remote.RemoteStore.download>` for errors. A
+        prefetch of ``name`` that failed raises its error here.
+        """
+        self._check_fork()
+        with self._mutex:
+            future = self._pending.pop(name, None)
+        if future is not None:
+            return future.result()
+        return self._fetch(ShardRequest(name, expected_size, verify))
+
+    def _fetch(self, shard: ShardRequest) -> Path:
+        return self.cache.fetch(
+            shard.name,
+            shard.size,
+            lambda dest: self.store.download(
+                shard.name, dest, expected_size=shard.size, verify=shard.verify
+            ),
+        )
+
+    def prefetch(self, shards: Iterable[ShardRequest | str]) -> None:
+        """Start downloading ``shards`` in background threads; returns at once."""
+        self._check_fork()
+        with self._mutex:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.prefetch_threads, "torch_serialized-fetch")
+            for shard in shards:
+                request = ShardRequest(shard) if isinstance(shard, str) else shard
+                if request.name not in self._pending:
+                    self._pending[request.name] = self._pool.submit(self._fetch, request)
+
+    def release(self, name: str) -> None:
+        """Done with shard ``name`` for now: the cache may evict it when space is needed."""
+        self._check_fork()
+        self.cache.release(name)
+
+    def close(self) -> None:
+        """Cancel pending prefetches, wait for running ones, release every held object."""
+        self._check_fork()
+        with self._mutex:
+            pool, self._pool = self._pool, None
+            self._pending.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.cache.close()

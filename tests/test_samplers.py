@@ -3,6 +3,9 @@ DistributedSampler."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -99,3 +102,107 @@ def test_works_as_a_dataloader_sampler() -> None:
     data = list(range(50))
     loader = DataLoader(data, batch_size=8, sampler=BlockShuffleSampler(data, block_size=4))
     assert sorted(int(i) for batch in loader for i in batch) == data
+
+
+# -- resuming (torchdata's Stateful protocol) ---------------------------------------------------
+N, BATCH, STOP = 400, 10, 5  # the issue's case: 400 samples, stop after 50
+
+
+def _epoch_order(epoch: int, **kwargs: object) -> list[int]:
+    sampler = BlockShuffleSampler(N, block_size=16, seed=3, **kwargs)  # type: ignore[arg-type]
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("epoch", [0, 1])
+@pytest.mark.parametrize("set_epoch_again", [True, False], ids=["set_epoch", "no_set_epoch"])
+def test_resume_through_stateful_dataloader(
+    workers: int, epoch: int, set_epoch_again: bool
+) -> None:
+    """Stopped after 50 of 400 samples in ``epoch``, a new loader with a new sampler resumes:
+    every sample of that epoch exactly once, in the epoch's order; the next epoch is whole."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader(sampler: BlockShuffleSampler) -> Any:
+        return stateful.StatefulDataLoader(
+            list(range(N)), batch_size=BATCH, sampler=sampler, num_workers=workers
+        )
+
+    sampler = BlockShuffleSampler(N, block_size=16, seed=3)
+    first = loader(sampler)
+    for earlier in range(epoch):
+        sampler.set_epoch(earlier)
+        assert sorted(int(i) for b in first for i in b) == list(range(N))
+    sampler.set_epoch(epoch)
+    batches = iter(first)
+    seen = [int(i) for _ in range(STOP) for i in next(batches)]
+    state = first.state_dict()
+    del batches
+
+    resumed = BlockShuffleSampler(N, block_size=16, seed=3)  # a new process: epoch 0
+    second = loader(resumed)
+    second.load_state_dict(state)
+    if set_epoch_again:
+        resumed.set_epoch(epoch)
+    rest = [int(i) for b in second for i in b]
+    assert len(seen) == STOP * BATCH
+    assert seen + rest == _epoch_order(epoch)  # the whole epoch, each sample once, in order
+    resumed.set_epoch(epoch + 1)
+    assert [int(i) for b in second for i in b] == _epoch_order(epoch + 1)
+
+
+def test_resume_of_one_rank_continues_its_share() -> None:
+    sampler = BlockShuffleSampler(N, block_size=16, seed=3, rank=1, world_size=3)
+    sampler.set_epoch(2)
+    it = iter(sampler)
+    head = [next(it) for _ in range(17)]
+    state = json.loads(json.dumps(sampler.state_dict()))
+    resumed = BlockShuffleSampler(N, block_size=16, seed=3, rank=1, world_size=3)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 2 and resumed.state_dict() == state
+    assert head + list(resumed) == _epoch_order(2, rank=1, world_size=3)
+    assert list(resumed) == _epoch_order(2, rank=1, world_size=3)  # then whole epochs again
+
+
+def test_set_epoch_to_another_epoch_drops_a_loaded_position() -> None:
+    sampler = BlockShuffleSampler(N, block_size=16, seed=3)
+    it = iter(sampler)
+    for _ in range(30):
+        next(it)
+    state = sampler.state_dict()
+    resumed = BlockShuffleSampler(N, block_size=16, seed=3)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(4)
+    assert list(resumed) == _epoch_order(4)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"seed": 4}, {"block_size": 8}, {"window": 2}, {"shuffle": False}, {"drop_last": True}],
+)
+def test_resume_with_other_settings_is_refused(change: dict[str, Any]) -> None:
+    sampler = BlockShuffleSampler(N, block_size=16, seed=3)
+    next(iter(sampler))
+    state = sampler.state_dict()
+    other = BlockShuffleSampler(N, **{"block_size": 16, "seed": 3, **change})  # type: ignore[arg-type]
+    other.load_state_dict(state)
+    with pytest.raises(
+        ValueError, match=f"cannot resume BlockShuffleSampler.*{next(iter(change))}"
+    ):
+        iter(other)
+
+
+def test_resume_with_another_length_or_world_is_refused() -> None:
+    sampler = BlockShuffleSampler(N, seed=3)
+    state = sampler.state_dict()
+    for other in (
+        BlockShuffleSampler(N + 1, seed=3),
+        BlockShuffleSampler(N, seed=3, rank=0, world_size=2),
+    ):
+        other.load_state_dict(state)
+        with pytest.raises(ValueError, match="cannot resume"):
+            list(other)
+    with pytest.raises(ValueError, match="negative"):
+        sampler.load_state_dict({**state, "yielded": -1})

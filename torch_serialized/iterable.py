@@ -185,6 +185,11 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         """Map the packed file(s) again in this process (what ``worker_init_fn`` calls)."""
         self.pack.reader.reopen()
 
+    @property
+    def label_names(self) -> list[str]:
+        """The name of each ``"tv_tensors"`` label, as ``VOCSerializedDataset.label_names``."""
+        return list(self.decoder.label_names)
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows."""
         if epoch != self.epoch:
@@ -281,24 +286,14 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it
         stopped. Settings and topology must match the saved ones (checked then)."""
-        if state.get(keys.VERSION) != keys.STATE_VERSION:
-            raise ValueError(
-                f"state version {state.get(keys.VERSION)!r} is not {keys.STATE_VERSION}; it "
-                "was not saved by this VOCSerializedIterableDataset"
-            )
+        keys.check_version(state, "VOCSerializedIterableDataset")
         self.epoch = int(state[keys.EPOCH])
         self._yielded = int(state[keys.YIELDED])
         self._resume = dict(state)
 
     def _check_state(self, state: dict[str, Any], here: Topology) -> None:
         now = {**_topology_state(here), **self._settings()}
-        diff = {k: (state.get(k), now[k]) for k in now if state.get(k) != now[k]}
-        if diff:
-            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(
-                f"cannot resume {self.root}: the state was saved with other settings ({detail}); "
-                "resume with the same dataset arguments, world size and num_workers"
-            )
+        keys.check_same(state, now, self.root, "dataset arguments, world size and num_workers")
 
     def __repr__(self) -> str:
         lines = [

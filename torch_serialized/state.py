@@ -1,12 +1,12 @@
-"""Resume state: the ``Stateful`` protocol and the names of the state's keys, once.
+"""Resume state: the ``Stateful`` protocol, the names of the state's keys and their checks.
 
 torchdata's ``StatefulDataLoader`` saves and restores every dataset (and sampler) that has
 ``state_dict()`` and ``load_state_dict(state)``: its ``Stateful`` protocol, declared here
-again so that torchdata stays an optional dependency. ``VOCSerializedIterableDataset`` is
-``Stateful``; its state is a flat JSON-compatible dict with the keys below (``version``
-``STATE_VERSION``): where the epoch stopped, and the settings and topology that fix the
-order, checked when the state is loaded. Map-style datasets hold no state: with them the
-sampler's position is the state.
+again so that torchdata stays an optional dependency. ``VOCSerializedIterableDataset`` and
+``BlockShuffleSampler`` are ``Stateful``; a state is a flat JSON-compatible dict with the keys
+below (``version`` ``STATE_VERSION``): where the epoch stopped, and the settings and topology
+that fix the order, checked when the state is resumed (``check_version``, ``check_same``).
+Map-style datasets hold no state: with them the sampler's position is the state.
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ __all__ = [
     "VERSION",
     "EPOCH",
     "YIELDED",
+    "KIND",
     "TOPOLOGY_KEYS",
     "ORDER_KEYS",
+    "SAMPLER_TOPOLOGY_KEYS",
+    "SAMPLER_ORDER_KEYS",
+    "check_version",
+    "check_same",
 ]
 
 
@@ -44,3 +49,35 @@ YIELDED = "yielded"
 TOPOLOGY_KEYS = ("rank", "world_size", "worker", "num_workers")
 #: The settings that fix the epoch's order: a resume must match them too.
 ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "shuffle_buffer")
+
+#: Which class saved a state (``BlockShuffleSampler``'s states carry it).
+KIND = "kind"
+#: The sampler's topology (it runs in the main process: no DataLoader worker) and order.
+SAMPLER_TOPOLOGY_KEYS = ("rank", "world_size")
+SAMPLER_ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "window")
+
+
+def check_version(state: dict[str, Any], owner: str, kind: str | None = None) -> None:
+    """Refuse a state of another version, or (with ``kind``) one another class saved."""
+    if state.get(VERSION) != STATE_VERSION:
+        raise ValueError(
+            f"state version {state.get(VERSION)!r} is not {STATE_VERSION}; it was not saved by "
+            f"this {owner}"
+        )
+    if kind is not None and state.get(KIND) != kind:
+        raise ValueError(
+            f"state kind {state.get(KIND)!r} is not {kind!r}: another class saved it; load "
+            f"what {owner}.state_dict() returned"
+        )
+
+
+def check_same(saved: dict[str, Any], now: dict[str, Any], where: str, hint: str) -> None:
+    """Refuse to resume when a setting or the topology differs from the saved one; ``hint``
+    says what must stay the same."""
+    diff = {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k]}
+    if diff:
+        detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"cannot resume {where}: the state was saved with other settings ({detail}); "
+            f"resume with the same {hint}"
+        )

@@ -30,7 +30,7 @@ from torchvision import tv_tensors
 from torchvision.datasets import VOCDetection, VOCSegmentation, wrap_dataset_for_transforms_v2
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
-from vocfactory import REAL_VOC, real_voc_roots
+from vocfactory import real_voc_roots, real_voc_skip_reason
 
 import torch_serialized as ts
 from torch_serialized import VOCSerializedDataset, VOCSerializedSegmentation
@@ -43,7 +43,7 @@ CORNER_SETS = [("Main", s) for s in ("train", "val", "trainval", "test", "mini")
     ("Segmentation", s) for s in ("train", "val", "trainval")
 ]
 REAL = real_voc_roots()
-NO_REAL = pytest.mark.skip(reason=f"no real VOC data at {REAL_VOC}")
+NO_REAL = pytest.mark.skip(reason=real_voc_skip_reason())
 REAL_PARAMS = [pytest.param(root, year, id=root.name) for root, year in REAL] or [
     pytest.param(None, None, id="no-real-data", marks=NO_REAL)
 ]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from torchvision.datasets import VOCDetection, VOCSegmentation
-from vocfactory import build_corner_case_devkit, real_voc_roots, write_voc
+from vocfactory import build_corner_case_devkit, real_voc_roots, real_voc_skip_reason, write_voc
 
 from torch_serialized.errors import SourceDataError
 from torch_serialized.voc.layout import find_voc_root, read_image_sets
@@ -65,7 +65,7 @@ def test_corner_case_list_quirks(corner_root: Path) -> None:
 )
 def test_real_voc_lists_match_torchvision(root_year: tuple[Path, str] | None) -> None:
     if root_year is None:
-        pytest.skip("shared/data/voc-real is not available")
+        pytest.skip(real_voc_skip_reason())
     root, year = root_year
     voc_root, found_year = find_voc_root(root, None)
     assert (voc_root, found_year) == (root / "VOCdevkit" / f"VOC{year}", year)

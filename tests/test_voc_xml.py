@@ -19,6 +19,7 @@ from vocfactory import (
     encode_xml,
     obj,
     real_voc_roots,
+    real_voc_skip_reason,
     voc_xml,
 )
 
@@ -76,7 +77,7 @@ def test_corner_case_devkit_matches_torchvision(corner_xml: list[Path]) -> None:
 )
 def test_real_voc_matches_torchvision(root: Path | None) -> None:
     if root is None:
-        pytest.skip("shared/data/voc-real is not available")
+        pytest.skip(real_voc_skip_reason())
     paths = sorted(root.glob("VOCdevkit/VOC*/Annotations/*.xml"))
     assert paths
     for path in paths:

@@ -9,6 +9,7 @@ smooth pattern derived from a seed, so any decoded read can be checked against i
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,10 @@ __all__ = [
     "Raw",
     "Sample",
     "CORNER_CASES",
-    "REAL_VOC",
+    "REAL_VOC_ENV",
+    "REAL_VOC_DEFAULT",
+    "real_voc_dir",
+    "real_voc_skip_reason",
     "build_corner_case_devkit",
     "encode_xml",
     "jpeg",
@@ -554,18 +558,43 @@ def build_corner_case_devkit(root: Path, year: str = "2007") -> Path:
 
 # --- the real VOC sample set --------------------------------------------------------------------
 
-#: ``/work/shared/data/voc-real`` seen from the repository: real VOC-format roots (SOURCES.md).
-REAL_VOC = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "voc-real"
+#: The setting that points the tests at the real VOC-format roots (shared/data/voc-real, see
+#: its SOURCES.md): a folder holding ``<name>/VOCdevkit/VOC<year>`` roots.
+REAL_VOC_ENV = "TORCH_SERIALIZED_REAL_VOC"
+#: Where they are looked for when the setting is unset: ``shared/`` beside the repository.
+REAL_VOC_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "voc-real"
+
+
+def real_voc_dir() -> Path:
+    """The real data folder: ``$TORCH_SERIALIZED_REAL_VOC``, else :data:`REAL_VOC_DEFAULT`."""
+    value = os.environ.get(REAL_VOC_ENV, "")
+    return Path(value).expanduser() if value else REAL_VOC_DEFAULT
 
 
 def real_voc_roots() -> list[tuple[Path, str]]:
-    """``(torchvision root, year)`` of every root in :data:`REAL_VOC`; empty when it is absent."""
-    if not REAL_VOC.is_dir():
-        return []
-    return [
+    """``(torchvision root, year)`` of every root in :func:`real_voc_dir`; empty when that
+    folder is absent and the setting unset. A setting that names a folder without roots is
+    a mistake, not a reason to skip: it raises."""
+    folder = real_voc_dir()
+    roots = [
         (voc.parent.parent, voc.name[3:])
-        for voc in sorted(REAL_VOC.glob("*/VOCdevkit/VOC[0-9][0-9][0-9][0-9]"))
+        for voc in sorted(folder.glob("*/VOCdevkit/VOC[0-9][0-9][0-9][0-9]"))
+        if voc.is_dir()
     ]
+    if not roots and os.environ.get(REAL_VOC_ENV):
+        raise RuntimeError(
+            f"{REAL_VOC_ENV}={os.environ[REAL_VOC_ENV]!r} holds no <name>/VOCdevkit/VOC<year> "
+            "folders; point it at shared/data/voc-real or unset it"
+        )
+    return roots
+
+
+def real_voc_skip_reason() -> str:
+    """Why tests on real data are skipped: where they looked, and the setting to change it."""
+    return (
+        f"no real VOC data at {real_voc_dir()}; set {REAL_VOC_ENV} to the voc-real folder "
+        "(shared/data/voc-real) to run these tests"
+    )
 
 
 def tiny_devkit(root: Path, ids: list[str], **overrides: bytes | None) -> Path:

@@ -34,6 +34,8 @@ from vocfactory import real_voc_roots, real_voc_skip_reason
 
 import torch_serialized as ts
 from torch_serialized import VOCSerializedDataset, VOCSerializedSegmentation
+from torch_serialized.voc.classes import VOC_CLASSES
+from torch_serialized.voc.reader import VOCPackReader
 
 if TYPE_CHECKING:
     from conftest import Packed
@@ -48,6 +50,7 @@ REAL_PARAMS = [pytest.param(root, year, id=root.name) for root, year in REAL] or
     pytest.param(None, None, id="no-real-data", marks=NO_REAL)
 ]
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+VOC_LABELS = ["__background__", *VOC_CLASSES]  # torchvision's wrapper's labels
 XYXY = ("xmin", "ymin", "xmax", "ymax")
 
 
@@ -296,7 +299,10 @@ def test_tv_tensors_equal_the_wrapper(corner_packs: Packed, image_set: str) -> N
     """Where the wrapper works, the same boxes (as float) and labels; where not, no crash."""
     tv = torchvision_dataset("Main", *_corner(corner_packs, image_set))
     wrapped = wrap_dataset_for_transforms_v2(tv)
-    ours = VOCSerializedDataset(corner_packs.shards, image_set, target_format="tv_tensors")
+    # the corner cases hold a class outside VOC's 20 ("cellbody"): ask for VOC's labels
+    ours = VOCSerializedDataset(
+        corner_packs.shards, image_set, target_format="tv_tensors", classes=VOC_LABELS
+    )
     empty = fractional = 0
     for i in range(len(tv)):
         image, target = tv[i]
@@ -355,11 +361,73 @@ def test_tv_tensors_match_the_xml(
 
 def test_tv_tensors_refuse_unknown_classes(corner_packs: Packed) -> None:
     with pytest.raises(ValueError, match="cellbody"):
-        VOCSerializedDataset(corner_packs.single, "val", target_format="tv_tensors")
+        VOCSerializedDataset(
+            corner_packs.single, "val", target_format="tv_tensors", classes=VOC_LABELS
+        )
     ours = VOCSerializedDataset(
         corner_packs.single, "val", target_format="tv_tensors", classes="packed"
     )
     assert len(ours) == 12
+
+
+def _default_labels_case(packed: Packed) -> tuple[list[str], list[str]]:
+    """(the names the default classes give, the names the pack holds in pack order)."""
+    ours = VOCSerializedDataset(packed.single, "trainval", target_format="tv_tensors")
+    return ours.label_names, VOCPackReader(packed.single).classes
+
+
+@pytest.mark.parametrize(("root", "year"), _tv_tensor_sources())
+def test_default_classes_are_voc_or_the_packed_ones(
+    corner_packs: Packed, real_packs: Callable[[Path, str], Packed], root: Any, year: Any
+) -> None:
+    """classes=None: VOC's labels when every packed class is a VOC class, else the packed
+    classes in pack order; either way the labels name the XML's objects, on both layouts and
+    the iterable, and ``classes=`` overrides it."""
+    packed = corner_packs if root == "corner" else real_packs(root, year)
+    names, packed_classes = _default_labels_case(packed)
+    custom = not set(packed_classes) <= set(VOC_CLASSES)
+    assert names == (["__background__", *packed_classes] if custom else VOC_LABELS)
+    tv = torchvision_dataset("Main", packed.root, packed.year, "trainval")
+    for layout in LAYOUTS:
+        ours = VOCSerializedDataset(packed.path(layout), "trainval", target_format="tv_tensors")
+        stream = ts.VOCSerializedIterableDataset(
+            packed.path(layout), "trainval", target_format="tv_tensors", decode="none"
+        )
+        assert ours.label_names == stream.label_names == names
+        for i, (_, streamed) in enumerate(stream):
+            target = ours[i][1]
+            assert [names[k] for k in target["labels"]] == object_names(tv[i][1])
+            assert torch.equal(streamed["labels"], target["labels"])
+    if custom:
+        assert ("cellbody" in names) == (root == "corner" or "zzkkzz" in root.name)
+        by_name = VOCSerializedDataset(
+            packed.single, "trainval", target_format="tv_tensors", classes="packed"
+        )
+        assert by_name.label_names == ["__background__", *sorted(packed_classes)]
+
+
+@pytest.mark.parametrize(("root", "year"), [pytest.param("synthetic", None), *REAL_PARAMS])
+def test_default_labels_equal_the_wrapper_on_voc_data(
+    synthetic_packs: Packed, real_packs: Callable[[Path, str], Packed], root: Any, year: Any
+) -> None:
+    """Where a dataset holds VOC classes only, the default labels are the wrapper's."""
+    packed = synthetic_packs if root == "synthetic" else real_packs(root, year)
+    names, _ = _default_labels_case(packed)
+    if names != VOC_LABELS:
+        pytest.skip(f"{packed.root.name} holds classes outside VOC's 20")
+    wrapped = wrap_dataset_for_transforms_v2(
+        torchvision_dataset("Main", packed.root, packed.year, "trainval")
+    )
+    ours = VOCSerializedDataset(packed.shards, "trainval", target_format="tv_tensors")
+    compared = 0
+    for i in range(len(ours)):
+        try:
+            expected = wrapped[i][1]
+        except ValueError:  # fractional coordinates (labelme): the wrapper cannot
+            continue
+        assert torch.equal(ours[i][1]["labels"], expected["labels"])
+        compared += 1
+    assert compared > 0 or "labelme" in packed.root.name
 
 
 # --- 4. transforms, attributes, repr --------------------------------------------------------------

@@ -181,11 +181,18 @@ def test_packed_classes_and_unknown_labels(tmp_path: Path) -> None:
     xml = voc_xml("a.jpg", 32, 24, [obj("helmet", (1, 2, 3, 4)), obj("head", (2.5, 3, 9, 9.75))])
     root = tiny_devkit(tmp_path / "src", ["a", "b"], **{"a.xml": xml})
     result = ts.pack_voc(root, tmp_path / "out.tser", year="2007")
-    with pytest.raises(ValueError, match="helmet"):
-        ts.VOCSerializedDataset(result.path, "train", target_format="tv_tensors")
+    # classes=None on custom data: the packed classes in pack order (first seen: a, then b)
+    default = ts.VOCSerializedDataset(result.path, "train", target_format="tv_tensors")
+    assert default.label_names == ["__background__", "helmet", "head", "dog"]
+    assert default[0][1]["labels"].tolist() == [1, 2] and default[1][1]["labels"].tolist() == [3]
+    with pytest.raises(ValueError, match="helmet"):  # a list without them is refused
+        ts.VOCSerializedDataset(
+            result.path, "train", target_format="tv_tensors", classes=["__background__", "dog"]
+        )
     ds = ts.VOCSerializedDataset(result.path, "train", target_format="tv_tensors", classes="packed")
     target = ds[0][1]
-    names = ["__background__", "dog", "head", "helmet"]
+    names = ["__background__", "dog", "head", "helmet"]  # "packed": sorted by name
+    assert ds.label_names == names
     assert [names[i] for i in target["labels"].tolist()] == ["helmet", "head"]
     assert target["boxes"].tolist()[1] == [2.5, 3.0, 9.0, 9.75]
     custom = ts.VOCSerializedDataset(

@@ -167,7 +167,9 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         transform, target_transform, transforms: as in torchvision.
         decode: ``"pil"`` (default, exact), ``"tensor"`` or ``"none"``; see ``Decode``.
         target_format: ``"dict"`` (default, exact) or ``"tv_tensors"``; see ``TargetFormat``.
-        classes: label names for ``"tv_tensors"`` targets; see ``Classes``.
+        classes: label names for ``"tv_tensors"`` targets: by default VOC's 20 classes after
+            ``"__background__"`` when the pack holds only those, else the pack's own classes
+            in pack order; see ``Classes``. ``label_names`` shows the result.
         checked: verify each record's checksum as it is read.
         zero_copy: with ``decode="none"`` (and raw-pixel packs), return read-only views of
             the mapped file instead of copies: no per-sample copy of the stored bytes,
@@ -204,6 +206,12 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
     @property
     def annotations(self) -> list[str]:
         return self.targets
+
+    @property
+    def label_names(self) -> list[str]:
+        """The name of each ``"tv_tensors"`` label (label ``i`` is ``label_names[i]``; 0 is
+        ``"__background__"`` unless ``classes`` says otherwise): what ``classes`` resolved to."""
+        return list(self.decoder.label_names)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         record = self._record(index)

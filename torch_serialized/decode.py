@@ -35,9 +35,15 @@ Decode = Literal["pil", "tensor", "none"]
 #: ``"dict"``: torchvision's parsed XML dict. ``"tv_tensors"``: ``{"boxes": BoundingBoxes
 #: (XYXY, float32), "labels": int64, "difficult": bool}`` built from stored arrays, no parsing.
 TargetFormat = Literal["dict", "tv_tensors"]
-#: Label names for ``"tv_tensors"`` targets: ``None`` for VOC's 20 classes with
-#: ``"__background__"`` at 0 (as torchvision's wrapper), ``"packed"`` for the classes found at
-#: pack time (sorted, after ``"__background__"``), or an explicit sequence (label = position).
+#: Label names for ``"tv_tensors"`` targets (label = position in the list):
+#:
+#: - ``None`` (default): ``"__background__"`` at 0, then VOC's 20 classes (as torchvision's
+#:   wrapper) when every class in the pack is one of them; otherwise the pack's classes in
+#:   pack order (the order they first appear in the packed samples), so custom datasets work
+#:   without arguments and their labels do not move when a class is added later.
+#: - ``"packed"``: ``"__background__"``, then the pack's classes sorted by name (0.1.0's rule,
+#:   kept so that labels of models trained with it stay the same; it differs from ``None``).
+#: - a sequence of names: exactly that list; every class of the image set must be in it.
 Classes = Literal["packed"] | Sequence[str] | None
 #: Bytes of one record field: a read-only view into the map, or a private array.
 Buffer = memoryview | np.ndarray | bytes
@@ -49,9 +55,11 @@ _TV_DECODE_DEPRECATED = r"The image decoding and encoding capabilities of TorchV
 
 
 def label_names(pack: VOCPackReader, classes: Classes) -> list[str]:
-    """The label name list that ``classes`` stands for."""
+    """The label name list that ``classes`` stands for (see ``Classes``)."""
     if classes is None:
-        return ["__background__", *VOC_CLASSES]
+        if set(pack.classes) <= set(VOC_CLASSES):
+            return ["__background__", *VOC_CLASSES]
+        return ["__background__", *pack.classes]
     if isinstance(classes, str):
         if classes != "packed":
             raise ValueError(f"classes must be None, 'packed' or a list of names, got {classes!r}")

@@ -201,6 +201,42 @@ def test_packed_classes_and_unknown_labels(tmp_path: Path) -> None:
     assert custom[0][1]["labels"].tolist() == [0, 1]
 
 
+def test_year_is_detected_by_default_and_reported(synthetic_devkit: Path, tmp_path: Path) -> None:
+    """A root holding only VOC2007 just works without year=, and the result says 2007."""
+    voc2007 = synthetic_devkit / "VOCdevkit" / "VOC2007"
+    for source in (synthetic_devkit, voc2007, synthetic_devkit / "VOCdevkit"):
+        result = ts.pack_voc(source, tmp_path / "out.tser")
+        assert (result.year, result.voc_root) == ("2007", voc2007)
+        assert VOCPackReader(result.path).year == "2007"
+    assert ts.pack_voc(synthetic_devkit, tmp_path / "out.tser", year="2007").year == "2007"
+    with pytest.raises(ts.SourceDataError, match="No Pascal VOC 2012 folder"):
+        ts.pack_voc(voc2007, tmp_path / "other.tser", year="2012")  # not silently 2007
+    both = tmp_path / "both"
+    for year in ("2007", "2012"):
+        shutil.copytree(voc2007, both / "VOCdevkit" / f"VOC{year}")
+    with pytest.raises(ts.SourceDataError, match=r"several VOC folders.*year="):
+        ts.pack_voc(both, tmp_path / "both.tser")
+    assert ts.pack_voc(both, tmp_path / "both.tser", year="2012").year == "2012"
+
+
+def test_num_bytes_is_the_size_on_disk(synthetic_devkit: Path, tmp_path: Path) -> None:
+    one = ts.pack_voc(synthetic_devkit, tmp_path / "one.tser")
+    assert one.num_bytes == (tmp_path / "one.tser").stat().st_size
+    shards = ts.pack_voc(synthetic_devkit, tmp_path / "shards", max_samples_per_shard=5)
+    assert shards.num_bytes == sum(p.stat().st_size for p in (tmp_path / "shards").iterdir())
+    assert shards.num_bytes == ts.open_pack(shards.path).nbytes
+
+
+def test_progress_ends_with_the_summary_rate(
+    synthetic_devkit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a short pack the bar's last MB/s is the summary's, not the first sample's."""
+    result = ts.pack_voc(synthetic_devkit, tmp_path / "one.tser", progress=True)
+    last = capsys.readouterr().err.split("\r")[-1]
+    rate = f"{result.num_bytes / result.seconds / 1e6:.0f} MB/s"
+    assert "24/24" in last and last.rstrip().endswith(f"{rate}]"), last
+
+
 def test_image_bytes_are_stored_unchanged(synthetic_devkit: Path, tmp_path: Path) -> None:
     result = ts.pack_voc(synthetic_devkit, tmp_path / "out.tser", year="2007")
     ds = ts.VOCSerializedDataset(result.path, "trainval", decode="none")

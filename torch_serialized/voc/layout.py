@@ -22,7 +22,6 @@ __all__ = [
     "TASKS",
     "base_dir",
     "find_voc_root",
-    "is_voc_folder",
     "read_image_sets",
     "image_set_files",
 ]
@@ -45,16 +44,13 @@ def base_dir(year: str) -> str:
     return os.path.join("VOCdevkit", f"VOC{year}")
 
 
-def is_voc_folder(path: Path) -> bool:
-    """Whether ``path`` is a ``VOC20xx`` folder itself (its name then gives the year)."""
-    return _VOC_FOLDER.fullmatch(path.name) is not None and (path / "ImageSets").is_dir()
-
-
 def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path, str]:
     """Locate ``VOCdevkit/VOC{year}`` from torchvision's ``root`` or the folder itself.
 
     With ``year=None`` the year comes from the folder name (``VOC2007`` -> ``"2007"``) or from the
-    only ``VOC20xx`` folder under ``root``. Returns ``(voc_root, year)``.
+    only ``VOC20xx`` folder under ``root``; several are an error that names them. This is the
+    one year rule of ``pack_voc``, the command line, the benchmark and the examples. Returns
+    ``(voc_root, year)``.
     """
     root = Path(root)
     if year is not None and (not isinstance(year, str) or not _YEAR.fullmatch(year)):
@@ -109,8 +105,10 @@ def _infer(root: Path) -> tuple[Path, str]:
         )
     if len(found) > 1:
         listed = ", ".join(repr(str(path)) for path in found)
+        years = " or ".join(repr(path.name[3:]) for path in found)
         raise SourceDataError(
-            f"{str(root)!r} holds several VOC folders ({listed}); pass year= to pick one."
+            f"{str(root)!r} holds several VOC folders ({listed}); pick one with year= "
+            f"({years}; --year on the command line)."
         )
     return found[0], found[0].name[3:]
 

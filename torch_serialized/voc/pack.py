@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from ..parallel import Record, Spilled, SpillPool, pays_off
 from ..writer import PackWriter
 from . import schema
 from .images import ImageOptions
-from .layout import base_dir, find_voc_root, image_set_files, is_voc_folder, read_image_sets
+from .layout import base_dir, find_voc_root, image_set_files, read_image_sets
 from .source import Job, LoadedSample, load, plan
 
 __all__ = ["pack_voc", "PackResult", "SkippedSample", "ImageStorage"]
@@ -47,7 +47,9 @@ class SkippedSample:
 
 @dataclass(frozen=True)
 class PackResult:
-    """What ``pack_voc`` wrote."""
+    """What ``pack_voc`` wrote: ``num_bytes`` is the output's size on disk (every file,
+    as ``torch-serialized info`` reports it); ``year`` the VOC year packed (given, or
+    detected), from the folder ``voc_root``."""
 
     path: Path
     num_samples: int
@@ -56,6 +58,8 @@ class PackResult:
     seconds: float
     skipped: list[SkippedSample] = field(default_factory=list)
     report: Path | None = None
+    year: str = ""
+    voc_root: Path | None = None
 
     @property
     def samples_per_second(self) -> float:
@@ -77,7 +81,7 @@ def pack_voc(
     root: str | os.PathLike[str],
     output: str | os.PathLike[str],
     *,
-    year: str | None = "2012",
+    year: str | None = None,
     max_samples_per_shard: int | None = None,
     max_shard_bytes: int | None = None,
     workers: int = 1,
@@ -90,8 +94,10 @@ def pack_voc(
     """Pack a VOC dataset into ``output`` (a ``.tser`` file, or a shard folder with a limit).
 
     ``root`` is what torchvision calls root (the folder holding ``VOCdevkit/``) or the
-    ``VOCdevkit/VOC20xx`` folder itself (whose name then gives the year); ``year=None``
-    finds the year from the folder names. ``image_storage="raw"``
+    ``VOCdevkit/VOC20xx`` folder itself. ``year=None`` (the default) detects the year from
+    the folder names (``voc.layout.find_voc_root``): the one ``VOC<year>`` folder there is,
+    an error naming them when there are several; the result says which year was packed.
+    ``image_storage="raw"``
     stores decoded RGB pixels (no decode at read time, larger file); ``max_size`` resizes
     images so their longer side is at most that many pixels, scaling boxes and sizes with
     them. Both change what is returned, so such packs are no longer byte-exact drop-ins.
@@ -110,7 +116,7 @@ def pack_voc(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     started = time.perf_counter()
-    voc_root, year = find_voc_root(root, None if is_voc_folder(Path(root)) else year)
+    voc_root, year = find_voc_root(root, year)
     image_sets = read_image_sets(voc_root)
     jobs = plan(voc_root, image_sets, ImageOptions(image_storage, max_size, check_images))
     output = Path(output)
@@ -120,61 +126,85 @@ def pack_voc(
         if pays_off(len(jobs), workers)
         else None
     )
-    with contextlib.ExitStack() as stack:
-        writer = stack.enter_context(
-            PackWriter(
-                output,
-                schema.FIELDS,
-                columns=schema.COLUMNS,
-                max_records_per_shard=max_samples_per_shard,
-                max_shard_bytes=max_shard_bytes,
-                before_finish=pool.drain if pool is not None else None,
+    with contextlib.ExitStack() as outer:
+        bar = outer.enter_context(_progress_bar(len(jobs), output.name, progress))
+        with contextlib.ExitStack() as stack:
+            writer = stack.enter_context(
+                PackWriter(
+                    output,
+                    schema.FIELDS,
+                    columns=schema.COLUMNS,
+                    max_records_per_shard=max_samples_per_shard,
+                    max_shard_bytes=max_shard_bytes,
+                    before_finish=pool.drain if pool is not None else None,
+                )
             )
-        )
-        if pool is not None:  # on an error, stop the processes before the output is removed
-            stack.callback(pool.close)
-        books = _write_records(writer, jobs, pool, skip, progress, started)
-        splits, class_counts = _write_dataset_arrays(writer, books, image_sets, voc_root)
-        metadata = {
-            "schema": schema.SCHEMA,
-            "schema_version": schema.SCHEMA_VERSION,
-            "year": year,
-            "base_dir": base_dir(year),
-            "voc_folder": voc_root.name,
-            "num_samples": len(books.record_of),
-            "splits": splits,
-            "classes": list(books.classes),
-            "class_counts": class_counts,
-            "image_storage": image_storage,
-            "max_size": max_size,
-            "options": {
-                "max_samples_per_shard": max_samples_per_shard,
-                "max_shard_bytes": max_shard_bytes,
-                "check_images": check_images,
-                "on_error": on_error,
-            },
-            "source_bytes": books.source_bytes,
-            "skipped": [{"id": s.id, "reason": s.reason} for s in books.skipped],
-            "packed_by": f"torch_serialized {__version__}",
-        }
-        path = writer.close(metadata)
-        num_bytes = writer.bytes_written
+            if pool is not None:  # on an error, stop the processes before the output is removed
+                stack.callback(pool.close)
+            books = _write_records(writer, jobs, pool, skip, bar, started)
+            splits, class_counts = _write_dataset_arrays(writer, books, image_sets, voc_root)
+            metadata = {
+                "schema": schema.SCHEMA,
+                "schema_version": schema.SCHEMA_VERSION,
+                "year": year,
+                "base_dir": base_dir(year),
+                "voc_folder": voc_root.name,
+                "num_samples": len(books.record_of),
+                "splits": splits,
+                "classes": list(books.classes),
+                "class_counts": class_counts,
+                "image_storage": image_storage,
+                "max_size": max_size,
+                "options": {
+                    "max_samples_per_shard": max_samples_per_shard,
+                    "max_shard_bytes": max_shard_bytes,
+                    "check_images": check_images,
+                    "on_error": on_error,
+                },
+                "source_bytes": books.source_bytes,
+                "skipped": [{"id": s.id, "reason": s.reason} for s in books.skipped],
+                "packed_by": f"torch_serialized {__version__}",
+            }
+            path = writer.close(metadata)
 
-    report = None
-    if books.skipped:
-        report = path.with_name(path.name + ".skipped.json")
-        report.write_text(
-            json.dumps(metadata["skipped"], indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+        report = None
+        if books.skipped:
+            report = path.with_name(path.name + ".skipped.json")
+            report.write_text(
+                json.dumps(metadata["skipped"], indent=1, ensure_ascii=False) + "\n",
+                encoding="utf-8",
+            )
+        result = PackResult(
+            path=path,
+            num_samples=len(books.record_of),
+            num_bytes=_size_on_disk(path),
+            source_bytes=books.source_bytes,
+            seconds=time.perf_counter() - started,
+            skipped=books.skipped,
+            report=report,
+            year=year,
+            voc_root=voc_root,
         )
-    return PackResult(
-        path=path,
-        num_samples=len(books.record_of),
-        num_bytes=num_bytes,
-        source_bytes=books.source_bytes,
-        seconds=time.perf_counter() - started,
-        skipped=books.skipped,
-        report=report,
-    )
+        # The bar's last figure is the summary's: all bytes on disk over the whole time.
+        bar.set_postfix_str(_rate(result.num_bytes, result.seconds), refresh=False)
+    return result
+
+
+def _progress_bar(total: int, name: str, progress: bool) -> Any:
+    from tqdm.auto import tqdm  # here, not at the top: pack processes import this module
+
+    return tqdm(total=total, unit="img", disable=not progress, desc=f"packing {name}")
+
+
+def _rate(num_bytes: int, seconds: float) -> str:
+    return f"{num_bytes / max(seconds, 1e-9) / 1e6:.0f} MB/s"
+
+
+def _size_on_disk(path: Path) -> int:
+    """Bytes of the output: the file, or every file of the shard folder (manifest included)."""
+    if not path.is_dir():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
 def _write_records(
@@ -182,16 +212,12 @@ def _write_records(
     jobs: Sequence[Job],
     pool: SpillPool[Job] | None,
     skip: bool,
-    progress: bool,
+    bar: Any,
     started: float,
 ) -> _Books:
-    """Write every job's record in job order, assigning class ids as names first appear."""
-    from tqdm.auto import tqdm  # here, not at the top: pack processes import this module
-
+    """Write every job's record in job order, assigning class ids as names first appear;
+    ``bar`` (a tqdm bar) shows the progress and the write rate so far."""
     books = _Books()
-    bar = tqdm(
-        total=len(jobs), unit="img", disable=not progress, desc=f"packing {writer.output.name}"
-    )
     last = time.perf_counter()
     items: Iterable[LoadedSample | Spilled | SkippedSample] = (
         pool.items(writer) if pool is not None else (_load_or_skip(job, skip) for job in jobs)
@@ -220,10 +246,9 @@ def _write_records(
         books.record_classes.append(class_ids)
         books.source_bytes += loaded.source_bytes
         now = time.perf_counter()
-        if progress and (now - last > 0.5 or bar.n == 1):
-            bar.set_postfix_str(f"{writer.bytes_written / (now - started) / 1e6:.0f} MB/s")
+        if not bar.disable and (now - last > 0.5 or bar.n == 1):
+            bar.set_postfix_str(_rate(writer.bytes_written, now - started))
             last = now
-    bar.close()
     return books
 
 

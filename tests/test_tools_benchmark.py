@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
+from torch_serialized import SourceDataError
 from torch_serialized.tools.benchmark import SCENARIOS, main, run_benchmark
 
 
@@ -83,5 +86,53 @@ def test_scenario_subset_through_main(tmp_path: Path) -> None:
 
 
 def test_unknown_scenario_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown scenarios"):
+    with pytest.raises(ValueError, match="unknown scenarios.*choose from pack, bytes"):
         run_benchmark(quick=True, out_dir=str(tmp_path), scenarios=["nope"], progress=False)
+
+
+def test_without_out_dir_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only figures measured in this run, printed; no file in the current folder."""
+    monkeypatch.chdir(tmp_path)
+    result = run_benchmark(quick=True, scenarios=["bytes"], workers=0, progress=True)
+    assert result["chart"] is None and list(tmp_path.iterdir()) == []
+    table = capsys.readouterr().out
+    assert "| scenario |" in table and "peer" not in table.lower()
+    for row in result["scenarios"]["bytes"]["rows"]:
+        assert "peer_best" not in row and row["ours"] is not None
+
+
+def test_a_custom_2007_root_runs_without_year_or_classes(tmp_path: Path) -> None:
+    """The issue's failure: no year detection, then classes outside VOC's 20."""
+    root = tmp_path / "cells"
+    samples = [
+        Sample(f"{i:06d}", jpeg(48, 40, seed=i), voc_xml(f"{i:06d}.jpg", 48, 40, [obj(n, box)]))
+        for i, (n, box) in enumerate(
+            [("cellbody", (1, 2, 30.5, 20))] * 5 + [("nucleus", (3, 3, 9, 9))]
+        )
+    ]
+    ids = [s.id for s in samples]
+    write_voc(root, "2007", samples, {"Main": {"train": ids[:4], "val": ids[4:], "trainval": ids}})
+    result = run_benchmark(root, quick=True, scenarios=["bytes"], workers=0, progress=False)
+    assert result["config"]["year"] == "2007" and result["config"]["num_images"] == 6
+    assert result["scenarios"]["bytes"]["details"]["same_output_as_torchvision"] is True
+
+
+def test_a_failed_run_keeps_the_files_its_error_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        root = tmp_path / "bad"
+        write_voc(root, "2007", [], {"Main": {"train": ["missing"]}})
+        with pytest.raises(SourceDataError) as failure:
+            run_benchmark(root, quick=True, scenarios=["bytes"], workers=0, progress=False)
+    finally:
+        tempfile.tempdir = None
+    kept = capsys.readouterr().err
+    assert "benchmark data kept in" in kept
+    folder = Path(kept.split("kept in ")[1].split(" (")[0])
+    assert folder.is_dir() and folder.parent == tmp_path
+    assert str(root) in str(failure.value)  # the error names the source, which exists

@@ -21,20 +21,6 @@ SCENARIOS: tuple[str, ...] = (
 )
 
 
-#: Best other system per row (the ratio to torchvision, or samples/s for packing, and who
-#: reached it), from a comparison on the same machine class and data: benchmarks/README.md,
-#: "Peers". For reference only; not re-measured here.
-PEER_BEST: dict[str, tuple[float, str]] = {
-    "pack_1": (3581.0, "LMDB"),
-    "bytes_random_dict": (5.3, "FFCV format"),
-    "bytes_sequential_dict": (5.7, "FFCV format"),
-    "decoded_pil": (1.09, "FFCV format"),
-    "dataloader_tensor": (1.04, "HF datasets"),
-    "cold_random": (3.6, "LMDB"),
-    "cold_iterable": (5.6, "FFCV format"),
-}
-
-
 IMAGE_SET = "trainval"
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 BATCH_SIZE = 32
@@ -81,11 +67,9 @@ class Row:
     note: str = ""
     ratio: float | None = None
     met: bool | None = None
-    peer_best: tuple[float, str] | None = None
     reason: str = ""  # why the target is missed, when it is
 
     def finish(self) -> Row:
-        self.peer_best = PEER_BEST.get(self.key)
         b = self.baseline.median if self.baseline else None
         o = self.ours.median if self.ours else None
         if self.ratio is not None:  # set by the scenario (e.g. a median of paired ratios)

@@ -47,13 +47,6 @@ def _target_cell(row: Row) -> str:
     return f"≥ {row.target:g}x"
 
 
-def _peer_cell(row: Row) -> str:
-    if row.peer_best is None:
-        return "–"
-    value, who = row.peer_best
-    return f"{value:,.0f}/s {who}" if row.key.startswith("pack") else f"{value:g}x {who}"
-
-
 def _verdict(row: Row) -> str:
     return {True: "met", False: "**MISSED**", None: "–"}[row.met]
 
@@ -69,8 +62,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"({env['cpu_model']}), torch {env['torch']}, torchvision {env['torchvision']}, "
         f"Pillow {env['pillow']}, read-ahead {env['read_ahead_kb']} KiB; {env['date']}.",
         "",
-        "| scenario | unit | torchvision | torch_serialized | ×tv | target | peer best | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scenario | unit | torchvision | torch_serialized | ×tv | target | verdict |",
+        "|---|---|---|---|---|---|---|",
     ]
     rows = [r for s in result["scenarios"].values() for r in s["rows"]]
     for r in rows:
@@ -78,7 +71,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row.name} | {row.unit} | {_cell(row.baseline, row.unit)} | "
             f"{_cell(row.ours, row.unit)} | {_ratio_cell(row)} | {_target_cell(row)} | "
-            f"{_peer_cell(row)} | {_verdict(row)} |"
+            f"{_verdict(row)} |"
         )
     notes = [f"- {r['name']}: {r['note']}" for r in rows if r["note"]]
     if notes:
@@ -90,8 +83,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 def row_from_dict(d: dict[str, Any]) -> Row:
     stats = {k: Stat(**d[k]) if d[k] else None for k in ("baseline", "ours")}
-    peer = tuple(d["peer_best"]) if d["peer_best"] else None
-    return Row(**{**d, **stats, "peer_best": peer})  # type: ignore[arg-type]
+    return Row(**{**d, **stats})
 
 
 def miss_text(row: Row) -> str:
@@ -100,7 +92,7 @@ def miss_text(row: Row) -> str:
 
 
 def plot_chart(result: dict[str, Any], path: Path) -> bool:
-    """Bar chart of the ratios to torchvision with targets and peer bests; False without mpl."""
+    """Bar chart of the ratios to torchvision with their targets; False without matplotlib."""
     try:
         import matplotlib
 
@@ -125,12 +117,10 @@ def plot_chart(result: dict[str, Any], path: Path) -> bool:
         ax.text(ratio * 1.03, yi, f"{ratio:.2f}x", va="center", fontsize=8)
         if r.target is not None:
             ax.plot([r.target], [yi], "k|", markersize=14)
-        if r.peer_best is not None and not r.key.startswith("pack"):
-            ax.plot([r.peer_best[0]], [yi], "bx", markersize=6)
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_yticks(y, [r.name for r in rows], fontsize=8)
-    ax.set_xlabel("ratio to torchvision VOCDetection (log; | target, x peer best)")
+    ax.set_xlabel("ratio to torchvision VOCDetection (log; | target)")
     ax.set_title(f"torch_serialized, {result['config']['num_images']} images")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from torch_serialized.voc.layout import find_voc_root
 
 from .access import scenario_bytes
 from .cold import scenario_cold
@@ -36,50 +40,60 @@ _RUNNERS: dict[str, Callable[[Bench], list[Row]]] = {
 
 
 def run_benchmark(
-    root: str | None = None,
+    root: str | os.PathLike[str] | None = None,
     *,
-    year: str = "2012",
+    year: str | None = None,
     num_images: int = 2000,
     repeats: int = 3,
-    out_dir: str = "benchmarks/out",
+    out_dir: str | os.PathLike[str] | None = None,
     scenarios: Sequence[str] | None = None,
     quick: bool = False,
     workers: int = 2,
-    work_dir: str | None = None,
+    work_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run the scenarios and write ``results.md``, ``results.json`` and ``results.png``.
+    """Run the scenarios; print the table and, with ``out_dir``, write ``results.md``,
+    ``results.json`` and ``results.png`` there (nothing is written without it).
 
-    ``root`` is torchvision's VOC root; without it ``num_images`` synthetic images are generated
-    (in ``work_dir``, or a temporary folder removed afterwards). ``quick`` uses 64 images and one
-    repeat (for tests). ``workers`` is both the pack processes and the DataLoader workers (the
+    ``root`` is torchvision's VOC root (any VOC-format dataset, custom classes included);
+    ``year=None`` detects its year as ``pack_voc`` does. Without ``root``, ``num_images``
+    synthetic VOC2012 images are generated (in ``work_dir``, or a temporary folder removed
+    afterwards; kept, and named, when the run fails). ``quick`` uses 64 images and one repeat
+    (for tests). ``workers`` is both the pack processes and the DataLoader workers (the
     memory scenario uses at least one). ``progress`` prints each scenario as it starts and the
     table at the end. Returns what ``results.json`` holds (plus ``chart``, the PNG or None).
     """
     chosen = list(SCENARIOS if scenarios is None else scenarios)
     unknown = [s for s in chosen if s not in SCENARIOS]
     if unknown:
-        raise ValueError(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
+        raise ValueError(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     chosen = [s for s in SCENARIOS if s in chosen]
     if quick:
         num_images, repeats = min(num_images, 64), 1
     if repeats < 1 or num_images < 1 or workers < 0:
         raise ValueError("repeats and num_images must be at least 1, workers at least 0")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if root is not None:  # the year rule of pack_voc, before anything is generated or packed
+        voc_root, year = find_voc_root(root, year)
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
     temp = None if work_dir else tempfile.mkdtemp(prefix="tser-bench-")
     work = Path(work_dir or temp)  # type: ignore[arg-type]
     work.mkdir(parents=True, exist_ok=True)
     say = print if progress else (lambda *a, **k: None)
+    failed = True
     try:
         if root is None:
             from ..synthetic import make_synthetic_voc
 
-            say(f"generating {num_images} synthetic VOC images in {work / 'voc'} ...")
+            year = year or "2012"
+            say(f"generating {num_images} synthetic VOC{year} images in {work / 'voc'} ...")
             tv_root = make_synthetic_voc(work / "voc", num_images, year=year, seed=SEED)
             data = "synthetic"
         else:
-            tv_root, data = Path(root), f"VOC at {root}"
+            tv_root, data = Path(root), f"VOC{year} at {root}"
+            say(f"benchmarking {voc_root} (VOC{year})")
+        assert year is not None
         bench = Bench(tv_root, year, work, repeats, quick, workers)
         if "pack" not in chosen:
             bench.packed()
@@ -113,28 +127,42 @@ def run_benchmark(
             "misses": [miss_text(r) for r in all_rows if r.met is False],
             "seconds": time.perf_counter() - started,
         }
+        failed = False
     finally:
-        if temp is not None:
+        if temp is not None and not failed:
             shutil.rmtree(temp, ignore_errors=True)
+        elif temp is not None:  # errors may name files in it: keep them for the reader
+            print(f"benchmark data kept in {temp} (remove it when done)", file=sys.stderr)
     markdown = render_markdown(result)
-    (out / "results.md").write_text(markdown, encoding="utf-8")
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=json_default) + "\n")
-    result["chart"] = str(out / "results.png") if plot_chart(result, out / "results.png") else None
+    result["chart"] = None
+    if out is not None:
+        (out / "results.md").write_text(markdown, encoding="utf-8")
+        (out / "results.json").write_text(json.dumps(result, indent=1, default=json_default) + "\n")
+        if plot_chart(result, out / "results.png"):
+            result["chart"] = str(out / "results.png")
     say(markdown)
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python benchmarks/run.py --num-images 2000 --out-dir benchmarks/out``."""
+def main(
+    argv: Sequence[str] | None = None, *, default_out_dir: str | os.PathLike[str] | None = None
+) -> int:
+    """Command line (``python benchmarks/run.py``, whose results go beside it by default, or
+    ``python -m torch_serialized.tools.benchmark``, which writes files only with --out-dir)."""
     parser = argparse.ArgumentParser(
         prog="torch-serialized bench",
         description="Benchmark torch_serialized against torchvision's VOCDetection.",
     )
     parser.add_argument("--root", help="torchvision's VOC root (default: generate synthetic VOC)")
-    parser.add_argument("--year", default="2012")
+    parser.add_argument("--year", help="VOC year of --root (default: found in its folders)")
     parser.add_argument("--num-images", type=int, default=2000, help="synthetic images")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out-dir", default="benchmarks/out")
+    parser.add_argument(
+        "--out-dir",
+        default=default_out_dir,
+        help="write results.md/.json/.png here"
+        + (f" (default: {default_out_dir})" if default_out_dir else " (default: print only)"),
+    )
     parser.add_argument(
         "--scenarios",
         default=",".join(SCENARIOS),

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SYNTHETIC_YEAR, Packed
 from PIL import Image
+from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 from torch_serialized import __version__
 from torch_serialized.cli import main, parse_size
@@ -115,7 +116,8 @@ def test_pack_info_verify_export_round_trip(
     status, out, err = run(capsys, "pack", synthetic_devkit, pack)
     assert status == 0, err
     assert "packing" in err  # the progress bar
-    assert re.search(r"packed 24 samples of .*VOC2007 \(VOC2007\)", out)
+    assert re.search(r"packed 24 samples of .*VOC2007\n", out)
+    assert "  year     2007 (found in the folder names; --year picks another)" in out
     assert re.search(r"time .* samples/s, .* MB/s", out)
     assert "1 file" in out and "% of the" in out
 
@@ -241,6 +243,88 @@ def test_pack_usage_errors(
     assert status == 2 and "No Pascal VOC folder" in err and "Traceback" not in err
 
 
+def test_pack_says_which_year_and_where_several_need_one(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
+) -> None:
+    status, out, err = run(
+        capsys, "pack", "-q", synthetic_devkit, tmp_path / "a.tser", "--year", "2007"
+    )
+    assert status == 0, err
+    assert "  year     2007 (as asked)" in out
+    both = tmp_path / "both"
+    shutil.copytree(synthetic_devkit / "VOCdevkit" / "VOC2007", both / "VOCdevkit" / "VOC2007")
+    shutil.copytree(synthetic_devkit / "VOCdevkit" / "VOC2007", both / "VOCdevkit" / "VOC2012")
+    status, _, err = run(capsys, "pack", "-q", both, tmp_path / "b.tser")
+    assert status == 2 and "several VOC folders" in err and "--year" in err
+    assert not (tmp_path / "b.tser").exists()
+    status, out, err = run(capsys, "pack", "-q", both, tmp_path / "b.tser", "--year", "2012")
+    assert status == 0 and "VOC2012" in out, err
+
+
+def test_pack_and_export_replace_output_only_with_overwrite(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, voc8: Path, tmp_path: Path
+) -> None:
+    """The same rule for both commands, said in both --help texts."""
+    pack = tmp_path / "voc.tser"
+    assert run(capsys, "pack", "-q", synthetic_devkit, pack)[0] == 0
+    before = pack.read_bytes()
+    status, _, err = run(capsys, "pack", "-q", voc8, pack)
+    assert status == 2 and "already exists; pass --overwrite" in err
+    assert pack.read_bytes() == before
+    status, _, err = run(capsys, "pack", "-q", "--overwrite", voc8, pack)
+    assert status == 0, err
+    assert len(VOCPackReader(pack)) == 8
+    assert run(capsys, "export", "-q", pack, tmp_path / "out")[0] == 0
+    status, _, err = run(capsys, "export", "-q", pack, tmp_path / "out")
+    assert status == 2 and "--overwrite" in err
+    assert run(capsys, "export", "-q", "--overwrite", pack, tmp_path / "out")[0] == 0
+    for command in ("pack", "export"):
+        status, out, _ = run(capsys, command, "--help")
+        assert status == 0 and "--overwrite" in out
+        assert "replaced only with --overwrite" in " ".join(out.split())
+
+
+def test_bad_source_data_points_cli_users_at_skip_bad(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
+) -> None:
+    bad = tmp_path / "broken"
+    shutil.copytree(synthetic_devkit, bad)
+    next((bad / "VOCdevkit/VOC2007/JPEGImages").iterdir()).unlink()
+    status, _, err = run(capsys, "pack", "-q", bad, tmp_path / "a.tser")
+    assert status == 2 and "is missing" in err and "--skip-bad" in err
+    assert not (tmp_path / "a.tser").exists()
+
+
+def test_pack_summary_and_progress_agree_with_info(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
+) -> None:
+    """One size (the files on disk) and one rate (those bytes over the whole pack)."""
+    for output, options in (("one.tser", []), ("shards", ["--shards", "3"])):
+        status, out, err = run(capsys, "pack", synthetic_devkit, tmp_path / output, *options)
+        assert status == 0, err
+        packed = re.search(r"size +([\d.,]+ MB), ([\d.]+%) of the", out)
+        rate = re.search(r"samples/s, ([\d,]+ MB/s)", out)
+        assert packed and rate, out
+        assert err.rstrip().endswith("]") and f"{rate[1]}]" in err.splitlines()[-1].split("\r")[-1]
+        status, info_out, _ = run(capsys, "info", tmp_path / output)
+        assert f"{packed[1]} in" in info_out and f"({packed[2]} of the" in info_out
+
+
+def test_info_and_verify_on_one_shard_of_a_folder(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
+) -> None:
+    shard = sorted(synthetic_packs.shards.glob("*.tser"))[1]
+    status, out, err = run(capsys, "info", shard)
+    assert status == 0, err
+    assert f"shard        2 of 5 of the pack {synthetic_packs.shards}" in out
+    assert f"info {synthetic_packs.shards}" in out
+    status, out, _ = run(capsys, "info", "--json", shard)
+    info = json.loads(out)
+    assert (info["shard"], info["num_shards"], info["records"]) == (1, 5, 5)
+    status, out, _ = run(capsys, "verify", shard)
+    assert status == 0 and out.startswith("OK ") and "shard 2 of 5" in out
+
+
 # -- verify ---------------------------------------------------------------------------------------
 def damage(pack: Path, source_file: Path, out: Path) -> None:
     """Copy ``pack`` to ``out`` with one byte flipped inside ``source_file``'s stored bytes."""
@@ -310,6 +394,40 @@ def test_errors_are_one_line_unless_debug(
 
 
 # -- bench (a child process; the benchmark itself is tested in test_tools_benchmark.py) ---------
+def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
+    from torch_serialized.tools.benchmark import SCENARIOS
+
+    status, out, _ = run(capsys, "bench", "--help")
+    assert status == 0
+    assert ", ".join(SCENARIOS) in " ".join(out.split())
+
+
+@pytest.mark.slow
+def test_bench_on_a_custom_2007_root_writes_nothing_by_default(tmp_path: Path) -> None:
+    """No year given, classes outside VOC's 20: it runs, prints the table, writes nothing."""
+    root = tmp_path / "custom"
+    samples = [
+        Sample(
+            f"{i:03d}",
+            jpeg(40, 30, seed=i),
+            voc_xml(f"{i:03d}.jpg", 40, 30, [obj("cellbody", (1, 2, 20.5, 20))]),
+        )
+        for i in range(6)
+    ]
+    ids = [s.id for s in samples]
+    write_voc(root, "2007", samples, {"Main": {"train": ids[:4], "val": ids[4:], "trainval": ids}})
+    work = tmp_path / "cwd"
+    work.mkdir()
+    done = cli(
+        "bench", root, "--quick", "--scenarios", "bytes", "--workers", "0", timeout=290, cwd=work
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "benchmarking " in done.stdout and "(VOC2007)" in done.stdout
+    assert "| scenario |" in done.stdout and "peer" not in done.stdout
+    assert "nothing saved: --out-dir DIR" in done.stdout
+    assert list(work.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_bench_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"

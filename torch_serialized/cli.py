@@ -14,6 +14,7 @@ exits 1 when it finds damage.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -86,16 +87,22 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from .voc.layout import find_voc_root, read_image_sets
     from .voc.pack import pack_voc
 
-    voc_root, year = find_voc_root(args.root, args.year)
+    output = Path(args.output)
+    if not args.overwrite and (output.exists() or output.is_symlink()):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{output} already exists; pass --overwrite to replace it (or choose another OUTPUT)",
+        )
     per_shard = args.samples_per_shard
     if args.shards is not None:
+        voc_root, _ = find_voc_root(args.root, args.year)
         image_sets = read_image_sets(voc_root)
         ids = {i for sets in image_sets.values() for listed in sets.values() for i in listed}
         per_shard = max(1, math.ceil(len(ids) / args.shards))
     result = pack_voc(
         args.root,
-        args.output,
-        year=year,
+        output,
+        year=args.year,
         max_samples_per_shard=per_shard,
         max_shard_bytes=args.shard_size,
         workers=args.workers,
@@ -108,7 +115,9 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     seconds = max(result.seconds, 1e-9)
     files = len(list(result.path.glob(f"*{fmt.FILE_SUFFIX}"))) if result.path.is_dir() else 1
     ratio = result.num_bytes / result.source_bytes if result.source_bytes else float("nan")
-    print(f"packed {result.num_samples} samples of {voc_root} (VOC{year})")
+    how = "as asked" if args.year else "found in the folder names; --year picks another"
+    print(f"packed {result.num_samples} samples of {result.voc_root}")
+    print(f"  year     {result.year} ({how})")
     print(f"  output   {result.path} ({files} {'file' if files == 1 else 'shards'})")
     print(
         f"  size     {_mb(result.num_bytes)}, {ratio:.1%} of the {_mb(result.source_bytes)} "
@@ -188,7 +197,53 @@ def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
     return out
 
 
+def _shard_of(path: str) -> tuple[Path, int, int] | None:
+    """``(shard folder, shard number, shards)`` when ``path`` is one shard file of a shard
+    folder (its manifest names it), else None."""
+    file = Path(path)
+    manifest = file.parent / fmt.MANIFEST_NAME
+    if not file.is_file() or not manifest.is_file():
+        return None
+    try:
+        shards = fmt.parse_manifest(manifest.read_bytes(), str(manifest))["shards"]
+    except (TorchSerializedError, OSError):
+        return None
+    names = [entry["file"] for entry in shards]
+    if file.name not in names:
+        return None
+    return file.parent, names.index(file.name), len(names)
+
+
+def _shard_info(path: str, folder: Path, number: int, count: int) -> dict[str, Any]:
+    """What ``info`` shows for one shard file: where it belongs and what it holds."""
+    from .reader import ContainerReader
+
+    reader = ContainerReader(path)
+    return {
+        "path": str(path),
+        "shard_of": str(folder),
+        "shard": number,
+        "num_shards": count,
+        "records": len(reader),
+        "bytes": os.path.getsize(path),
+    }
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
+    shard = _shard_of(args.path)
+    if shard is not None:  # one piece of a pack: describe the piece, point at the pack
+        info = _shard_info(args.path, *shard)
+        if args.json:
+            print(json.dumps(info, indent=1, ensure_ascii=False))
+            return EXIT_OK
+        print(
+            f"{info['path']}\n"
+            f"  shard        {info['shard'] + 1} of {info['num_shards']} of the pack "
+            f"{info['shard_of']} (its manifest.json names it)\n"
+            f"  holds        {info['records']} records, {_mb(info['bytes'])}\n"
+            f"The dataset is the whole folder: {PROG} info {info['shard_of']}"
+        )
+        return EXIT_OK
     info = _pack_info(args.path)
     if args.json:
         print(json.dumps(info, indent=1, ensure_ascii=False))
@@ -257,6 +312,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             f"{len(reader) * len(reader.fields)} field checksums match "
             f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
         )
+        shard = _shard_of(args.path)
+        if shard is not None:
+            folder, number, count = shard
+            print(
+                f"This file is shard {number + 1} of {count} of the pack {folder}; "
+                f"{PROG} verify {folder} checks the whole pack."
+            )
         return EXIT_OK
     try:
         ids: Callable[[int], str] | None = VOCPackReader(args.path).id
@@ -314,16 +376,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "year": args.year,
         "num_images": args.num_images,
         "repeats": args.repeats,
-        "out_dir": args.out_dir,
         "workers": args.workers,
         "work_dir": args.work_dir,
-        "scenarios": args.scenarios.split(",") if args.scenarios else None,
+        "scenarios": [s.strip() for s in args.scenarios.split(",")] if args.scenarios else None,
     }
     kwargs = {name: value for name, value in options.items() if value is not None}
-    result = run_benchmark(args.root, quick=args.quick, **kwargs)
-    out_dir = Path(args.out_dir)
-    print(f"results written to {out_dir / 'results.md'} and results.json", end="")
-    print(f", chart {result['chart']}" if result.get("chart") else "")
+    result = run_benchmark(args.root, quick=args.quick, out_dir=args.out_dir, **kwargs)
+    if args.out_dir is None:
+        print("(nothing saved: --out-dir DIR writes results.md, results.json and a chart)")
+    else:
+        out_dir = Path(args.out_dir)
+        print(f"results written to {out_dir / 'results.md'} and results.json", end="")
+        print(f", chart {result['chart']}" if result.get("chart") else "")
     return EXIT_OK
 
 
@@ -369,11 +433,17 @@ def _parser() -> argparse.ArgumentParser:
         "pack a VOCdevkit into a .tser file or a shard folder",
         "Pack every id listed in ImageSets/Main and ImageSets/Segmentation (images, XML, "
         "masks and list files) into OUTPUT. With a shard option OUTPUT is a folder of "
-        "shards plus manifest.json. The output appears atomically when packing succeeds.",
+        "shards plus manifest.json. The output appears atomically when packing succeeds. "
+        "An existing OUTPUT is replaced only with --overwrite (as export), and only if it is "
+        "a pack.",
     )
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")
     pack.add_argument("output", help="the .tser file (or shard folder) to write")
-    pack.add_argument("--year", help="VOC year, e.g. 2007 (default: found from the folders)")
+    pack.add_argument(
+        "--year",
+        help="VOC year, e.g. 2007 (default: the one VOC<year> folder under ROOT; "
+        "required when there are several)",
+    )
     limit = pack.add_mutually_exclusive_group()
     limit.add_argument("--shards", type=_positive_int, metavar="N", help="write N shards")
     limit.add_argument(
@@ -412,6 +482,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out unreadable samples (listed in OUTPUT.skipped.json) instead of failing",
     )
+    pack.add_argument(
+        "--overwrite", action="store_true", help="replace OUTPUT if it exists (a pack only)"
+    )
     pack.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pack.set_defaults(run=_cmd_pack)
 
@@ -440,34 +513,44 @@ def _parser() -> argparse.ArgumentParser:
         "rebuild the VOCdevkit folder from a pack",
         "Write OUT_ROOT/VOCdevkit/VOC20xx/ (images, annotations, masks, ImageSets lists) "
         "byte for byte as packed. Only packs with --image-storage original and no "
-        "--max-size can be exported.",
+        "--max-size can be exported. Existing files are replaced only with --overwrite "
+        "(as pack).",
     )
     export.add_argument("path", help="a .tser file or shard folder")
     export.add_argument("out_root", help="folder to write into (torchvision's root)")
-    export.add_argument("--overwrite", action="store_true", help="replace existing files")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace files that exist in OUT_ROOT"
+    )
     export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export.set_defaults(run=_cmd_export)
+
+    from .tools.benchmark.core import SCENARIOS
 
     bench = command(
         "bench",
         "compare reading speed with torchvision's VOCDetection",
-        "Benchmark torch_serialized against torchvision on ROOT, or on a generated "
-        "synthetic VOC set when ROOT is not given (torch_serialized.tools.run_benchmark).",
+        "Benchmark torch_serialized against torchvision on ROOT (any VOC-format dataset), "
+        "or on a generated synthetic VOC set when ROOT is not given "
+        "(torch_serialized.tools.run_benchmark). Prints the table; files are written only "
+        "with --out-dir.",
     )
     bench.add_argument("root", nargs="?", help="torchvision's VOC root (default: synthetic data)")
-    bench.add_argument("--year", help="VOC year of ROOT")
+    bench.add_argument(
+        "--year", help="VOC year of ROOT (default: the one VOC<year> folder under ROOT)"
+    )
     bench.add_argument("--num-images", type=_positive_int, metavar="N", help="synthetic images")
     bench.add_argument("--repeats", type=_positive_int, metavar="N", help="timed repeats")
     bench.add_argument("--workers", type=_non_negative_int, metavar="N", help="DataLoader workers")
     bench.add_argument("--quick", action="store_true", help="a small, fast run")
     bench.add_argument(
-        "--out-dir",
-        default="benchmarks/out",
-        metavar="DIR",
-        help="where to write results.md/.json/.png (default: benchmarks/out)",
+        "--out-dir", metavar="DIR", help="write results.md/.json/.png here (default: none)"
     )
     bench.add_argument("--work-dir", metavar="DIR", help="keep generated data and packs here")
-    bench.add_argument("--scenarios", metavar="A,B", help="comma-separated subset to run")
+    bench.add_argument(
+        "--scenarios",
+        metavar="A,B",
+        help=f"comma-separated subset to run, of: {', '.join(SCENARIOS)} (default: all)",
+    )
     bench.set_defaults(run=_cmd_bench)
 
     demo = command(

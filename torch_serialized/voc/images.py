@@ -25,6 +25,8 @@ __all__ = ["ImageOptions", "store_image", "jpeg_size", "scale_objects", "scale_t
 
 #: JPEG quality of images re-encoded after resizing (``max_size`` with original storage).
 RESIZE_QUALITY = 90
+#: How to leave bad samples out, for messages read by library and command line users alike.
+SKIP_HINT = "(or leave such samples out: on_error='skip' in pack_voc, --skip-bad in the CLI)"
 #: Start-of-frame markers (baseline, extended, progressive, lossless...): they hold the size.
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
@@ -60,7 +62,7 @@ def store_image(
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise SourceDataError(
             f"{path}: not a readable image ({exc}); replace the file or remove its id "
-            "from the lists (or pack with on_error='skip')"
+            f"from the lists {SKIP_HINT}"
         ) from None
     except Image.DecompressionBombError as exc:
         raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import SourceDataError
 from . import schema
-from .images import ImageOptions, scale_objects, scale_target, store_image
+from .images import SKIP_HINT, ImageOptions, scale_objects, scale_target, store_image
 from .layout import TASKS
 from .xml import VOCObjects, extract_objects, parse_annotation
 
@@ -159,7 +159,7 @@ def _read_optional(path: str, required: bool, job: Job, what: str) -> bytes | No
             return None
         raise SourceDataError(
             f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing; "
-            "add the file or remove the id from the list (or pack with on_error='skip')"
+            f"add the file or remove the id from the list {SKIP_HINT}"
         ) from None
     except OSError as exc:
         raise SourceDataError(

@@ -6,13 +6,16 @@ With ``decode="none"`` the dataset returns each stored JPEG as a 1-D uint8 tenso
 ``zero_copy=True`` that tensor is a read-only view of the mapped pack (no per-sample copy).
 The main process gathers a batch of them and hands the list to one
 ``torchvision.io.decode_jpeg`` call: on a GPU that is nvJPEG decoding the batch, on the CPU
-libjpeg. ``target_format="tv_tensors"`` gives boxes and labels ready for transforms v2.
-Without PACK or VOC_ROOT a synthetic sample is generated into a temporary folder.
+libjpeg. ``target_format="tv_tensors"`` gives boxes and labels ready for transforms v2
+(VOC's labels, or a custom dataset's own classes). VOC_ROOT's year is found from the folder
+names unless --year is given. Without PACK or VOC_ROOT a synthetic sample is generated into a
+temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 import warnings
@@ -27,12 +30,17 @@ from torch_serialized import VOCSerializedDataset, pack_voc
 from torch_serialized.tools import make_synthetic_voc
 
 
-def prepare(source: str | None, year: str, num_images: int, tmp: Path) -> Path:
+def prepare(source: str | None, year: str | None, num_images: int, tmp: Path) -> Path:
     """A pack: the one given, or one packed from the VOC root given, or from a sample."""
     if source and (Path(source).suffix == ".tser" or (Path(source) / "manifest.json").is_file()):
         return Path(source)
-    root = Path(source) if source else make_synthetic_voc(tmp / "voc", num_images, year=year)
-    return pack_voc(root, tmp / "voc.tser", year=year).path
+    if source:
+        root = Path(source)
+    else:
+        root = make_synthetic_voc(tmp / "voc", num_images, year=year or "2012")
+    result = pack_voc(root, tmp / "voc.tser", year=year)
+    print(f"packed {result.num_samples} samples of VOC{result.year} from {result.voc_root}")
+    return result.path
 
 
 def decode_batch(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -45,7 +53,8 @@ def decode_batch(data: list[torch.Tensor], device: torch.device) -> list[torch.T
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", nargs="?", help="a pack, or torchvision's VOC root")
-    parser.add_argument("--year", default="2012")
+    parser.add_argument("--year", help="VOC year of VOC_ROOT (default: found in its folders)")
+    parser.add_argument("--image-set", default="trainval")
     parser.add_argument("--num-images", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
@@ -54,8 +63,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tser-example-") as tmp:
         pack = prepare(args.source, args.year, args.num_images, Path(tmp))
         dataset = VOCSerializedDataset(
-            pack, "trainval", decode="none", target_format="tv_tensors", zero_copy=True
+            pack, args.image_set, decode="none", target_format="tv_tensors", zero_copy=True
         )
+        if len(dataset) == 0:
+            sys.exit(f"error: image set {args.image_set!r} of {pack} is empty")
         resize = v2.Resize((224, 224), antialias=True)
         batches = BatchSampler(
             RandomSampler(dataset, generator=torch.Generator().manual_seed(0)),
@@ -88,9 +99,10 @@ def main() -> None:
         )
 
         # The bytes decode to exactly what decode="tensor" returns (on the CPU: same libjpeg).
-        reference = VOCSerializedDataset(pack, "trainval", decode="tensor")
-        first = decode_batch([dataset[i][0] for i in range(4)], torch.device("cpu"))
-        same = all(torch.equal(first[i], reference[i][0]) for i in range(4))
+        reference = VOCSerializedDataset(pack, args.image_set, decode="tensor")
+        checked = range(min(4, len(dataset)))
+        first = decode_batch([dataset[i][0] for i in checked], torch.device("cpu"))
+        same = all(torch.equal(first[i], reference[i][0]) for i in checked)
         print(f"batched decode equals decode='tensor': {same}")
 
 

@@ -5,8 +5,10 @@
 
 Each rank streams its own share of the image set (split by rank, then by DataLoader worker),
 trains a tiny multi-label classifier wrapped in DDP (gloo backend) and reports how many samples
-it read; rank 0 checks that the ranks together covered the image set. Without PACK or VOC_ROOT,
-rank 0 generates a synthetic sample into a temporary folder and packs it for everyone.
+it read; rank 0 checks that the ranks together covered the image set. VOC_ROOT may be any
+VOC-format dataset (its year found from the folder names unless --year is given; one output
+per label name of the dataset). Without PACK or VOC_ROOT, rank 0 generates a synthetic sample
+into a temporary folder and packs it for everyone.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from torchvision.transforms import v2
 from torch_serialized import VOCSerializedIterableDataset, pack_voc
 from torch_serialized.tools import make_synthetic_voc
 
-NUM_CLASSES = 21  # VOC's 20 classes; label 0 is the background and never set
-
 
 def collate(batch: list[tuple[Any, Any]]) -> tuple[torch.Tensor, tuple[Any, ...]]:
     """Stack the (same-size) images; keep the targets as a tuple of dicts."""
@@ -40,20 +40,25 @@ def collate(batch: list[tuple[Any, Any]]) -> tuple[torch.Tensor, tuple[Any, ...]
     return torch.stack(images), targets
 
 
-def multi_hot(targets: tuple[dict[str, Any], ...]) -> torch.Tensor:
-    """One row per image: 1 for every class present in it."""
-    rows = torch.zeros(len(targets), NUM_CLASSES)
+def multi_hot(targets: tuple[dict[str, Any], ...], num_labels: int) -> torch.Tensor:
+    """One row per image: 1 for every class present in it (label 0, the background, never)."""
+    rows = torch.zeros(len(targets), num_labels)
     for row, target in zip(rows, targets):
         row[target["labels"]] = 1.0
     return rows
 
 
-def prepare(source: str | None, year: str, num_images: int, tmp: Path) -> Path:
+def prepare(source: str | None, year: str | None, num_images: int, tmp: Path) -> Path:
     """A pack to read: ``source`` if it is one, else ``source`` (or a sample) packed."""
     if source and (Path(source).suffix == ".tser" or Path(source, "manifest.json").exists()):
         return Path(source)
-    root = Path(source) if source else make_synthetic_voc(tmp / "voc", num_images, year=year)
-    return pack_voc(root, tmp / "shards", year=year, max_samples_per_shard=16).path
+    if source:
+        root = Path(source)
+    else:
+        root = make_synthetic_voc(tmp / "voc", num_images, year=year or "2012")
+    result = pack_voc(root, tmp / "shards", year=year, max_samples_per_shard=16)
+    print(f"packed {result.num_samples} samples of VOC{result.year} from {result.voc_root}")
+    return result.path
 
 
 def shared_pack(args: argparse.Namespace, rank: int) -> tuple[Path, Path | None]:
@@ -81,6 +86,8 @@ def train(args: argparse.Namespace) -> None:
         dataset = VOCSerializedIterableDataset(
             path, "train", shuffle=True, seed=0, transforms=transforms, target_format="tv_tensors"
         )
+        if len(dataset.records) == 0:  # every rank sees it: all stop together
+            raise SystemExit(f"error: the train image set of {path} is empty")
         loader = DataLoader(
             dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=collate
         )
@@ -91,7 +98,7 @@ def train(args: argparse.Namespace) -> None:
                 nn.ReLU(),
                 nn.AdaptiveAvgPool2d(1),
                 nn.Flatten(),
-                nn.Linear(16, NUM_CLASSES),
+                nn.Linear(16, len(dataset.label_names)),
             )
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -99,18 +106,20 @@ def train(args: argparse.Namespace) -> None:
         for epoch in range(args.epochs):
             dataset.set_epoch(epoch)  # a new shuffle, the same on every rank
             samples = batches = 0
+            last = "n/a"
             started = time.perf_counter()
             for images, targets in loader:
-                loss = loss_fn(model(images), multi_hot(targets))
+                loss = loss_fn(model(images), multi_hot(targets, len(dataset.label_names)))
                 optimizer.zero_grad()
                 loss.backward()  # gradients are averaged across ranks here
                 optimizer.step()
                 samples += len(images)
                 batches += 1
+                last = f"{loss.item():.3f}"
             seconds = time.perf_counter() - started
             print(
                 f"rank {rank}/{world_size} epoch {epoch}: {samples} samples in {batches} batches, "
-                f"{seconds:.2f} s, last loss {loss.item():.3f}",
+                f"{seconds:.2f} s, last loss {last}",
                 flush=True,
             )
             total = torch.tensor([samples])
@@ -132,7 +141,7 @@ def train(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", nargs="?", help="a pack or torchvision's VOC root")
-    parser.add_argument("--year", default="2012")
+    parser.add_argument("--year", help="VOC year of VOC_ROOT (default: found in its folders)")
     parser.add_argument("--num-images", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)

@@ -1,4 +1,6 @@
-"""Each script in examples/ runs on a generated sample and prints what it promises."""
+"""Each script in examples/ runs on a generated sample and prints what it promises, and runs
+to the end (or stops with a clear message) on a custom-class VOC2007 set smaller than one
+batch, found without ``--year``."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from vocfactory import Sample, jpeg, obj, palette_mask, voc_xml, write_voc
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -36,16 +39,46 @@ CASES = [
     ),
 ]
 
+# The same scripts on TWO train images of custom classes ("helmet", "head"), float boxes and
+# masks, year 2007 found from the folder: default batch sizes (4 to 32) exceed the set.
+SMALL_CASES = [
+    (
+        "batched_decode.py",
+        [],
+        ["packed 3 samples of VOC2007", "3 samples on", "last batch (3, 3, 224, 224)"],
+    ),
+    (
+        "pack_and_iterate.py",
+        [],
+        [
+            "packed 3 samples of VOC2007",
+            "identical to torchvision: True",
+            "tv_tensors labels: ['__background__', 'helmet', 'head']",
+            "iterable: epoch 1: 2 samples",
+        ],
+    ),
+    (
+        "train_detection.py",
+        ["--steps", "3"],
+        ["only 2 train samples: batch size 2", "2 classes (helmet, head)", "trained 3 steps"],
+    ),
+    ("ddp_iterable.py", ["--epochs", "1"], ["rank 1/2 epoch 0: 1 samples"]),
+    (
+        "segmentation.py",
+        ["--steps", "3", "--crop", "64"],
+        ["only 2 train masks: batch size 2", "step 3: loss", "trained 3 steps"],
+    ),
+]
+
 
 def test_every_example_is_tested() -> None:
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(c[0] for c in CASES)
+    scripts = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert scripts == sorted(c[0] for c in CASES) == sorted(c[0] for c in SMALL_CASES)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("script", "args", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_example_runs(script: str, args: list[str], expected: list[str], tmp_path: Path) -> None:
+def run_example(script: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "error::DeprecationWarning", "TMPDIR": str(tmp_path)}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         capture_output=True,
         text=True,
@@ -53,7 +86,61 @@ def test_example_runs(script: str, args: list[str], expected: list[str], tmp_pat
         cwd=tmp_path,
         env=env,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "args", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_example_runs(script: str, args: list[str], expected: list[str], tmp_path: Path) -> None:
+    done = run_example(script, args, tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     for line in expected:
         assert line in done.stdout, done.stdout
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tser-")], "temp data left"
+
+
+@pytest.fixture(scope="module")
+def small_custom_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """torchvision's root of 3 samples (train: 2, val: 1) of custom classes, VOC2007."""
+    root = tmp_path_factory.mktemp("small-custom")
+    boxes = [
+        [obj("helmet", (3.5, 4, 40.25, 30)), obj("head", (10, 12, 50, 44))],
+        [obj("head", (5, 6, 60, 40))],
+        [obj("helmet", (1, 1, 20, 20))],
+    ]
+    samples = [
+        Sample(
+            f"img{i}",
+            jpeg(72, 56, seed=i),
+            voc_xml(f"img{i}.jpg", 72, 56, objects),
+            mask=palette_mask(72, 56, seed=i, values=[1, 2]),
+        )
+        for i, objects in enumerate(boxes)
+    ]
+    lists = {"train": ["img0", "img1"], "val": ["img2"], "trainval": ["img0", "img1", "img2"]}
+    write_voc(root, "2007", samples, {"Main": lists, "Segmentation": lists})
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "args", "expected"), SMALL_CASES, ids=[c[0] for c in SMALL_CASES]
+)
+def test_example_finishes_on_a_set_smaller_than_a_batch(
+    script: str, args: list[str], expected: list[str], small_custom_root: Path, tmp_path: Path
+) -> None:
+    done = run_example(script, [str(small_custom_root), *args], tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for line in expected:
+        assert line in done.stdout, done.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tser-")], "temp data left"
+
+
+@pytest.mark.slow
+def test_segmentation_example_says_what_a_detection_only_set_lacks(tmp_path: Path) -> None:
+    root = tmp_path / "detection-only"
+    sample = Sample("a", jpeg(32, 24), voc_xml("a.jpg", 32, 24, [obj("head", (1, 1, 9, 9))]))
+    write_voc(root, "2007", [sample], {"Main": {"train": ["a"]}})
+    done = run_example("segmentation.py", [str(root), "--workers", "0"], tmp_path)
+    assert done.returncode == 1
+    assert f"error: {root} has no Segmentation train list" in done.stderr
+    assert "Traceback" not in done.stderr

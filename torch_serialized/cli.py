@@ -312,9 +312,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             f"{len(reader) * len(reader.fields)} field checksums match "
             f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
         )
-        shard = _shard_of(args.path)
-        if shard is not None:
-            folder, number, count = shard
+        piece = _shard_of(args.path)
+        if piece is not None:
+            folder, number, count = piece
             print(
                 f"This file is shard {number + 1} of {count} of the pack {folder}; "
                 f"{PROG} verify {folder} checks the whole pack."

@@ -1,4 +1,5 @@
-"""The demo (``torch-serialized demo``): generates, packs, checks against torchvision, races."""
+"""The demo (``torch-serialized demo``): generates, packs, checks against torchvision, and
+measures both sides with medians, ranges and an honest word for noise."""
 
 from __future__ import annotations
 
@@ -9,6 +10,28 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from torch_serialized.tools.demo import Comparison, Spread, _summary
+
+
+def test_spread_is_median_and_range_of_rates() -> None:
+    spread = Spread.of_rates(100, [1.0, 0.5, 2.0])
+    assert (spread.median, spread.low, spread.high) == (100.0, 50.0, 200.0)
+    assert str(spread) == "100/s (50-200)"
+
+
+def test_overlapping_ranges_are_within_noise_and_said_so() -> None:
+    tv = Spread(100, 90, 110)
+    noisy = Comparison("epoch", tv, Spread(120, 105, 130))  # ranges overlap at 105-110
+    clear = Comparison("bytes", tv, Spread(500, 450, 520))
+    slower = Comparison("cold", tv, Spread(50, 45, 60))
+    assert noisy.within_noise and noisy.verdict == "1.20x, within noise"
+    assert not clear.within_noise and clear.verdict == "5.00x faster"
+    assert slower.verdict == "0.50x slower"
+    text = " ".join(_summary([noisy, clear, slower]))
+    assert "Faster beyond noise: bytes 5.0x." in text
+    assert "Within noise, so no speed-up is claimed: epoch" in text
+    assert "Slower: cold 0.50x." in text
 
 
 @pytest.mark.slow
@@ -24,10 +47,23 @@ def test_demo(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "[1/4] Generating the built-in sample: 24 synthetic VOC2012 images" in out
-    assert "5 of 5 samples identical" in out
-    assert re.search(r"torchvision VOCDetection \(folder\)\s+24\s+6\s", out)
-    assert re.search(r"torch_serialized \(pack, drop-in PIL\)\s+24\s+6\s", out)
-    assert re.search(r"speed-up over torchvision: \d+\.\d\dx drop-in", out)
-    assert re.search(r"warm cache, zero_copy=True: torchvision \d+ us, torch_serialized", out)
+    assert "24 samples of VOC2012" in out
+    assert "5 of 5 samples identical" in out and "decode='tensor' pixels" in out
+    assert "median of 5 runs (warm reads) or 3 (the rest) with (min-max)" in out
+    spread = r"[\d,]+/s \([\d,]+-[\d,]+\)"
+    for row in (
+        "bytes + dict, warm",
+        "bytes + dict, warm, zero_copy=True",
+        "bytes + dict, cold, map-style",
+        "bytes + dict, cold, iterable",
+        "PIL image + dict (drop-in)",
+        "uint8 tensor, decode='tensor'",
+        "DataLoader epoch, drop-in",
+    ):
+        line = rf"{re.escape(row)} +{spread} +{spread} +\d+\.\d\dx( faster| slower|, within noise)"
+        assert re.search(line, out), (row, out)
+    assert re.search(r"mincore: at most \d+\.\d% left", out) or "NOT COLD" in out
+    assert "Faster beyond noise" in out or "Within noise" in out
+    assert "speed-up over torchvision" not in out  # no single-run headline
     assert (tmp_path / "demo" / "voc2012.tser").is_file()
     assert "Traceback" not in done.stderr

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
+from . import oscompat
 from .errors import (
     ChecksumError,
     CorruptFileError,
@@ -377,7 +378,7 @@ class ContainerReader:
                 offset, data = pieces[i]
                 buffers, start, position = [data.data], offset, offset + len(data)
                 i += 1
-            if position > start and os.preadv(fd, buffers, start) != position - start:
+            if position > start and oscompat.preadv(fd, buffers, start) != position - start:
                 raise TruncatedFileError(
                     f"{self.path}: the file ended before byte {position}; it was truncated "
                     "after it was opened: re-copy or re-pack it"

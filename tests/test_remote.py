@@ -223,7 +223,7 @@ CLASSIFIED = {
     "reset": (lambda: ConnectionResetError(errno.ECONNRESET, "reset"), Fault.TRANSIENT),
     "refused": (lambda: ConnectionRefusedError(errno.ECONNREFUSED, "refused"), Fault.TRANSIENT),
     "timeout": (lambda: TimeoutError("timed out"), Fault.TRANSIENT),
-    "asyncio timeout": (lambda: asyncio.TimeoutError(), Fault.TRANSIENT),
+    "asyncio timeout": (lambda: asyncio.TimeoutError(), Fault.TRANSIENT),  # noqa: UP041
     "permission": (lambda: PermissionError("no"), Fault.DENIED),
     "disk full is not ours to retry": (lambda: OSError(errno.ENOSPC, "full"), Fault.FATAL),
     "a bug": (lambda: TypeError("bad argument"), Fault.FATAL),

@@ -168,7 +168,7 @@ def environment(work: Path) -> dict[str, Any]:
     except (ValueError, OSError, AttributeError):
         memory_gb = None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch_serialized": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -386,6 +386,7 @@ def test_a_run_is_read_in_bounded_sequential_calls(stream_packs, monkeypatch) ->
     """A multi-megabyte run is split into ``preadv`` calls of about ``_READ_SIZE`` bytes that
     follow each other through the file, so read-ahead streams the run (one whole-run call
     was measured ~1.7x slower on a cold disk), and the bytes still equal the mapped ones."""
+    from torch_serialized import oscompat
     from torch_serialized import reader as reader_module
 
     shard = ContainerReader(stream_packs["single"])
@@ -398,7 +399,7 @@ def test_a_run_is_read_in_bounded_sequential_calls(stream_packs, monkeypatch) ->
         calls.append((offset, sum(len(b) for b in buffers)))
         return preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(reader_module.os, "preadv", logged_preadv)
+    monkeypatch.setattr(oscompat, "preadv", logged_preadv)  # the reader's scatter reads
     rows = shard.read_records(records, fields)
     monkeypatch.undo()
 

@@ -67,11 +67,12 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
     near-equal pieces. Across ranks and workers an epoch delivers every sample once plus the
     padding. ``len()`` is the samples one rank yields per epoch, all its workers together.
 
-    **Reading.** A worker reads each block with one ``pread`` per run of neighbouring records
-    (see ``read_block``), in storage order, while a background thread already reads the next
-    block, so I/O overlaps decoding. Held bytes per worker: at most ``2 * block_size +
-    shuffle_buffer`` records' stored image and target bytes (about 110 KB a VOC JPEG: 42 MB
-    at the defaults); decoded images are never buffered.
+    **Reading.** A worker takes each block's fields as views of the mapped pack (see
+    ``read_blocks``) after hinting the kernel to read the next blocks' runs of neighbouring
+    records, so on a cold cache the disk reads ahead while this block is decoded; on a warm
+    one a sample costs a copy out of the page cache. The shuffle buffer holds views, not
+    copies: the only memory a worker holds per buffered sample is a few Python objects;
+    decoded images are never buffered.
 
     **Randomness** (``shuffle=True``). The block order is a permutation seeded by
     ``(seed, epoch)``, identical on every rank; the buffer is seeded by

@@ -172,8 +172,7 @@ class _PackedVOCBase:
     def _fetch(self, record: int) -> list[Buffer]:
         """The image and target fields of ``record`` (views of the map)."""
         shard, local = self.pack.reader.locate(record)
-        shard.advise(local)
-        return [shard.field(local, k) for k in self._fields]
+        return shard.record(local, self._fields)  # type: ignore[return-value]
 
     def _fetch_many(self, indices: Sequence[int]) -> list[list[Buffer]]:
         """The fields of every sample of ``indices`` (views of the map), looked up shard by

@@ -213,4 +213,7 @@ def _owned_tensor(data: Buffer) -> torch.Tensor:
     private writable array, as the iterable's reads are; a copy of a read-only map view)."""
     if isinstance(data, np.ndarray) and data.flags.writeable:
         return torch.from_numpy(data)
-    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    # a bytearray copy and a tensor over it: ~1 µs less than numpy's copy + from_numpy
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

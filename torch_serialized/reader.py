@@ -17,6 +17,7 @@ import errno
 import mmap
 import os
 import stat
+import sys
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -61,6 +62,7 @@ class _Mapped:
         "arrays",
         "fd",
         "hinted",
+        "where",
         "__weakref__",
     )
 
@@ -73,6 +75,12 @@ class _Mapped:
         self.fd: int | None = None
         #: the windows (``HINT_WINDOW``) of the file this map has hinted (``advise``)
         self.hinted = np.zeros(-(-len(mm) // HINT_WINDOW), dtype=bool)
+        #: ``where[i, k, 0]`` / ``[i, k, 1]``: offset and length of field k of record i as
+        #: Python ints, the per-sample lookup of ``record`` (numpy scalars cost twice as much);
+        #: None on big-endian hosts, whose native integers are not the file's
+        self.where: memoryview | None = None
+        if sys.byteorder == "little" and index.size and index.flags.c_contiguous:
+            self.where = index.view("<u8").reshape(*index.shape, 3).data
 
 
 class ContainerReader:
@@ -294,6 +302,22 @@ class ContainerReader:
             )
         return view
 
+    def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
+        """Views of ``fields`` of record ``i``: ``field`` for several fields at once, the
+        per-sample lookup of map-style ``__getitem__``. No hint: for one record at a time the
+        kernel's own read-around on the page fault reads at least as much (measured:
+        benchmarks/README.md, "Measurements behind the code")."""
+        local = self._mapped()
+        where = local.where
+        if where is None or self.checked or not 0 <= i < self.num_records:
+            return [self.field(i, k) for k in fields]
+        view = local.view
+        out = []
+        for k in fields:
+            offset = where[i, k, 0]
+            out.append(view[offset : offset + where[i, k, 1]])
+        return out
+
     def views(
         self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
     ) -> list[list[memoryview]]:
@@ -327,17 +351,15 @@ class ContainerReader:
         """Ask the kernel to read the file around ``records`` now (``POSIX_FADV_WILLNEED``,
         asynchronous), in whole ``HINT_WINDOW`` windows, each window at most once per map.
 
-        For random access (map-style reads, a DataLoader's batches) on a cold cache: the
-        kernel reads whole windows, all windows of a batch at once, where page faults read
-        around one page at a time and wait for it. A window already hinted costs a bit
+        For batches of random reads (a DataLoader's ``__getitems__``) on a cold cache: the
+        kernel reads the windows of a whole batch at once, where page faults would read
+        around one page at a time and wait for each. A window already hinted costs a bit
         lookup, no system call, so warm reads pay nothing. Once a process hinted a window
         it relies on the kernel's own read-ahead for it (packs larger than memory in later
         epochs). A hint is only a hint: correctness never depends on it.
         """
         local = self._mapped()
-        if isinstance(records, int):  # one record (map-style __getitem__): no numpy on a hit
-            if local.hinted[int(local.offsets[records, 0]) // HINT_WINDOW]:
-                return
+        if isinstance(records, int):
             records = (records,)
         if not len(records) or not hasattr(os, "posix_fadvise"):
             return
@@ -357,8 +379,7 @@ class ContainerReader:
         fd = self._descriptor()
         breaks = np.flatnonzero(np.diff(windows) != 1) + 1
         for run in np.split(windows, breaks):
-            start = int(run[0]) * HINT_WINDOW
-            os.posix_fadvise(fd, start, len(run) * HINT_WINDOW, os.POSIX_FADV_WILLNEED)
+            _willneed(fd, int(run[0]) * HINT_WINDOW, len(run) * HINT_WINDOW)
 
     def arrays(self) -> Mapping[str, np.ndarray]:
         """The stored arrays by name (read-only views into the map)."""
@@ -442,7 +463,7 @@ class ContainerReader:
         fd = self._descriptor()
         if end > start and _cached(fd, end - 1):
             return
-        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        _willneed(fd, start, end - start)
 
     def _scatter_read(self, pieces: list[tuple[int, np.ndarray]]) -> None:
         """Fill each destination array from the file at its offset, in few ``preadv`` calls."""
@@ -472,6 +493,19 @@ class ContainerReader:
                     f"{self.path}: the file ended before byte {position}; it was truncated "
                     "after it was opened: re-copy or re-pack it"
                 )
+
+
+#: Largest single ``POSIX_FADV_WILLNEED`` request: Linux reads at most the device's read-ahead
+#: (or its largest request) per call and drops the rest, so longer spans are hinted in pieces.
+_HINT_CHUNK = 1 << 20
+
+
+def _willneed(fd: int, start: int, length: int) -> None:
+    """Hint ``length`` bytes from ``start`` in ``_HINT_CHUNK`` pieces (asynchronous reads)."""
+    for offset in range(start, start + length, _HINT_CHUNK):
+        os.posix_fadvise(
+            fd, offset, min(_HINT_CHUNK, start + length - offset), os.POSIX_FADV_WILLNEED
+        )
 
 
 def _cached(fd: int, offset: int) -> bool:

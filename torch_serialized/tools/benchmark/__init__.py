@@ -27,14 +27,14 @@ environment) and ``results.png`` (ratios; needs matplotlib, imported only here).
 
 from __future__ import annotations
 
-from .core import PEER_BEST, SCENARIOS, Row, Stat
+from .core import PEER, SCENARIOS, Row, Stat
 from .report import render_markdown
 from .run import main, run_benchmark
 from .system import PageCache
 
 __all__ = [
     "SCENARIOS",
-    "PEER_BEST",
+    "PEER",
     "run_benchmark",
     "main",
     "render_markdown",

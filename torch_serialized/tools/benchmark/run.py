@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from .access import scenario_bytes
+from .attributes import scenario_attributes
 from .cold import scenario_cold
 from .context import Bench
 from .core import IMAGE_SET, SCENARIOS, SEED, Row
 from .decoded import scenario_decoded, scenario_tensor
+from .gpu import scenario_gpu
 from .loader import scenario_dataloader
 from .memory import scenario_memory
 from .packing import scenario_pack
@@ -27,10 +29,12 @@ from .system import environment, files_under, read_all
 _RUNNERS: dict[str, Callable[[Bench], list[Row]]] = {
     "pack": scenario_pack,
     "bytes": scenario_bytes,
+    "attributes": scenario_attributes,
     "decoded": scenario_decoded,
     "tensor": scenario_tensor,
     "cold": scenario_cold,
     "dataloader": scenario_dataloader,
+    "gpu": scenario_gpu,
     "memory": scenario_memory,
 }
 

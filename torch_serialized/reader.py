@@ -62,6 +62,7 @@ class _Mapped:
         "arrays",
         "fd",
         "hinted",
+        "hinted_all",
         "where",
         "__weakref__",
     )
@@ -73,8 +74,10 @@ class _Mapped:
         self.mmap, self.view, self.arrays = mm, view, arrays
         self.offsets, self.lengths, self.crcs = index["offset"], index["length"], index["crc32"]
         self.fd: int | None = None
-        #: the windows (``HINT_WINDOW``) of the file this map has hinted (``advise``)
-        self.hinted = np.zeros(-(-len(mm) // HINT_WINDOW), dtype=bool)
+        #: the windows (``HINT_WINDOW``) of the file this map has hinted (``advise``; made on
+        #: first use, windows without record bytes counted as hinted), and whether all are
+        self.hinted: np.ndarray | None = None
+        self.hinted_all = False
         #: ``where[i, k, 0]`` / ``[i, k, 1]``: offset and length of field k of record i as
         #: Python ints, the per-sample lookup of ``record`` (numpy scalars cost twice as much);
         #: None on big-endian hosts, whose native integers are not the file's
@@ -327,10 +330,19 @@ class ContainerReader:
         rows = np.asarray(records, dtype=np.int64).reshape(-1)
         if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self.num_records):
             raise IndexError(f"records must lie within 0..{self.num_records - 1}")
+        where, view = local.where, local.view
+        if where is not None and not self.checked:  # Python ints: ~2x faster than numpy here
+            out: list[list[memoryview]] = []
+            for r in rows.tolist():
+                row = []
+                for k in fields:
+                    offset = where[r, k, 0]
+                    row.append(view[offset : offset + where[r, k, 1]])
+                out.append(row)
+            return out
         cols = np.asarray(fields, dtype=np.intp)
         starts = local.offsets[rows[:, None], cols].tolist()
         lengths = local.lengths[rows[:, None], cols].tolist()
-        view = local.view
         out = [
             [view[o : o + n] for o, n in zip(row_starts, row_lengths)]
             for row_starts, row_lengths in zip(starts, lengths)
@@ -361,8 +373,14 @@ class ContainerReader:
         local = self._mapped()
         if isinstance(records, int):
             records = (records,)
-        if not len(records) or not hasattr(os, "posix_fadvise"):
+        if not len(records) or not hasattr(os, "posix_fadvise") or local.hinted_all:
             return
+        hinted = local.hinted
+        if hinted is None:
+            ends = local.offsets + local.lengths
+            last = -(-int(ends.max()) // HINT_WINDOW) if ends.size else 0
+            hinted = local.hinted = np.zeros(-(-len(local.mmap) // HINT_WINDOW), dtype=bool)
+            hinted[last:] = True
         rows = np.asarray(records, dtype=np.int64).reshape(-1)
         offsets = local.offsets[rows].astype(np.int64)
         ends = offsets + local.lengths[rows].astype(np.int64)
@@ -372,10 +390,11 @@ class ContainerReader:
             windows = np.unique(np.concatenate([first, last]))
         else:  # records larger than a window (raw pixels): every window they cover
             windows = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last)]))
-        windows = windows[~local.hinted[windows]]
+        windows = windows[~hinted[windows]]
         if not len(windows):
             return
-        local.hinted[windows] = True
+        hinted[windows] = True
+        local.hinted_all = bool(hinted.all())
         fd = self._descriptor()
         breaks = np.flatnonzero(np.diff(windows) != 1) + 1
         for run in np.split(windows, breaks):
@@ -458,8 +477,14 @@ class ContainerReader:
             return
         local = self._mapped()
         wanted = np.asarray(records, dtype=np.int64)
-        starts = local.offsets[wanted]
-        start, end = int(starts.min()), int((starts + local.lengths[wanted]).max())
+        where, fields = local.where, range(len(self.fields))
+        if where is not None:  # a record's fields lie between its first and last ones
+            first, last = int(wanted.min()), int(wanted.max())
+            start = min(where[first, k, 0] for k in fields)
+            end = max(where[last, k, 0] + where[last, k, 1] for k in fields)
+        else:
+            starts = local.offsets[wanted]
+            start, end = int(starts.min()), int((starts + local.lengths[wanted]).max())
         fd = self._descriptor()
         if end > start and _cached(fd, end - 1):
             return

@@ -97,6 +97,11 @@ class Store:
     def get(self, index: int) -> tuple[bytes, Any]:
         return self.split(self.txn.get(_key(index)))
 
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[bytes, Any]]:
+        """What a DataLoader's fetcher makes of a batch: a list of gets."""
+        get = self.get
+        return [get(i) for i in indices]
+
     def walk(self) -> Iterator[tuple[bytes, Any]]:
         """Every sample in key (= list, = storage) order, through one cursor."""
         split = self.split

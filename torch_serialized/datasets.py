@@ -174,17 +174,17 @@ class _PackedVOCBase:
         shard, local = self.pack.reader.locate(record)
         return shard.record(local, self._fields)  # type: ignore[return-value]
 
-    def _fetch_many(self, indices: Sequence[int]) -> list[list[Buffer]]:
-        """The fields of every sample of ``indices`` (views of the map), looked up shard by
+    def _fetch_many(self, records: Sequence[int]) -> list[list[Buffer]]:
+        """The fields of every one of ``records`` (views of the map), looked up shard by
         shard in storage order after hinting the kernel to read all of them at once."""
         reader = self.pack.reader
         groups: dict[int, tuple[Any, list[int], list[int]]] = {}
-        for position, index in enumerate(indices):
-            shard, local = reader.locate(self._record(index))
+        for position, record in enumerate(records):
+            shard, local = reader.locate(record)
             group = groups.setdefault(id(shard), (shard, [], []))
             group[1].append(local)
             group[2].append(position)
-        out: list[list[Buffer]] = [[] for _ in indices]
+        out: list[list[Buffer]] = [[] for _ in records]
         for shard, locals_, positions in groups.values():
             order = np.argsort(np.asarray(locals_, dtype=np.int64), kind="stable")
             ordered = np.asarray(locals_, dtype=np.int64)[order]
@@ -208,10 +208,10 @@ class _PackedVOCBase:
         """
         if type(self).__getitem__ not in _BATCHABLE:
             return [self[i] for i in indices]
-        rows = self._fetch_many(indices)
-        if not rows:
+        records = [self._record(i) for i in indices]  # IndexError before any read
+        if not records:
             return []
-        records = [self._record(i) for i in indices]
+        rows = self._fetch_many(records)
         decoder = self.decoder
         images = [decoder.image(r, row[0]) for r, row in zip(records, rows)]
         targets = self._batch_targets(records, [row[1] for row in rows])

@@ -88,6 +88,8 @@ class _PackedVOCBase:
     image_set: str
     year: str
     _fields: tuple[int, int]
+    _image_of: Callable[[int, Buffer], Any]
+    _target_of: Callable[[int, Buffer], Any]
     _ids: RecordNames
     _images: RecordNames
     _targets: RecordNames
@@ -128,6 +130,9 @@ class _PackedVOCBase:
         self.image_set = image_set
         target_field = schema.MASK if self._TASK == "Segmentation" else self.decoder.target_field
         self._fields = (schema.IMAGE, target_field)
+        #: the decoder's per-sample calls, dispatched once (``SampleDecoder.image_reader``)
+        self._image_of = self.decoder.image_reader()
+        self._target_of = self.decoder.target_reader()
         self._ids = record_names(self.pack, self.records)
         self._images = record_names(self.pack, self.records, "JPEGImages", ".jpg")
         self._targets = record_names(self.pack, self.records, self._TARGET_DIR, self._TARGET_EXT)
@@ -212,8 +217,8 @@ class _PackedVOCBase:
         if not records:
             return []
         rows = self._fetch_many(records)
-        decoder = self.decoder
-        images = [decoder.image(r, row[0]) for r, row in zip(records, rows)]
+        image_of = self._image_of
+        images = [image_of(r, row[0]) for r, row in zip(records, rows)]
         targets = self._batch_targets(records, [row[1] for row in rows])
         return [self._apply(img, target) for img, target in zip(images, targets)]
 
@@ -271,9 +276,9 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         return self._targets
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        record, decoder = self._record(index), self.decoder
+        record = self._record(index)
         image, target = self._fetch(record)
-        return self._apply(decoder.image(record, image), decoder.target(record, target))
+        return self._apply(self._image_of(record, image), self._target_of(record, target))
 
     def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
         return self.decoder.targets(records, data)

@@ -250,18 +250,19 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         """``decode`` with everything it looks up per sample bound once (the per-sample cost
         of the stream is a copy and a parse; attribute lookups were a tenth of it)."""
         image, transforms, reader, fields = (
-            self.decoder.image,
+            self.decoder.image_reader(),
             self.transforms,
             self.pack.reader,
             self._fields,
         )
+        target: Callable[[int, Any], Any]
         if self.task == "Segmentation":
             mask = self.decoder.mask
 
             def target(record: int, data: Any) -> Any:
                 return mask(data)
         else:
-            target = self.decoder.target
+            target = self.decoder.target_reader()
 
         def decode(item: Item) -> tuple[Any, Any]:
             record, data = item.record, item.data

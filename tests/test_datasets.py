@@ -676,3 +676,148 @@ def test_undecoded_bytes_batch_decode_like_the_tensor_path(
     assert len(decoded) == len(tensors) > 0
     for i, image in enumerate(decoded):
         assert torch.equal(image, tensors[i][0])
+
+
+# --- 7. batch fetch: __getitems__ ---------------------------------------------------------------
+
+
+def assert_same_value(expected: Any, actual: Any) -> None:
+    """Equal samples of any kind ours return: PIL images, tensors, target dicts, tv_tensors."""
+    if isinstance(expected, Image.Image):
+        assert_same_image(expected, actual)
+        if expected.mode == "P":
+            assert actual.getpalette() == expected.getpalette()
+    elif isinstance(expected, (tuple, list)):
+        assert type(actual) is type(expected) and len(actual) == len(expected)
+        for e, a in zip(expected, actual):
+            assert_same_value(e, a)
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected)
+        for key in expected:
+            assert_same_value(expected[key], actual[key])
+    else:
+        assert_same_tensors(expected, actual)
+
+
+def batch_orders(n: int) -> list[list[int]]:
+    """Index lists a DataLoader or a user may pass: shuffled, with repeats and negatives."""
+    order = np.random.default_rng(n).permutation(n).tolist()
+    return [order, order[: max(1, n // 3)], [0, 0, n - 1], [-1, -n, n // 2], []]
+
+
+def flip_joint(image: Any, target: Any) -> tuple[Any, Any]:
+    """A joint transform: a v2 flip of image, boxes and mask (stored bytes: reversed)."""
+    if isinstance(image, torch.Tensor) and image.dim() == 1:
+        return image.flip(0), target
+    return v2.RandomHorizontalFlip(p=1.0)(image, target)  # type: ignore[no-any-return]
+
+
+BATCH_CASES = (
+    [
+        pytest.param("Main", {"decode": d, "target_format": "dict"}, id=f"main-{d}-dict")
+        for d in ("pil", "tensor", "none")
+    ]
+    + [
+        pytest.param(
+            "Main",
+            {"decode": d, "target_format": "tv_tensors", "classes": "packed"},
+            id=f"main-{d}-tv",
+        )
+        for d in ("pil", "tensor", "none")
+    ]
+    + [
+        pytest.param("Segmentation", {"decode": d}, id=f"seg-{d}")
+        for d in ("pil", "tensor", "none")
+    ]
+)
+
+
+def check_batches(task: str, path: Path, image_set: str, kw: dict[str, Any]) -> None:
+    ours = our_dataset(task, path, image_set, **kw)
+    for indices in batch_orders(len(ours)):
+        assert_same_value([ours[i] for i in indices], ours.__getitems__(indices))
+    ours = our_dataset(task, path, image_set, transforms=flip_joint, **kw)
+    indices = batch_orders(len(ours))[0]
+    assert_same_value([ours[i] for i in indices], ours.__getitems__(indices))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("task", "kw"), BATCH_CASES)
+def test_getitems_equals_per_index_access(
+    corner_packs: Packed, task: str, kw: dict[str, Any], layout: str
+) -> None:
+    for set_task, image_set in CORNER_SETS:
+        if set_task == task:
+            check_batches(task, corner_packs.path(layout), image_set, kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("root", "year"), REAL_PARAMS)
+def test_getitems_equals_per_index_access_on_real_data(
+    real_packs: Callable[[Path, str], Packed], root: Path, year: str
+) -> None:
+    packed = real_packs(root, year)
+    for task, image_set in standard_sets(root, year):
+        for param in BATCH_CASES:
+            case_task, kw = param.values
+            if case_task == task:
+                for layout in LAYOUTS:
+                    check_batches(task, packed.path(layout), image_set, kw)
+
+
+@pytest.mark.parametrize("task", ["Main", "Segmentation"])
+def test_getitems_refuses_bad_indices_as_a_list_does(corner_packs: Packed, task: str) -> None:
+    ours = our_dataset(task, corner_packs.shards, "trainval", decode="none")
+    n = len(ours)
+    for bad in ([0, n], [-n - 1], [1, 2, n + 5]):
+        with pytest.raises(IndexError):
+            ours.__getitems__(bad)
+
+
+def test_dataloader_calls_getitems_once_per_batch(synthetic_packs: Packed, monkeypatch) -> None:
+    ours = VOCSerializedDataset(synthetic_packs.shards, "trainval", decode="none")
+    calls: list[int] = []
+    batch = VOCSerializedDataset.__getitems__
+
+    def counted(self: Any, indices: Any) -> Any:
+        calls.append(len(indices))
+        return batch(self, indices)
+
+    monkeypatch.setattr(VOCSerializedDataset, "__getitems__", counted)
+    loader = DataLoader(ours, batch_size=5, shuffle=True, collate_fn=keep_lists)
+    got = [sample for batch_ in loader for sample in batch_]
+    n = len(ours)
+    assert calls == [5] * (n // 5) + [n % 5] * (n % 5 > 0) and len(got) == n
+
+
+class PerIndex(VOCSerializedDataset):
+    """A user subclass that changes what one sample is."""
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        image, target = super().__getitem__(index)
+        return image, {"wrapped": target}
+
+
+def test_getitems_defers_to_an_overriding_getitem(corner_packs: Packed) -> None:
+    """Subclasses that override ``__getitem__`` (a user's, torchvision's transforms-v2 wrapper)
+    keep deciding what a sample is when a DataLoader fetches whole batches."""
+    ours = PerIndex(corner_packs.single, "trainval", decode="none")
+    assert_same_value([ours[i] for i in (2, 0)], ours.__getitems__([2, 0]))
+    wrapped = wrap_dataset_for_transforms_v2(
+        VOCSerializedDataset(corner_packs.single, "train"), target_keys={"boxes", "labels"}
+    )
+    tv = wrap_dataset_for_transforms_v2(
+        torchvision_dataset("Main", corner_packs.root, corner_packs.year, "train"),
+        target_keys={"boxes", "labels"},
+    )
+    indices = [i for i in range(len(tv)) if _wrapper_ok(tv, i)]
+    assert indices
+    assert_same_value([tv[i] for i in indices], wrapped.__getitems__(indices))
+
+
+def _wrapper_ok(tv: Any, i: int) -> bool:
+    try:
+        tv[i]
+    except (KeyError, ValueError):  # torchvision's wrapper crashes on some corner cases
+        return False
+    return True

@@ -108,3 +108,39 @@ def test_label_names(pack: VOCPackReader) -> None:
 def test_arguments_are_checked(pack: VOCPackReader, kwargs: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SampleDecoder(pack, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
+@pytest.mark.parametrize("decode", ["pil", "tensor", "none"])
+@pytest.mark.parametrize("target_format", ["dict", "tv_tensors"])
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_readers_are_image_and_target(
+    pack: VOCPackReader, decode: Any, target_format: Any, zero_copy: bool
+) -> None:
+    """The per-sample callables the datasets bind once return what image/target return,
+    for buffers of every kind (map views, bytes, private arrays) and empty ones."""
+    decoder = SampleDecoder(
+        pack, decode=decode, target_format=target_format, classes="packed", zero_copy=zero_copy
+    )
+    image_of, target_of = decoder.image_reader(), decoder.target_reader()
+    for record in range(len(pack)):
+        field = pack.field(record, decoder.target_field)
+        for data in (field, bytes(field), np.frombuffer(bytes(field), np.uint8).copy()):
+            expected, actual = decoder.target(record, data), target_of(record, data)
+            if target_format == "dict":
+                assert actual == expected
+            else:
+                assert list(actual) == list(expected)
+                for key in expected:
+                    assert type(actual[key]) is type(expected[key])
+                    assert torch.equal(actual[key], expected[key])
+        image = pack.field(record, schema.IMAGE)
+        for data in (image, bytes(image)):
+            expected, actual = decoder.image(record, data), image_of(record, data)
+            if decode == "pil":
+                assert actual.tobytes() == expected.tobytes()
+            else:
+                assert type(actual) is type(expected) and torch.equal(actual, expected)
+    if decode == "none" and not zero_copy:
+        empty = image_of(0, b"")
+        assert empty.dtype == torch.uint8 and empty.shape == (0,)

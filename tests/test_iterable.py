@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from torchvision.transforms.functional import pil_to_tensor
 
 import torch_serialized
+import torch_serialized.workers
 from torch_serialized.datasets import VOCSerializedDataset, VOCSerializedSegmentation
 from torch_serialized.iterable import VOCSerializedIterableDataset
 

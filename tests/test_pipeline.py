@@ -78,3 +78,12 @@ def test_shuffle_buffer_is_a_bounded_permutation(n, size, seed) -> None:
     assert all(i >= item - max(size, 1) for i, item in enumerate(out))
     again = list(shuffle_buffer(range(n), size, np.random.default_rng(seed)))
     assert out == again
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 3000), size=st.integers(0, 300), seed=st.integers(0, 2**32))
+def test_shuffle_buffer_draws_in_chunks_with_the_same_stream(n, size, seed) -> None:
+    """Announcing the total only batches the random draws: the order is the one-by-one one."""
+    one_by_one = list(shuffle_buffer(range(n), size, np.random.default_rng(seed)))
+    chunked = list(shuffle_buffer(range(n), size, np.random.default_rng(seed), total=n))
+    assert chunked == one_by_one

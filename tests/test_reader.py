@@ -516,3 +516,56 @@ def test_reader_keeps_old_data_while_another_process_repacks(tmp_path, voc40, vo
         result = pool.submit(read_pickled, blob).result(timeout=180)
     assert result[:3] == ("error", "FileChangedError", True), result
     assert str(out) in result[3]
+
+
+# --- the datasets' and iterable's read paths: record, views, advise -------------------------------
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_record_and_views_return_what_field_returns(container_packs, form):
+    reader = open_pack(container_packs[form])
+    for shard in reader.shards:
+        n = len(shard)
+        fields = [1, 0]
+        expected = [[bytes(shard.field(i, k)) for k in fields] for i in range(n)]
+        assert [[bytes(v) for v in shard.record(i, fields)] for i in range(n)] == expected
+        order = list(range(n))[::-1]
+        got = shard.views(order, fields)
+        assert [[bytes(v) for v in row] for row in got] == [expected[i] for i in order]
+        for bad in (n, -1):
+            with pytest.raises(IndexError):
+                shard.views([0, bad], fields)
+        with pytest.raises(IndexError):
+            shard.record(n, fields)
+
+
+def test_checked_record_and_views_report_damage(tmp_path, container_packs):
+    path = copy_pack(container_packs["single"], tmp_path)
+    record, file, offset, length = record_spans(path)[4]
+    flip(file, offset)
+    shard = open_pack(path, checked=True).shards[0]
+    with pytest.raises(ChecksumError, match=f"record {record} "):
+        shard.record(record, [0, 1])
+    with pytest.raises(ChecksumError, match=f"record {record} "):
+        shard.views([record - 1, record], [0, 1])
+    assert bytes(shard.views([record + 1], [0])[0][0]) == bytes(shard.field(record + 1, 0))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_advise_hints_each_window_once_in_small_pieces(container_packs, monkeypatch):
+    from torch_serialized import reader as reader_module
+
+    shard = open_pack(container_packs["single"]).shards[0]
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(
+        reader_module.os, "posix_fadvise", lambda fd, o, n, a: calls.append((o, n, a))
+    )
+    shard.advise([3, 1, 2])
+    assert calls and all(a == os.POSIX_FADV_WILLNEED for _, _, a in calls)
+    assert all(0 < n <= reader_module._HINT_CHUNK for _, n, _ in calls)
+    start = min(o for o, _, _ in calls)
+    assert start % reader_module.HINT_WINDOW == 0
+    calls.clear()
+    shard.advise([2, 3])  # same window: hinted already in this process
+    shard.advise(1)
+    assert calls == []

@@ -149,8 +149,9 @@ def describe(outcome: Outcome | TorchSerializedError) -> str:
 
 
 def check_batched_reads(reader: Any, records: list[list[bytes | None]], checked: bool) -> None:
-    """The streaming read path (``ContainerReader.read_records``, one scatter read per run of
-    records) returns what ``field`` returned, or raises ChecksumError on a checked reader."""
+    """The batch read paths (``ContainerReader.read_records``, one scatter read per run of
+    records, and ``views``) return what ``field`` returned, or raise ChecksumError on a
+    checked reader."""
     for start, shard in zip(reader.starts, reader.shards):
         read_records = getattr(shard, "read_records", None)
         if read_records is None or not len(shard):
@@ -165,6 +166,17 @@ def check_batched_reads(reader: Any, records: list[list[bytes | None]], checked:
             got = [bytes(array) for array in row]
             assert all(w is None or w == g for w, g in zip(want, got)), (
                 f"read_records and field disagree on record {int(start) + i}"
+            )
+        # the views the datasets and the iterable read (ContainerReader.views / record)
+        try:
+            views = shard.views(range(len(shard)), range(len(shard.fields)))
+        except ChecksumError:
+            assert checked, "an unchecked reader raised ChecksumError"
+            continue
+        for i, row in enumerate(views):
+            want = records[int(start) + i]
+            assert all(w is None or w == bytes(g) for w, g in zip(want, row)), (
+                f"views and field disagree on record {int(start) + i}"
             )
 
 

@@ -13,15 +13,16 @@ the iterable dataset, so both kinds open packs and apply transforms the same way
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from torchvision.datasets import VOCDetection, VOCSegmentation
 from torchvision.datasets.vision import VisionDataset
 
-from .decode import Classes, Decode, SampleDecoder, TargetFormat
+from .decode import Buffer, Classes, Decode, SampleDecoder, TargetFormat
 from .voc import schema
+from .voc.names import RecordNames, record_names
 from .voc.reader import VOCPackReader
 
 __all__ = [
@@ -75,7 +76,8 @@ def joint_transforms(
 
 
 class _PackedVOCBase:
-    """Shared by both datasets: the pack, the split's record numbers, the decoder."""
+    """Shared by both datasets: the pack, the split's record numbers, the decoder, the
+    torchvision attributes as lazy sequences, and the single and batch read paths."""
 
     _TASK: str
     _TARGET_DIR: str
@@ -85,6 +87,16 @@ class _PackedVOCBase:
     decoder: SampleDecoder
     image_set: str
     year: str
+    _fields: tuple[int, int]
+    _image_of: Callable[[int, Buffer], Any]
+    _target_of: Callable[[int, Buffer], Any]
+    _ids: RecordNames
+    _images: RecordNames
+    _targets: RecordNames
+    transforms: Callable | None  # set by torchvision's VisionDataset.__init__
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:  # each dataset's own
+        raise NotImplementedError
 
     def _open(
         self,
@@ -116,6 +128,14 @@ class _PackedVOCBase:
         )
         self.year = self.pack.year
         self.image_set = image_set
+        target_field = schema.MASK if self._TASK == "Segmentation" else self.decoder.target_field
+        self._fields = (schema.IMAGE, target_field)
+        #: the decoder's per-sample calls, dispatched once (``SampleDecoder.image_reader``)
+        self._image_of = self.decoder.image_reader()
+        self._target_of = self.decoder.target_reader()
+        self._ids = record_names(self.pack, self.records)
+        self._images = record_names(self.pack, self.records, "JPEGImages", ".jpg")
+        self._targets = record_names(self.pack, self.records, self._TARGET_DIR, self._TARGET_EXT)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -123,24 +143,21 @@ class _PackedVOCBase:
     def _record(self, index: int) -> int:
         return int(self.records[index])  # IndexError and negative indices as a list's
 
-    def _names(self, folder: str, ext: str) -> list[str]:
-        base = os.path.join(self.pack.base_dir, folder)
-        return [os.path.join(base, self.pack.id(int(r)) + ext) for r in self.records]
+    @property
+    def ids(self) -> RecordNames:
+        """Image ids of this image set, in order: a lazy read-only sequence of ``str``."""
+        return self._ids
 
     @property
-    def ids(self) -> list[str]:
-        """Image ids of this image set, in order (built on access, not stored)."""
-        return [self.pack.id(int(r)) for r in self.records]
+    def images(self) -> RecordNames:
+        """Image paths relative to torchvision's ``root``, as torchvision's ``images`` list:
+        a lazy read-only sequence (O(1) indexing, no list of N strings in memory)."""
+        return self._images
 
     @property
-    def images(self) -> list[str]:
-        """Original image paths relative to torchvision's ``root`` (built on access)."""
-        return self._names("JPEGImages", ".jpg")
-
-    @property
-    def targets(self) -> list[str]:
-        """Original target paths relative to torchvision's ``root`` (built on access)."""
-        return self._names(self._TARGET_DIR, self._TARGET_EXT)
+    def targets(self) -> RecordNames:
+        """Target paths relative to torchvision's ``root`` (lazy, as ``images``)."""
+        return self._targets
 
     def extra_repr(self) -> str:
         lines = [f"Year: {self.year}", f"Image set: {self.image_set}"]
@@ -155,6 +172,58 @@ class _PackedVOCBase:
     def reopen(self) -> None:
         """Map the packed file(s) again in this process (what ``worker_init_fn`` calls)."""
         self.pack.reader.reopen()
+
+    # -- reading -------------------------------------------------------------------------------
+    def _fetch(self, record: int) -> list[Buffer]:
+        """The image and target fields of ``record`` (views of the map)."""
+        shard, local = self.pack.reader.locate(record)
+        return shard.record(local, self._fields)  # type: ignore[return-value]
+
+    def _fetch_many(self, records: Sequence[int]) -> list[list[Buffer]]:
+        """The fields of every one of ``records`` (views of the map), looked up shard by
+        shard in storage order after hinting the kernel to read all of them at once."""
+        reader = self.pack.reader
+        groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+        for position, record in enumerate(records):
+            shard, local = reader.locate(record)
+            group = groups.setdefault(id(shard), (shard, [], []))
+            group[1].append(local)
+            group[2].append(position)
+        out: list[list[Buffer]] = [[] for _ in records]
+        for shard, locals_, positions in groups.values():
+            order = np.argsort(np.asarray(locals_, dtype=np.int64), kind="stable")
+            ordered = np.asarray(locals_, dtype=np.int64)[order]
+            shard.advise(ordered)
+            for k, row in zip(order.tolist(), shard.views(ordered, self._fields)):
+                out[positions[k]] = row
+        return out
+
+    def _apply(self, img: Any, target: Any) -> tuple[Any, Any]:
+        if self.transforms is not None:
+            return self.transforms(img, target)  # type: ignore[no-any-return]
+        return img, target
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """The samples at ``indices``, exactly as ``[self[i] for i in indices]``, read as one
+        batch (what ``DataLoader`` calls with a batch of indices): one index lookup, reads
+        hinted together and done in storage order, targets built for the whole batch.
+
+        A subclass that overrides ``__getitem__`` (torchvision's transforms-v2 wrapper is
+        one) gets per-index calls, so its ``__getitem__`` always decides.
+        """
+        if type(self).__getitem__ not in _BATCHABLE:
+            return [self[i] for i in indices]
+        records = [self._record(i) for i in indices]  # IndexError before any read
+        if not records:
+            return []
+        rows = self._fetch_many(records)
+        image_of = self._image_of
+        images = [image_of(r, row[0]) for r, row in zip(records, rows)]
+        targets = self._batch_targets(records, [row[1] for row in rows])
+        return [self._apply(img, target) for img, target in zip(images, targets)]
+
+    def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
+        raise NotImplementedError
 
 
 class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
@@ -204,8 +273,9 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         )
 
     @property
-    def annotations(self) -> list[str]:
-        return self.targets
+    def annotations(self) -> RecordNames:
+        """Annotation paths relative to torchvision's ``root`` (lazy, as ``images``)."""
+        return self._targets
 
     @property
     def label_names(self) -> list[str]:
@@ -215,12 +285,11 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         record = self._record(index)
-        pack, decoder = self.pack, self.decoder
-        img = decoder.image(record, pack.field(record, schema.IMAGE))
-        target = decoder.target(record, pack.field(record, decoder.target_field))
-        if self.transforms is not None:
-            img, target = self.transforms(img, target)
-        return img, target
+        image, target = self._fetch(record)
+        return self._apply(self._image_of(record, image), self._target_of(record, target))
+
+    def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
+        return self.decoder.targets(records, data)
 
 
 class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignore[misc]
@@ -249,14 +318,18 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
         self._open(path, image_set, decode, "dict", None, checked, year, download, zero_copy)
 
     @property
-    def masks(self) -> list[str]:
-        return self.targets
+    def masks(self) -> RecordNames:
+        """Mask paths relative to torchvision's ``root`` (lazy, as ``images``)."""
+        return self._targets
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         record = self._record(index)
-        pack, decoder = self.pack, self.decoder
-        img = decoder.image(record, pack.field(record, schema.IMAGE))
-        target = decoder.mask(pack.field(record, schema.MASK))
-        if self.transforms is not None:
-            img, target = self.transforms(img, target)
-        return img, target
+        image, mask = self._fetch(record)
+        return self._apply(self.decoder.image(record, image), self.decoder.mask(mask))
+
+    def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
+        return [self.decoder.mask(mask) for mask in data]
+
+
+#: The ``__getitem__`` methods that ``__getitems__`` reproduces in batch form.
+_BATCHABLE = (VOCSerializedDataset.__getitem__, VOCSerializedSegmentation.__getitem__)

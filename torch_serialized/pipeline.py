@@ -7,7 +7,7 @@
     rank_share       padded to equal rank counts (or the remainder dropped); rank's slice
     worker_share     the rank's slice split evenly across DataLoader workers
     split_blocks     a worker's positions regrouped into the blocks they came from
-    read_blocks      each block's bytes, one pread per run of records, next block prefetched
+    read_blocks      each block's fields as views of the map, the next blocks hinted ahead
     shuffle_buffer   bounded sample mixing (shuffle=True)
 
 then decodes each item as the map-style dataset does. Only positions (integers) travel through
@@ -18,7 +18,6 @@ How ranks and workers share an epoch is ``topology``'s rule, shared with the sam
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ __all__ = [
     "Item",
     "Gate",
     "MAX_GAP",
+    "AHEAD",
     "record_runs",
     "read_block",
     "read_blocks",
@@ -143,7 +143,7 @@ class Item:
 
     __slots__ = ("position", "record", "data")
 
-    def __init__(self, position: int, record: int, data: list[np.ndarray] | None) -> None:
+    def __init__(self, position: int, record: int, data: list[memoryview] | None) -> None:
         self.position = position
         self.record = record
         self.data = data
@@ -172,6 +172,9 @@ def record_runs(reader: PackReader, records: np.ndarray) -> list[tuple[int, np.n
     unique = np.unique(records)
     if len(unique) == 0:
         return []
+    if len(reader.starts) == 2:  # one file: runs are cut by gaps only
+        breaks = np.flatnonzero(np.diff(unique) > MAX_GAP) + 1
+        return [(0, run) for run in np.split(unique, breaks)]
     shard_of = np.searchsorted(reader.starts, unique, side="right") - 1
     breaks = np.flatnonzero((np.diff(unique) > MAX_GAP) | (np.diff(shard_of) != 0)) + 1
     return [
@@ -181,19 +184,23 @@ def record_runs(reader: PackReader, records: np.ndarray) -> list[tuple[int, np.n
 
 
 def read_block(
-    reader: PackReader, records: np.ndarray, fields: Sequence[int]
-) -> dict[int, list[np.ndarray]]:
-    """Private copies of ``fields`` of every record of a block, by global record number.
-
-    One ``pread`` per run (see ``record_runs``), in storage order: whole-block sequential
-    reads instead of page faults, which is what makes a cold epoch fast.
-    """
-    out: dict[int, list[np.ndarray]] = {}
-    for shard, local in record_runs(reader, records):
-        base = int(reader.starts[shard])
-        rows = reader.shards[shard].read_records(local, fields)
-        out.update((base + int(r), row) for r, row in zip(local, rows))
+    reader: PackReader,
+    records: np.ndarray,
+    fields: Sequence[int],
+    runs: list[tuple[int, np.ndarray]] | None = None,
+) -> dict[int, list[memoryview]]:
+    """``fields`` of every record of a block, by global record number: read-only views of
+    the map, looked up run by run (``runs``: ``record_runs(reader, records)``, computed here
+    when not given) with one index lookup per run."""
+    out: dict[int, list[memoryview]] = {}
+    for shard, local in record_runs(reader, records) if runs is None else runs:
+        rows = reader.shards[shard].views(local, fields)
+        out.update(zip((local + int(reader.starts[shard])).tolist(), rows))
     return out
+
+
+#: Blocks hinted to the kernel ahead of the one being used (see ``read_blocks``).
+AHEAD = 2
 
 
 def read_blocks(
@@ -203,54 +210,67 @@ def read_blocks(
     fields: Sequence[int],
     gate: Gate | None = None,
 ) -> Iterator[Item]:
-    """Items of each block in position order; the next block is read while this one is used.
+    """Items of each block in position order, their fields as views of the map.
 
-    A background thread reads block ``b + 1`` (the read releases the GIL) while the items of
-    block ``b`` are decoded, so I/O and decoding overlap; before reading a block it asks the
-    kernel to start on the one after (see benchmarks/README.md, "Measurements behind the
-    code"). At most two blocks' bytes are held.
-    Items produced while ``gate`` is closed (a resume replay) carry no data.
+    Before a block is used, the runs of the ``AHEAD`` blocks after it are hinted to the
+    kernel (``ContainerReader.prefetch``: asynchronous read-ahead, skipped when cached), so
+    on a cold cache the disk reads ahead while this block is decoded, with no thread; on a
+    warm cache a block costs one index lookup per run and its samples copy straight from the
+    page cache (see benchmarks/README.md, "Measurements behind the code"). Nothing is held
+    but views: no block buffers. Items produced while ``gate`` is closed (a resume replay)
+    carry no data.
     """
     gate = gate or Gate()
+    runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
 
-    def load(b: int) -> dict[int, list[np.ndarray]] | None:
-        if not gate.open:
-            return None
-        if b + 1 < len(blocks):  # the kernel reads block b + 1 while this thread reads b
-            for shard, local in record_runs(reader, records[blocks[b + 1]]):
-                reader.shards[shard].prefetch(local)
-        return read_block(reader, records[blocks[b]], fields)
+    def hint(b: int) -> None:
+        runs[b] = record_runs(reader, records[blocks[b]])
+        for shard, local in runs[b]:
+            reader.shards[shard].prefetch(local)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tser-read") as pool:
-        pending = pool.submit(load, 0) if blocks else None
-        for b, block in enumerate(blocks):
-            assert pending is not None
-            data = pending.result()
-            if data is None and gate.open:  # the gate opened after this block was planned
-                data = load(b)
-            pending = pool.submit(load, b + 1) if b + 1 < len(blocks) else None
-            recs = records[block]
-            for j in range(len(block)):
-                record = int(recs[j])
-                yield Item(int(block[j]), record, None if data is None else data[record])
+    hinted = 0  # blocks hinted so far
+    for b, block in enumerate(blocks):
+        recs = records[block]
+        data = None
+        if gate.open:
+            while hinted <= min(b + AHEAD, len(blocks) - 1):
+                hint(hinted)
+                hinted += 1
+            data = read_block(reader, recs, fields, runs.pop(b, None))
+        for position, record in zip(block.tolist(), recs.tolist()):
+            yield Item(position, record, None if data is None else data[record])
 
 
-def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
+def shuffle_buffer(
+    items: Iterable[Any], size: int, rng: np.random.Generator, total: int | None = None
+) -> Iterator[Any]:
     """Mix a stream in a buffer of ``size`` items (webdataset's shuffle, deterministic).
 
     The buffer fills to ``size``; then each arriving item replaces a uniformly chosen one,
     which is emitted; at the end the rest leaves in random order. An item is never emitted
     more than ``size`` places before its input place, and may leave any time later.
+
+    ``total``, the number of items when known, lets the draws be made in chunks (one numpy
+    call per chunk instead of ~2-5 µs per item) with the very same random stream.
     """
     if size <= 1:
         yield from items
         return
     buffer: list[Any] = []
+    draws: list[int] = []
+    left = None if total is None else max(0, total - size)  # draws still to make
     for item in items:
         if len(buffer) < size:
             buffer.append(item)
             continue
-        j = int(rng.integers(size))
+        if not draws:
+            if left:
+                chunk = min(left, 1024)
+                draws = rng.integers(size, size=chunk).tolist()[::-1]
+                left -= chunk
+            else:  # unknown total, or more items than announced: one draw at a time
+                draws = [int(rng.integers(size))]
+        j = draws.pop()
         out, buffer[j] = buffer[j], item
         yield out
     for j in rng.permutation(len(buffer)):

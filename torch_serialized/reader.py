@@ -17,6 +17,7 @@ import errno
 import mmap
 import os
 import stat
+import sys
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,13 +44,29 @@ _IOV_MAX = getattr(os, "sysconf", lambda _name: 1024)("SC_IOV_MAX") or 1024
 #: than one whole-block call on a cold disk: benchmarks/README.md, "Measurements behind the
 #: code").
 _READ_SIZE = 1 << 20
+#: The unit of read hints (``ContainerReader.advise``): a hint asks the kernel for whole
+#: windows of this many bytes, each at most once per map (per process).
+HINT_WINDOW = 4 << 20
 
 
 class _Mapped:
     """What one process holds of a container: the map, the index columns, the arrays and
     (opened on first use) a descriptor for ``pread``. Never pickled, never shared."""
 
-    __slots__ = ("pid", "mmap", "view", "offsets", "lengths", "crcs", "arrays", "fd", "__weakref__")
+    __slots__ = (
+        "pid",
+        "mmap",
+        "view",
+        "offsets",
+        "lengths",
+        "crcs",
+        "arrays",
+        "fd",
+        "hinted",
+        "hinted_all",
+        "where",
+        "__weakref__",
+    )
 
     def __init__(
         self, mm: mmap.mmap, view: memoryview, index: np.ndarray, arrays: dict[str, np.ndarray]
@@ -58,6 +75,16 @@ class _Mapped:
         self.mmap, self.view, self.arrays = mm, view, arrays
         self.offsets, self.lengths, self.crcs = index["offset"], index["length"], index["crc32"]
         self.fd: int | None = None
+        #: the windows (``HINT_WINDOW``) of the file this map has hinted (``advise``; made on
+        #: first use, windows without record bytes counted as hinted), and whether all are
+        self.hinted: np.ndarray | None = None
+        self.hinted_all = False
+        #: ``where[i, k, 0]`` / ``[i, k, 1]``: offset and length of field k of record i as
+        #: Python ints, the per-sample lookup of ``record`` (numpy scalars cost twice as much);
+        #: None on big-endian hosts, whose native integers are not the file's
+        self.where: memoryview | None = None
+        if sys.byteorder == "little" and index.size and index.flags.c_contiguous:
+            self.where = index.view("<u8").reshape(*index.shape, 3).data
 
 
 class ContainerReader:
@@ -279,6 +306,101 @@ class ContainerReader:
             )
         return view
 
+    def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
+        """Views of ``fields`` of record ``i``: ``field`` for several fields at once, the
+        per-sample lookup of map-style ``__getitem__``. No hint: for one record at a time the
+        kernel's own read-around on the page fault reads at least as much (measured:
+        benchmarks/README.md, "Measurements behind the code")."""
+        local = self._mapped()
+        where = local.where
+        if where is None or self.checked or not 0 <= i < self.num_records:
+            return [self.field(i, k) for k in fields]
+        view = local.view
+        out = []
+        for k in fields:
+            offset = where[i, k, 0]
+            out.append(view[offset : offset + where[i, k, 1]])
+        return out
+
+    def views(
+        self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
+    ) -> list[list[memoryview]]:
+        """Read-only views of ``fields`` of each of ``records`` (any order), in one lookup of
+        the index: the batch form of ``field``, for the datasets' and iterable's read paths."""
+        local = self._mapped()
+        rows = np.asarray(records, dtype=np.int64).reshape(-1)
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self.num_records):
+            raise IndexError(f"records must lie within 0..{self.num_records - 1}")
+        where, view = local.where, local.view
+        if where is not None and not self.checked:  # Python ints: ~2x faster than numpy here
+            out: list[list[memoryview]] = []
+            for r in rows.tolist():
+                row = []
+                for k in fields:
+                    offset = where[r, k, 0]
+                    row.append(view[offset : offset + where[r, k, 1]])
+                out.append(row)
+            return out
+        cols = np.asarray(fields, dtype=np.intp)
+        starts = local.offsets[rows[:, None], cols].tolist()
+        lengths = local.lengths[rows[:, None], cols].tolist()
+        out = [
+            [view[o : o + n] for o, n in zip(row_starts, row_lengths)]
+            for row_starts, row_lengths in zip(starts, lengths)
+        ]
+        if self.checked:
+            crcs = local.crcs[rows[:, None], cols].tolist()
+            for r, row, row_crcs in zip(rows.tolist(), out, crcs):
+                for k, data, crc in zip(fields, row, row_crcs):
+                    if fmt.crc32(data) != crc:
+                        raise ChecksumError(
+                            f"{self.path}: record {r} field {self.fields[k]!r} fails its "
+                            "checksum; the file is damaged: run `torch-serialized verify` "
+                            "and re-pack it"
+                        )
+        return out
+
+    def advise(self, records: int | Sequence[int] | np.ndarray) -> None:
+        """Ask the kernel to read the file around ``records`` now (``POSIX_FADV_WILLNEED``,
+        asynchronous), in whole ``HINT_WINDOW`` windows, each window at most once per map.
+
+        For batches of random reads (a DataLoader's ``__getitems__``) on a cold cache: the
+        kernel reads the windows of a whole batch at once, where page faults would read
+        around one page at a time and wait for each. A window already hinted costs a bit
+        lookup, no system call, so warm reads pay nothing. Once a process hinted a window
+        it relies on the kernel's own read-ahead for it (packs larger than memory in later
+        epochs). A hint is only a hint: correctness never depends on it.
+        """
+        local = self._mapped()
+        if isinstance(records, int):
+            records = (records,)
+        if not len(records) or not hasattr(os, "posix_fadvise") or local.hinted_all:
+            return
+        hinted = local.hinted
+        if hinted is None:
+            ends = local.offsets + local.lengths
+            last = -(-int(ends.max()) // HINT_WINDOW) if ends.size else 0
+            hinted = local.hinted = np.zeros(-(-len(local.mmap) // HINT_WINDOW), dtype=bool)
+            hinted[last:] = True
+        rows = np.asarray(records, dtype=np.int64).reshape(-1)
+        offsets = local.offsets[rows].astype(np.int64)
+        ends = offsets + local.lengths[rows].astype(np.int64)
+        first = offsets.min(axis=1) // HINT_WINDOW
+        last = (ends.max(axis=1) - 1) // HINT_WINDOW
+        if int((last - first).max()) <= 1:
+            windows = np.unique(np.concatenate([first, last]))
+        else:  # records larger than a window (raw pixels): every window they cover
+            windows = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last)]))
+        windows = windows[~hinted[windows]]
+        if not len(windows):
+            return
+        hinted[windows] = True
+        local.hinted_all = bool(hinted.all())
+        fd = self._descriptor()
+        breaks = np.flatnonzero(np.diff(windows) != 1) + 1
+        for run in np.split(windows, breaks):
+            _willneed(fd, int(run[0]) * HINT_WINDOW, len(run) * HINT_WINDOW)
+
     def arrays(self) -> Mapping[str, np.ndarray]:
         """The stored arrays by name (read-only views into the map)."""
         return self._mapped().arrays
@@ -346,14 +468,28 @@ class ContainerReader:
     def prefetch(self, records: Sequence[int] | np.ndarray) -> None:
         """Start reading the span of ``records`` (a run of neighbours) into the page cache
         and return at once (``POSIX_FADV_WILLNEED``): a streaming reader hints its next
-        block so that block's disk reads overlap this one's."""
+        blocks so their disk reads overlap the use of this one.
+
+        Skipped when the span's last byte is already cached (probed with ``RWF_NOWAIT``,
+        which never waits for the disk): on a warm cache the hint would cost a walk of the
+        page cache over the whole span for nothing.
+        """
         if not len(records) or not hasattr(os, "posix_fadvise"):
             return
         local = self._mapped()
         wanted = np.asarray(records, dtype=np.int64)
-        starts = local.offsets[wanted]
-        start, end = int(starts.min()), int((starts + local.lengths[wanted]).max())
-        os.posix_fadvise(self._descriptor(), start, end - start, os.POSIX_FADV_WILLNEED)
+        where, fields = local.where, range(len(self.fields))
+        if where is not None:  # a record's fields lie between its first and last ones
+            first, last = int(wanted.min()), int(wanted.max())
+            start = min(where[first, k, 0] for k in fields)
+            end = max(where[last, k, 0] + where[last, k, 1] for k in fields)
+        else:
+            starts = local.offsets[wanted]
+            start, end = int(starts.min()), int((starts + local.lengths[wanted]).max())
+        fd = self._descriptor()
+        if end > start and _cached(fd, end - 1):
+            return
+        _willneed(fd, start, end - start)
 
     def _scatter_read(self, pieces: list[tuple[int, np.ndarray]]) -> None:
         """Fill each destination array from the file at its offset, in few ``preadv`` calls."""
@@ -383,6 +519,31 @@ class ContainerReader:
                     f"{self.path}: the file ended before byte {position}; it was truncated "
                     "after it was opened: re-copy or re-pack it"
                 )
+
+
+#: Largest single ``POSIX_FADV_WILLNEED`` request: Linux reads at most the device's read-ahead
+#: (or its largest request) per call and drops the rest, so longer spans are hinted in pieces.
+_HINT_CHUNK = 1 << 20
+
+
+def _willneed(fd: int, start: int, length: int) -> None:
+    """Hint ``length`` bytes from ``start`` in ``_HINT_CHUNK`` pieces (asynchronous reads)."""
+    for offset in range(start, start + length, _HINT_CHUNK):
+        os.posix_fadvise(
+            fd, offset, min(_HINT_CHUNK, start + length - offset), os.POSIX_FADV_WILLNEED
+        )
+
+
+def _cached(fd: int, offset: int) -> bool:
+    """Whether the byte at ``offset`` is in the page cache, asked without waiting for the disk
+    (``preadv`` with ``RWF_NOWAIT``); False where the system cannot tell."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, flag) == 1
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP and others: cannot tell
+        return False
 
 
 class PackReader:

@@ -74,8 +74,12 @@ class VOCPackReader:
         return self.reader.arrays()["records"]
 
     def id(self, record: int) -> str:
+        return schema.decode_id(*self.id_table(), record)
+
+    def id_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every id as one UTF-8 byte array and its ``len + 1`` offsets (views of the map)."""
         arrays = self.reader.arrays()
-        return schema.decode_id(arrays["ids"], arrays["id_offsets"], record)
+        return arrays["ids"], arrays["id_offsets"]
 
     def field(self, record: int, k: int) -> memoryview:
         return self.reader.field(record, k)

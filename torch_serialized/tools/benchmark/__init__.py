@@ -1,10 +1,11 @@
-"""Side-by-side benchmark: torch_serialized against ``torchvision.datasets.VOCDetection``.
+"""Side-by-side benchmark: torch_serialized against ``torchvision.datasets.VOCDetection``
+and a plain LMDB store of the same samples (``PEER``; ``lmdb_store``).
 
-Both read the same data (a generated synthetic VOCdevkit, or a real one), in the same process,
+All read the same data (a generated synthetic VOCdevkit, or a real one), in the same process,
 in the same run, with the same index order; every figure is the median of ``repeats``
-measurements (min and max kept) and every claim is a ratio to torchvision measured alongside,
-so a noisy machine moves both sides together. The variants of one scenario are interleaved
-within each repeat. Scenarios (``SCENARIOS``):
+measurements (min and max kept) and every claim is a ratio to torchvision (and to LMDB)
+measured alongside, so a noisy machine moves all sides together. The variants of one scenario
+are interleaved within each repeat. Scenarios (``SCENARIOS``):
 
 - ``pack``: pack time with 1 and ``workers`` processes (outputs must be byte-identical) and
   size on disk against the source folder.
@@ -14,9 +15,13 @@ within each repeat. Scenarios (``SCENARIOS``):
   PIL decode of in-memory bytes (our overhead over the decode itself).
 - ``tensor``: CHW uint8 tensors: ``VOCDetection`` + ``pil_to_tensor`` against
   ``decode="tensor"`` on the original JPEGs and on a raw-pixel pack.
+- ``attributes``: ``dataset.images[i]`` / ``annotations[i]`` per access at 10,000 images.
 - ``dataloader``: epochs of a ``DataLoader`` (``workers`` workers, batch 32, list collate).
 - ``cold``: page cache evicted (``posix_fadvise(DONTNEED)``, checked with ``mincore``) before
-  each run: map-style random access including opening, and one shuffled iterable epoch.
+  each run: map-style random access (single, batches, ``BlockShuffleSampler`` order) including
+  opening, iterable epochs shuffled and in storage order, and the disk's own bandwidth.
+- ``gpu``: DataLoader workers reading bytes, one batched ``decode_jpeg`` on CUDA per batch
+  ("n/a (no GPU)" without CUDA).
 - ``memory``: USS/PSS/anonymous memory of each DataLoader worker from ``smaps_rollup`` at the
   start and end of its first epoch.
 
@@ -27,13 +32,14 @@ environment) and ``results.png`` (ratios; needs matplotlib, imported only here).
 
 from __future__ import annotations
 
-from .core import SCENARIOS, Row, Stat
+from .core import PEER, SCENARIOS, Row, Stat
 from .report import render_markdown
 from .run import main, run_benchmark
 from .system import PageCache
 
 __all__ = [
     "SCENARIOS",
+    "PEER",
     "run_benchmark",
     "main",
     "render_markdown",

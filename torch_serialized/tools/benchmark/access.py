@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from . import lmdb_store
 from .context import Bench
-from .core import Row, interleaved, loop, per_sample_us, rates
+from .core import BATCH_SIZE, IMAGE_SET, PEER, Row, interleaved, loop, per_sample_us, rates
 
 
 def tv_bytes_getter(tv: Any) -> Callable[[int], Any]:
@@ -59,29 +60,65 @@ def scenario_bytes(b: Bench) -> list[Row]:
     def parse_target(i: int) -> Any:
         return schema.decode_target(pack.field(int(records[i]), schema.TARGET))
 
-    getters = [tv_get, dict_ds.__getitem__, fast_ds.__getitem__]
-    getters += [dict_view_ds.__getitem__, fast_view_ds.__getitem__]
-    for get in getters:  # warm caches and maps
-        loop(get, sequential)()
-    times = interleaved(
-        {
-            "tv": loop(tv_get, order, passes),
-            "dict": loop(dict_ds.__getitem__, order, passes),
-            "fast": loop(fast_ds.__getitem__, order, passes),
-            "dict_view": loop(dict_view_ds.__getitem__, order, passes),
-            "fast_view": loop(fast_view_ds.__getitem__, order, passes),
-            "tv_seq": loop(tv_get, sequential, passes),
-            "dict_seq": loop(dict_ds.__getitem__, sequential, passes),
-            "copy_image": loop(copy_image, order, passes),
-            "json_target": loop(parse_target, order, passes),
-        },
-        b.repeats,
-    )
+    from torch_serialized import VOCSerializedIterableDataset
+
+    stream = VOCSerializedIterableDataset(b.packed(), IMAGE_SET, shuffle=False, decode="none")
+    batches = [order[i : i + BATCH_SIZE] for i in range(0, n, BATCH_SIZE)]
+
+    def in_batches(ds: Any) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(passes):
+                for batch in batches:
+                    ds.__getitems__(batch)
+
+        return run
+
+    def walk(samples: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(passes):
+                for _sample in samples():
+                    pass
+
+        return run
+
+    variants = {
+        "tv": loop(tv_get, order, passes),
+        "dict": loop(dict_ds.__getitem__, order, passes),
+        "fast": loop(fast_ds.__getitem__, order, passes),
+        "dict_view": loop(dict_view_ds.__getitem__, order, passes),
+        "fast_view": loop(fast_view_ds.__getitem__, order, passes),
+        "dict_batch": in_batches(dict_ds),
+        "fast_batch": in_batches(fast_ds),
+        "tv_seq": loop(tv_get, sequential, passes),
+        "dict_seq": loop(dict_ds.__getitem__, sequential, passes),
+        "stream": walk(stream.__iter__),
+        "copy_image": loop(copy_image, order, passes),
+        "json_target": loop(parse_target, order, passes),
+    }
+    store = lmdb_store.Store(b.lmdb()) if b.lmdb() is not None else None  # type: ignore[arg-type]
+    same_lmdb = None
+    if store is not None:
+        variants["lmdb"] = loop(store.get, order, passes)
+        variants["lmdb_batch"] = in_batches(store)
+        variants["lmdb_walk"] = walk(store.walk)
+        same_lmdb = all(
+            (bytes(ours_img.numpy()), ours_target) == store.get(i)
+            for i in b.indices(n, 50)
+            for ours_img, ours_target in [dict_ds[i]]
+        )
+    try:
+        for run in variants.values():  # warm caches and maps
+            run()
+        times = interleaved(variants, b.repeats)
+    finally:
+        if store is not None:
+            store.close()
     count = n * passes
     wall = {k: per_sample_us(count, v[0]).median for k, v in times.items()}
     cpu = {k: per_sample_us(count, v[1]).median for k, v in times.items()}
     b.details["bytes"] = {
         "same_output_as_torchvision": same,
+        "lmdb_same_output_as_torchvision": same_lmdb,
         "passes": passes,
         "samples": n,
         "wall_us_per_sample": wall,
@@ -108,6 +145,12 @@ def scenario_bytes(b: Bench) -> list[Row]:
             text += f"; building the tv_tensors target and the rest takes {rest:.1f} µs"
         return text
 
+    def peer(key: str, target: float | None) -> dict[str, Any]:
+        """The LMDB figures of a row: its rate, or why there is none, and its target."""
+        if key not in times:
+            return {"peer_missing": b.lmdb_missing or ""}
+        return {"peer": rates(count, times[key][0]), "peer_target": target}
+
     rows = [
         Row(
             "bytes_random_dict",
@@ -119,8 +162,23 @@ def scenario_bytes(b: Bench) -> list[Row]:
             rates(count, times["dict"][0]),
             target=8.0,
             note=note_us.format(wall["tv"], cpu["tv"], wall["dict"], cpu["dict"])
-            + f"; same output as tv: {same}",
+            + f"; same output as tv: {same}"
+            + (f"; {PEER} {wall['lmdb']:.1f} µs/sample" if "lmdb" in wall else ""),
             reason=why("dict", 8.0),
+            **peer("lmdb", 1.0),
+        ),
+        Row(
+            "bytes_random_dict_batch",
+            "bytes",
+            f"bytes + dict target, random, warm, batches of {BATCH_SIZE} (__getitems__)",
+            "samples/s",
+            "rate",
+            rates(count, times["tv"][0]),
+            rates(count, times["dict_batch"][0]),
+            note=note_us.format(wall["tv"], cpu["tv"], wall["dict_batch"], cpu["dict_batch"])
+            + "; what a DataLoader fetches: one call per batch, a batch held at once; "
+            f"{PEER}: a list of gets per batch",
+            **peer("lmdb_batch", 1.0),
         ),
         Row(
             "bytes_random_fast",
@@ -131,7 +189,8 @@ def scenario_bytes(b: Bench) -> list[Row]:
             rates(count, times["tv"][0]),
             rates(count, times["fast"][0]),
             target=20.0,
-            note=note_us.format(wall["tv"], cpu["tv"], wall["fast"], cpu["fast"]),
+            note=note_us.format(wall["tv"], cpu["tv"], wall["fast"], cpu["fast"])
+            + f"; in batches of {BATCH_SIZE} (__getitems__): {wall['fast_batch']:.1f} µs/sample",
             reason=why("fast", 20.0),
         ),
         Row(
@@ -167,12 +226,43 @@ def scenario_bytes(b: Bench) -> list[Row]:
             "rate",
             rates(count, times["tv_seq"][0]),
             rates(count, times["dict_seq"][0]),
-            note=note_us.format(wall["tv_seq"], cpu["tv_seq"], wall["dict_seq"], cpu["dict_seq"]),
+            note=note_us.format(wall["tv_seq"], cpu["tv_seq"], wall["dict_seq"], cpu["dict_seq"])
+            + f"; map-style, index order; {PEER}: a get per index",
+            **peer("lmdb", None),
+        ),
+        Row(
+            "bytes_storage_order",
+            "bytes",
+            "bytes + dict target, storage order, warm (iterable, shuffle=False)",
+            "samples/s",
+            "rate",
+            rates(count, times["tv_seq"][0]),
+            rates(count, times["stream"][0]),
+            note=note_us.format(wall["tv_seq"], cpu["tv_seq"], wall["stream"], cpu["stream"])
+            + f"; map-style random access: {wall['dict']:.1f} µs/sample"
+            + (
+                f"; {PEER}: one cursor walk, {wall['lmdb_walk']:.1f} µs/sample"
+                if store is not None
+                else ""
+            ),
+            **peer("lmdb_walk", 1.0),
         ),
     ]
+    stream_row = rows[-1]
+    if wall["stream"] > wall["dict"]:
+        stream_row.met = False
+        stream_row.reason = (
+            f"the iterable ({wall['stream']:.1f} µs/sample) is slower than map-style random "
+            f"access ({wall['dict']:.1f}) in the same run"
+        )
+    elif stream_row.peer_target is None:
+        stream_row.met = True
     if not same:
         rows[0].met = False
         rows[0].reason = "ours did not return torchvision's bytes and target: a correctness bug"
+    if same_lmdb is False:
+        rows[0].met = False
+        rows[0].reason = f"{PEER} did not return torchvision's bytes and target: a benchmark bug"
     return rows
 
 

@@ -23,6 +23,8 @@ class Bench:
     pack: Path | None = None
     raw_pack: Path | None = None
     raw_pack_seconds: float | None = None
+    lmdb_path: Path | None = None
+    lmdb_seconds: list[float] = field(default_factory=list)  # each build of the LMDB store
     details: dict[str, Any] = field(default_factory=dict)
     cache: PageCache = field(default_factory=PageCache)
 
@@ -54,6 +56,23 @@ class Bench:
             )
             self.raw_pack, self.raw_pack_seconds = result.path, result.seconds
         return self.raw_pack
+
+    @property
+    def lmdb_missing(self) -> str | None:
+        """Why there is no LMDB baseline (``lmdb`` not installed), or None."""
+        from . import lmdb_store
+
+        return lmdb_store.available()
+
+    def lmdb(self) -> Path | None:
+        """The LMDB store of the same image set (built on first use), or None without lmdb."""
+        if self.lmdb_path is None and self.lmdb_missing is None:
+            from . import lmdb_store
+
+            path = self.work / "voc.lmdb"
+            self.lmdb_seconds.append(lmdb_store.build(self.tv(), path))
+            self.lmdb_path = path
+        return self.lmdb_path
 
     @property
     def voc_root(self) -> Path:

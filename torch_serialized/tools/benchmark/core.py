@@ -13,12 +13,18 @@ import numpy as np
 SCENARIOS: tuple[str, ...] = (
     "pack",
     "bytes",
+    "attributes",
     "decoded",
     "tensor",
     "cold",
     "dataloader",
+    "gpu",
     "memory",
 )
+
+
+#: The second reference beside torchvision, measured in the same run (``lmdb_store``).
+PEER = "LMDB"
 
 
 IMAGE_SET = "trainval"
@@ -54,6 +60,10 @@ class Row:
     ``"overhead"`` (ratio = ours / baseline - 1, target = maximum overhead),
     ``"limit"`` (no ratio; target = maximum value of ``ours``),
     ``"info"`` (no ratio, no target).
+
+    ``peer`` is the LMDB store measured in the same run (``peer_missing`` says why not, e.g.
+    ``lmdb`` not installed); ``peer_ratio`` is ours against it as ``ratio`` is against
+    torchvision, and ``peer_target`` its minimum.
     """
 
     key: str
@@ -68,10 +78,16 @@ class Row:
     ratio: float | None = None
     met: bool | None = None
     reason: str = ""  # why the target is missed, when it is
+    peer: Stat | None = None
+    peer_missing: str = ""
+    peer_target: float | None = None
+    peer_ratio: float | None = None
+    missing: str = ""  # shown instead of ours when it could not be measured here
 
     def finish(self) -> Row:
         b = self.baseline.median if self.baseline else None
         o = self.ours.median if self.ours else None
+        p = self.peer.median if self.peer else None
         if self.ratio is not None:  # set by the scenario (e.g. a median of paired ratios)
             pass
         elif self.kind == "rate" and b and o:
@@ -80,6 +96,11 @@ class Row:
             self.ratio = b / o
         elif self.kind == "overhead" and b and o:
             self.ratio = o / b - 1.0
+        if self.peer_ratio is None and p and o:
+            if self.kind in ("rate", "info"):
+                self.peer_ratio = o / p
+            elif self.kind == "cost":
+                self.peer_ratio = p / o
         if self.target is not None and self.met is None:
             if self.kind in ("rate", "cost") and self.ratio is not None:
                 self.met = self.ratio >= self.target
@@ -87,6 +108,15 @@ class Row:
                 self.met = self.ratio <= self.target
             elif self.kind == "limit" and o is not None:
                 self.met = o < self.target
+        if self.peer_target is not None and self.peer_ratio is not None:
+            ahead = self.peer_ratio >= self.peer_target
+            if not ahead:
+                miss = (
+                    f"{self.peer_ratio:.2f}x {PEER} in the same run "
+                    f"(target ≥ {self.peer_target:g}x)"
+                )
+                self.reason = f"{self.reason}; {miss}" if self.met is False else miss
+            self.met = ahead if self.met is None else self.met and ahead
         return self
 
 

@@ -7,8 +7,9 @@ import os
 
 import numpy as np
 
+from . import lmdb_store
 from .context import Bench
-from .core import MB, Row, Stat, interleaved, loop, per_sample_us, rates
+from .core import MB, PEER, Row, Stat, interleaved, loop, per_sample_us, rates
 from .system import pack_file_paths
 
 
@@ -28,12 +29,18 @@ def scenario_decoded(b: Bench) -> list[Row]:
         for data in payloads:
             Image.open(io.BytesIO(data)).convert("RGB")
 
-    loop(tv.__getitem__, order[:32])()
-    loop(ours.__getitem__, order[:32])()
-    times = interleaved(
-        {"tv": loop(tv.__getitem__, order), "ours": loop(ours.__getitem__, order), "pure": pure},
-        b.repeats,
-    )
+    variants = {"tv": loop(tv.__getitem__, order), "ours": loop(ours.__getitem__, order)}
+    variants["pure"] = pure
+    path = b.lmdb()
+    peer_ds = lmdb_store.LMDBDataset(path) if path is not None else None
+    if peer_ds is not None:
+        variants["lmdb"] = loop(peer_ds.__getitem__, order)
+    for ds in (tv, ours, peer_ds):
+        if ds is not None:
+            loop(ds.__getitem__, order[:32])()
+    times = interleaved(variants, b.repeats)
+    if peer_ds is not None:
+        peer_ds.close()
     b.details["decoded"] = {
         "samples": n,
         "ms_per_sample": {k: per_sample_us(n, v[0]).median / 1e3 for k, v in times.items()},
@@ -52,7 +59,10 @@ def scenario_decoded(b: Bench) -> list[Row]:
             "rate",
             rates(n, times["tv"][0]),
             rates(n, times["ours"][0]),
-            note="decode-bound: the JPEG decode is the same libjpeg call on both sides",
+            note="decode-bound: the JPEG decode is the same libjpeg call on both sides"
+            + (f"; {PEER}: get + the same PIL decode" if peer_ds is not None else ""),
+            peer=rates(n, times["lmdb"][0]) if "lmdb" in times else None,
+            peer_missing=b.lmdb_missing or "",
         ),
         Row(
             "decoded_overhead",

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import lmdb_store
 from .context import Bench
-from .core import BATCH_SIZE, SEED, Row, interleaved, rates
+from .core import BATCH_SIZE, PEER, SEED, Row, interleaved, rates
 
 
 def _keep_lists(batch: list[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
@@ -61,6 +62,9 @@ def scenario_dataloader(b: Bench) -> list[Row]:
         "tensor": b.ours(decode="tensor"),
         "pil": b.ours(decode="pil", transform=pil_to_tensor),
     }
+    path = b.lmdb()
+    if path is not None:
+        datasets["lmdb"] = lmdb_store.LMDBDataset(path, transform=pil_to_tensor)
     n = len(datasets["tv"])
     loaders = {k: make_loader(ds, b.workers) for k, ds in datasets.items()}
     try:
@@ -70,8 +74,18 @@ def scenario_dataloader(b: Bench) -> list[Row]:
     finally:
         for loader in loaders.values():
             shutdown_loader(loader)
-    b.details["dataloader"] = {"samples": n, "workers": b.workers, "batch_size": BATCH_SIZE}
+    b.details["dataloader"] = {
+        "samples": n,
+        "workers": b.workers,
+        "batch_size": BATCH_SIZE,
+        "pil_rate": rates(n, times["pil"][0]).median,
+    }
     tv = rates(n, times["tv"][0])
+    peer: dict[str, Any] = (
+        {"peer": rates(n, times["lmdb"][0])}
+        if "lmdb" in times
+        else {"peer_missing": b.lmdb_missing or ""}
+    )
     return [
         Row(
             "dataloader_tensor",
@@ -81,7 +95,9 @@ def scenario_dataloader(b: Bench) -> list[Row]:
             "rate",
             tv,
             rates(n, times["tensor"][0]),
-            note="tv: VOCDetection + pil_to_tensor; after one warm-up epoch, persistent workers",
+            note="tv: VOCDetection + pil_to_tensor; after one warm-up epoch, persistent workers"
+            + f"; {PEER}: get + PIL decode + pil_to_tensor",
+            **peer,
         ),
         Row(
             "dataloader_pil",
@@ -91,6 +107,9 @@ def scenario_dataloader(b: Bench) -> list[Row]:
             "rate",
             tv,
             rates(n, times["pil"][0]),
-            note="same decode as tv: shows the loader overhead alone",
+            note="same decode as tv (the drop-in); the DataLoader fetches each batch with "
+            "__getitems__",
+            peer_target=1.0 if "peer" in peer else None,
+            **peer,
         ),
     ]

@@ -209,5 +209,7 @@ def scenario_memory(b: Bench) -> list[Row]:
             "cost",
             Stat.of([sum(w["uss"] for w in run["last"]) for run in tv]),
             Stat.of([sum(w["uss"] for w in run["last"]) for run in pil]),
+            note="USS counts the pack pages each worker mapped (page cache, shared and "
+            "reclaimable); heap growth above is what a worker allocated",
         ),
     ]

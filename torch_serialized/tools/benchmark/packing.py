@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -13,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from . import lmdb_store
 from .context import Bench
-from .core import MB, Row, Stat, rates
+from .core import MB, PEER, Row, Stat, rates
 from .system import files_under, pack_file_paths
 
 
@@ -44,6 +46,13 @@ def scenario_pack(b: Bench) -> list[Row]:
                 b.pack = result.path
             elif result.path != b.pack:
                 result.path.unlink()
+        if b.lmdb_missing is None:  # the LMDB baseline, written in the same repeat
+            written = b.work / f"lmdb-r{r}"
+            b.lmdb_seconds.append(lmdb_store.build(b.tv(), written))
+            if b.lmdb_path is None:
+                b.lmdb_path = written
+            else:
+                shutil.rmtree(written)
     identical = len(digests) == 1
     # The same with every image decoded (check_images=True): per-sample work is then CPU-bound,
     # which shows how packing scales with processes even on a machine with 2 cores.
@@ -61,6 +70,10 @@ def scenario_pack(b: Bench) -> list[Row]:
     source_apparent = sum(os.stat(p).st_size for p in source_files)
     source_allocated = sum(os.stat(p).st_blocks * 512 for p in source_files)
     pack_allocated = sum(os.stat(p).st_blocks * 512 for p in pack_file_paths(b.packed()))
+    store = b.lmdb_path
+    lmdb_allocated = (
+        sum(os.stat(p).st_blocks * 512 for p in lmdb_store.store_files(store)) if store else 0
+    )
     b.details["pack"] = {
         "num_samples": n,
         "pack_processes": widths,
@@ -97,7 +110,14 @@ def scenario_pack(b: Bench) -> list[Row]:
                 "info",
                 None,
                 rates(n, seconds[w]),
+                peer=rates(n, b.lmdb_seconds) if w == 1 and b.lmdb_seconds else None,
+                peer_missing=b.lmdb_missing or "",
                 note=f"{mbps.median:.0f} MB/s written"
+                + (
+                    f"; {PEER}: read files, parse XML as torchvision, put, sync"
+                    if w == 1 and b.lmdb_seconds
+                    else ""
+                )
                 + (
                     ""
                     if w == 1
@@ -132,6 +152,8 @@ def scenario_pack(b: Bench) -> list[Row]:
             "cost",
             Stat.of([source_allocated / MB]),
             Stat.of([pack_allocated / MB]),
+            peer=Stat.of([lmdb_allocated / MB]) if lmdb_allocated else None,
+            peer_missing=b.lmdb_missing or "",
             note=f"source folder: {len(source_files)} files, {source_apparent / MB:.1f} MB "
             f"apparent; pack adds parsed targets and object arrays",
         )

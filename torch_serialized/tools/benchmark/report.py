@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from .core import IMAGE_SET, Row, Stat
+from .core import IMAGE_SET, PEER, Row, Stat
 
 
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "–"
-    if unit == "ms/sample":
+    if unit in ("ms/sample", "µs/access"):
         return f"{value:.2f}"
     if abs(value) >= 100:
         return f"{value:,.0f}"
@@ -47,6 +47,20 @@ def _target_cell(row: Row) -> str:
     return f"≥ {row.target:g}x"
 
 
+def _peer_cell(row: Row) -> str:
+    if row.peer is None:
+        return row.peer_missing or "–"
+    return _cell(row.peer, row.unit)
+
+
+def _peer_ratio_cell(row: Row) -> str:
+    return "–" if row.peer_ratio is None else f"{row.peer_ratio:.2f}x"
+
+
+def _ours_cell(row: Row) -> str:
+    return row.missing if row.ours is None and row.missing else _cell(row.ours, row.unit)
+
+
 def _verdict(row: Row) -> str:
     return {True: "met", False: "**MISSED**", None: "–"}[row.met]
 
@@ -62,16 +76,17 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"({env['cpu_model']}), torch {env['torch']}, torchvision {env['torchvision']}, "
         f"Pillow {env['pillow']}, read-ahead {env['read_ahead_kb']} KiB; {env['date']}.",
         "",
-        "| scenario | unit | torchvision | torch_serialized | ×tv | target | verdict |",
-        "|---|---|---|---|---|---|---|",
+        f"| scenario | unit | torchvision | {PEER} | torch_serialized | ×tv | ×{PEER} | target "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     rows = [r for s in result["scenarios"].values() for r in s["rows"]]
     for r in rows:
         row = row_from_dict(r)
         lines.append(
             f"| {row.name} | {row.unit} | {_cell(row.baseline, row.unit)} | "
-            f"{_cell(row.ours, row.unit)} | {_ratio_cell(row)} | {_target_cell(row)} | "
-            f"{_verdict(row)} |"
+            f"{_peer_cell(row)} | {_ours_cell(row)} | {_ratio_cell(row)} | "
+            f"{_peer_ratio_cell(row)} | {_target_cell(row)} | {_verdict(row)} |"
         )
     notes = [f"- {r['name']}: {r['note']}" for r in rows if r["note"]]
     if notes:
@@ -82,12 +97,12 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def row_from_dict(d: dict[str, Any]) -> Row:
-    stats = {k: Stat(**d[k]) if d[k] else None for k in ("baseline", "ours")}
+    stats = {k: Stat(**d[k]) if d.get(k) else None for k in ("baseline", "ours", "peer")}
     return Row(**{**d, **stats})
 
 
 def miss_text(row: Row) -> str:
-    value = _ratio_cell(row) if row.ratio is not None else _cell(row.ours, row.unit)
+    value = _ratio_cell(row) if row.ratio is not None else _ours_cell(row)
     return f"{row.name}: {value} vs target {_target_cell(row)}: {row.reason or 'see details'}"
 
 
@@ -117,10 +132,12 @@ def plot_chart(result: dict[str, Any], path: Path) -> bool:
         ax.text(ratio * 1.03, yi, f"{ratio:.2f}x", va="center", fontsize=8)
         if r.target is not None:
             ax.plot([r.target], [yi], "k|", markersize=14)
+        if r.peer_ratio is not None and r.ratio:  # LMDB's ratio to torchvision
+            ax.plot([r.ratio / r.peer_ratio], [yi], "bx", markersize=6)
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_yticks(y, [r.name for r in rows], fontsize=8)
-    ax.set_xlabel("ratio to torchvision VOCDetection (log; | target)")
+    ax.set_xlabel(f"ratio to torchvision VOCDetection (log; | target, x {PEER} in this run)")
     ax.set_title(f"torch_serialized, {result['config']['num_images']} images")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

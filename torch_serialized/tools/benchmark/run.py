@@ -18,10 +18,12 @@ from typing import Any
 from torch_serialized.voc.layout import find_voc_root
 
 from .access import scenario_bytes
+from .attributes import scenario_attributes
 from .cold import scenario_cold
 from .context import Bench
 from .core import IMAGE_SET, SCENARIOS, SEED, Row
 from .decoded import scenario_decoded, scenario_tensor
+from .gpu import scenario_gpu
 from .loader import scenario_dataloader
 from .memory import scenario_memory
 from .packing import scenario_pack
@@ -31,10 +33,12 @@ from .system import environment, files_under, read_all
 _RUNNERS: dict[str, Callable[[Bench], list[Row]]] = {
     "pack": scenario_pack,
     "bytes": scenario_bytes,
+    "attributes": scenario_attributes,
     "decoded": scenario_decoded,
     "tensor": scenario_tensor,
     "cold": scenario_cold,
     "dataloader": scenario_dataloader,
+    "gpu": scenario_gpu,
     "memory": scenario_memory,
 }
 

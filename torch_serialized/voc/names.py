@@ -1,0 +1,120 @@
+"""Lazy, read-only sequences of an image set's ids and file paths (``images``, ``targets``...).
+
+torchvision's VOC datasets hold ``images`` and ``targets`` as lists of N path strings, and code
+written for them indexes those lists per sample. ``RecordNames`` gives the same strings
+without the lists: each item is built on access from the pack's id table (one byte array and
+its offsets, views of the mapped file), so indexing is O(1), nothing is copied per process and
+DataLoader workers do not grow by touching N Python strings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+from .reader import VOCPackReader
+
+__all__ = ["RecordNames"]
+
+_SHOWN = 3  # items at each end of the repr
+
+
+class RecordNames(Sequence[str]):
+    """``prefix + id + suffix`` for each record of ``records``, in order, made on access.
+
+    Behaves as a read-only ``list`` of ``str``: ``len``, indexing (negative too) and slicing
+    (a slice is again a ``RecordNames``, O(1)), iteration, ``in``, ``index``, ``count`` and
+    ``==`` with lists (``list(names) == names`` and ``names == torchvision_list``). Not
+    hashable, as a list is not.
+    """
+
+    __slots__ = ("_pack", "_records", "_prefix", "_suffix", "_table")
+
+    def __init__(
+        self, pack: VOCPackReader, records: np.ndarray, prefix: str = "", suffix: str = ""
+    ) -> None:
+        self._pack = pack
+        self._records = records
+        self._prefix = prefix
+        self._suffix = suffix
+        #: (id bytes, id offsets, record numbers) as memoryviews: Python-int indexing without
+        #: numpy scalars; made on first use in a process, dropped when pickled
+        self._table: tuple[memoryview, memoryview, memoryview] | None = None
+
+    def _lookup(self) -> tuple[memoryview, memoryview, memoryview]:
+        table = self._table
+        if table is None:
+            blob, offsets = self._pack.id_table()
+            records = np.ascontiguousarray(self._records, dtype=np.int64)
+            table = self._table = (blob.data, offsets.data, records.data)
+        return table
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> RecordNames: ...
+
+    def __getitem__(self, index: int | slice) -> str | RecordNames:
+        if isinstance(index, slice):
+            return RecordNames(self._pack, self._records[index], self._prefix, self._suffix)
+        blob, offsets, records = self._table or self._lookup()
+        r = records[index]  # IndexError, negative indices and TypeError as a list's
+        return self._prefix + str(blob[offsets[r] : offsets[r + 1]], "utf-8") + self._suffix
+
+    def __iter__(self) -> Iterator[str]:
+        blob, offsets, records = self._table or self._lookup()
+        prefix, suffix = self._prefix, self._suffix
+        for r in records:
+            yield prefix + str(blob[offsets[r] : offsets[r + 1]], "utf-8") + suffix
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RecordNames):
+            if (
+                other._pack is self._pack
+                and (other._prefix, other._suffix) == (self._prefix, self._suffix)
+                and np.array_equal(other._records, self._records)
+            ):
+                return True
+        elif not isinstance(other, list):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking sequence, as list
+
+    def __repr__(self) -> str:
+        n = len(self)
+        if n <= 2 * _SHOWN:
+            return f"RecordNames({list(self)!r})"
+        head = ", ".join(repr(self[i]) for i in range(_SHOWN))
+        tail = ", ".join(repr(self[i]) for i in range(n - _SHOWN, n))
+        return f"RecordNames([{head}, ..., {tail}], {n} items)"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "pack": self._pack,
+            "records": self._records,
+            "prefix": self._prefix,
+            "suffix": self._suffix,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["pack"], state["records"], state["prefix"], state["suffix"]
+        )
+
+
+def record_names(
+    pack: VOCPackReader, records: np.ndarray, folder: str | None = None, ext: str = ""
+) -> RecordNames:
+    """The ids of ``records`` (``folder=None``), or their paths in ``folder`` of the devkit
+    relative to torchvision's root, as torchvision builds them (``os.path.join``)."""
+    if folder is None:
+        return RecordNames(pack, records)
+    return RecordNames(pack, records, os.path.join(pack.base_dir, folder, ""), ext)

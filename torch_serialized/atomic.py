@@ -15,13 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
 
-__all__ = ["AtomicOutput", "temp_sibling", "clean_stale", "replace_file", "remove"]
+__all__ = [
+    "AtomicOutput",
+    "temp_sibling",
+    "is_temporary",
+    "clean_stale",
+    "replace_file",
+    "remove",
+]
 
 _KINDS = ("tmp", "old")
+_TEMPORARY = re.compile(r"\..+\.(?:tmp|old)-\d+-[0-9a-f]{8}", re.S)
 
 
 def temp_sibling(final: Path, kind: str = "tmp") -> Path:
@@ -29,6 +38,11 @@ def temp_sibling(final: Path, kind: str = "tmp") -> Path:
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
     return final.parent / f".{final.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is one of ours from ``temp_sibling``: ``.{name}.{tmp|old}-{pid}-{hex}``."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
 def clean_stale(final: Path) -> None:

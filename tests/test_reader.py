@@ -12,19 +12,25 @@ import os
 import pickle
 import shutil
 import struct
+import subprocess
+import sys
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from _container_helpers import (
     FORMS,
     SHARDED,
     FieldBytes,
     assert_bad_content,
+    catalog_file,
     check_pack,
+    container_files,
     copy_pack,
+    edit_manifest,
     flip,
     ignore_fork_warning,
     parse_container,
@@ -62,7 +68,8 @@ from torch_serialized.writer import PackWriter
 def test_manifest_path_and_reader_shapes(container_packs):
     reader = open_pack(container_packs["shards"] / fmt.MANIFEST_NAME)
     assert reader.path == str(container_packs["shards"])
-    assert [s.num_records for s in reader.shards] == [7, 7, 7, 7, 2]
+    assert [e.num_records for e in reader.entries] == [7, 7, 7, 7, 2]
+    assert [e.first_record for e in reader.entries] == [0, 7, 14, 21, 28]
     assert reader.starts.tolist() == [0, 7, 14, 21, 28, 30]
     check_pack(reader, 30)
     assert reader.arrays()["records"]["id"].tolist() == list(range(30))
@@ -140,7 +147,7 @@ def test_newer_minor_version_is_read(tmp_path, container_packs):
     path = copy_pack(container_packs["single"], tmp_path)
     patch_version(path, fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR + 3)
     reader = open_pack(path)
-    assert reader.shards[0].version == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR + 3)
+    assert reader.version == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR + 3)
     check_pack(reader, 30)
 
 
@@ -186,20 +193,29 @@ def test_folder_without_manifest(tmp_path):
     assert_bad_content(info.value, tmp_path / "d")
 
 
-def test_missing_shard(tmp_path, container_packs):
+def test_missing_shard_is_named_when_first_read(tmp_path, container_packs):
     path = copy_pack(container_packs["shards"], tmp_path)
-    (path / "shard-00002.tser").unlink()
-    with pytest.raises(FileNotFoundError, match="shard-00002"):
-        open_pack(path)
+    missing = container_files(path)[2]
+    missing.unlink()
+    reader = open_pack(path)  # shards open on first use
+    bytes(reader.field(0, 0))
+    with pytest.raises(FileNotFoundError, match="incomplete") as info:
+        reader.field(15, 0)
+    assert str(missing) in str(info.value) and fmt.MANIFEST_NAME in str(info.value)
 
 
-def test_manifest_pointing_to_replaced_shard(tmp_path, container_packs):
+def test_shard_from_another_pack_is_refused(tmp_path, container_packs):
     path = copy_pack(container_packs["shards"], tmp_path)
     other = write_pack(tmp_path / "other", 30, seed=100, **SHARDED)
-    shutil.copyfile(other / "shard-00001.tser", path / "shard-00001.tser")
-    with pytest.raises(CorruptFileError, match="replaced") as info:
-        open_pack(path)
-    assert_bad_content(info.value, path / "shard-00001.tser")
+    target = container_files(path)[1]
+    shutil.copyfile(container_files(other)[1], target)
+    reader = open_pack(path)
+    for i in range(7):  # shard 0 is intact
+        assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
+    with pytest.raises(CorruptFileError, match="does not match") as info:
+        reader.field(7, 0)
+    assert_bad_content(info.value, target)
+    assert str(path / fmt.MANIFEST_NAME) in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -216,25 +232,23 @@ def test_manifest_pointing_to_replaced_shard(tmp_path, container_packs):
         (
             lambda m: {**m, "shards": [{**m["shards"][0], "file": "../s.tser"}]},
             CorruptFileError,
-            "invalid shard",
+            "invalid",
         ),
         (
             lambda m: {**m, "shards": [{**m["shards"][0], "file": "/etc/passwd"}]},
             CorruptFileError,
-            "invalid shard",
+            "invalid",
         ),
-        (
-            lambda m: {**m, "shards": [{**m["shards"][0], "num_records": 8}]},
+        (  # the next shard no longer starts where this one ends
+            lambda m: {**m, "shards": [{**m["shards"][0], "num_records": 8}, *m["shards"][1:]]},
             CorruptFileError,
-            "replaced",
+            "invalid",
         ),
     ],
 )
 def test_damaged_manifest(tmp_path, container_packs, edit, error, message):
     path = copy_pack(container_packs["shards"], tmp_path)
-    manifest = path / fmt.MANIFEST_NAME
-    edited = edit(json.loads(manifest.read_text()))
-    manifest.write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    edit_manifest(path, edit)
     with pytest.raises(error, match=message) as info:
         open_pack(path)
     assert isinstance(info.value, ValueError)
@@ -309,10 +323,16 @@ def test_pickled_reader_reopens_in_another_process(container_packs):
 def test_file_replaced_after_open_raises_file_changed(tmp_path, form):
     out = write_pack(tmp_path / "out", 30, **FORMS[form])
     reader = open_pack(out)
+    unread = open_pack(out)  # opens the catalog only: its shards are opened on first use
+    check_pack(reader, 30)  # every shard opened (fewer than max_open_shards)
     blob = pickle.dumps(reader)
     write_pack(out, 30, seed=7, **FORMS[form])  # replaced atomically by a new pack
 
-    check_pack(reader, 30)  # this process keeps reading the file it validated
+    check_pack(reader, 30)  # this process keeps reading the files it validated
+    if form == "shards":  # a shard not opened before is not read from the new pack
+        with pytest.raises(FileChangedError, match="replaced") as info:
+            unread.field(0, 0)
+        assert str(out) in str(info.value)
     with pytest.raises(FileChangedError) as info:
         pickle.loads(blob).field(0, 0)
     assert isinstance(info.value, OSError) and str(out) in str(info.value)
@@ -515,3 +535,90 @@ def test_reader_keeps_old_data_while_another_process_repacks(tmp_path, voc40, vo
         result = pool.submit(read_pickled, blob).result(timeout=180)
     assert result[:3] == ("error", "FileChangedError", True), result
     assert str(out) in result[3]
+
+
+# -- issue #11 item 3: only regular files are read, without blocking -------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("which", ["shard", "catalog", "manifest", "single", "single->/dev/zero"])
+def test_a_fifo_or_device_in_place_of_a_pack_file_is_refused(tmp_path, container_packs, which):
+    """A FIFO as a shard blocked ``open_pack`` forever; a link to a device read it forever."""
+    form = "single" if which.startswith("single") else "shards"
+    path = copy_pack(container_packs[form], tmp_path)
+    if which == "shard":
+        target = container_files(path)[1]
+    elif which == "catalog":
+        target = catalog_file(path)
+    elif which == "manifest":
+        target = path / fmt.MANIFEST_NAME
+    else:
+        target = path
+    target.unlink()
+    if which.endswith("/dev/zero"):
+        target.symlink_to("/dev/zero")
+    else:
+        os.mkfifo(target)
+    kind = "character device" if which.endswith("/dev/zero") else "named pipe"
+    with pytest.raises(FormatError, match=kind) as info:
+        reader = open_pack(path)
+        reader.field(10, 0)  # in shard 1
+    assert str(target) in str(info.value)
+
+
+def test_open_file_descriptors_stay_bounded(tmp_path):
+    """Issue #11 item 7: a reader holds at most ``max_open_shards`` shards (the least
+    recently used is closed), whatever the access pattern and however many shards."""
+    out = write_pack(tmp_path / "many", 60, max_records_per_shard=1)
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        pytest.skip("needs /proc/self/fd")
+    before = len(list(fds.iterdir()))
+    reader = open_pack(out, max_open_shards=4)
+    order = [*range(60), *range(59, -1, -7), *range(0, 60, 3)]
+    for i in order:
+        assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
+        reader.shard(int(np.searchsorted(reader.starts, i, side="right")) - 1).read_records(
+            [0], [0, 1]
+        )  # streaming reads open a second descriptor per shard
+        assert len(list(fds.iterdir())) - before <= 2 * 4 + 2  # the shards and the catalog
+    assert reader.verify() == []
+    with pytest.raises(ValueError, match="max_open_shards"):
+        open_pack(out, max_open_shards=0)
+
+
+TEN_THOUSAND_SHARDS = """
+import json, os, resource, sys
+import numpy as np
+from torch_serialized.reader import open_pack
+from torch_serialized.pipeline import read_block
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+reader = open_pack(sys.argv[1])
+n = len(reader)
+order = np.random.default_rng(0).permutation(n)
+for i in order:
+    assert bytes(reader.field(int(i), 0)) == str(int(i)).encode(), i
+blocks = read_block(reader, np.arange(0, n, 3), [0])
+assert all(bytes(row[0]) == str(r).encode() for r, row in blocks.items())
+fds = len(os.listdir("/proc/self/fd"))
+print(json.dumps({"records": n, "shards": reader.num_shards, "fds": fds}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ten_thousand_shards_read_under_ulimit_256(tmp_path, monkeypatch):
+    """Issue #11 item 7: one descriptor per shard for the reader's life (plus one more per
+    streaming reader) failed with EMFILE naming no file: 8 shards under a low limit, ~1,100
+    under ``ulimit -n 1024``. 10,000 one-record shards, read in random order and streamed, in
+    a child process limited to 256 descriptors."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # 10,000 fsyncs would take a while
+    with PackWriter(tmp_path / "many", ["a"], max_records_per_shard=1) as writer:
+        for i in range(10_000):
+            writer.add([str(i).encode()])
+        writer.close()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-c", TEN_THOUSAND_SHARDS, str(tmp_path / "many")],
+        capture_output=True, text=True, timeout=110, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["records"] == result["shards"] == 10_000 and result["fds"] < 256

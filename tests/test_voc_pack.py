@@ -55,7 +55,7 @@ def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) ->
         synthetic_devkit, tmp_path / "shards", year="2007", max_samples_per_shard=5
     )
     assert (sharded.path / "manifest.json").is_file()
-    assert len(list(sharded.path.glob("*.tser"))) == -(-single.num_samples // 5)
+    assert len(list(sharded.path.glob("shard-*.tser"))) == -(-single.num_samples // 5)
     a = ts.VOCSerializedDataset(single.path, "trainval")
     b = ts.VOCSerializedDataset(sharded.path, "trainval")
     assert len(a) == len(b)
@@ -65,7 +65,7 @@ def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) ->
     by_bytes = ts.pack_voc(
         synthetic_devkit, tmp_path / "sized", year="2007", max_shard_bytes=400_000
     )
-    assert len(list(by_bytes.path.glob("*.tser"))) > 2
+    assert len(list(by_bytes.path.glob("shard-*.tser"))) > 2
     assert len(ts.VOCSerializedDataset(by_bytes.path, "test")) == len(
         VOCDetection(synthetic_devkit, "2007", "test")
     )

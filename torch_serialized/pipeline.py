@@ -191,7 +191,7 @@ def read_block(
     out: dict[int, list[np.ndarray]] = {}
     for shard, local in record_runs(reader, records):
         base = int(reader.starts[shard])
-        rows = reader.shards[shard].read_records(local, fields)
+        rows = reader.shard(shard).read_records(local, fields)
         out.update((base + int(r), row) for r, row in zip(local, rows))
     return out
 
@@ -218,7 +218,7 @@ def read_blocks(
             return None
         if b + 1 < len(blocks):  # the kernel reads block b + 1 while this thread reads b
             for shard, local in record_runs(reader, records[blocks[b + 1]]):
-                reader.shards[shard].prefetch(local)
+                reader.shard(shard).prefetch(local)
         return read_block(reader, records[blocks[b]], fields)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tser-read") as pool:

@@ -18,6 +18,7 @@ from conftest import SYNTHETIC_YEAR, Packed
 from PIL import Image
 
 from torch_serialized import __version__
+from torch_serialized import format as fmt
 from torch_serialized.cli import main, parse_size
 from torch_serialized.voc.reader import VOCPackReader
 
@@ -75,7 +76,11 @@ def test_top_level_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "--help")
     assert status == 0 and all(c in out for c in COMMANDS)
     status, out, _ = run(capsys, "--version")
-    assert status == 0 and out.strip() == f"torch-serialized {__version__} (file format 1.0)"
+    assert (
+        status == 0
+        and out.strip()
+        == f"torch-serialized {__version__} (file format {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR})"
+    )
     status, _, err = run(capsys)
     assert status == 2 and "required" in err
 
@@ -121,7 +126,13 @@ def test_pack_info_verify_export_round_trip(
 
     status, out, _ = run(capsys, "info", pack)
     assert status == 0
-    for key in ("format ", "torch_serialized 1.0", "image sets", "Main: train", "image size"):
+    for key in (
+        "format ",
+        f"torch_serialized {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}",
+        "image sets",
+        "Main: train",
+        "image size",
+    ):
         assert key in out
     assert "person" in out
 
@@ -157,7 +168,8 @@ def test_info_json_matches_the_source(
     for path in images:
         with Image.open(path) as image:
             sizes.append(image.size)
-    assert info["format_version"] == "1.0" and info["year"] == SYNTHETIC_YEAR
+    assert info["format_version"] == f"{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}"
+    assert info["year"] == SYNTHETIC_YEAR
     assert info["num_samples"] == len(images)
     assert info["classes"] == dict(names) and info["num_objects"] == sum(names.values())
     assert info["width"] == {"min": min(w for w, _ in sizes), "max": max(w for w, _ in sizes)}
@@ -183,7 +195,7 @@ def test_pack_shard_options(
     status, out, err = run(capsys, "pack", "-q", synthetic_devkit, tmp_path / "s", *option)
     assert status == 0, err
     assert f"({shards} shards)" in out
-    assert len(list((tmp_path / "s").glob("*.tser"))) == shards
+    assert len(list((tmp_path / "s").glob("shard-*.tser"))) == shards
 
 
 def test_pack_shard_size(

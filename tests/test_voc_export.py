@@ -123,6 +123,8 @@ def forge(
             "schema_version": schema.SCHEMA_VERSION,
             "year": "2012",
             "base_dir": base_dir,
+            "voc_folder": "VOC2012",
+            "num_samples": len(ids),
             "classes": [],
             "splits": {"Main": {"train": len(ids)}},
             "image_storage": "original",

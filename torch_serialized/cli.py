@@ -30,6 +30,7 @@ import numpy as np
 from . import format as fmt
 from ._version import __version__
 from .errors import ChecksumError, TorchSerializedError
+from .safeio import DEFAULT_MAX_FILE_BYTES
 
 __all__ = ["main", "parse_size"]
 
@@ -83,6 +84,7 @@ def _mb(num_bytes: float) -> str:
 
 # -- pack ---------------------------------------------------------------------------------------
 def _cmd_pack(args: argparse.Namespace) -> int:
+    from .reader import open_pack
     from .voc.layout import find_voc_root, read_image_sets
     from .voc.pack import pack_voc
 
@@ -104,9 +106,10 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         check_images=args.check_images,
         on_error="skip" if args.skip_bad else "raise",
         progress=not args.quiet,
+        max_file_bytes=args.max_file_size,
     )
     seconds = max(result.seconds, 1e-9)
-    files = len(list(result.path.glob(f"*{fmt.FILE_SUFFIX}"))) if result.path.is_dir() else 1
+    files = open_pack(result.path).num_shards
     ratio = result.num_bytes / result.source_bytes if result.source_bytes else float("nan")
     print(f"packed {result.num_samples} samples of {voc_root} (VOC{year})")
     print(f"  output   {result.path} ({files} {'file' if files == 1 else 'shards'})")
@@ -135,11 +138,10 @@ def _pack_info(path: str) -> dict[str, Any]:
     flags = columns["flags"].astype(np.int64)
     histogram: Counter[str] = Counter()
     for record in range(len(pack)):
-        rows = np.frombuffer(pack.field(record, schema.OBJECTS), dtype=schema.OBJECT_DTYPE)
-        histogram.update(pack.classes[c] for c in rows["class_id"].tolist())
+        histogram.update(pack.classes[c] for c in pack.objects(record)["class_id"].tolist())
     sizes = Counter(zip(columns["width"].tolist(), columns["height"].tolist()))
     num_objects = columns["num_objects"]
-    major, minor = reader.shards[0].version
+    major, minor = reader.version
     return {
         "path": reader.path,
         "format_version": f"{major}.{minor}",
@@ -168,12 +170,8 @@ def _pack_info(path: str) -> dict[str, Any]:
         "source_bytes": meta.get("source_bytes"),
         "sharded": reader.manifest is not None,
         "shards": [
-            {
-                "file": os.path.basename(s.path),
-                "records": s.num_records,
-                "bytes": os.path.getsize(s.path),
-            }
-            for s in reader.shards
+            {"file": entry.file, "records": entry.num_records, "bytes": entry.bytes}
+            for entry in reader.entries
         ],
         "skipped": meta.get("skipped", []),
     }
@@ -247,10 +245,24 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         message = _describe(exc)
         _error(message if str(args.path) in message else f"cannot open {args.path}: {message}")
         return EXIT_ERROR
-    bad = reader.verify()
+    bad: list[int] = []
+    bad_shards: list[str] = []  # shards that fail their own checks: every record is suspect
+    for s, start in enumerate(reader.starts[:-1].tolist()):
+        try:
+            shard = reader.shard(s)
+        except (TorchSerializedError, OSError) as exc:
+            bad_shards.append(_describe(exc))
+            continue
+        bad.extend(start + i for i in shard.verify())
     seconds = time.perf_counter() - started
-    files = len(reader.shards)
+    files = reader.num_shards
     where = f"{reader.path} ({len(reader)} records in {files} {'file' if files == 1 else 'shards'})"
+    if bad_shards:
+        print(f"FAILED {where}: {len(bad_shards)} damaged shard(s)")
+        for message in bad_shards:
+            print(f"  {' '.join(message.split())}")
+        print("Re-copy the pack or re-pack the dataset.")
+        return EXIT_DAMAGED
     if not bad:
         print(
             f"OK {where}: header, footer, metadata, index, arrays and all "
@@ -411,6 +423,13 @@ def _parser() -> argparse.ArgumentParser:
         "--skip-bad",
         action="store_true",
         help="leave out unreadable samples (listed in OUTPUT.skipped.json) instead of failing",
+    )
+    pack.add_argument(
+        "--max-file-size",
+        type=parse_size,
+        default=DEFAULT_MAX_FILE_BYTES,
+        metavar="SIZE",
+        help="refuse a source file larger than SIZE (default 1GiB; e.g. 4GiB)",
     )
     pack.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pack.set_defaults(run=_cmd_pack)

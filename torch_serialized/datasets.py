@@ -248,7 +248,7 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
         record = self._record(index)
         pack, decoder = self.pack, self.decoder
         img = decoder.image(record, pack.field(record, schema.IMAGE))
-        target = decoder.mask(pack.field(record, schema.MASK))
+        target = decoder.mask(record, pack.field(record, schema.MASK))
         if self.transforms is not None:
             img, target = self.transforms(img, target)
         return img, target

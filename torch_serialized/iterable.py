@@ -246,7 +246,7 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             data = read_block(self.pack.reader, np.array([item.record]), self._fields)[item.record]
         img = self.decoder.image(item.record, data[0])
         if self.task == "Segmentation":
-            target = self.decoder.mask(data[1])
+            target = self.decoder.mask(item.record, data[1])
         else:
             target = self.decoder.target(item.record, data[1])
         if self.transforms is not None:

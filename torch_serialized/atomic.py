@@ -26,6 +26,7 @@ __all__ = [
     "is_temporary",
     "clean_stale",
     "replace_file",
+    "replace_file_at",
     "remove",
 ]
 
@@ -143,6 +144,23 @@ def replace_file(target: Path, data: bytes | memoryview) -> None:
     except BaseException:
         with contextlib.suppress(OSError):
             temp.unlink()
+        raise
+
+
+def replace_file_at(folder: int, name: str, data: bytes | memoryview) -> None:
+    """``replace_file`` inside the folder open as descriptor ``folder``: nothing is resolved by
+    path, so no symbolic link along the way is followed (the temporary is created with
+    ``O_NOFOLLOW | O_EXCL``; ``rename`` replaces a link at ``name`` itself)."""
+    temp = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(temp, flags | getattr(os, "O_CLOEXEC", 0), 0o666, dir_fd=folder)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=folder)
         raise
 
 

@@ -6,6 +6,7 @@ manifests); random damage is in test_reader_fuzz.py.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -14,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -358,8 +360,19 @@ def smaps() -> dict[str, int]:
     return values
 
 
+@pytest.mark.parametrize("leak", [False, True], ids=["reads", "a-leak-is-caught"])
 @pytest.mark.parametrize("form", FORMS)
-def test_reading_every_record_does_not_grow_private_memory(tmp_path, form):
+def test_reading_every_record_does_not_grow_private_memory(tmp_path, form, leak):
+    """Reads copy nothing that stays: a second pass over 20,000 records grows neither the
+    heap nor the private pages by more than a quarter of the bytes it read, which is what
+    one leaked copy per read would add (the ``a-leak-is-caught`` case keeps every copy and
+    must exceed it, so the margin is no blanket).
+
+    Issue #11 item 9: measured from the first pass, this failed once on a busy machine:
+    the first pass also pays for the allocator's arenas, numpy's caches and (shards) the
+    maps of each shard. A warm-up pass absorbs those; the margin comes from the bytes read,
+    not a fixed guess.
+    """
     if not Path("/proc/self/smaps_rollup").exists():
         pytest.skip("needs /proc/self/smaps_rollup (Linux >= 4.14)")
     n = 20_000
@@ -369,24 +382,38 @@ def test_reading_every_record_does_not_grow_private_memory(tmp_path, form):
         for i in range(n):
             w.add([payload(i, 0, 50 + i % 300), payload(i, 1, i % 40)])
         w.close()
-    size = (
-        sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-        if out.is_dir()
-        else out.stat().st_size
-    )
     reader = open_pack(out)
-    bytes(reader.field(0, 0))
-    before = smaps()
-    total = 0
-    for i in range(n):
-        total += len(bytes(reader.field(i, 0))) + len(bytes(reader.field(i, 1)))
-    after = smaps()
+    kept: list[bytes] = []
+
+    def read_all() -> int:
+        total = 0
+        for i in range(n):
+            a, b = bytes(reader.field(i, 0)), bytes(reader.field(i, 1))
+            total += len(a) + len(b)
+            if leak:
+                kept.extend((a, b))
+        return total
+
+    total = read_all()  # warm-up: maps, arenas and caches settle
     assert total == sum(50 + i % 300 + i % 40 for i in range(n))
-    mib = 1 << 20
-    assert after["Anonymous"] - before["Anonymous"] < 4 * mib
-    assert after["Private_Dirty"] - before["Private_Dirty"] < 4 * mib
-    uss = after["Private_Clean"] + after["Private_Dirty"]
-    assert uss - (before["Private_Clean"] + before["Private_Dirty"]) < size + 4 * mib
+    gc.collect()
+    before = smaps()
+    assert read_all() == total
+    gc.collect()
+    after = smaps()
+    margin = total // 4  # 1.1 MB here; a copy kept per read adds 4.4 MB and more
+    grown = {
+        "Anonymous": after["Anonymous"] - before["Anonymous"],
+        "Private_Dirty": after["Private_Dirty"] - before["Private_Dirty"],
+        "USS": after["Private_Clean"]
+        + after["Private_Dirty"]
+        - before["Private_Clean"]
+        - before["Private_Dirty"],
+    }
+    if leak:
+        assert grown["Anonymous"] > margin, (grown, margin)
+    else:
+        assert all(value < margin for value in grown.values()), (grown, margin)
 
 
 @pytest.mark.parametrize("content", [b"", b"tiny", b"x" * 200])
@@ -596,7 +623,7 @@ n = len(reader)
 order = np.random.default_rng(0).permutation(n)
 for i in order:
     assert bytes(reader.field(int(i), 0)) == str(int(i)).encode(), i
-blocks = read_block(reader, np.arange(0, n, 3), [0])
+blocks = read_block(reader, np.arange(0, 600), [0])  # streaming reads: 600 shards
 assert all(bytes(row[0]) == str(r).encode() for r, row in blocks.items())
 fds = len(os.listdir("/proc/self/fd"))
 print(json.dumps({"records": n, "shards": reader.num_shards, "fds": fds}))
@@ -610,15 +637,168 @@ def test_ten_thousand_shards_read_under_ulimit_256(tmp_path, monkeypatch):
     under ``ulimit -n 1024``. 10,000 one-record shards, read in random order and streamed, in
     a child process limited to 256 descriptors."""
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # 10,000 fsyncs would take a while
-    with PackWriter(tmp_path / "many", ["a"], max_records_per_shard=1) as writer:
-        for i in range(10_000):
-            writer.add([str(i).encode()])
-        writer.close()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run(
-        [sys.executable, "-c", TEN_THOUSAND_SHARDS, str(tmp_path / "many")],
-        capture_output=True, text=True, timeout=110, env=env,
-    )  # fmt: skip
+    # creating 10,000 files costs ~0.1 ms each on a journaled disk: use memory when there is some
+    shm = Path("/dev/shm")
+    folder = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() else tmp_path
+    try:
+        with PackWriter(folder / "many", ["a"], max_records_per_shard=1) as writer:
+            for i in range(10_000):
+                writer.add([str(i).encode()])
+            writer.close()
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        proc = subprocess.run(
+            [sys.executable, "-c", TEN_THOUSAND_SHARDS, str(folder / "many")],
+            capture_output=True, text=True, timeout=110, env=env,
+        )  # fmt: skip
+    finally:
+        if folder != tmp_path:
+            shutil.rmtree(folder)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["records"] == result["shards"] == 10_000 and result["fds"] < 256
+
+
+# -- issue #11 item 2: the manifest is protected, and so is what it points to -----------------
+def _read_everything(reader) -> tuple[Any, ...]:
+    records = [[bytes(reader.field(i, k)) for k in range(2)] for i in range(len(reader))]
+    arrays = {name: array.tobytes() for name, array in reader.arrays().items()}
+    return records, arrays, reader.user
+
+
+def test_every_flipped_manifest_byte_is_refused_or_harmless(tmp_path, container_packs):
+    """A flipped bit in manifest.json (a name, a count, a checksum) changed what was read
+    without an error. Every byte flipped three ways: refused with our error naming the
+    manifest, or (whitespace turned into other whitespace) the very same pack is read."""
+    path = copy_pack(container_packs["shards"], tmp_path)
+    manifest = path / fmt.MANIFEST_NAME
+    original = manifest.read_bytes()
+    expected = _read_everything(open_pack(container_packs["shards"]))
+    outcomes = {"refused": 0, "same": 0}
+    for position in range(len(original)):
+        for mask in (0x01, 0x80):
+            damaged = bytearray(original)
+            damaged[position] ^= mask
+            manifest.write_bytes(bytes(damaged))
+            try:
+                got = _read_everything(open_pack(path))
+            except (FormatError, FileNotFoundError) as exc:
+                assert str(manifest) in str(exc) or str(path) in str(exc)
+                outcomes["refused"] += 1
+                continue
+            assert got == expected, f"byte {position} ^ {mask:#x} changed the data silently"
+            outcomes["same"] += 1
+    assert outcomes["refused"] > 0.9 * 2 * len(original), outcomes
+
+
+def test_an_edited_catalog_is_refused_even_if_it_is_self_consistent(tmp_path, container_packs):
+    """The metadata (class names, year, storage options) lives in the catalog: edited with its
+    own checksums fixed up, it no longer matches the manifest's entry."""
+    path = copy_pack(container_packs["shards"], tmp_path)
+    catalog = catalog_file(path)
+    data = catalog.read_bytes()
+    footer = fmt.unpack_footer(data[-fmt.FOOTER_SIZE :], "x")
+    meta = json.loads(data[footer["meta_offset"] : -fmt.FOOTER_SIZE])
+    meta["user"]["seed"] = 1
+    blob = json.dumps(meta, separators=(",", ":")).encode()
+    body = data[: footer["meta_offset"]]
+    size = len(body) + len(blob) + fmt.FOOTER_SIZE
+    crc = fmt.crc32(blob)
+    catalog.write_bytes(body + blob + fmt.pack_footer(len(body), len(blob), size, 0, crc))
+    with pytest.raises(CorruptFileError, match="does not match") as info:
+        open_pack(path)
+    assert str(catalog) in str(info.value) and str(path / fmt.MANIFEST_NAME) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: {**m, "shards": [m["shards"][1], m["shards"][0], *m["shards"][2:]]},
+        lambda m: {**m, "shards": [m["shards"][0], dict(m["shards"][0]), *m["shards"][2:]]},
+        lambda m: {
+            **m,
+            "shards": [
+                {**m["shards"][0], "file": m["shards"][1]["file"]},
+                {**m["shards"][1], "file": m["shards"][0]["file"]},
+                *m["shards"][2:],
+            ],
+        },  # fmt: skip
+        lambda m: {**m, "pack_id": "0" * 32},
+    ],
+    ids=["swapped", "duplicated", "renamed", "other-pack-id"],
+)
+def test_a_rewritten_manifest_cannot_reorder_shards(tmp_path, container_packs, edit):
+    """Shard entries swapped or duplicated (with a valid checksum, first_record made
+    consistent) paired records with other records' places; each shard's own binding refuses
+    it, naming the manifest and the shard."""
+    path = copy_pack(container_packs["shards"], tmp_path)
+
+    def rewrite(manifest):
+        manifest = edit(manifest)
+        first = 0
+        for entry in manifest["shards"]:
+            entry["first_record"] = first
+            first += entry["num_records"]
+        return manifest
+
+    edit_manifest(path, rewrite)
+    with pytest.raises(CorruptFileError, match="does not match|twice") as info:
+        _read_everything(open_pack(path))
+    assert str(path / fmt.MANIFEST_NAME) in str(info.value)
+    members = [*container_files(path), catalog_file(path)]  # another pack id: the catalog's
+    assert any(f.name in str(info.value) for f in members)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"format": "torch_serialized.shards", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "not valid JSON",
+        ),  # fmt: skip
+        ('{"format": "torch_serialized.shards", "format": "torch_serialized.shards"}', "duplicate"),
+        ('{"format": "torch_serialized.shards", "version": NaN}', "NaN"),
+    ],
+    ids=["nested-100k", "duplicate-key", "nan"],
+)
+def test_absurd_manifests_raise_our_error_naming_it(tmp_path, text, message):
+    """Issue #11 item 8: a manifest nested 100k deep gave RecursionError."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / fmt.MANIFEST_NAME).write_text(text)
+    with pytest.raises(CorruptFileError, match=message) as info:
+        open_pack(tmp_path / "p")
+    assert str(tmp_path / "p" / fmt.MANIFEST_NAME) in str(info.value)
+
+
+def test_a_shard_name_with_nul_is_refused_naming_the_manifest(tmp_path, container_packs):
+    """Item 8: a shard name with NUL gave a bare ValueError naming no file."""
+    path = copy_pack(container_packs["shards"], tmp_path)
+    edit_manifest(
+        path, lambda m: {**m, "shards": [{**m["shards"][0], "file": "a\x00b"}, *m["shards"][1:]]}
+    )
+    with pytest.raises(CorruptFileError, match="entry 0 is invalid") as info:
+        open_pack(path)
+    assert str(path / fmt.MANIFEST_NAME) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda blob: blob.replace(b'"user":{', b'"user":{"seed":1,', 1),  # a duplicate key
+        lambda blob: blob.replace(b'"user":{', b'"user":{"x":NaN,', 1),
+        lambda blob: blob.replace(b'"user":{', b'"user":{"x":1e999,', 1),
+    ],
+    ids=["duplicate-key", "nan", "infinity"],
+)
+def test_metadata_with_duplicate_keys_or_nan_is_refused(tmp_path, container_packs, change):
+    """Item 8: container metadata with NaN/Infinity (the JSON spec forbids them) or duplicate
+    keys (another reader may take the other value) was accepted."""
+    path = copy_pack(container_packs["single"], tmp_path)
+    data = path.read_bytes()
+    footer = fmt.unpack_footer(data[-fmt.FOOTER_SIZE :], "x")
+    blob = change(data[footer["meta_offset"] : -fmt.FOOTER_SIZE])
+    body = data[: footer["meta_offset"]]
+    size = len(body) + len(blob) + fmt.FOOTER_SIZE
+    path.write_bytes(body + blob + fmt.pack_footer(len(body), len(blob), size, 30, fmt.crc32(blob)))
+    with pytest.raises(CorruptFileError, match="not valid JSON") as info:
+        open_pack(path)
+    assert str(path) in str(info.value)

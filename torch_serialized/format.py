@@ -737,7 +737,11 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         )
     names = manifest.files()
     if len(set(names)) != len(names):
-        raise CorruptFileError(f"{path}: the manifest names a file twice; re-pack the dataset")
+        twice = next(name for k, name in enumerate(names) if name in names[:k])
+        raise CorruptFileError(
+            f"{path}: the manifest names {twice!r} twice; the manifest was damaged or edited, "
+            "re-pack the dataset"
+        )
     return manifest
 
 

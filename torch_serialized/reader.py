@@ -43,11 +43,11 @@ from .errors import (
 )
 from .safeio import FileKindError, FileSizeError, open_regular, read_regular_file
 
-__all__ = ["ContainerReader", "PackReader", "open_pack", "DEFAULT_MAX_OPEN_SHARDS"]
+__all__ = ["ContainerReader", "PackReader", "open_pack", "default_max_open_shards"]
 
-#: Shards a ``PackReader`` keeps open at most (each costs up to two file descriptors: the
-#: map's and the one streaming reads use).
-DEFAULT_MAX_OPEN_SHARDS = 32
+#: Shards whose checked metadata a ``PackReader`` keeps after closing their maps, so opening
+#: one again costs a map, not a validation (a few KB each).
+_MAX_CLOSED_SHARDS = 4096
 #: ``mmap`` keeps no duplicate descriptor (Python >= 3.13).
 _MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
@@ -217,34 +217,45 @@ class ContainerReader:
 
     def _read_arrays(self, fd: int, *, check: bool) -> _Mapped:
         """Arrays: map the file and view the record index and every array in it; with
-        ``check``, verify their checksums and that the index points inside the data."""
+        ``check`` (at creation), verify their descriptors and checksums and that the index
+        points inside the data, and keep the checked layout for later maps."""
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ, **_MMAP_OPTIONS)
         view = memoryview(mm)
-        # The record index is kept apart: a user array may also be called "index".
-        descs = [("index", self.meta["index"]), *self.meta["arrays"].items()]
+        if check:
+            self._layout = self._check_layout(view)
         views: list[np.ndarray] = []
-        for name, desc in descs:
+        for _name, dtype, shape, offset, count in self._layout:
+            views.append(np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape))
+        index = views[0]
+        if check:
+            self._check_index(index)
+        arrays = {layout[0]: array for layout, array in zip(self._layout[1:], views[1:])}
+        return _Mapped(mm, view, index, arrays)
+
+    def _check_layout(
+        self, view: memoryview
+    ) -> list[tuple[str, np.dtype, tuple[int, ...], int, int]]:
+        """Every array's descriptor (the record index first, kept apart: a user array may also
+        be called "index"), its checksum and a shape numpy can build; the checked layout."""
+        layout = []
+        for name, desc in [("index", self.meta["index"]), *self.meta["arrays"].items()]:
             dtype, shape, offset, nbytes, crc = fmt.check_descriptor(
                 desc, name, self.data_end, self.path
             )
-            if check and fmt.crc32(view[offset : offset + nbytes]) != crc:
+            if fmt.crc32(view[offset : offset + nbytes]) != crc:
                 raise CorruptFileError(
                     f"{self.path}: {name} checksum mismatch; the file is damaged, re-pack it"
                 )
             count = nbytes // dtype.itemsize
             try:
-                array = np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape)
+                np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape)
             except (ValueError, OverflowError) as exc:  # absurd shapes: > 64 axes, huge dims
                 raise CorruptFileError(
                     f"{self.path}: array {name!r} has an unusable shape: {exc}; the file is "
                     "damaged, re-pack it"
                 ) from None
-            views.append(array)
-        index = views[0]
-        if check:
-            self._check_index(index)
-        arrays = {name: array for (name, _), array in zip(descs[1:], views[1:])}
-        return _Mapped(mm, view, index, arrays)
+            layout.append((name, dtype, shape, offset, count))
+        return layout
 
     def _check_index(self, index: np.ndarray) -> None:
         """The record index: every field lies between the header and the metadata."""
@@ -307,6 +318,12 @@ class ContainerReader:
             local.fd = self._open_same_file()
             weakref.finalize(local, os.close, local.fd)
         return local.fd
+
+    def close(self) -> None:
+        """Drop this process's map (and descriptors) of the file; the next access maps it
+        again, checking that the file is still the one validated (``FileChangedError``).
+        Views handed out keep the map alive until they are gone."""
+        self._local = None
 
     @property
     def mapped_by(self) -> int | None:
@@ -464,8 +481,10 @@ class PackReader:
         path: str | os.PathLike[str],
         *,
         checked: bool = False,
-        max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+        max_open_shards: int | None = None,
     ) -> None:
+        if max_open_shards is None:
+            max_open_shards = default_max_open_shards()
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
         location, manifest_path, data = _locate(Path(path))
@@ -606,7 +625,21 @@ class PackReader:
     def _reset_open(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        #: shards mapped in this process, least recently used first
         self._open: OrderedDict[int, ContainerReader] = OrderedDict()
+        #: shards checked before whose maps were closed: opened again without a validation
+        self._closed: OrderedDict[int, ContainerReader] = OrderedDict()
+
+    def _check_process(self) -> None:
+        """In a forked child, close the maps inherited from the parent (they are not this
+        process's; each holds a descriptor) and keep what was checked."""
+        if self._pid == os.getpid():
+            return
+        known = [*self._closed.items(), *self._open.items()]
+        self._reset_open()
+        for s, shard in known:
+            shard.close()
+            self._closed[s] = shard
 
     @property
     def num_shards(self) -> int:
@@ -619,27 +652,35 @@ class PackReader:
         return os.path.join(self.path, self.entries[s].file)
 
     def shard(self, s: int) -> ContainerReader:
-        """Shard ``s``, opened and checked on first use; the least recently used shard is
-        closed when more than ``max_open_shards`` are open."""
+        """Shard ``s``, opened and checked on first use. At most ``max_open_shards`` stay
+        mapped: the least recently used one is closed (its checked metadata kept, so mapping it
+        again is cheap) when another is needed."""
         if not 0 <= s < len(self.entries):
             raise IndexError(f"shard {s} out of range for {len(self.entries)} shards")
         if self._expected[s] is None or self._catalog.path == self.shard_path(s):
             return self._catalog  # the single file, or a v1 pack's last shard
-        if self._pid != os.getpid():  # a forked child: the parent's maps are not ours
-            self._reset_open()
+        self._check_process()
         with self._lock:
             shard = self._open.get(s)
             if shard is not None:
                 self._open.move_to_end(s)
                 return shard
-            shard = self._open_shard(s)
+            shard = self._closed.pop(s, None)
+            if shard is not None:
+                shard.reopen()  # FileChangedError if the file is no longer the one checked
+            else:
+                shard = self._open_shard(s)
             self._remember(s, shard)
             return shard
 
     def _remember(self, s: int, shard: ContainerReader) -> None:
         self._open[s] = shard
         while len(self._open) > self.max_open_shards:
-            self._open.popitem(last=False)  # its map closes once no view of it is left
+            old, closing = self._open.popitem(last=False)
+            closing.close()  # the map goes once no view of it is left
+            self._closed[old] = closing
+            while len(self._closed) > _MAX_CLOSED_SHARDS:
+                self._closed.popitem(last=False)
 
     def _open_shard(self, s: int) -> ContainerReader:
         path = self.shard_path(s)
@@ -699,7 +740,7 @@ class PackReader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_pid", "_lock", "_open"):
+        for name in ("_pid", "_lock", "_open", "_closed"):
             del state[name]
         state["_arrays"], state["_arrays_from"] = None, None
         return state
@@ -748,8 +789,7 @@ class PackReader:
     def reopen(self) -> None:
         """Map the catalog in this process now rather than on first read (idempotent);
         shards are mapped on first use."""
-        if self._pid != os.getpid():
-            self._reset_open()
+        self._check_process()
         self._catalog.reopen()
 
     def verify(self) -> list[int]:
@@ -804,11 +844,27 @@ def _locate(path: Path) -> tuple[Path, Path | None, bytes | None]:
     )
 
 
+def default_max_open_shards() -> int:
+    """How many shards a reader keeps mapped unless told: an eighth of this process's
+    descriptor limit (each open shard holds up to two), between 4 and 512 (64 where the limit
+    cannot be read)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 512
+    return max(4, min(512, soft // 8))
+
+
 def open_pack(
     path: str | os.PathLike[str],
     *,
     checked: bool = False,
-    max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+    max_open_shards: int | None = None,
 ) -> PackReader:
-    """Open a packed dataset (a ``.tser`` file or a shard folder)."""
+    """Open a packed dataset (a ``.tser`` file or a shard folder). A shard folder keeps at most
+    ``max_open_shards`` shards mapped (default: ``default_max_open_shards()``)."""
     return PackReader(path, checked=checked, max_open_shards=max_open_shards)

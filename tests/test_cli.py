@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from _container_helpers import Contents, rebuild_pack
 from conftest import SYNTHETIC_YEAR, Packed
 from PIL import Image
 
@@ -342,3 +343,58 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "results.json").is_file()
     assert "results written to" in done.stdout
     assert list(json.loads((out / "results.json").read_text())["scenarios"]) == ["bytes"]
+
+
+# -- issue #11 item 8: what info prints of a pack is escaped; a closed pipe ends quietly -------
+EVIL = "dog\x1b[2J\x1b]0;pwned\x07\u202etac\u2028\x9b"
+
+
+def test_info_escapes_terminal_control_characters(
+    tmp_path: Path, tiny_packs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Metadata is untrusted: a class name (or any string in it) could clear the screen, set
+    the window title or reverse the text around it when info printed it unescaped."""
+
+    def rename(contents: Contents) -> None:
+        user = contents.user
+        user["classes"] = [EVIL if c == "dog" else c for c in user["classes"]]
+        for counts in user["class_counts"].values():
+            if "dog" in counts:
+                counts[EVIL] = counts.pop("dog")
+        user["packed_by"] = "me\x1b[31m"
+
+    path = rebuild_pack(tiny_packs["single"], tmp_path / "evil.tser", rename)
+    status, out, _ = run(capsys, "info", path)
+    assert status == 0
+    assert not any(c in out for c in "\x1b\x07\u202e\u2028\x9b")
+    assert "dog\\x1b[2J\\x1b]0;pwned\\x07\\u202etac\\u2028\\x9b" in out and "me\\x1b[31m" in out
+    status, out, _ = run(capsys, "info", "--json", path)
+    assert status == 0 and not any(c in out for c in "\x1b\x07\u202e\u2028\x9b")
+    info = json.loads(out)
+    assert EVIL in info["classes"] and info["packed_by"] == "me\x1b[31m"
+
+
+def test_errors_are_escaped_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "x\x1b[2J.tser"
+    path.write_bytes(b"junk")
+    status, _, err = run(capsys, "info", path)
+    assert status == 2 and "\x1b" not in err and "x\\x1b[2J.tser" in err
+
+
+@pytest.mark.parametrize("command", [["info"], ["info", "--json"], ["verify"]])
+def test_a_closed_pipe_ends_quietly(synthetic_packs: Packed, command: list[str]) -> None:
+    """``torch-serialized info x.tser | head`` ended with 'error: Broken pipe' on stderr."""
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first line is written
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch_serialized", *command, str(synthetic_packs.shards)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONWARNINGS": "error"},
+        )
+    finally:
+        os.close(write)
+    assert proc.stderr == "" and proc.returncode == 141

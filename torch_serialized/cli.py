@@ -14,12 +14,14 @@ exits 1 when it finds damage.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import re
 import sys
 import time
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +38,8 @@ __all__ = ["main", "parse_size"]
 
 PROG = "torch-serialized"
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
+#: What a shell reports for a process a closed pipe stopped (128 + SIGPIPE), as ``ls | head``.
+EXIT_BROKEN_PIPE = 141
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 _UNITS = {
@@ -188,8 +192,8 @@ def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     info = _pack_info(args.path)
-    if args.json:
-        print(json.dumps(info, indent=1, ensure_ascii=False))
+    if args.json:  # JSON escapes C0 controls itself; the rest become \\u escapes
+        print(printable(json.dumps(info, indent=1, ensure_ascii=False), json_text=True))
         return EXIT_OK
     options = ", ".join(f"{k}={v}" for k, v in info["options"].items())
     sets = "; ".join(
@@ -229,7 +233,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         for name, count in info["classes"].items():
             bar = "#" * max(1, round(30 * count / top))
             lines.append(f"    {name:<{width}} {count:>7}  {bar}")
-    print("\n".join(lines))
+    print("\n".join(printable(line) for line in lines))
     return EXIT_OK
 
 
@@ -508,8 +512,33 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def printable(text: str, *, json_text: bool = False) -> str:
+    """``text`` with every character a terminal could act on escaped (``\\x1b``, ``\\u202e``):
+    C0 and C1 controls, DEL, format characters (bidirectional overrides...), line or paragraph
+    separators, unassigned and private code points. A pack's metadata is untrusted; what
+    ``info`` prints of it must not move the cursor, recolour the terminal or reorder the text
+    around it. ``json_text``: escapes as JSON spells them (``\\u001b``), for JSON output."""
+    return _UNPRINTABLE.sub(functools.partial(_escape, json_text=json_text), text)
+
+
+#: C0 controls but the newline, DEL and C1 controls; any other non-ASCII character is looked
+#: up (``_escape``), which keeps the scan cheap for ASCII text.
+_UNPRINTABLE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]|[^\x00-\x7f]")
+
+
+def _escape(match: re.Match[str], *, json_text: bool) -> str:
+    char = match.group()
+    code = ord(char)
+    if code > 0x9F and unicodedata.category(char) not in ("Cf", "Zl", "Zp", "Cs", "Co", "Cn"):
+        return char  # a printable letter, digit, mark or symbol of any script
+    if code < 0x100 and not json_text:
+        return f"\\x{code:02x}"
+    units = char.encode("utf-16-be", "surrogatepass")  # a surrogate pair above U+FFFF, as JSON
+    return "".join(f"\\u{units[i] << 8 | units[i + 1]:04x}" for i in range(0, len(units), 2))
+
+
 def _error(message: str) -> None:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"{PROG}: error: {printable(' '.join(message.split()))}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -517,6 +546,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         status: int = args.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (``info PACK | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         if args.debug:
             raise
@@ -527,7 +560,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _error(_describe(exc))
         return EXIT_ERROR
-    sys.stdout.flush()
     return status
 
 

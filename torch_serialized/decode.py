@@ -101,6 +101,9 @@ class SampleDecoder:
         self.label_names = label_names(pack, classes)
         position = {name: i for i, name in enumerate(self.label_names)}
         self._labels = np.array([position.get(n, -1) for n in pack.classes], dtype=np.int64)
+        #: pack classes outside the label list (-1 above): checked per read, as the class
+        #: counts that ruled them out for this image set below are only the metadata's word
+        self._unknown = bool((self._labels < 0).any())
         columns = pack.columns
         #: (height, width) of every stored image; one small array, read per sample
         self._sizes = np.stack([columns["height"], columns["width"]], axis=1).astype(np.int64)
@@ -225,6 +228,11 @@ class SampleDecoder:
                 f"{self._where(record)}: the stored objects are not rows of "
                 f"{len(self._labels)} known classes; the pack is damaged, re-pack it"
             ) from None
+        if self._unknown and bool((labels < 0).any()):
+            raise FormatError(
+                f"{self._where(record)}: an object's class is not in the label list, though "
+                "the pack's class counts said so; the pack is damaged, re-pack it"
+            )
         boxes = tv_tensors.BoundingBoxes(
             torch.from_numpy(objects["box"].copy()),
             format=tv_tensors.BoundingBoxFormat.XYXY,
@@ -237,10 +245,17 @@ class SampleDecoder:
         }
 
     def mask(self, record: int, data: Buffer) -> Image.Image:
-        """A SegmentationClass mask from its ``schema.MASK`` field, as PIL opens the PNG
-        (mode P, palette; pixels decoded when first used, as torchvision's), its declared
-        size checked first."""
-        return self._pil(record, data, "mask")
+        """A SegmentationClass mask from its ``schema.MASK`` field, as PIL opens the PNG (mode
+        P, palette), its declared size checked first and its pixels decoded here, so damaged
+        bytes raise our error naming the record rather than PIL's later in a transform."""
+        mask = self._pil(record, data, "mask")
+        try:
+            mask.load()
+        except Image.DecompressionBombError as exc:
+            raise ImageTooLargeError(f"{self._where(record)}: the mask: {exc}") from None
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise _undecodable(self._where(record), "mask", exc) from exc
+        return mask
 
 
 def _undecodable(where: str, what: str, exc: BaseException) -> FormatError:

@@ -18,7 +18,7 @@ from _container_helpers import Contents, rebuild_pack
 from conftest import SYNTHETIC_YEAR, Packed
 from PIL import Image
 
-from torch_serialized import __version__
+from torch_serialized import __version__, pack_voc
 from torch_serialized import format as fmt
 from torch_serialized.cli import main, parse_size
 from torch_serialized.voc.reader import VOCPackReader
@@ -294,6 +294,24 @@ def test_verify_shards_names_shard_and_field(
     assert status == 1
     expected = f"record {record} (id {image_id!r}) [{Path(shard.path).name} record {local}]"
     assert f"{expected}: field(s) mask fail" in out
+
+
+def test_verify_names_a_shard_that_is_not_the_manifests_and_goes_on(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    """A shard swapped for another pack's, or missing, is damage (exit 1) named with its
+    manifest; the other shards are still verified."""
+    folder = tmp_path / "shards"
+    shutil.copytree(synthetic_packs.shards, folder)
+    other = pack_voc(synthetic_packs.root, tmp_path / "other", year="2007", max_samples_per_shard=5)
+    names = sorted(p.name for p in folder.glob("shard-*"))
+    shutil.copyfile(sorted(other.path.glob("shard-*"))[1], folder / names[1])
+    (folder / names[3]).unlink()
+    status, out, _ = run(capsys, "verify", folder)
+    assert status == 1
+    assert "2 damaged shard(s)" in out and f"{folder / names[1]} does not match" in out
+    assert f"{folder / names[3]}: shard 3" in out and "missing" in out
+    assert "damaged record" not in out  # the other shards are intact
 
 
 @pytest.mark.parametrize("kind", ["missing", "truncated", "not a pack"])

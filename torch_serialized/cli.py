@@ -240,7 +240,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
 # -- verify -------------------------------------------------------------------------------------
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .reader import PackReader
-    from .voc.reader import VOCPackReader
 
     started = time.perf_counter()
     try:
@@ -261,25 +260,39 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     files = reader.num_shards
     where = f"{reader.path} ({len(reader)} records in {files} {'file' if files == 1 else 'shards'})"
-    if bad_shards:
-        print(f"FAILED {where}: {len(bad_shards)} damaged shard(s)")
-        for message in bad_shards:
-            print(f"  {' '.join(message.split())}")
-        print("Re-copy the pack or re-pack the dataset.")
-        return EXIT_DAMAGED
-    if not bad:
+    if not bad and not bad_shards:
         print(
-            f"OK {where}: header, footer, metadata, index, arrays and all "
-            f"{len(reader) * len(reader.fields)} field checksums match "
-            f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
+            printable(
+                f"OK {where}: header, footer, metadata, index, arrays and all "
+                f"{len(reader) * len(reader.fields)} field checksums match "
+                f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
+            )
         )
         return EXIT_OK
+    lines = []
+    if bad_shards:
+        lines.append(f"FAILED {where}: {len(bad_shards)} damaged shard(s)")
+        lines += [f"  {' '.join(message.split())}" for message in bad_shards]
+    if bad:
+        lines.append(f"FAILED {where}: {len(bad)} damaged record(s)")
+        lines += _damaged_records(args.path, reader, bad)
+    lines.append("Re-copy the pack or re-pack the dataset.")
+    print("\n".join(printable(line) for line in lines))
+    return EXIT_DAMAGED
+
+
+def _damaged_records(path: str, reader: Any, bad: list[int]) -> list[str]:
+    """One line per damaged record: its id when the pack is a readable VOC pack, its shard,
+    and the fields that fail their checksum."""
+    from .reader import PackReader
+    from .voc.reader import VOCPackReader
+
     try:
-        ids: Callable[[int], str] | None = VOCPackReader(args.path).id
-    except (TorchSerializedError, OSError, KeyError):
+        ids: Callable[[int], str] | None = VOCPackReader(path).id
+    except (TorchSerializedError, OSError):
         ids = None
-    checked = PackReader(args.path, checked=True)
-    print(f"FAILED {where}: {len(bad)} damaged record(s)")
+    checked = PackReader(path, checked=True)
+    lines = []
     for record in bad:
         failing = []
         for k, name in enumerate(reader.fields):
@@ -291,11 +304,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         label = f"record {record}"
         if ids is not None:
             label += f" (id {_safe_id(ids, record)})"
-        if files > 1:
+        if reader.num_shards > 1:
             label += f" [{os.path.basename(shard.path)} record {local}]"
-        print(f"  {label}: field(s) {', '.join(failing)} fail their checksum")
-    print("Re-copy the file or re-pack the dataset.")
-    return EXIT_DAMAGED
+        lines.append(f"  {label}: field(s) {', '.join(failing)} fail their checksum")
+    return lines
 
 
 def _safe_id(ids: Callable[[int], str], record: int) -> str:
@@ -385,7 +397,8 @@ def _parser() -> argparse.ArgumentParser:
         "pack a VOCdevkit into a .tser file or a shard folder",
         "Pack every id listed in ImageSets/Main and ImageSets/Segmentation (images, XML, "
         "masks and list files) into OUTPUT. With a shard option OUTPUT is a folder of "
-        "shards plus manifest.json. The output appears atomically when packing succeeds.",
+        "shards, a catalog and manifest.json. The output appears atomically when packing "
+        "succeeds, and replaces only a pack torch_serialized wrote.",
     )
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")
     pack.add_argument("output", help="the .tser file (or shard folder) to write")

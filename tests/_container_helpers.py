@@ -8,6 +8,7 @@ so the Dataset wrapper and the functions run in other processes live here, at mo
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -18,11 +19,14 @@ import subprocess
 import sys
 import textwrap
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _reliability_helpers import PACK_ID, TOKEN, pinned_identity  # noqa: F401 (re-exported)
 from torch.utils.data import Dataset
 
 from torch_serialized import format as fmt
@@ -118,10 +122,30 @@ def check_pack(reader: PackReader, n: int, seed: int = 0) -> None:
 
 
 def container_files(path: Path) -> list[Path]:
+    """The shard files of a pack in record order (the file itself for a single file)."""
     if path.is_dir():
         manifest = json.loads((path / fmt.MANIFEST_NAME).read_text())
         return [path / s["file"] for s in manifest["shards"]]
     return [path]
+
+
+def catalog_file(path: Path) -> Path:
+    """The catalog of a version-2 shard folder."""
+    manifest = json.loads((path / fmt.MANIFEST_NAME).read_text())
+    return path / manifest["catalog"]["file"]
+
+
+def edit_manifest(
+    path: Path, edit: Callable[[dict[str, Any]], Any], *, checksum: bool = True
+) -> None:
+    """Rewrite the manifest of the shard folder ``path`` as ``edit`` returns it (a dict, or
+    text written as is); with ``checksum``, a dict gets a valid checksum, so the edit reaches
+    the checks behind the manifest's own."""
+    manifest_path = path / fmt.MANIFEST_NAME
+    edited = edit(json.loads(manifest_path.read_text()))
+    if isinstance(edited, dict) and checksum and "checksum" in edited:
+        edited["checksum"] = fmt.manifest_checksum(edited)
+    manifest_path.write_text(edited if isinstance(edited, str) else json.dumps(edited, indent=1))
 
 
 def record_spans(path: Path) -> list[tuple[int, Path, int, int]]:
@@ -232,3 +256,48 @@ def parse_container(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.nd
     if index.shape != (num_records, len(meta["fields"])):
         raise ValueError("index shape")
     return meta, index
+
+
+# -- hostile packs with valid checksums -------------------------------------------------------
+@dataclass
+class Contents:
+    """Everything a pack holds, editable: what ``rebuild_pack`` writes back."""
+
+    fields: list[str]
+    records: list[list[bytes]]
+    arrays: dict[str, np.ndarray]
+    user: dict[str, Any]
+
+
+def read_contents(path: Path) -> Contents:
+    reader = PackReader(path)
+    records = [
+        [bytes(reader.field(i, k)) for k in range(len(reader.fields))] for i in range(len(reader))
+    ]
+    arrays = {name: np.array(array) for name, array in reader.arrays().items()}
+    return Contents(list(reader.fields), records, arrays, copy.deepcopy(reader.user))
+
+
+def write_contents(contents: Contents, out: Path, **limits: Any) -> Path:
+    """Write ``contents`` as a new pack at ``out``: every checksum, size and binding valid,
+    whatever the contents say, so they reach the checks behind the checksums."""
+    arrays = dict(contents.arrays)
+    rows = arrays.pop("records", None)
+    columns = None if rows is None else rows.dtype
+    with PackWriter(out, contents.fields, columns=columns, **limits) as writer:
+        for i, record in enumerate(contents.records):
+            writer.add(record, None if rows is None else rows[i])
+        for name, array in arrays.items():
+            writer.add_array(name, array)
+        writer.close(contents.user)
+    return out
+
+
+def rebuild_pack(
+    src: Path, out: Path, edit: Callable[[Contents], Any] | None = None, **limits: Any
+) -> Path:
+    """The pack at ``src`` written again at ``out`` after ``edit`` changed its contents."""
+    contents = read_contents(src)
+    if edit is not None:
+        edit(contents)
+    return write_contents(contents, out, **limits)

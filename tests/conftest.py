@@ -7,8 +7,9 @@ on first use. ``stream_packs``: 60 synthetic images (2007), one file and shards 
 iterable's tests). ``container_packs``: 30 self-describing records (``write_pack``) written by
 ``PackWriter`` directly, one file and shards. ``voc40`` / ``voc8``: synthetic devkits of 40 and 8
 images with different content (a pack and a "previous" pack); ``voc40_packs``; ``tiny_root``:
-six tiny samples for fuzzing. Tests must treat all of them as read-only (copy before damaging).
-``bounded_memory`` caps the address space during one test.
+six tiny samples for fuzzing, ``tiny_packs`` its packs in both forms. Tests must treat all of
+them as read-only (copy before damaging). ``bounded_memory`` caps the address space during one
+test.
 """
 
 from __future__ import annotations
@@ -148,6 +149,16 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sets["Segmentation"] = {"train": [ids[0]], "val": [ids[3]]}
     write_voc(root, "2007", samples, sets)
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_packs(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``tiny_root`` packed as ``"single"`` (one file) and ``"shards"`` (2 samples a shard)."""
+    folder = tmp_path_factory.mktemp("tiny-packs")
+    return {
+        "single": pack_voc(tiny_root, folder / "tiny.tser", year="2007").path,
+        "shards": pack_voc(tiny_root, folder / "tiny", year="2007", max_samples_per_shard=2).path,
+    }
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from _reliability_helpers import (
     PACK_FORMS,
     dead_pid,
     out_name,
+    pinned_identity,
     run_child,
     snapshot,
 )
@@ -44,6 +45,14 @@ from torch_serialized.errors import (
 from torch_serialized.reader import open_pack
 from torch_serialized.voc.pack import pack_voc
 from torch_serialized.writer import PackWriter
+
+
+@pytest.fixture(autouse=True)
+def _same_identity() -> Any:
+    """These tests compare a pack with one written earlier byte for byte: pin the pack id and
+    file-name token, which are random per write otherwise."""
+    with pinned_identity():
+        yield
 
 
 # -- the helpers themselves ---------------------------------------------------------------------

@@ -14,11 +14,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from _container_helpers import Contents, rebuild_pack
 from conftest import SYNTHETIC_YEAR, Packed
 from PIL import Image
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
-from torch_serialized import __version__
+from torch_serialized import __version__, pack_voc
+from torch_serialized import format as fmt
 from torch_serialized.cli import main, parse_size
 from torch_serialized.voc.reader import VOCPackReader
 
@@ -76,7 +78,11 @@ def test_top_level_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "--help")
     assert status == 0 and all(c in out for c in COMMANDS)
     status, out, _ = run(capsys, "--version")
-    assert status == 0 and out.strip() == f"torch-serialized {__version__} (file format 1.0)"
+    assert (
+        status == 0
+        and out.strip()
+        == f"torch-serialized {__version__} (file format {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR})"
+    )
     status, _, err = run(capsys)
     assert status == 2 and "required" in err
 
@@ -123,7 +129,13 @@ def test_pack_info_verify_export_round_trip(
 
     status, out, _ = run(capsys, "info", pack)
     assert status == 0
-    for key in ("format ", "torch_serialized 1.0", "image sets", "Main: train", "image size"):
+    for key in (
+        "format ",
+        f"torch_serialized {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}",
+        "image sets",
+        "Main: train",
+        "image size",
+    ):
         assert key in out
     assert "person" in out
 
@@ -159,7 +171,8 @@ def test_info_json_matches_the_source(
     for path in images:
         with Image.open(path) as image:
             sizes.append(image.size)
-    assert info["format_version"] == "1.0" and info["year"] == SYNTHETIC_YEAR
+    assert info["format_version"] == f"{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}"
+    assert info["year"] == SYNTHETIC_YEAR
     assert info["num_samples"] == len(images)
     assert info["classes"] == dict(names) and info["num_objects"] == sum(names.values())
     assert info["width"] == {"min": min(w for w, _ in sizes), "max": max(w for w, _ in sizes)}
@@ -185,7 +198,7 @@ def test_pack_shard_options(
     status, out, err = run(capsys, "pack", "-q", synthetic_devkit, tmp_path / "s", *option)
     assert status == 0, err
     assert f"({shards} shards)" in out
-    assert len(list((tmp_path / "s").glob("*.tser"))) == shards
+    assert len(list((tmp_path / "s").glob("shard-*.tser"))) == shards
 
 
 def test_pack_shard_size(
@@ -313,7 +326,7 @@ def test_pack_summary_and_progress_agree_with_info(
 def test_info_and_verify_on_one_shard_of_a_folder(
     capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
 ) -> None:
-    shard = sorted(synthetic_packs.shards.glob("*.tser"))[1]
+    shard = sorted(synthetic_packs.shards.glob("shard-*.tser"))[1]
     status, out, err = run(capsys, "info", shard)
     assert status == 0, err
     assert f"shard        2 of 5 of the pack {synthetic_packs.shards}" in out
@@ -365,6 +378,24 @@ def test_verify_shards_names_shard_and_field(
     assert status == 1
     expected = f"record {record} (id {image_id!r}) [{Path(shard.path).name} record {local}]"
     assert f"{expected}: field(s) mask fail" in out
+
+
+def test_verify_names_a_shard_that_is_not_the_manifests_and_goes_on(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    """A shard swapped for another pack's, or missing, is damage (exit 1) named with its
+    manifest; the other shards are still verified."""
+    folder = tmp_path / "shards"
+    shutil.copytree(synthetic_packs.shards, folder)
+    other = pack_voc(synthetic_packs.root, tmp_path / "other", year="2007", max_samples_per_shard=5)
+    names = sorted(p.name for p in folder.glob("shard-*"))
+    shutil.copyfile(sorted(other.path.glob("shard-*"))[1], folder / names[1])
+    (folder / names[3]).unlink()
+    status, out, _ = run(capsys, "verify", folder)
+    assert status == 1
+    assert "2 damaged shard(s)" in out and f"{folder / names[1]} does not match" in out
+    assert f"{folder / names[3]}: shard 3" in out and "missing" in out
+    assert "damaged record" not in out  # the other shards are intact
 
 
 @pytest.mark.parametrize("kind", ["missing", "truncated", "not a pack"])
@@ -448,3 +479,58 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "results.json").is_file()
     assert "results written to" in done.stdout
     assert list(json.loads((out / "results.json").read_text())["scenarios"]) == ["bytes"]
+
+
+# -- issue #11 item 8: what info prints of a pack is escaped; a closed pipe ends quietly -------
+EVIL = "dog\x1b[2J\x1b]0;pwned\x07\u202etac\u2028\x9b"
+
+
+def test_info_escapes_terminal_control_characters(
+    tmp_path: Path, tiny_packs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Metadata is untrusted: a class name (or any string in it) could clear the screen, set
+    the window title or reverse the text around it when info printed it unescaped."""
+
+    def rename(contents: Contents) -> None:
+        user = contents.user
+        user["classes"] = [EVIL if c == "dog" else c for c in user["classes"]]
+        for counts in user["class_counts"].values():
+            if "dog" in counts:
+                counts[EVIL] = counts.pop("dog")
+        user["packed_by"] = "me\x1b[31m"
+
+    path = rebuild_pack(tiny_packs["single"], tmp_path / "evil.tser", rename)
+    status, out, _ = run(capsys, "info", path)
+    assert status == 0
+    assert not any(c in out for c in "\x1b\x07\u202e\u2028\x9b")
+    assert "dog\\x1b[2J\\x1b]0;pwned\\x07\\u202etac\\u2028\\x9b" in out and "me\\x1b[31m" in out
+    status, out, _ = run(capsys, "info", "--json", path)
+    assert status == 0 and not any(c in out for c in "\x1b\x07\u202e\u2028\x9b")
+    info = json.loads(out)
+    assert EVIL in info["classes"] and info["packed_by"] == "me\x1b[31m"
+
+
+def test_errors_are_escaped_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "x\x1b[2J.tser"
+    path.write_bytes(b"junk")
+    status, _, err = run(capsys, "info", path)
+    assert status == 2 and "\x1b" not in err and "x\\x1b[2J.tser" in err
+
+
+@pytest.mark.parametrize("command", [["info"], ["info", "--json"], ["verify"]])
+def test_a_closed_pipe_ends_quietly(synthetic_packs: Packed, command: list[str]) -> None:
+    """``torch-serialized info x.tser | head`` ended with 'error: Broken pipe' on stderr."""
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first line is written
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch_serialized", *command, str(synthetic_packs.shards)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONWARNINGS": "error"},
+        )
+    finally:
+        os.close(write)
+    assert proc.stderr == "" and proc.returncode == 141

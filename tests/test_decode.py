@@ -9,12 +9,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _container_helpers import Contents, rebuild_pack
 from PIL import Image
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
-from vocfactory import palette_mask
+from vocfactory import jpeg_claiming, palette_mask, png_claiming
 
+from torch_serialized import (
+    VOCSerializedDataset,
+    VOCSerializedIterableDataset,
+    VOCSerializedSegmentation,
+    pack_voc,
+)
 from torch_serialized.decode import SampleDecoder, label_names
+from torch_serialized.errors import FormatError, ImageTooLargeError
 from torch_serialized.reader import PackReader
 from torch_serialized.voc import schema
 from torch_serialized.voc.classes import VOC_CLASSES
@@ -87,7 +95,7 @@ def test_tv_tensors_target_from_object_rows(pack: VOCPackReader) -> None:
 
 def test_mask_as_pil_opens_the_png(pack: VOCPackReader) -> None:
     png = palette_mask(7, 5, seed=1)
-    mask = SampleDecoder(pack).mask(png)
+    mask = SampleDecoder(pack).mask(0, png)
     assert mask.mode == "P" and mask.size == (7, 5)
 
 
@@ -144,3 +152,121 @@ def test_readers_are_image_and_target(
     if decode == "none" and not zero_copy:
         empty = image_of(0, b"")
         assert empty.dtype == torch.uint8 and empty.shape == (0,)
+
+
+# -- issue #11 item 4: one pixel limit on every decode path, checked before allocating ----------
+def _image(record: int, data: bytes) -> Any:
+    def edit(contents: Contents) -> None:
+        contents.records[record][schema.IMAGE] = data
+
+    return edit
+
+
+def _mask(record: int, data: bytes) -> Any:
+    def edit(contents: Contents) -> None:
+        contents.records[record][schema.MASK] = data
+
+    return edit
+
+
+def _raw_size(record: int, width: int, height: int) -> Any:
+    def edit(contents: Contents) -> None:
+        contents.arrays["records"]["width"][record] = width
+        contents.arrays["records"]["height"][record] = height
+
+    return edit
+
+
+@pytest.fixture(scope="module")
+def raw_pack(tiny_root: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = tmp_path_factory.mktemp("raw")
+    return pack_voc(tiny_root, folder / "raw.tser", year="2007", image_storage="raw").path
+
+
+def _names_the_record(exc: BaseException, path: Any, pack_path: Any, record: int) -> None:
+    pack = VOCPackReader(pack_path)
+    assert str(path) in str(exc) and f"record {record} (id {pack.id(record)!r})" in str(exc)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("decode", ["pil", "tensor"])
+def test_a_stored_jpeg_bomb_is_refused_before_decoding(
+    tmp_path: Any, tiny_packs: dict[str, Any], bounded_memory: None, decode: str
+) -> None:
+    """A 600-byte JPEG claiming 14000x14000: ``decode="tensor"`` returned a 588 MB tensor,
+    ``decode="pil"`` raised Pillow's DecompressionBombError; both raise ImageTooLargeError
+    naming pack, record and id, under a 512 MiB address-space cap."""
+    bomb = jpeg_claiming(14_000, 14_000)
+    path = rebuild_pack(tiny_packs["single"], tmp_path / "bomb.tser", _image(1, bomb))
+    dataset = VOCSerializedDataset(path, "train", decode=decode)
+    dataset[0]
+    with pytest.raises(ImageTooLargeError, match="decompression bomb") as info:
+        dataset[1]
+    assert isinstance(info.value, FormatError)
+    _names_the_record(info.value, path, path, 1)
+    stream = VOCSerializedIterableDataset(path, "train", decode=decode)
+    with pytest.raises(ImageTooLargeError):
+        list(stream)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("decode", ["pil", "tensor", "none"])
+def test_raw_columns_claiming_a_huge_image_are_refused(
+    tmp_path: Any, raw_pack: Any, bounded_memory: None, decode: str
+) -> None:
+    """A raw-pixel pack whose columns claim 60000x60000 made ``Image.frombytes`` allocate it;
+    columns that disagree with the stored bytes raised a bare ValueError."""
+    huge = rebuild_pack(raw_pack, tmp_path / "huge.tser", _raw_size(1, 60_000, 60_000))
+    with pytest.raises(ImageTooLargeError) as info:
+        VOCSerializedDataset(huge, "train", decode=decode)[1]
+    _names_the_record(info.value, huge, huge, 1)
+    off = rebuild_pack(raw_pack, tmp_path / "off.tser", _raw_size(1, 20, 10))
+    with pytest.raises(FormatError, match="raw pixels") as info:
+        VOCSerializedDataset(off, "train", decode=decode)[1]
+    _names_the_record(info.value, off, off, 1)
+    assert VOCSerializedDataset(off, "train", decode=decode)[0] is not None
+
+
+@pytest.mark.timeout(60)
+def test_a_stored_mask_bomb_or_junk_mask_raises_our_error(
+    tmp_path: Any, tiny_packs: dict[str, Any], bounded_memory: None
+) -> None:
+    """Masks were never checked: a 50000x50000 or an empty mask failed later with an error
+    naming neither pack nor sample."""
+    for name, data, error in (
+        ("bomb", png_claiming(50_000, 50_000), ImageTooLargeError),
+        ("empty", b"", FormatError),
+        ("jpeg", b"\xff\xd8 not really", FormatError),
+    ):
+        path = rebuild_pack(tiny_packs["single"], tmp_path / f"{name}.tser", _mask(0, data))
+        dataset = VOCSerializedSegmentation(path, "train")
+        assert int(dataset.records[0]) == 0
+        with pytest.raises(error) as info:
+            dataset[0]
+        _names_the_record(info.value, path, path, 0)
+
+
+@pytest.mark.parametrize("decode", ["pil", "tensor"])
+def test_the_limit_is_pillows_read_at_call_time(
+    tiny_packs: dict[str, Any], raw_pack: Any, monkeypatch: pytest.MonkeyPatch, decode: str
+) -> None:
+    """Users set ``PIL.Image.MAX_IMAGE_PIXELS`` as they do for Pillow: every path (images,
+    raw pixels, masks) follows the value of the moment, with Pillow's warning above it and the
+    error above twice it; ``None`` turns it off."""
+    detection = VOCSerializedDataset(tiny_packs["single"], "train", decode=decode)
+    raw = VOCSerializedDataset(raw_pack, "train", decode=decode)
+    masks = VOCSerializedSegmentation(tiny_packs["single"], "train", decode=decode)
+    readers = {"image": lambda: detection[0], "raw": lambda: raw[0], "mask": lambda: masks[0]}
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)  # the images have 120 to 170 pixels
+    for read in readers.values():
+        with pytest.raises(ImageTooLargeError, match="exceeds limit of 100 pixels"):
+            read()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    for name, read in readers.items():
+        with pytest.warns(Image.DecompressionBombWarning):
+            image, target = read()
+            if name == "mask":
+                target.load()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    for read in readers.values():
+        read()

@@ -14,7 +14,9 @@ BUILTIN = {
     "TruncatedFileError": ValueError,
     "UnsupportedVersionError": ValueError,
     "ChecksumError": ValueError,
+    "ImageTooLargeError": ValueError,
     "SourceDataError": ValueError,
+    "SourceNotFoundError": FileNotFoundError,
     "FileChangedError": OSError,
     "WriteError": OSError,
     "RemoteError": OSError,
@@ -36,6 +38,10 @@ def test_the_tree() -> None:
     assert issubclass(errors.CorruptFileError, errors.FormatError)
     assert issubclass(errors.UnsupportedVersionError, errors.FormatError)
     assert issubclass(errors.RemoteNotFoundError, errors.RemoteError)
+    assert issubclass(errors.ImageTooLargeError, errors.FormatError)
+    # missing source data is still a SourceDataError (what callers catch) and a ValueError
+    assert issubclass(errors.SourceNotFoundError, errors.SourceDataError)
+    assert issubclass(errors.SourceNotFoundError, ValueError)
     assert issubclass(errors.RemoteAccessError, errors.RemoteError)
     assert sorted(errors.__all__) == sorted(["TorchSerializedError", "CacheLimitWarning", *BUILTIN])
 

@@ -7,6 +7,7 @@ The tables of FORMAT.md are parsed here and compared with the constants, structs
 from __future__ import annotations
 
 import ast
+import hashlib
 import itertools
 import json
 import re
@@ -206,7 +207,7 @@ def _written(tmp_path: Path, **kwargs) -> PackReader:
 
 
 def test_metadata_keys_match_document(tmp_path):
-    meta = _written(tmp_path).shards[0].meta
+    meta = ContainerReader(_written(tmp_path).path).meta
     assert list(meta) == [row["Key"] for row in table("Metadata")]
     desc_keys = [row["Key"] for row in table("Array descriptors", 0)]
     extra_keys = [row["Key"] for row in table("Array descriptors", 1)]
@@ -215,18 +216,51 @@ def test_metadata_keys_match_document(tmp_path):
         assert list(desc) == desc_keys + extra_keys
 
 
+def test_binding_keys_match_document(tmp_path):
+    documented = [row["Key"] for row in table("Pack binding")]
+    reader = _written(tmp_path, max_records_per_shard=1)
+    (tmp_path / "s").mkdir()
+    bindings = [
+        reader.shard(0).meta["pack"],
+        ContainerReader(_written(tmp_path / "s").path).meta["pack"],
+    ]
+    bindings.append(ContainerReader(Path(reader.path) / reader.manifest.catalog.file).meta["pack"])
+    assert [b["role"] for b in bindings] == [fmt.ROLE_SHARD, fmt.ROLE_SINGLE, fmt.ROLE_CATALOG]
+    for found in bindings:
+        assert set(found) <= set(documented)
+        assert [k for k in documented if k in found] == list(found)  # the documented order
+        assert fmt.parse_binding(found, "x") == found
+
+
 def test_manifest_keys_match_document(tmp_path):
-    manifest = _written(tmp_path, max_records_per_shard=1).manifest
-    assert manifest is not None
-    assert list(manifest) == [row["Key"] for row in table("Shard folders", 0)]
+    reader = _written(tmp_path, max_records_per_shard=1)
+    manifest = json.loads((Path(reader.path) / fmt.MANIFEST_NAME).read_text())
+    assert list(manifest) == [row["Key"] for row in table("The manifest")]
     for entry in manifest["shards"]:
-        assert sorted(entry) == sorted(row["Key"] for row in table("Shard folders", 1))
-    assert re.fullmatch(r"shard-\d{5}" + re.escape(fmt.FILE_SUFFIX), entry["file"])
+        assert list(entry) == [row["Key"] for row in table("Shard and catalog entries", 0)]
+        assert re.fullmatch(r"shard-\d{5}-[0-9a-f]{8}" + re.escape(fmt.FILE_SUFFIX), entry["file"])
+    assert list(manifest["catalog"]) == [
+        row["Key"] for row in table("Shard and catalog entries", 1)
+    ]
+    assert re.fullmatch(
+        r"catalog-[0-9a-f]{8}" + re.escape(fmt.FILE_SUFFIX), manifest["catalog"]["file"]
+    )
+
+
+def test_manifest_checksum_is_the_documented_computation(tmp_path):
+    """docs/FORMAT.md's Python spelling of the canonical checksum, run on a written manifest."""
+    reader = _written(tmp_path, max_records_per_shard=1)
+    manifest = json.loads((Path(reader.path) / fmt.MANIFEST_NAME).read_text())
+    code = re.search(r"```python\n(.*?)```", section("The manifest checksum"), re.S).group(1)
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    documented = eval(code, {"hashlib": hashlib, "json": json, "body": body})
+    assert manifest["checksum"] == "sha256:" + documented == fmt.manifest_checksum(manifest)
 
 
 def test_worked_example_matches_writer(tmp_path):
     path = tmp_path / "ex.tser"
-    with PackWriter(path, ["image", "target"]) as w:
+    pack_id = re.search(r"pack id `([0-9a-f]{32})`", section("Worked example")).group(1)
+    with PackWriter(path, ["image", "target"], pack_id=pack_id) as w:
         w.add([b"\xff\xd8jpeg", b'{"a":1}'])
         w.add([b"", b"{}"])
         w.close({"note": "demo"})
@@ -243,8 +277,9 @@ def test_worked_example_matches_writer(tmp_path):
     got = fmt.unpack_footer(footer, "doc")
     assert got["meta_offset"] == 384 and got["num_records"] == 2
     assert got["meta_length"] == len(blob) and got["meta_crc32"] == fmt.crc32(blob)
-    assert got["file_size"] == 384 + len(blob) + 64
+    assert got["file_size"] == 384 + len(blob) + 64 == len(data)
     assert data[: got["meta_offset"]] == data[:384]
+    assert f"is {len(data)} bytes long" in text
 
 
 # -- header and footer codecs ---------------------------------------------------------------
@@ -338,6 +373,9 @@ _JSON = st.recursive(
 )
 
 
+_PACK_ID = "0123456789abcdef" * 2
+
+
 def _metadata(num: int, fields: list[str], user: dict, arrays: dict | None = None) -> bytes:
     index = fmt.array_descriptor(np.zeros((num, len(fields)), fmt.INDEX_DTYPE), 64)
     return fmt.build_metadata(
@@ -348,6 +386,7 @@ def _metadata(num: int, fields: list[str], user: dict, arrays: dict | None = Non
         index=index,
         arrays=arrays or {},
         user=user,
+        pack=fmt.binding(fmt.ROLE_SHARD, _PACK_ID, index=2, first_record=10, num_records=num),
     )
 
 
@@ -366,6 +405,7 @@ def test_metadata_round_trip(num, fields, user):
     assert meta["format_version"] == [fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR]
     assert (meta["num_records"], meta["fields"], meta["user"]) == (num, fields, user)
     assert meta["arrays"] == arrays
+    assert meta["pack"]["role"] == fmt.ROLE_SHARD and meta["pack"]["num_records"] == num
     assert data == json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -379,6 +419,11 @@ def test_metadata_round_trip(num, fields, user):
         (lambda m: m.replace(b'"num_records":2', b'"num_records":3'), "does not describe"),
         (lambda m: m.replace(b'"user":{}', b'"user":[]'), "arrays or user"),
         (lambda m: m.replace(b'"shape":[2,1]', b'"shape":[1,2]'), "record index"),
+        (lambda m: m.replace(b'"fields":["a"]', b'"fields":["a","a"]'), "does not describe"),
+        (lambda m: m.replace(b'"user":{}', b'"user":{},"user":{}'), "duplicate key"),
+        (lambda m: m.replace(b'"user":{}', b'"user":{"x":NaN}'), "NaN"),
+        (lambda m: m.replace(b'"role":"shard"', b'"role":"chard"'), "binding"),
+        (lambda m: m.replace(b'"index":2', b'"index":-2'), "binding"),
     ],
 )
 def test_parse_metadata_refuses(edit, message):
@@ -387,27 +432,63 @@ def test_parse_metadata_refuses(edit, message):
         fmt.parse_metadata(data, num_records=2, data_end=1024, path="m")
 
 
-def _shards(count: int) -> list[dict]:
-    return [fmt.manifest_shard(f"shard-{i:05d}.tser", i + 1, 100 * i, i) for i in range(count)]
+def _shards(count: int, size: int = 1) -> list[fmt.ShardEntry]:
+    return [
+        fmt.ShardEntry(f"shard-{i:05d}-0badcafe.tser", i * size, size, 200 + i, i)
+        for i in range(count)
+    ]
+
+
+_CATALOG = fmt.CatalogEntry("catalog-0badcafe.tser", 300, 7)
+
+
+def _manifest(shards: list[fmt.ShardEntry], fields: list[str] | None = None) -> bytes:
+    return fmt.build_manifest(
+        created_by="test",
+        pack_id=_PACK_ID,
+        num_records=sum(s.num_records for s in shards),
+        fields=fields or ["a"],
+        catalog=_CATALOG,
+        shards=shards,
+    )
 
 
 @settings(max_examples=50, deadline=None)
 @given(
     count=st.integers(1, 5),
+    size=st.integers(0, 2**40),
     fields=st.lists(_NAMES, min_size=1, max_size=4, unique=True),
-    user=st.dictionaries(st.text(max_size=6), _JSON, max_size=4),
 )
-def test_manifest_round_trip(count, fields, user):
-    shards = _shards(count)
-    data = fmt.build_manifest(
-        created_by="test", num_records=99, fields=fields, shards=shards, user=user
-    )
+def test_manifest_round_trip(count, size, fields):
+    shards = _shards(count, size)
+    data = _manifest(shards, fields)
     manifest = fmt.parse_manifest(data, "manifest.json")
-    assert list(manifest) == [row["Key"] for row in table("Shard folders", 0)]
-    assert manifest["format"] == fmt.MANIFEST_FORMAT
-    assert manifest["version"] == fmt.MANIFEST_VERSION
-    assert (manifest["fields"], manifest["shards"], manifest["user"]) == (fields, shards, user)
+    assert manifest == fmt.Manifest(
+        version=fmt.MANIFEST_VERSION,
+        created_by="test",
+        num_records=count * size,
+        fields=tuple(fields),
+        shards=tuple(shards),
+        pack_id=_PACK_ID,
+        catalog=_CATALOG,
+        checksum=json.loads(data)["checksum"],
+    )
+    assert list(json.loads(data)) == [row["Key"] for row in table("The manifest")]
     assert data.endswith(b"\n")
+    assert manifest.files() == [_CATALOG.file, *(s.file for s in shards)]
+
+
+def _manifest_text(**edits) -> bytes:
+    """A valid manifest's JSON with keys replaced (``None`` removes one), checksum recomputed."""
+    manifest = json.loads(_manifest(_shards(2)))
+    for key, value in edits.items():
+        if value is None:
+            manifest.pop(key)
+        else:
+            manifest[key] = value
+    if "checksum" not in edits:
+        manifest["checksum"] = fmt.manifest_checksum(manifest)
+    return json.dumps(manifest).encode()
 
 
 @pytest.mark.parametrize(
@@ -417,11 +498,21 @@ def test_manifest_round_trip(count, fields, user):
         (b"[" * 100_000, CorruptFileError, "not valid JSON"),
         (b'{"format": "x"}', CorruptFileError, "not a torch_serialized shard manifest"),
         (
-            b'{"format": "torch_serialized.shards", "version": 2}',
+            b'{"format": "torch_serialized.shards", "version": 3}',
             UnsupportedVersionError,
             "newer",
         ),
-        (b'{"format": "torch_serialized.shards", "version": 1}', CorruptFileError, "no shards"),
+        (b'{"format": "torch_serialized.shards", "version": 0}', CorruptFileError, "version"),
+        (b'{"format": "torch_serialized.shards", "version": true}', CorruptFileError, "version"),
+        (b'{"format": "torch_serialized.shards", "version": 1}', CorruptFileError, "fields"),
+        (_manifest(_shards(2)).replace(b'"test"', b'"tesT"'), CorruptFileError, "checksum"),
+        (_manifest_text(shards=[]), CorruptFileError, "no shards"),
+        (_manifest_text(num_records=5), CorruptFileError, "num_records"),
+        (_manifest_text(pack_id="ABC"), CorruptFileError, "pack_id"),
+        (_manifest_text(fields=["a", "a"]), CorruptFileError, "fields"),
+        (_manifest_text(catalog=None), CorruptFileError, "catalog"),
+        (_manifest_text(catalog={**_CATALOG.to_json(), "bytes": 5}), CorruptFileError, "catalog"),
+        (_manifest_text(checksum=None), CorruptFileError, "checksum"),
     ],
 )
 def test_parse_manifest_refuses(data, error, message):
@@ -429,12 +520,135 @@ def test_parse_manifest_refuses(data, error, message):
         fmt.parse_manifest(data, "manifest.json")
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "/abs"])
-def test_parse_manifest_refuses_shard_paths(name):
-    shards = [fmt.manifest_shard(name, 1, 1, 1)]
-    data = fmt.build_manifest(created_by="t", num_records=1, fields=["a"], shards=shards, user={})
-    with pytest.raises(CorruptFileError, match="invalid shard entry"):
-        fmt.parse_manifest(data, "manifest.json")
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        ".",
+        "..",
+        "../x",
+        "a/b",
+        "/abs",
+        "a\\b",
+        "a\x00b",
+        "line\nbreak",
+        ".hidden",
+        "manifest.json",
+        "x" * 256,
+        7,
+        None,
+    ],
+)
+def test_parse_manifest_refuses_shard_names(name):
+    shards = [
+        {**s.to_json(), "file": name} if i == 1 else s.to_json() for i, s in enumerate(_shards(2))
+    ]
+    with pytest.raises(CorruptFileError, match="entry 1 is invalid") as info:
+        fmt.parse_manifest(_manifest_text(shards=shards), "manifest.json")
+    assert "manifest.json" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda e: {**e, "first_record": e["first_record"] + 1},
+        lambda e: {**e, "num_records": -1},
+        lambda e: {**e, "num_records": True},
+        lambda e: {**e, "num_records": 1.0},
+        lambda e: {**e, "bytes": 127},
+        lambda e: {**e, "meta_crc32": 2**32},
+        lambda e: {k: v for k, v in e.items() if k != "first_record"},
+        lambda e: [e],
+    ],
+)
+def test_parse_manifest_refuses_shard_numbers(edit):
+    shards = [s.to_json() for s in _shards(3)]
+    shards[1] = edit(shards[1])
+    with pytest.raises(CorruptFileError, match="entry 1 is invalid"):
+        fmt.parse_manifest(_manifest_text(shards=shards), "manifest.json")
+
+
+def test_parse_manifest_refuses_a_file_named_twice():
+    shards = [s.to_json() for s in _shards(2)]
+    shards[1]["file"] = shards[0]["file"]
+    with pytest.raises(CorruptFileError, match="twice"):
+        fmt.parse_manifest(_manifest_text(shards=shards), "manifest.json")
+    catalog = {**_CATALOG.to_json(), "file": shards[0]["file"]}
+    with pytest.raises(CorruptFileError, match="twice"):
+        fmt.parse_manifest(_manifest_text(catalog=catalog), "manifest.json")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"a": 1, "a": 2}', "duplicate key"),
+        ('{"a": NaN}', "NaN"),
+        ('{"a": -Infinity}', "Infinity"),
+        ('{"a": 1e400}', "out of range"),
+        ('{"a": ' + "[" * 65 + "]" * 65 + "}", "more than 64 deep"),
+        ('{"a": ' + '{"b": ' * 70 + "1" + "}" * 70 + "}", "more than 64 deep"),
+        ("[" * 100_000 + "]" * 100_000, "recursion|deep"),
+        ('\ufeff{"a": 1}', "not valid JSON"),
+    ],
+)
+def test_strict_json_refusals_name_the_file(text, message):
+    """Issue #11 item 8: duplicate keys, NaN/Infinity and absurd nesting are refused with our
+    error naming the file, never a RecursionError or a silent choice."""
+    with pytest.raises(CorruptFileError, match=message) as info:
+        fmt.loads_json(text.encode(), "/some/manifest.json", "manifest")
+    assert "/some/manifest.json" in str(info.value)
+    for where in ("manifest", "metadata"):
+        with pytest.raises(CorruptFileError):
+            if where == "manifest":
+                fmt.parse_manifest(text.encode(), "m.json")
+            else:
+                fmt.parse_metadata(text.encode(), num_records=0, data_end=64, path="m")
+
+
+def test_strict_json_accepts_depth_64_and_unicode():
+    text = '{"a": ' + "[" * 63 + "]" * 63 + ', "é": "\\u00e9", "n": -0.5}'
+    assert fmt.loads_json(text.encode(), "x", "x")["n"] == -0.5
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        [],
+        {"pack_id": "0" * 32},
+        {"pack_id": "0" * 31, "role": "single"},
+        {"pack_id": "G" * 32, "role": "single"},
+        {"pack_id": "0" * 32, "role": "other"},
+        {"pack_id": "0" * 32, "role": "shard", "index": 0, "first_record": 0},
+        {"pack_id": "0" * 32, "role": "shard", "index": -1, "first_record": 0, "num_records": 1},
+        {"pack_id": "0" * 32, "role": "catalog", "num_records": 1, "num_shards": False},
+    ],
+)
+def test_parse_binding_refuses(value):
+    with pytest.raises(CorruptFileError, match="binding"):
+        fmt.parse_binding(value, "f.tser")
+
+
+def test_binding_round_trip():
+    for role, extra in (
+        (fmt.ROLE_SINGLE, {}),
+        (fmt.ROLE_SHARD, {"index": 3, "first_record": 70, "num_records": 5}),
+        (fmt.ROLE_CATALOG, {"num_records": 75, "num_shards": 4}),
+    ):
+        value = fmt.binding(role, _PACK_ID, **extra)
+        assert (
+            fmt.parse_binding(value, "x") == value == {"pack_id": _PACK_ID, "role": role, **extra}
+        )
+        assert fmt.parse_binding({**value, "future": 1}, "x") == value  # unknown keys ignored
+
+
+def test_names_carry_the_token():
+    assert fmt.shard_file_name(3, "0badcafe") == "shard-00003-0badcafe.tser"
+    assert fmt.catalog_file_name("0badcafe") == "catalog-0badcafe.tser"
+    assert (
+        re.fullmatch(r"[0-9a-f]{32}", fmt.new_pack_id()) and fmt.new_pack_id() != fmt.new_pack_id()
+    )
+    assert re.fullmatch(r"[0-9a-f]{8}", fmt.new_token())
 
 
 # -- dtype codec ----------------------------------------------------------------------------

@@ -399,3 +399,24 @@ def test_plain_pickle_keeps_the_epoch_number(stream_packs) -> None:
     assert copy.epoch == 7
     copy.set_epoch(8)  # an independent copy: no shared memory outside DataLoader workers
     assert ds.epoch == 7
+
+
+def test_copied_reads_yield_what_views_yield(stream_packs, monkeypatch) -> None:
+    """A pack of many tiny shards is streamed from private copies (``views_fit``: views would
+    keep a map, and a descriptor, per shard in flight): the samples are the same."""
+    import torch_serialized.iterable as iterable_module
+    from torch_serialized.pipeline import views_fit
+    from torch_serialized.reader import open_pack
+
+    reader = open_pack(stream_packs["shards"], max_open_shards=1)
+    assert reader.num_shards > 1
+    assert not views_fit(reader, reader.num_records)
+    assert views_fit(open_pack(stream_packs["shards"], max_open_shards=reader.num_shards), 10**9)
+
+    def samples() -> list[Any]:
+        ds = VOCSerializedIterableDataset(stream_packs["shards"], "trainval", shuffle=True, seed=3)
+        return [(bytes(pil_to_tensor(img).numpy()), target) for img, target in ds]
+
+    views = samples()
+    monkeypatch.setattr(iterable_module, "views_fit", lambda reader, in_flight: False)
+    assert samples() == views

@@ -17,8 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 from _container_helpers import (
+    PACK_ID,
+    TOKEN,
     no_pack_output,
     pack_file_bytes,
+    pinned_identity,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -54,7 +57,15 @@ def test_reserved_records_copied_in_equal_added_ones(form, data, limit, reserved
     with tempfile.TemporaryDirectory() as tmp:
 
         def write(out: Path, **extra: Any) -> PackWriter:
-            w = PackWriter(out, data["fields"], columns=data["columns"], **limit, **extra)
+            w = PackWriter(
+                out,
+                data["fields"],
+                columns=data["columns"],
+                pack_id=PACK_ID,
+                token=TOKEN,
+                **limit,
+                **extra,
+            )
             return w
 
         plain = write(Path(tmp) / "plain")
@@ -133,19 +144,22 @@ def test_parallel_pack_is_byte_identical(
     synthetic_devkit: Path, tmp_path: Path, options: dict[str, Any]
 ) -> None:
     """Workers lay records out in scratch files and copy them into holes the writer leaves:
-    every byte, padding and shard boundaries included, must equal a one-process pack."""
+    every byte, padding and shard boundaries included, must equal a one-process pack (given
+    the same pack id and file-name token, which are otherwise random)."""
     if options.get("on_error") == "skip":  # a bad sample in the middle of a worker chunk
         source = tmp_path / "src"
         shutil.copytree(synthetic_devkit, source)
         jpegs = sorted((source / "VOCdevkit/VOC2007/JPEGImages").iterdir())
         jpegs[len(jpegs) // 2].write_bytes(TRUNCATED_JPEG)
         synthetic_devkit = source
-    one = ts.pack_voc(synthetic_devkit, tmp_path / "one", year="2007", **options)
+    with pinned_identity():
+        one = ts.pack_voc(synthetic_devkit, tmp_path / "one", year="2007", **options)
     assert bool(one.skipped) == ("on_error" in options)
     for workers in (2, 3):
-        many = ts.pack_voc(
-            synthetic_devkit, tmp_path / f"w{workers}", year="2007", workers=workers, **options
-        )
+        with pinned_identity():
+            many = ts.pack_voc(
+                synthetic_devkit, tmp_path / f"w{workers}", year="2007", workers=workers, **options
+            )
         assert pack_file_bytes(many.path) == pack_file_bytes(one.path)
         assert many.skipped == one.skipped
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

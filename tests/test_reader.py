@@ -6,25 +6,34 @@ manifests); random damage is in test_reader_fuzz.py.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import struct
+import subprocess
+import sys
+import tempfile
+import tracemalloc
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from _container_helpers import (
     FORMS,
     SHARDED,
     FieldBytes,
     assert_bad_content,
+    catalog_file,
     check_pack,
+    container_files,
     copy_pack,
+    edit_manifest,
     flip,
     ignore_fork_warning,
     parse_container,
@@ -62,7 +71,8 @@ from torch_serialized.writer import PackWriter
 def test_manifest_path_and_reader_shapes(container_packs):
     reader = open_pack(container_packs["shards"] / fmt.MANIFEST_NAME)
     assert reader.path == str(container_packs["shards"])
-    assert [s.num_records for s in reader.shards] == [7, 7, 7, 7, 2]
+    assert [e.num_records for e in reader.entries] == [7, 7, 7, 7, 2]
+    assert [e.first_record for e in reader.entries] == [0, 7, 14, 21, 28]
     assert reader.starts.tolist() == [0, 7, 14, 21, 28, 30]
     check_pack(reader, 30)
     assert reader.arrays()["records"]["id"].tolist() == list(range(30))
@@ -140,7 +150,7 @@ def test_newer_minor_version_is_read(tmp_path, container_packs):
     path = copy_pack(container_packs["single"], tmp_path)
     patch_version(path, fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR + 3)
     reader = open_pack(path)
-    assert reader.shards[0].version == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR + 3)
+    assert reader.version == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR + 3)
     check_pack(reader, 30)
 
 
@@ -186,20 +196,29 @@ def test_folder_without_manifest(tmp_path):
     assert_bad_content(info.value, tmp_path / "d")
 
 
-def test_missing_shard(tmp_path, container_packs):
+def test_missing_shard_is_named_when_first_read(tmp_path, container_packs):
     path = copy_pack(container_packs["shards"], tmp_path)
-    (path / "shard-00002.tser").unlink()
-    with pytest.raises(FileNotFoundError, match="shard-00002"):
-        open_pack(path)
+    missing = container_files(path)[2]
+    missing.unlink()
+    reader = open_pack(path)  # shards open on first use
+    bytes(reader.field(0, 0))
+    with pytest.raises(FileNotFoundError, match="incomplete") as info:
+        reader.field(15, 0)
+    assert str(missing) in str(info.value) and fmt.MANIFEST_NAME in str(info.value)
 
 
-def test_manifest_pointing_to_replaced_shard(tmp_path, container_packs):
+def test_shard_from_another_pack_is_refused(tmp_path, container_packs):
     path = copy_pack(container_packs["shards"], tmp_path)
     other = write_pack(tmp_path / "other", 30, seed=100, **SHARDED)
-    shutil.copyfile(other / "shard-00001.tser", path / "shard-00001.tser")
-    with pytest.raises(CorruptFileError, match="replaced") as info:
-        open_pack(path)
-    assert_bad_content(info.value, path / "shard-00001.tser")
+    target = container_files(path)[1]
+    shutil.copyfile(container_files(other)[1], target)
+    reader = open_pack(path)
+    for i in range(7):  # shard 0 is intact
+        assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
+    with pytest.raises(CorruptFileError, match="does not match") as info:
+        reader.field(7, 0)
+    assert_bad_content(info.value, target)
+    assert str(path / fmt.MANIFEST_NAME) in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -216,25 +235,23 @@ def test_manifest_pointing_to_replaced_shard(tmp_path, container_packs):
         (
             lambda m: {**m, "shards": [{**m["shards"][0], "file": "../s.tser"}]},
             CorruptFileError,
-            "invalid shard",
+            "invalid",
         ),
         (
             lambda m: {**m, "shards": [{**m["shards"][0], "file": "/etc/passwd"}]},
             CorruptFileError,
-            "invalid shard",
+            "invalid",
         ),
-        (
-            lambda m: {**m, "shards": [{**m["shards"][0], "num_records": 8}]},
+        (  # the next shard no longer starts where this one ends
+            lambda m: {**m, "shards": [{**m["shards"][0], "num_records": 8}, *m["shards"][1:]]},
             CorruptFileError,
-            "replaced",
+            "invalid",
         ),
     ],
 )
 def test_damaged_manifest(tmp_path, container_packs, edit, error, message):
     path = copy_pack(container_packs["shards"], tmp_path)
-    manifest = path / fmt.MANIFEST_NAME
-    edited = edit(json.loads(manifest.read_text()))
-    manifest.write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    edit_manifest(path, edit)
     with pytest.raises(error, match=message) as info:
         open_pack(path)
     assert isinstance(info.value, ValueError)
@@ -309,10 +326,16 @@ def test_pickled_reader_reopens_in_another_process(container_packs):
 def test_file_replaced_after_open_raises_file_changed(tmp_path, form):
     out = write_pack(tmp_path / "out", 30, **FORMS[form])
     reader = open_pack(out)
+    unread = open_pack(out)  # opens the catalog only: its shards are opened on first use
+    check_pack(reader, 30)  # every shard opened (fewer than max_open_shards)
     blob = pickle.dumps(reader)
     write_pack(out, 30, seed=7, **FORMS[form])  # replaced atomically by a new pack
 
-    check_pack(reader, 30)  # this process keeps reading the file it validated
+    check_pack(reader, 30)  # this process keeps reading the files it validated
+    if form == "shards":  # a shard not opened before is not read from the new pack
+        with pytest.raises(FileChangedError, match="replaced") as info:
+            unread.field(0, 0)
+        assert str(out) in str(info.value)
     with pytest.raises(FileChangedError) as info:
         pickle.loads(blob).field(0, 0)
     assert isinstance(info.value, OSError) and str(out) in str(info.value)
@@ -338,8 +361,19 @@ def smaps() -> dict[str, int]:
     return values
 
 
+@pytest.mark.parametrize("leak", [False, True], ids=["reads", "a-leak-is-caught"])
 @pytest.mark.parametrize("form", FORMS)
-def test_reading_every_record_does_not_grow_private_memory(tmp_path, form):
+def test_reading_every_record_does_not_grow_private_memory(tmp_path, form, leak):
+    """Reads copy nothing that stays: a second pass over 20,000 records leaves neither objects
+    (traced by ``tracemalloc``) nor private pages (``smaps``) worth a quarter of the bytes it
+    read, which is what one leaked copy per read would hold (the ``a-leak-is-caught`` case
+    keeps every copy and must exceed it, so the margin is no blanket).
+
+    Issue #11 item 9: measured from the first pass, this failed once on a busy machine:
+    the first pass also pays for the allocator's arenas, numpy's caches and (shards) the
+    maps of each shard. A warm-up pass absorbs those; the margin comes from the bytes read,
+    not a fixed guess.
+    """
     if not Path("/proc/self/smaps_rollup").exists():
         pytest.skip("needs /proc/self/smaps_rollup (Linux >= 4.14)")
     n = 20_000
@@ -349,24 +383,46 @@ def test_reading_every_record_does_not_grow_private_memory(tmp_path, form):
         for i in range(n):
             w.add([payload(i, 0, 50 + i % 300), payload(i, 1, i % 40)])
         w.close()
-    size = (
-        sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-        if out.is_dir()
-        else out.stat().st_size
-    )
     reader = open_pack(out)
-    bytes(reader.field(0, 0))
-    before = smaps()
-    total = 0
-    for i in range(n):
-        total += len(bytes(reader.field(i, 0))) + len(bytes(reader.field(i, 1)))
-    after = smaps()
+    kept: list[bytes] = []
+
+    def read_all() -> int:
+        total = 0
+        for i in range(n):
+            a, b = bytes(reader.field(i, 0)), bytes(reader.field(i, 1))
+            total += len(a) + len(b)
+            if leak:
+                kept.extend((a, b))
+        return total
+
+    total = read_all()  # warm-up: maps, arenas and caches settle
     assert total == sum(50 + i % 300 + i % 40 for i in range(n))
-    mib = 1 << 20
-    assert after["Anonymous"] - before["Anonymous"] < 4 * mib
-    assert after["Private_Dirty"] - before["Private_Dirty"] < 4 * mib
-    uss = after["Private_Clean"] + after["Private_Dirty"]
-    assert uss - (before["Private_Clean"] + before["Private_Dirty"]) < size + 4 * mib
+    gc.collect()
+    before = smaps()
+    tracemalloc.start()
+    try:
+        assert read_all() == total
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]  # Python and numpy objects still alive
+    finally:
+        tracemalloc.stop()
+    after = smaps()
+    margin = total // 4  # 1.1 MB here; a copy kept per read holds 4.4 MB and more
+    if leak:
+        assert held > margin, (held, margin)
+        return
+    # The heap's own figure, exact whatever the allocator recycles; the process's pages as an
+    # upper bound (arenas reused from earlier tests can hide growth there, never invent it).
+    grown = {
+        "traced": held,
+        "Anonymous": after["Anonymous"] - before["Anonymous"],
+        "Private_Dirty": after["Private_Dirty"] - before["Private_Dirty"],
+        "USS": after["Private_Clean"]
+        + after["Private_Dirty"]
+        - before["Private_Clean"]
+        - before["Private_Dirty"],
+    }
+    assert all(value < margin for value in grown.values()), (grown, margin)
 
 
 @pytest.mark.parametrize("content", [b"", b"tiny", b"x" * 200])
@@ -524,7 +580,7 @@ def test_reader_keeps_old_data_while_another_process_repacks(tmp_path, voc40, vo
 @pytest.mark.parametrize("form", list(FORMS))
 def test_record_and_views_return_what_field_returns(container_packs, form):
     reader = open_pack(container_packs[form])
-    for shard in reader.shards:
+    for shard in (reader.shard(s) for s in range(reader.num_shards)):
         n = len(shard)
         fields = [1, 0]
         expected = [[bytes(shard.field(i, k)) for k in fields] for i in range(n)]
@@ -543,7 +599,7 @@ def test_checked_record_and_views_report_damage(tmp_path, container_packs):
     path = copy_pack(container_packs["single"], tmp_path)
     record, file, offset, length = record_spans(path)[4]
     flip(file, offset)
-    shard = open_pack(path, checked=True).shards[0]
+    shard = open_pack(path, checked=True).shard(0)
     with pytest.raises(ChecksumError, match=f"record {record} "):
         shard.record(record, [0, 1])
     with pytest.raises(ChecksumError, match=f"record {record} "):
@@ -555,7 +611,7 @@ def test_checked_record_and_views_report_damage(tmp_path, container_packs):
 def test_advise_hints_each_window_once_in_small_pieces(container_packs, monkeypatch):
     from torch_serialized import reader as reader_module
 
-    shard = open_pack(container_packs["single"]).shards[0]
+    shard = open_pack(container_packs["single"]).shard(0)
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(
         reader_module.os, "posix_fadvise", lambda fd, o, n, a: calls.append((o, n, a))
@@ -569,3 +625,244 @@ def test_advise_hints_each_window_once_in_small_pieces(container_packs, monkeypa
     shard.advise([2, 3])  # same window: hinted already in this process
     shard.advise(1)
     assert calls == []
+
+
+# -- issue #11 item 3: only regular files are read, without blocking -------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("which", ["shard", "catalog", "manifest", "single", "single->/dev/zero"])
+def test_a_fifo_or_device_in_place_of_a_pack_file_is_refused(tmp_path, container_packs, which):
+    """A FIFO as a shard blocked ``open_pack`` forever; a link to a device read it forever."""
+    form = "single" if which.startswith("single") else "shards"
+    path = copy_pack(container_packs[form], tmp_path)
+    if which == "shard":
+        target = container_files(path)[1]
+    elif which == "catalog":
+        target = catalog_file(path)
+    elif which == "manifest":
+        target = path / fmt.MANIFEST_NAME
+    else:
+        target = path
+    target.unlink()
+    if which.endswith("/dev/zero"):
+        target.symlink_to("/dev/zero")
+    else:
+        os.mkfifo(target)
+    kind = "character device" if which.endswith("/dev/zero") else "named pipe"
+    with pytest.raises(FormatError, match=kind) as info:
+        reader = open_pack(path)
+        reader.field(10, 0)  # in shard 1
+    assert str(target) in str(info.value)
+
+
+def test_open_file_descriptors_stay_bounded(tmp_path):
+    """Issue #11 item 7: a reader holds at most ``max_open_shards`` shards (the least
+    recently used is closed), whatever the access pattern and however many shards."""
+    out = write_pack(tmp_path / "many", 60, max_records_per_shard=1)
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        pytest.skip("needs /proc/self/fd")
+    before = len(list(fds.iterdir()))
+    reader = open_pack(out, max_open_shards=4)
+    order = [*range(60), *range(59, -1, -7), *range(0, 60, 3)]
+    for i in order:
+        assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
+        reader.shard(int(np.searchsorted(reader.starts, i, side="right")) - 1).read_records(
+            [0], [0, 1]
+        )  # streaming reads open a second descriptor per shard
+        assert len(list(fds.iterdir())) - before <= 2 * 4 + 2  # the shards and the catalog
+    assert reader.verify() == []
+    with pytest.raises(ValueError, match="max_open_shards"):
+        open_pack(out, max_open_shards=0)
+
+
+TEN_THOUSAND_SHARDS = """
+import json, os, resource, sys
+import numpy as np
+from torch_serialized.reader import open_pack
+from torch_serialized.pipeline import read_block, views_fit
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+reader = open_pack(sys.argv[1])
+n = len(reader)
+order = np.random.default_rng(0).permutation(n)
+for i in order:
+    assert bytes(reader.field(int(i), 0)) == str(int(i)).encode(), i
+assert not views_fit(reader, 600)  # so the stream copies: views would hold 600 maps
+blocks = read_block(reader, np.arange(0, 600), [0], copy=True)  # streaming reads: 600 shards
+assert all(bytes(row[0]) == str(r).encode() for r, row in blocks.items())
+fds = len(os.listdir("/proc/self/fd"))
+print(json.dumps({"records": n, "shards": reader.num_shards, "fds": fds}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ten_thousand_shards_read_under_ulimit_256(tmp_path, monkeypatch):
+    """Issue #11 item 7: one descriptor per shard for the reader's life (plus one more per
+    streaming reader) failed with EMFILE naming no file: 8 shards under a low limit, ~1,100
+    under ``ulimit -n 1024``. 10,000 one-record shards, read in random order and streamed, in
+    a child process limited to 256 descriptors."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # 10,000 fsyncs would take a while
+    # creating 10,000 files costs ~0.1 ms each on a journaled disk: use memory when there is some
+    shm = Path("/dev/shm")
+    folder = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() else tmp_path
+    try:
+        with PackWriter(folder / "many", ["a"], max_records_per_shard=1) as writer:
+            for i in range(10_000):
+                writer.add([str(i).encode()])
+            writer.close()
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        proc = subprocess.run(
+            [sys.executable, "-c", TEN_THOUSAND_SHARDS, str(folder / "many")],
+            capture_output=True, text=True, timeout=110, env=env,
+        )  # fmt: skip
+    finally:
+        if folder != tmp_path:
+            shutil.rmtree(folder)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["records"] == result["shards"] == 10_000 and result["fds"] < 256
+
+
+# -- issue #11 item 2: the manifest is protected, and so is what it points to -----------------
+def _read_everything(reader) -> tuple[Any, ...]:
+    records = [[bytes(reader.field(i, k)) for k in range(2)] for i in range(len(reader))]
+    arrays = {name: array.tobytes() for name, array in reader.arrays().items()}
+    return records, arrays, reader.user
+
+
+def test_every_flipped_manifest_byte_is_refused_or_harmless(tmp_path, container_packs):
+    """A flipped bit in manifest.json (a name, a count, a checksum) changed what was read
+    without an error. Every byte flipped three ways: refused with our error naming the
+    manifest, or (whitespace turned into other whitespace) the very same pack is read."""
+    path = copy_pack(container_packs["shards"], tmp_path)
+    manifest = path / fmt.MANIFEST_NAME
+    original = manifest.read_bytes()
+    expected = _read_everything(open_pack(container_packs["shards"]))
+    outcomes = {"refused": 0, "same": 0}
+    for position in range(len(original)):
+        for mask in (0x01, 0x80):
+            damaged = bytearray(original)
+            damaged[position] ^= mask
+            manifest.write_bytes(bytes(damaged))
+            try:
+                got = _read_everything(open_pack(path))
+            except (FormatError, FileNotFoundError) as exc:
+                assert str(manifest) in str(exc) or str(path) in str(exc)
+                outcomes["refused"] += 1
+                continue
+            assert got == expected, f"byte {position} ^ {mask:#x} changed the data silently"
+            outcomes["same"] += 1
+    assert outcomes["refused"] > 0.9 * 2 * len(original), outcomes
+
+
+def test_an_edited_catalog_is_refused_even_if_it_is_self_consistent(tmp_path, container_packs):
+    """The metadata (class names, year, storage options) lives in the catalog: edited with its
+    own checksums fixed up, it no longer matches the manifest's entry."""
+    path = copy_pack(container_packs["shards"], tmp_path)
+    catalog = catalog_file(path)
+    data = catalog.read_bytes()
+    footer = fmt.unpack_footer(data[-fmt.FOOTER_SIZE :], "x")
+    meta = json.loads(data[footer["meta_offset"] : -fmt.FOOTER_SIZE])
+    meta["user"]["seed"] = 1
+    blob = json.dumps(meta, separators=(",", ":")).encode()
+    body = data[: footer["meta_offset"]]
+    size = len(body) + len(blob) + fmt.FOOTER_SIZE
+    crc = fmt.crc32(blob)
+    catalog.write_bytes(body + blob + fmt.pack_footer(len(body), len(blob), size, 0, crc))
+    with pytest.raises(CorruptFileError, match="does not match") as info:
+        open_pack(path)
+    assert str(catalog) in str(info.value) and str(path / fmt.MANIFEST_NAME) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: {**m, "shards": [m["shards"][1], m["shards"][0], *m["shards"][2:]]},
+        lambda m: {**m, "shards": [m["shards"][0], dict(m["shards"][0]), *m["shards"][2:]]},
+        lambda m: {
+            **m,
+            "shards": [
+                {**m["shards"][0], "file": m["shards"][1]["file"]},
+                {**m["shards"][1], "file": m["shards"][0]["file"]},
+                *m["shards"][2:],
+            ],
+        },  # fmt: skip
+        lambda m: {**m, "pack_id": "0" * 32},
+    ],
+    ids=["swapped", "duplicated", "renamed", "other-pack-id"],
+)
+def test_a_rewritten_manifest_cannot_reorder_shards(tmp_path, container_packs, edit):
+    """Shard entries swapped or duplicated (with a valid checksum, first_record made
+    consistent) paired records with other records' places; each shard's own binding refuses
+    it, naming the manifest and the shard."""
+    path = copy_pack(container_packs["shards"], tmp_path)
+
+    def rewrite(manifest):
+        manifest = edit(manifest)
+        first = 0
+        for entry in manifest["shards"]:
+            entry["first_record"] = first
+            first += entry["num_records"]
+        return manifest
+
+    edit_manifest(path, rewrite)
+    with pytest.raises(CorruptFileError, match="does not match|twice") as info:
+        _read_everything(open_pack(path))
+    assert str(path / fmt.MANIFEST_NAME) in str(info.value)
+    members = [*container_files(path), catalog_file(path)]  # another pack id: the catalog's
+    assert any(f.name in str(info.value) for f in members)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"format": "torch_serialized.shards", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "not valid JSON",
+        ),  # fmt: skip
+        ('{"format": "torch_serialized.shards", "format": "torch_serialized.shards"}', "duplicate"),
+        ('{"format": "torch_serialized.shards", "version": NaN}', "NaN"),
+    ],
+    ids=["nested-100k", "duplicate-key", "nan"],
+)
+def test_absurd_manifests_raise_our_error_naming_it(tmp_path, text, message):
+    """Issue #11 item 8: a manifest nested 100k deep gave RecursionError."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / fmt.MANIFEST_NAME).write_text(text)
+    with pytest.raises(CorruptFileError, match=message) as info:
+        open_pack(tmp_path / "p")
+    assert str(tmp_path / "p" / fmt.MANIFEST_NAME) in str(info.value)
+
+
+def test_a_shard_name_with_nul_is_refused_naming_the_manifest(tmp_path, container_packs):
+    """Item 8: a shard name with NUL gave a bare ValueError naming no file."""
+    path = copy_pack(container_packs["shards"], tmp_path)
+    edit_manifest(
+        path, lambda m: {**m, "shards": [{**m["shards"][0], "file": "a\x00b"}, *m["shards"][1:]]}
+    )
+    with pytest.raises(CorruptFileError, match="entry 0 is invalid") as info:
+        open_pack(path)
+    assert str(path / fmt.MANIFEST_NAME) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda blob: blob.replace(b'"user":{', b'"user":{"seed":1,', 1),  # a duplicate key
+        lambda blob: blob.replace(b'"user":{', b'"user":{"x":NaN,', 1),
+        lambda blob: blob.replace(b'"user":{', b'"user":{"x":1e999,', 1),
+    ],
+    ids=["duplicate-key", "nan", "infinity"],
+)
+def test_metadata_with_duplicate_keys_or_nan_is_refused(tmp_path, container_packs, change):
+    """Item 8: container metadata with NaN/Infinity (the JSON spec forbids them) or duplicate
+    keys (another reader may take the other value) was accepted."""
+    path = copy_pack(container_packs["single"], tmp_path)
+    data = path.read_bytes()
+    footer = fmt.unpack_footer(data[-fmt.FOOTER_SIZE :], "x")
+    blob = change(data[footer["meta_offset"] : -fmt.FOOTER_SIZE])
+    body = data[: footer["meta_offset"]]
+    size = len(body) + len(blob) + fmt.FOOTER_SIZE
+    path.write_bytes(body + blob + fmt.pack_footer(len(body), len(blob), size, 30, fmt.crc32(blob)))
+    with pytest.raises(CorruptFileError, match="not valid JSON") as info:
+        open_pack(path)
+    assert str(path) in str(info.value)

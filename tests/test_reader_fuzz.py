@@ -76,12 +76,14 @@ fuzz_settings = settings(
 )
 
 
-def json_values(depth: int) -> st.SearchStrategy[Any]:
-    """Any JSON value, nested at most ``depth`` deep."""
-    leaves = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+def json_values(depth: int, *, finite: bool = False) -> st.SearchStrategy[Any]:
+    """Any JSON value, nested at most ``depth`` deep (``finite``: no NaN or infinity, which
+    strict JSON, and so a manifest's checksum, cannot hold)."""
+    floats = st.floats(allow_nan=not finite, allow_infinity=not finite)
+    leaves = st.none() | st.booleans() | st.integers() | floats | st.text(max_size=8)
     if depth == 0:
         return leaves
-    inner = json_values(depth - 1)
+    inner = json_values(depth - 1, finite=finite)
     return (
         leaves
         | st.lists(inner, max_size=3)
@@ -152,7 +154,8 @@ def check_batched_reads(reader: Any, records: list[list[bytes | None]], checked:
     """The batch read paths (``ContainerReader.read_records``, one scatter read per run of
     records, and ``views``) return what ``field`` returned, or raise ChecksumError on a
     checked reader."""
-    for start, shard in zip(reader.starts, reader.shards):
+    for s, start in enumerate(reader.starts[:-1]):
+        shard = reader.shard(s)
         read_records = getattr(shard, "read_records", None)
         if read_records is None or not len(shard):
             continue
@@ -236,7 +239,7 @@ def fuzz_bases(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         original = read_all(path)
         assert isinstance(original, Outcome) and original.error is None and original.bad == []
         bases[form] = FuzzBase(form, files, original)
-    assert len(bases["shards"].targets) == 3
+    assert len(bases["shards"].targets) == 4  # 3 shards and the catalog
     return bases
 
 
@@ -266,7 +269,10 @@ def damage(draw: st.DrawFn, spans: dict[str, tuple[int, int]]) -> list[tuple[Any
         kind = draw(
             st.sampled_from(["overwrite"] * 3 + ["zero"] * 2 + ["insert", "delete", "truncate"])
         )
-        start, end = spans[draw(st.sampled_from(["records"] * 3 + sorted(spans)))]
+        parts = [
+            name for name in ["records"] * 3 + sorted(spans) if spans[name][1] > spans[name][0]
+        ]
+        start, end = spans[draw(st.sampled_from(parts))]  # a catalog has no record bytes
         at = draw(st.integers(start, end - 1))
         if kind in ("overwrite", "insert"):
             ops.append((kind, at, draw(st.binary(min_size=1, max_size=32))))
@@ -324,6 +330,19 @@ def test_random_files_are_refused_with_our_errors(
     assert str(path) in str(refusal)
 
 
+V1_ENTRY = st.fixed_dictionaries(
+    {
+        "file": st.sampled_from(
+            ["shard-00000.tser", "shard-00002.tser", "manifest.json", "gone"]
+            + [".", "..", "", "a/b", "/etc/passwd", "sub", 0, None]
+        ),
+        "num_records": st.sampled_from([0, 1, 2, -1, 2**70, "2", None]),
+        "bytes": st.sampled_from([0, 128, 5651, 2**70, None]),
+        "meta_crc32": st.integers(-1, 2**33),
+    }
+)
+
+
 @pytest.mark.timeout(120)
 @settings(fuzz_settings, max_examples=200)
 @given(
@@ -333,33 +352,130 @@ def test_random_files_are_refused_with_our_errors(
             lambda shards, extra: json.dumps(
                 {"format": fmt.MANIFEST_FORMAT, "version": 1, "shards": shards, "user": {}, **extra}
             ).encode(),
-            st.lists(
-                st.fixed_dictionaries(
-                    {
-                        "file": st.sampled_from(
-                            ["shard-00000.tser", "shard-00002.tser", "manifest.json", "gone"]
-                            + [".", "..", "", "a/b", "/etc/passwd", "sub", 0, None]
-                        ),
-                        "num_records": st.sampled_from([0, 1, 2, -1, 2**70, "2", None]),
-                        "meta_crc32": st.integers(-1, 2**33),
-                    }
-                ),
-                max_size=4,
-            ),
+            st.lists(V1_ENTRY, max_size=4),
             st.dictionaries(st.sampled_from(["version", "user", "shards"]), st.none(), max_size=1),
         ),
-    )
+    ),
+    real_names=st.booleans(),
 )
-def test_random_manifests_are_refused_with_our_errors(tmp_path, bounded_memory, fuzz_bases, raw):
-    folder = fuzz_bases["shards"].write(tmp_path, {fmt.MANIFEST_NAME: raw})
+def test_random_manifests_are_refused_with_our_errors(
+    tmp_path, bounded_memory, fuzz_bases, raw, real_names
+):
+    base = fuzz_bases["shards"]
+    if real_names:  # name the real (version 2) files: a downgrade to an unprotected manifest
+        shards = sorted(n for n in base.files if n.startswith("shard-"))
+        for k, name in enumerate(shards):
+            raw = raw.replace(f"shard-{k:05d}.tser".encode(), name.encode())
+    folder = base.write(tmp_path, {fmt.MANIFEST_NAME: raw})
     (folder / "sub").mkdir(exist_ok=True)
     try:
         outcome = read_all(folder)
     except FileNotFoundError as exc:  # a listed shard is missing: test_reader's contract
-        assert "gone" in str(exc)
+        assert str(folder) in str(exc)
         return
-    if isinstance(outcome, Outcome):  # only a manifest that lists real shards correctly
-        assert outcome.error is None and outcome.bad == []
+    assert not isinstance(outcome, Outcome), "a version-1 manifest opened version-2 files"
+
+
+#: Names a hostile manifest entry may take: the pack's own, missing and nonsense ones.
+def entry_names(base: FuzzBase) -> list[Any]:
+    real = sorted(n for n in base.files if n.endswith(fmt.FILE_SUFFIX))
+    return [*real, "gone.tser", "shard-00000.tser", "manifest.json", "", "..", "a/b", "x\x00", 3]
+
+
+NUMBERS = [0, 1, 2, 3, 6, 127, 128, 5000, 2**32 - 1, 2**32, 2**63 - 1, 2**63, -1, True, 1.5, None]
+
+
+@st.composite
+def hostile_manifest(draw: st.DrawFn, base: FuzzBase) -> tuple[dict[str, Any], list[str]]:
+    """The pack's manifest after 1 to 4 hostile edits, with a valid checksum (and usually
+    consistent record numbers, so the edit reaches the checks behind the parser)."""
+    manifest = json.loads(base.files[fmt.MANIFEST_NAME])
+    shards = manifest["shards"]
+    done: list[str] = []
+    for _ in range(draw(st.integers(1, 4), label="edits")):
+        kind = draw(
+            st.sampled_from(
+                ["swap", "duplicate", "drop", "catalog<->shard", "number", "name", "pack_id"]
+                + ["fields", "extra", "nest", "total"]
+            ),
+            label="kind",
+        )
+        n = len(shards)
+        i, j = draw(st.integers(0, max(0, n - 1))), draw(st.integers(0, max(0, n - 1)))
+        if kind == "swap" and n:
+            shards[i], shards[j] = shards[j], shards[i]
+        elif kind == "duplicate" and n:
+            shards[j] = copy.deepcopy(shards[i])
+        elif kind == "drop" and n > 1:
+            del shards[i]
+        elif kind == "catalog<->shard" and n:
+            catalog = manifest["catalog"]
+            manifest["catalog"] = {k: shards[i][k] for k in ("file", "bytes", "meta_crc32")}
+            shards[i] = {**shards[i], **catalog}
+        elif kind == "number":
+            entry = draw(st.sampled_from([*shards, manifest["catalog"]]) if n else st.just({}))
+            key = draw(st.sampled_from(["first_record", "num_records", "bytes", "meta_crc32"]))
+            entry[key] = draw(st.sampled_from(NUMBERS))
+        elif kind == "name":
+            entry = draw(st.sampled_from([*shards, manifest["catalog"]]) if n else st.just({}))
+            entry["file"] = draw(st.sampled_from(entry_names(base)))
+        elif kind == "pack_id":
+            manifest["pack_id"] = draw(st.sampled_from(["0" * 32, "f" * 32, "F" * 32, 7]))
+        elif kind == "fields":
+            manifest["fields"] = draw(st.permutations(manifest["fields"]))
+        elif kind == "extra":
+            manifest[draw(st.sampled_from(["user", "history", "created_by"]))] = draw(
+                json_values(2, finite=True)
+            )
+        elif kind == "nest":
+            depth = draw(st.sampled_from([10, 63, 64, 65, 500]))
+            manifest["user"] = json.loads("[" * depth + "]" * depth)
+        elif kind == "total":
+            manifest["num_records"] = draw(st.sampled_from(NUMBERS))
+        done.append(kind)
+    if draw(st.booleans(), label="consistent records"):
+        first = 0
+        for entry in shards:
+            if isinstance(entry.get("num_records"), int) and entry["num_records"] >= 0:
+                entry["first_record"] = first
+                first += entry["num_records"]
+        manifest["num_records"] = first
+    manifest["checksum"] = fmt.manifest_checksum(manifest)
+    return manifest, done
+
+
+@pytest.mark.timeout(300)
+@settings(fuzz_settings, max_examples=300)
+@given(data=st.data())
+def test_hostile_manifests_with_valid_checksums_are_refused_or_read_correctly(
+    tmp_path, bounded_memory, fuzz_bases, data
+):
+    """Issue #11, item 2 and the property test: a manifest rewritten with a valid checksum
+    (shards swapped, duplicated, dropped, renamed, taken for the catalog, numbers changed,
+    another pack id, absurd nesting...) either reads exactly the original pack or is refused
+    with our error (or FileNotFoundError) naming the pack; it never pairs ids with other
+    records' bytes."""
+    base = fuzz_bases["shards"]
+    manifest, kinds = data.draw(hostile_manifest(base), label="manifest")
+    folder = base.write(tmp_path, {fmt.MANIFEST_NAME: json.dumps(manifest).encode()})
+    try:
+        outcome = read_all(folder)
+    except FileNotFoundError as exc:  # a listed file is missing: named, with its manifest
+        event("missing file")
+        assert str(folder) in str(exc)
+        return
+    event(f"{'+'.join(sorted(set(kinds)))}: {describe(outcome)}")
+    if isinstance(outcome, TorchSerializedError):
+        assert str(folder) in str(outcome)
+        return
+    if outcome.error is not None:  # refused when the shard was first read
+        assert str(folder) in str(outcome.error)
+        assert isinstance(outcome.error, CorruptFileError)
+        return
+    original = base.original
+    assert outcome.records == original.records, f"{kinds}: records changed silently"
+    assert outcome.arrays == original.arrays and outcome.user == original.user
+    assert outcome.bad == []
 
 
 @pytest.mark.slow
@@ -398,15 +514,24 @@ def rebuild(data: bytes, meta: Any, num_records: Any = None) -> bytes:
 
 def craft(base: FuzzBase, target: str, data: bytes) -> dict[str, bytes]:
     """Replacement files: ``target`` -> ``data``, and for a shard set a manifest that agrees
-    with it, so the damage gets past every checksum and reaches the checks behind them."""
+    with it (size, checksum, records, a valid manifest checksum), so the damage gets past every
+    checksum and reaches the checks behind them."""
     files = {target: data}
     if base.form == "shards":
         manifest = json.loads(base.files[fmt.MANIFEST_NAME])
         footer = fmt.unpack_footer(data[-fmt.FOOTER_SIZE :], "x")
-        for entry in manifest["shards"]:
+        first = 0
+        for entry in [manifest["catalog"], *manifest["shards"]]:
             if entry["file"] == target:
                 entry["meta_crc32"] = footer["meta_crc32"]
-                entry["num_records"] = footer["num_records"]
+                entry["bytes"] = len(data)
+                if entry is not manifest["catalog"]:
+                    entry["num_records"] = footer["num_records"]
+            if "first_record" in entry:
+                entry["first_record"] = first
+                first += entry["num_records"]
+        manifest["num_records"] = first
+        manifest["checksum"] = fmt.manifest_checksum(manifest)
         files[fmt.MANIFEST_NAME] = json.dumps(manifest).encode()
     return files
 
@@ -438,7 +563,8 @@ def test_index_entries_pointing_anywhere_are_refused_or_contained(
     tmp_path, bounded_memory, fuzz_bases, form, data
 ):
     base = fuzz_bases[form]
-    target = data.draw(st.sampled_from(base.targets), label="file")
+    with_records = [t for t in base.targets if not t.startswith("catalog-")]
+    target = data.draw(st.sampled_from(with_records), label="file")
     original = base.files[target]
     footer = fmt.unpack_footer(original[-fmt.FOOTER_SIZE :], "x")
     data_end = footer["meta_offset"]
@@ -479,9 +605,10 @@ def test_index_entries_pointing_anywhere_are_refused_or_contained(
     outside = any(o < fmt.HEADER_SIZE or o + n > data_end for o, n in final.values())
     outcome = read_all(path, checked=data.draw(st.booleans(), label="checked"))
     event(f"{'outside' if outside else 'inside'}: {describe(outcome)}")
-    if outside:
-        assert isinstance(outcome, CorruptFileError), "an index entry outside the data was accepted"
-        assert "outside" in str(outcome)
+    if outside:  # refused at open (a single file) or when the shard is first read
+        refusal = outcome.error if isinstance(outcome, Outcome) else outcome
+        assert isinstance(refusal, CorruptFileError), "an index entry outside the data was accepted"
+        assert "outside" in str(refusal)
         return
     assert isinstance(outcome, Outcome) and outcome.error is None
     start = global_start(base, target)
@@ -664,7 +791,7 @@ def test_shards_that_disagree_on_a_per_record_array_are_refused(tmp_path, fuzz_b
     shape or dtype made arrays() raise numpy's errors; one without it silently shifted every
     later row."""
     base = fuzz_bases["shards"]
-    target = base.targets[1]
+    target = base.targets[2]  # shard 1 (the catalog sorts first)
     original = base.files[target]
     meta_offset = fmt.unpack_footer(original[-fmt.FOOTER_SIZE :], "x")["meta_offset"]
     meta = json.loads(original[meta_offset : -fmt.FOOTER_SIZE])
@@ -674,7 +801,9 @@ def test_shards_that_disagree_on_a_per_record_array_are_refused(tmp_path, fuzz_b
     else:
         del meta["arrays"]["records"]
     path = base.write(tmp_path, craft(base, target, rebuild(original, meta)))
-    reader = open_pack(path)
+    reader = open_pack(path)  # the catalog holds the columns: the shard is checked when used
+    assert reader.arrays()["records"].tobytes() == base.original.arrays["records"][2]
+    bytes(reader.field(0, 0))  # shard 0 is intact
     with pytest.raises(CorruptFileError, match="records") as info:
-        reader.arrays()
-    assert str(path) in str(info.value)
+        reader.field(2, 0)
+    assert str(path / target) in str(info.value)

@@ -123,6 +123,8 @@ def forge(
             "schema_version": schema.SCHEMA_VERSION,
             "year": "2012",
             "base_dir": base_dir,
+            "voc_folder": "VOC2012",
+            "num_samples": len(ids),
             "classes": [],
             "splits": {"Main": {"train": len(ids)}},
             "image_storage": "original",
@@ -208,3 +210,63 @@ def test_traversal_from_a_devkit_list_is_refused_at_pack_or_export(tmp_path: Pat
         export_voc(pack, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "evil.jpg").exists()
+
+
+# -- issue #11 item 6: never through a symbolic link; item 1: nothing else is touched ---------
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize(
+    "link", ["VOCdevkit", "VOCdevkit/VOC2007", "VOCdevkit/VOC2007/JPEGImages", "ImageSets/Main"]
+)
+def test_export_refuses_to_write_through_a_symlinked_folder(
+    synthetic_packs: Packed, tmp_path: Path, link: str, overwrite: bool
+) -> None:
+    """With out/VOCdevkit/VOC2007/JPEGImages a symlink to another folder, export wrote there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    out = tmp_path / "out"
+    relative = link if link.startswith("VOCdevkit") else f"VOCdevkit/VOC2007/{link}"
+    linked = out / relative
+    linked.parent.mkdir(parents=True)
+    linked.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(WriteError, match="symbolic link") as info:
+        export_voc(synthetic_packs.single, out, overwrite=overwrite)
+    assert str(linked) in str(info.value)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt"]
+
+
+def test_a_symlinked_output_root_is_the_users_choice(
+    synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    export_voc(synthetic_packs.single, tmp_path / "link")
+    assert tree(real / "VOCdevkit" / "VOC2007") == tree(voc_folder(synthetic_packs))
+
+
+def test_export_into_an_existing_folder_touches_nothing_else(
+    synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    """Item 1's rule for export: files of the user beside (and inside) the exported folders
+    survive, with and without overwrite; a file at a place export writes is replaced only
+    with overwrite, and a link there is replaced as a link, its target untouched."""
+    out = tmp_path / "root"
+    voc = out / "VOCdevkit" / "VOC2007"
+    (voc / "JPEGImages").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (voc / "JPEGImages" / "extra.jpg").write_bytes(b"my own image")
+    first = sorted(p.stem for p in (voc_folder(synthetic_packs) / "JPEGImages").iterdir())[0]
+    target = tmp_path / "target.jpg"
+    target.write_bytes(b"do not touch")
+    (voc / "JPEGImages" / f"{first}.jpg").symlink_to(target)
+    with pytest.raises(WriteError, match="already exists"):
+        export_voc(synthetic_packs.single, out)
+    export_voc(synthetic_packs.single, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (voc / "JPEGImages" / "extra.jpg").read_bytes() == b"my own image"
+    assert target.read_bytes() == b"do not touch"
+    assert not (voc / "JPEGImages" / f"{first}.jpg").is_symlink()
+    exported = tree(voc)
+    del exported["JPEGImages/extra.jpg"]
+    assert exported == tree(voc_folder(synthetic_packs))

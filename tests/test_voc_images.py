@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import io
-import struct
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,10 @@ from vocfactory import (
     TRUNCATED_JPEG,
     Sample,
     jpeg,
+    jpeg_claiming,
     obj,
+    palette_mask,
+    png_claiming,
     tiny_devkit,
     voc_xml,
     write_voc,
@@ -83,31 +84,6 @@ def test_pillow_limits_unchanged_by_import_and_pack(tmp_path, voc8):
     assert current() == fresh
 
 
-def png_claiming(width: int, height: int) -> bytes:
-    """A 100-byte PNG whose header claims ``width`` x ``height`` RGB pixels."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(bytes(64)))
-        + chunk(b"IEND", b"")
-    )
-
-
-def jpeg_claiming(width: int, height: int) -> bytes:
-    """A tiny real JPEG whose SOF0 header is patched to claim ``width`` x ``height``."""
-    data = bytearray(jpeg(16, 16))
-    sof = data.index(b"\xff\xc0")
-    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
-    return bytes(data)
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("check_images", [False, True])
 @pytest.mark.parametrize(
@@ -128,3 +104,45 @@ def test_decompression_bomb_is_refused_at_pack_time(tmp_path, bounded_memory, bo
     assert time.perf_counter() - started < 10, "the bomb was decoded"
     assert "b.jpg" in str(info.value)
     assert listing(out) == []
+
+
+def _devkit_with_mask(root: Path, mask: bytes) -> Path:
+    samples = [
+        Sample(i, jpeg(16, 16), voc_xml(f"{i}.jpg", 16, 16, [obj("dog", (1, 1, 8, 8))]), mask=m)
+        for i, m in (("a", palette_mask(16, 16)), ("b", mask))
+    ]
+    sets = {"Main": {"train": ["a", "b"]}, "Segmentation": {"train": ["a", "b"]}}
+    write_voc(root, "2007", samples, sets)
+    return root
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("check_images", [False, True])
+def test_a_mask_bomb_is_refused_at_pack_time(tmp_path, bounded_memory, check_images):
+    """Issue #11 item 4: a 50000x50000 mask packed without a word (and failed at read time
+    naming neither pack nor sample); its PNG header is now checked like an image's."""
+    root = _devkit_with_mask(tmp_path / "src", png_claiming(50_000, 50_000))
+    with pytest.raises(SourceDataError, match="decompression bomb") as info:
+        pack_voc(root, tmp_path / "out.tser", year="2007", check_images=check_images)
+    assert "SegmentationClass/b.png" in str(info.value)
+    assert not (tmp_path / "out.tser").exists()
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [b"", jpeg(16, 16), palette_mask(16, 16)[:-40]],
+    ids=["empty", "jpeg", "truncated"],
+)
+def test_check_images_checks_masks_too(tmp_path, mask):
+    """``check_images=True`` decodes every mask as a PNG: an empty, non-PNG or truncated mask
+    is refused naming the file (or skipped with on_error="skip"); without it they pack as
+    torchvision would read them (and fail at read time with our error)."""
+    root = _devkit_with_mask(tmp_path / "src", mask)
+    with pytest.raises(SourceDataError, match="PNG mask") as info:
+        pack_voc(root, tmp_path / "out.tser", year="2007", check_images=True)
+    assert "SegmentationClass/b.png" in str(info.value)
+    skipped = pack_voc(
+        root, tmp_path / "skip.tser", year="2007", check_images=True, on_error="skip"
+    )
+    assert [s.id for s in skipped.skipped] == ["b"] and skipped.num_samples == 1
+    assert pack_voc(root, tmp_path / "lax.tser", year="2007").num_samples == 2

@@ -21,6 +21,7 @@ from _reliability_helpers import (
     ROOT,
     TESTS,
     run_child,
+    snapshot,
 )
 from PIL import Image
 from torchvision.datasets import VOCDetection
@@ -55,7 +56,7 @@ def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) ->
         synthetic_devkit, tmp_path / "shards", year="2007", max_samples_per_shard=5
     )
     assert (sharded.path / "manifest.json").is_file()
-    assert len(list(sharded.path.glob("*.tser"))) == -(-single.num_samples // 5)
+    assert len(list(sharded.path.glob("shard-*.tser"))) == -(-single.num_samples // 5)
     a = ts.VOCSerializedDataset(single.path, "trainval")
     b = ts.VOCSerializedDataset(sharded.path, "trainval")
     assert len(a) == len(b)
@@ -65,7 +66,7 @@ def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) ->
     by_bytes = ts.pack_voc(
         synthetic_devkit, tmp_path / "sized", year="2007", max_shard_bytes=400_000
     )
-    assert len(list(by_bytes.path.glob("*.tser"))) > 2
+    assert len(list(by_bytes.path.glob("shard-*.tser"))) > 2
     assert len(ts.VOCSerializedDataset(by_bytes.path, "test")) == len(
         VOCDetection(synthetic_devkit, "2007", "test")
     )
@@ -126,6 +127,61 @@ def test_missing_annotation_fails_and_skip_mode_reports(tmp_path: Path) -> None:
     assert result.report is not None
     assert json.loads(result.report.read_text())[0]["id"] == "c"
     assert ts.VOCSerializedDataset(result.path, "train").ids == ["a", "b"]
+
+
+def test_a_clean_repack_removes_the_stale_report(tmp_path: Path) -> None:
+    """Issue #11 item 8: a ``.skipped.json`` of an earlier pack survived a clean re-pack and
+    described samples the new pack holds."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b", "c"])
+    xml = root / "VOCdevkit/VOC2007/Annotations/c.xml"
+    content = xml.read_bytes()
+    xml.unlink()
+    for options in ({}, {"max_samples_per_shard": 2}):
+        out = tmp_path / ("out" if options else "out.tser")
+        first = ts.pack_voc(root, out, year="2007", on_error="skip", **options)
+        assert first.report == out.with_name(out.name + ".skipped.json") and first.report.exists()
+        xml.write_bytes(content)
+        again = ts.pack_voc(root, out, year="2007", on_error="skip", **options)
+        assert again.skipped == [] and again.report is None
+        assert not first.report.exists()
+        xml.unlink()
+
+
+@pytest.mark.parametrize("content", ["my notes", '[{"id": "a"}]', "{}"])
+def test_a_file_named_like_the_report_that_is_not_ours_is_kept(tmp_path: Path, content) -> None:
+    """Item 1's rule for the report: a file at OUTPUT.skipped.json that is not our report is
+    neither overwritten nor removed; the pack refuses to start."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b"])
+    (root / "VOCdevkit/VOC2007/Annotations/b.xml").unlink()
+    report = tmp_path / "out.tser.skipped.json"
+    report.write_text(content)
+    for on_error in ("skip", "raise"):
+        with pytest.raises(ts.WriteError, match="not a skipped-samples report") as info:
+            ts.pack_voc(root, tmp_path / "out.tser", year="2007", on_error=on_error)
+        assert str(report) in str(info.value)
+        assert report.read_text() == content and not (tmp_path / "out.tser").exists()
+
+
+@pytest.mark.parametrize("output", ["folder", "file"])
+def test_pack_voc_never_replaces_what_it_did_not_write(tmp_path: Path, output: str) -> None:
+    """Issue #11 item 1: ``pack_voc(root, out)`` deleted a folder ``out`` that merely held a
+    file named manifest.json, with everything else in it."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b"])
+    out = tmp_path / "out"
+    if output == "folder":
+        out.mkdir()
+        (out / "manifest.json").write_text('{"my": "config"}')
+        (out / "results.csv").write_text("epoch,loss\n1,0.5\n")
+    else:
+        out.write_bytes(b"\x89TSER\r\n\x1a but not a pack")
+    before = snapshot(out)
+    for options in ({}, {"max_samples_per_shard": 1}):
+        for workers in (1, 2):
+            with pytest.raises(ts.WriteError, match="not a torch_serialized pack") as info:
+                ts.pack_voc(root, out, year="2007", workers=workers, **options)
+            assert str(out) in str(info.value)
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
 @pytest.mark.parametrize(

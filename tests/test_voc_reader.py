@@ -7,8 +7,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _container_helpers import Contents, rebuild_pack
 from torchvision.datasets import VOCDetection
 
+from torch_serialized import (
+    SerializedDataset,
+    VOCSerializedDataset,
+    VOCSerializedIterableDataset,
+)
+from torch_serialized.cli import main
 from torch_serialized.errors import FormatError
 from torch_serialized.voc import schema
 from torch_serialized.voc.reader import VOCPackReader
@@ -42,18 +49,23 @@ def test_an_unknown_image_set_names_the_ones_there(synthetic_packs: Any) -> None
 
 
 def forge(path: Path, fields: tuple[str, ...] = schema.FIELDS, **user: Any) -> Path:
-    """A container whose user metadata is ``user`` (the VOC keys a reader needs by default)."""
+    """A pack without records whose user metadata is ``user`` (by default, the VOC keys and
+    arrays a reader needs)."""
     meta = {
         "schema": schema.SCHEMA,
         "schema_version": schema.SCHEMA_VERSION,
         "year": "2007",
         "base_dir": "VOCdevkit/VOC2007",
+        "voc_folder": "VOC2007",
+        "num_samples": 0,
+        "splits": {},
         "classes": [],
         "image_storage": "original",
         **user,
     }
-    with PackWriter(path, fields) as writer:
+    with PackWriter(path, fields, columns=schema.COLUMNS) as writer:
         writer.add_array("ids", np.zeros(0, np.uint8))
+        writer.add_array("id_offsets", np.zeros(1, "<u8"))
         writer.close({k: v for k, v in meta.items() if v is not None})
     return path
 
@@ -80,3 +92,164 @@ def test_what_is_not_a_voc_pack_is_refused(
     with pytest.raises(FormatError, match=message) as info:
         VOCPackReader(path)
     assert str(path) in str(info.value)
+
+
+# -- issue #11 item 5: the VOC schema is validated at open, never trusted -------------------
+def _user(**changes: Any) -> Any:
+    def edit(c: Contents) -> None:
+        for key, value in changes.items():
+            if value is _DELETE:
+                del c.user[key]
+            else:
+                c.user[key] = value
+
+    return edit
+
+
+def _array(name: str, value: Any) -> Any:
+    def edit(c: Contents) -> None:
+        if value is _DELETE:
+            del c.arrays[name]
+        else:
+            c.arrays[name] = value(c.arrays[name]) if callable(value) else value
+
+    return edit
+
+
+_DELETE = object()
+_SPLIT = "split/Main/train"
+
+
+def _ids_not_utf8(c: Contents) -> None:
+    c.arrays["ids"] = c.arrays["ids"].copy()
+    c.arrays["ids"][0] = 0xFF
+
+
+METADATA_CASES = {
+    "year missing": (_user(year=_DELETE), "'year'"),
+    "year a number": (_user(year=2007), "'year'"),
+    "classes missing": (_user(classes=_DELETE), "'classes'"),
+    "classes a string": (_user(classes="dogcat"), "'classes'"),
+    "classes repeated": (_user(classes=["dog", "dog"]), "'classes'"),
+    "splits null": (_user(splits=None), "'splits'"),
+    "splits of another task": (_user(splits={"Layout": {}}), "'splits'"),
+    "split count a string": (_user(splits={"Main": {"train": "3"}}), "splits.Main"),
+    "image_storage unknown": (_user(image_storage="jpeg"), "'image_storage'"),
+    "max_size negative": (_user(max_size=-1), "'max_size'"),
+    "num_samples wrong": (_user(num_samples=5), "'num_samples'"),
+    "base_dir a number": (_user(base_dir=3), "'base_dir'"),
+    "class_counts of a class not packed": (
+        _user(class_counts={"Main/train": {"unicorn": 1}}),
+        "'class_counts'",
+    ),
+    "options a list": (_user(options=[]), "'options'"),
+    "ids missing": (_array("ids", _DELETE), "'ids'"),
+    "ids not UTF-8": (_ids_not_utf8, "'ids'"),
+    "id_offsets missing": (_array("id_offsets", _DELETE), "'id_offsets'"),
+    "id_offsets shifted": (_array("id_offsets", lambda a: a + 1), "'id_offsets'"),
+    "id_offsets descending": (_array("id_offsets", lambda a: a[::-1].copy()), "'id_offsets'"),
+    "a split lists record 10**9": (_array(_SPLIT, lambda a: a + 10**9), _SPLIT),
+    "a split lists record -1": (_array(_SPLIT, lambda a: a - 100), _SPLIT),
+    "a split of int32": (_array(_SPLIT, lambda a: a.astype("<i4")), _SPLIT),
+    "a split missing": (_array(_SPLIT, _DELETE), "'splits'"),
+    "a split not in the metadata": (_array("split/Main/extra", np.zeros(0, "<i8")), "'splits'"),
+    "columns missing": (_array("records", _DELETE), "'records'"),
+    "a list file of int32": (
+        _array("file/ImageSets/Main/train.txt", np.zeros(2, "<i4")),
+        "file/ImageSets",
+    ),
+}
+
+
+@pytest.mark.parametrize("form", ["single", "shards"])
+@pytest.mark.parametrize("case", sorted(METADATA_CASES))
+def test_invalid_voc_metadata_is_refused_at_open_naming_the_field(
+    tmp_path: Path, tiny_packs: dict[str, Path], form: str, case: str
+) -> None:
+    """Issue #11 item 5: missing keys, wrong types, out-of-range split records... raised
+    KeyError, AttributeError, IndexError or read silently wrong labels; now every reader
+    refuses them at open with FormatError naming the file and the field."""
+    edit, field = METADATA_CASES[case]
+    limits = {"max_records_per_shard": 2} if form == "shards" else {}
+    path = rebuild_pack(tiny_packs[form], tmp_path / "bad", edit, **limits)
+    for open_it in (
+        lambda: VOCPackReader(path),
+        lambda: VOCSerializedDataset(path, "train"),
+        lambda: VOCSerializedIterableDataset(path, "train"),
+        lambda: SerializedDataset(path),
+    ):
+        with pytest.raises(FormatError) as info:
+            open_it()
+        assert str(path) in str(info.value) and field in str(info.value)
+
+
+def test_a_valid_rebuild_opens(tmp_path: Path, tiny_packs: dict[str, Path]) -> None:
+    """The edits above start from a pack that reads: only the edit is refused."""
+    path = rebuild_pack(tiny_packs["single"], tmp_path / "same.tser")
+    assert len(VOCSerializedDataset(path, "trainval")) == 6
+
+
+def _objects(record: int, class_id: int) -> Any:
+    def edit(c: Contents) -> None:
+        rows = np.frombuffer(c.records[record][schema.OBJECTS], schema.OBJECT_DTYPE).copy()
+        rows["class_id"] = class_id
+        c.records[record][schema.OBJECTS] = rows.tobytes()
+
+    return edit
+
+
+def _field(record: int, field: int, data: bytes) -> Any:
+    def edit(c: Contents) -> None:
+        c.records[record][field] = data
+
+    return edit
+
+
+READ_CASES = {
+    "class id 99": (_objects(1, 99), "tv_tensors", "classes"),
+    "class id -1": (_objects(1, -1), "tv_tensors", "classes"),
+    "objects not whole rows": (_field(1, schema.OBJECTS, b"\x00" * 5), "tv_tensors", "rows"),
+    "target not JSON": (_field(1, schema.TARGET, b"{not json"), "dict", "not valid JSON"),
+    "target a list": (_field(1, schema.TARGET, b"[1, 2]"), "dict", "not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(READ_CASES))
+def test_a_damaged_record_raises_our_error_naming_it_on_every_read_path(
+    tmp_path: Path, tiny_packs: dict[str, Path], case: str
+) -> None:
+    """Per-record content is checked as it is read: class id -1 used to label an object with
+    the last class, 99 raised IndexError (and ended ``for x in dataset`` early)."""
+    edit, target_format, message = READ_CASES[case]
+    path = rebuild_pack(tiny_packs["single"], tmp_path / "bad.tser", edit)
+    pack = VOCPackReader(path)
+    where = f"record 1 (id {pack.id(1)!r})"
+    classes = "packed" if target_format == "tv_tensors" else None
+    dataset = VOCSerializedDataset(path, "train", target_format=target_format, classes=classes)
+    assert int(dataset.records[1]) == 1
+    dataset[0]  # the other records read
+    with pytest.raises(FormatError, match=message) as info:
+        dataset[1]
+    assert str(path) in str(info.value) and where in str(info.value)
+    with pytest.raises(FormatError):  # iteration does not stop early: it raises
+        list(dataset)
+    stream = VOCSerializedIterableDataset(
+        path, "train", target_format=target_format, classes=classes
+    )
+    with pytest.raises(FormatError, match=message):
+        list(stream)
+    if target_format == "tv_tensors":
+        with pytest.raises(FormatError, match=message):
+            pack.objects(1)
+
+
+def test_info_on_a_damaged_pack_exits_2_with_one_line(
+    tmp_path: Path, tiny_packs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``torch-serialized info`` died with a traceback and exit 1 (verify's "damaged" status)
+    on a class id out of range."""
+    for case, edit in (("ids", _array("id_offsets", _DELETE)), ("objects", _objects(2, 99))):
+        path = rebuild_pack(tiny_packs["single"], tmp_path / f"{case}.tser", edit)
+        assert main(["info", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and str(path) in err

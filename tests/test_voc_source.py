@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,7 @@ def test_unreadable_file_is_reported(tmp_path: Path) -> None:
     xml = root / "VOCdevkit/VOC2007/Annotations/a.xml"
     xml.unlink()
     xml.mkdir()  # reading a folder fails even as root, unlike chmod 000
-    with pytest.raises(ts.SourceDataError, match=r"a\.xml.*cannot read"):
+    with pytest.raises(ts.SourceDataError, match=r"a\.xml: the annotation is a directory"):
         ts.pack_voc(root, tmp_path / "out.tser", year="2007")
 
 
@@ -64,3 +66,88 @@ def test_absent_optional_files_are_not_opened(
 
     assert (flags & schema.HAS_MASK).any() and not (flags & schema.HAS_MASK).all()
     assert (flags & schema.HAS_OBJECT_MASK).any()
+
+
+# -- issue #11 items 3 and 8: only regular files, size-capped; missing means FileNotFoundError ---
+def _replace_with_fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+SOURCE_FILES = {
+    "image": "JPEGImages/b.jpg",
+    "annotation": "Annotations/b.xml",
+    "list file": "ImageSets/Main/train.txt",
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("what", sorted(SOURCE_FILES))
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_fifo_in_the_source_is_refused_not_waited_on(
+    tmp_path: Path, what: str, workers: int
+) -> None:
+    """A named pipe blocked ``pack_voc`` forever (open() waits for a writer)."""
+    root = tiny_devkit(tmp_path / "src", [f"{i:02d}" for i in range(8)] + ["b"])
+    fifo = root / "VOCdevkit/VOC2007" / SOURCE_FILES[what]
+    _replace_with_fifo(fifo)
+    with pytest.raises(ts.SourceDataError, match="named pipe") as info:
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007", workers=workers)
+    assert str(fifo) in str(info.value)
+    no_pack_output(tmp_path)
+
+
+@pytest.mark.timeout(30)
+def test_a_link_to_a_device_is_refused_not_read_forever(tmp_path: Path, bounded_memory) -> None:
+    """A source image that is a symlink to /dev/zero was read until memory ran out."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b"])
+    image = root / "VOCdevkit/VOC2007/JPEGImages/b.jpg"
+    image.unlink()
+    image.symlink_to("/dev/zero")
+    with pytest.raises(ts.SourceDataError, match="character device") as info:
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007")
+    assert str(image) in str(info.value)
+    skipped = ts.pack_voc(root, tmp_path / "skip.tser", year="2007", on_error="skip")
+    assert [s.id for s in skipped.skipped] == ["b"]
+
+
+def test_a_file_over_the_size_cap_is_refused_naming_it(tmp_path: Path) -> None:
+    root = tiny_devkit(tmp_path / "src", ["a", "b"])
+    image = root / "VOCdevkit/VOC2007/JPEGImages/b.jpg"
+    image.write_bytes(image.read_bytes() + bytes(5000))
+    cap = image.stat().st_size - 1
+    with pytest.raises(ts.SourceDataError, match="max_file_bytes") as info:
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007", max_file_bytes=cap)
+    assert str(image) in str(info.value) and f"{cap:,}-byte limit" in str(info.value)
+    assert ts.pack_voc(root, tmp_path / "ok.tser", year="2007", max_file_bytes=cap + 1)
+    listed = root / "VOCdevkit/VOC2007/ImageSets/Main/train.txt"  # list files too
+    with pytest.raises(ts.SourceDataError, match="limit") as info:
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007", max_file_bytes=3)
+    assert str(listed) in str(info.value)
+    with pytest.raises(ValueError, match="max_file_bytes"):
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007", max_file_bytes=0)
+
+
+@pytest.mark.parametrize("missing", ["root", "year folder", "ImageSets", "image"])
+def test_missing_source_data_is_a_file_not_found_error(tmp_path: Path, missing: str) -> None:
+    """Issue #11 item 8: torchvision's own tests expect FileNotFoundError (or RuntimeError)
+    for missing data; it is also still a SourceDataError (a ValueError), as before."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b"])
+    voc = root / "VOCdevkit/VOC2007"
+    target = {
+        "root": tmp_path / "nowhere",
+        "year folder": root,
+        "ImageSets": root,
+        "image": root,
+    }[missing]
+    if missing == "year folder":
+        shutil.rmtree(voc)
+    elif missing == "ImageSets":
+        shutil.rmtree(voc / "ImageSets")
+    elif missing == "image":
+        (voc / "JPEGImages/b.jpg").unlink()
+    with pytest.raises(FileNotFoundError) as info:
+        ts.pack_voc(target, tmp_path / "out.tser", year="2007")
+    assert isinstance(info.value, ts.SourceNotFoundError)
+    assert isinstance(info.value, ts.SourceDataError) and isinstance(info.value, ValueError)
+    no_pack_output(tmp_path)

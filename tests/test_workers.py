@@ -46,7 +46,7 @@ def test_reopen_finds_datasets_inside_wrappers(synthetic_packs: Any) -> None:
 
 def test_reopen_is_idempotent_in_one_process(synthetic_packs: Any) -> None:
     ds = ts.VOCSerializedDataset(synthetic_packs.single, "train", decode="none")
-    shard = ds.pack.reader.shards[0]
+    shard = ds.pack.reader.shard(0)
     before = shard._local
     ts.workers.reopen_dataset(ds)
     ts.workers.reopen_dataset(ds)

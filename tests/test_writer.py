@@ -18,6 +18,8 @@ from _container_helpers import (
     COLUMNS,
     FIELDS,
     FORMS,
+    SHARDED,
+    catalog_file,
     container_files,
     listing,
     parse_container,
@@ -80,7 +82,7 @@ def test_round_trip(form, data, limit):
             assert arrays["records"].tobytes() == expected_rows.tobytes()
         assert reader.verify() == []
 
-        # the layout, read by the independent parser: alignment and shard limits
+        # the layout, read by the independent parser: alignment, shard limits, bindings
         files = container_files(out)
         total = 0
         for s, file in enumerate(files):
@@ -90,7 +92,6 @@ def test_round_trip(form, data, limit):
             assert meta["index"]["offset"] % 64 == 0
             assert all(d["offset"] % 64 == 0 for d in meta["arrays"].values())
             m = meta["num_records"]
-            total += m
             if form == "shards":
                 assert m <= limit.get("max_records_per_shard", m)
                 assert m >= 1 or len(files) == 1
@@ -98,16 +99,40 @@ def test_round_trip(form, data, limit):
                     assert (
                         int((index["offset"] + index["length"]).max()) <= limit["max_shard_bytes"]
                     )
-                dataset_level = {a for a, d in meta["arrays"].items() if not d["per_record"]}
-                assert dataset_level == (set(data["arrays"]) if s == len(files) - 1 else set())
+                assert all(d["per_record"] for d in meta["arrays"].values())  # all in the catalog
+                assert meta["user"] == {}
+                assert meta["pack"] == {
+                    "pack_id": reader.manifest.pack_id,
+                    "role": "shard",
+                    "index": s,
+                    "first_record": total,
+                    "num_records": m,
+                }
+            else:
+                assert meta["pack"]["role"] == "single" and meta["user"] == data["user"]
+            total += m
         assert total == n
         if form == "shards":
             manifest = json.loads((out / fmt.MANIFEST_NAME).read_text())
-            assert manifest["num_records"] == n and manifest["user"] == data["user"]
+            assert manifest["num_records"] == n and "user" not in manifest
+            token = manifest["catalog"]["file"][len("catalog-") : -len(".tser")]
             assert [e["file"] for e in manifest["shards"]] == [
-                f"shard-{s:05d}.tser" for s in range(len(files))
+                f"shard-{s:05d}-{token}.tser" for s in range(len(files))
             ]
             assert [e["bytes"] for e in manifest["shards"]] == [f.stat().st_size for f in files]
+            assert listing(out) == sorted(
+                [fmt.MANIFEST_NAME, f"catalog-{token}.tser"] + [f.name for f in files]
+            )
+            meta, index = parse_container(catalog_file(out))
+            assert index.shape == (0, len(data["fields"])) and meta["user"] == data["user"]
+            assert not any(d["per_record"] for d in meta["arrays"].values())
+            assert set(meta["arrays"]) == expected_names
+            assert meta["pack"] == {
+                "pack_id": manifest["pack_id"],
+                "role": "catalog",
+                "num_records": n,
+                "num_shards": len(files),
+            }
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -139,7 +164,7 @@ def test_record_of_many_mib(tmp_path, form):
     assert [bytes(reader.field(i, 0)) for i in range(3)] == [b"small", big, b""]
     assert bytes(reader.field(2, 1)) == b"after"
     if form == "shards":
-        assert [s.num_records for s in reader.shards] == [1, 1, 1]
+        assert [e.num_records for e in reader.entries] == [1, 1, 1]
     assert reader.verify() == []
 
 
@@ -214,6 +239,78 @@ def test_refuses_to_overwrite_what_is_not_a_pack(tmp_path, kind):
         "my thesis",
         "x",
     )
+
+
+def _manifest_copy(tmp_path: Path) -> bytes:
+    return (write_pack(tmp_path / "model", 3, **SHARDED) / fmt.MANIFEST_NAME).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda d, m: (d / fmt.MANIFEST_NAME).write_text("{}"), id="junk-manifest"),
+        pytest.param(lambda d, m: (d / fmt.MANIFEST_NAME).write_bytes(m), id="manifest-alone"),
+        pytest.param(
+            lambda d, m: (d / fmt.MANIFEST_NAME).write_bytes(m[:-30] + m[-29:]), id="damaged"
+        ),
+        pytest.param(lambda d, m: (d / fmt.MANIFEST_NAME).mkdir(), id="manifest-is-folder"),
+    ],
+)
+def test_folder_with_a_manifest_is_not_replaced_unless_it_is_a_pack(tmp_path, build):
+    """Issue #11 item 1: a folder that merely holds a file named manifest.json, with other
+    files beside it, is someone's data: refused with WriteError, nothing deleted."""
+    manifest = _manifest_copy(tmp_path)
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "thesis.txt").write_text("years of work")
+    build(out, manifest)
+    before = sorted(p.name for p in out.iterdir())
+    for options in ({}, SHARDED):
+        with pytest.raises(WriteError, match="not a torch_serialized pack") as info:
+            write_pack(out, 3, **options)
+        assert isinstance(info.value, OSError) and str(out) in str(info.value)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (out / "thesis.txt").read_text() == "years of work"
+
+
+def test_pack_folder_with_a_foreign_file_is_not_replaced(tmp_path):
+    out = write_pack(tmp_path / "pack", 3, **SHARDED)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(WriteError, match="'notes.txt'"):
+        write_pack(out, 3, **SHARDED)
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    (out / "sub").mkdir()  # a folder named like nothing of the pack
+    with pytest.raises(WriteError, match="'sub'"):
+        write_pack(out, 3)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [fmt.MAGIC, fmt.MAGIC + bytes(200), fmt.pack_header(64)[:-1] + b"\x00" + bytes(100)],
+    ids=["magic-only", "magic-then-zeros", "bad-header-crc"],
+)
+def test_file_that_only_starts_like_a_pack_is_not_replaced(tmp_path, content):
+    out = tmp_path / "x.tser"
+    out.write_bytes(content)
+    with pytest.raises(WriteError, match="not a torch_serialized pack"):
+        write_pack(out, 3)
+    assert out.read_bytes() == content
+
+
+def test_our_packs_are_replaced_in_either_form(tmp_path):
+    """A verified pack (a truncated one included: its header is ours) is replaced, also by a
+    pack of the other form; our own stale temporaries inside a folder do not block it."""
+    out = write_pack(tmp_path / "p", 3, **SHARDED)
+    (out / ".manifest.json.tmp-999999999-0123abcd").write_text("left by a killed writer")
+    write_pack(out, 4, **SHARDED)
+    assert len(open_pack(out)) == 4
+    write_pack(out, 5)  # folder -> file
+    assert len(open_pack(out)) == 5
+    data = out.read_bytes()
+    out.write_bytes(data[: len(data) // 2])  # truncated: still ours
+    write_pack(out, 6, **SHARDED)  # file -> folder
+    assert len(open_pack(out)) == 6
 
 
 def test_missing_output_folder(tmp_path):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import os
+import struct
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +35,11 @@ __all__ = [
     "build_corner_case_devkit",
     "encode_xml",
     "jpeg",
+    "jpeg_claiming",
     "obj",
     "palette_mask",
     "png",
+    "png_claiming",
     "real_voc_roots",
     "smooth_rgb",
     "tiny_devkit",
@@ -165,6 +169,31 @@ def palette_mask(w: int, h: int, seed: int = 0, values: Sequence[int] | None = N
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A 100-byte PNG whose header claims ``width`` x ``height`` RGB pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(bytes(64)))
+        + chunk(b"IEND", b"")
+    )
+
+
+def jpeg_claiming(width: int, height: int) -> bytes:
+    """A tiny real JPEG whose SOF0 header is patched to claim ``width`` x ``height``."""
+    data = bytearray(jpeg(16, 16))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
 
 
 # --- annotation XML -----------------------------------------------------------------------------

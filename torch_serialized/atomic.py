@@ -15,13 +15,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
 
-__all__ = ["AtomicOutput", "temp_sibling", "clean_stale", "replace_file", "remove"]
+__all__ = [
+    "AtomicOutput",
+    "temp_sibling",
+    "is_temporary",
+    "clean_stale",
+    "replace_file",
+    "replace_file_at",
+    "remove",
+]
 
 _KINDS = ("tmp", "old")
+_TEMPORARY = re.compile(r"\..+\.(?:tmp|old)-\d+-[0-9a-f]{8}", re.S)
 
 
 def temp_sibling(final: Path, kind: str = "tmp") -> Path:
@@ -29,6 +39,11 @@ def temp_sibling(final: Path, kind: str = "tmp") -> Path:
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
     return final.parent / f".{final.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is one of ours from ``temp_sibling``: ``.{name}.{tmp|old}-{pid}-{hex}``."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
 def clean_stale(final: Path) -> None:
@@ -129,6 +144,23 @@ def replace_file(target: Path, data: bytes | memoryview) -> None:
     except BaseException:
         with contextlib.suppress(OSError):
             temp.unlink()
+        raise
+
+
+def replace_file_at(folder: int, name: str, data: bytes | memoryview) -> None:
+    """``replace_file`` inside the folder open as descriptor ``folder``: nothing is resolved by
+    path, so no symbolic link along the way is followed (the temporary is created with
+    ``O_NOFOLLOW | O_EXCL``; ``rename`` replaces a link at ``name`` itself)."""
+    temp = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(temp, flags | getattr(os, "O_CLOEXEC", 0), 0o666, dir_fd=folder)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=folder)
         raise
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import math
 import os
 import re
 import sys
 import time
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,11 +33,14 @@ import numpy as np
 from . import format as fmt
 from ._version import __version__
 from .errors import ChecksumError, TorchSerializedError
+from .safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
 
 __all__ = ["main", "parse_size"]
 
 PROG = "torch-serialized"
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
+#: What a shell reports for a process a closed pipe stopped (128 + SIGPIPE), as ``ls | head``.
+EXIT_BROKEN_PIPE = 141
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 _UNITS = {
@@ -84,6 +89,7 @@ def _mb(num_bytes: float) -> str:
 
 # -- pack ---------------------------------------------------------------------------------------
 def _cmd_pack(args: argparse.Namespace) -> int:
+    from .reader import open_pack
     from .voc.layout import find_voc_root, read_image_sets
     from .voc.pack import pack_voc
 
@@ -111,9 +117,10 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         check_images=args.check_images,
         on_error="skip" if args.skip_bad else "raise",
         progress=not args.quiet,
+        max_file_bytes=args.max_file_size,
     )
     seconds = max(result.seconds, 1e-9)
-    files = len(list(result.path.glob(f"*{fmt.FILE_SUFFIX}"))) if result.path.is_dir() else 1
+    files = open_pack(result.path).num_shards
     ratio = result.num_bytes / result.source_bytes if result.source_bytes else float("nan")
     how = "as asked" if args.year else "found in the folder names; --year picks another"
     print(f"packed {result.num_samples} samples of {result.voc_root}")
@@ -144,11 +151,10 @@ def _pack_info(path: str) -> dict[str, Any]:
     flags = columns["flags"].astype(np.int64)
     histogram: Counter[str] = Counter()
     for record in range(len(pack)):
-        rows = np.frombuffer(pack.field(record, schema.OBJECTS), dtype=schema.OBJECT_DTYPE)
-        histogram.update(pack.classes[c] for c in rows["class_id"].tolist())
+        histogram.update(pack.classes[c] for c in pack.objects(record)["class_id"].tolist())
     sizes = Counter(zip(columns["width"].tolist(), columns["height"].tolist()))
     num_objects = columns["num_objects"]
-    major, minor = reader.shards[0].version
+    major, minor = reader.version
     return {
         "path": reader.path,
         "format_version": f"{major}.{minor}",
@@ -177,12 +183,8 @@ def _pack_info(path: str) -> dict[str, Any]:
         "source_bytes": meta.get("source_bytes"),
         "sharded": reader.manifest is not None,
         "shards": [
-            {
-                "file": os.path.basename(s.path),
-                "records": s.num_records,
-                "bytes": os.path.getsize(s.path),
-            }
-            for s in reader.shards
+            {"file": entry.file, "records": entry.num_records, "bytes": entry.bytes}
+            for entry in reader.entries
         ],
         "skipped": meta.get("skipped", []),
     }
@@ -205,10 +207,11 @@ def _shard_of(path: str) -> tuple[Path, int, int] | None:
     if not file.is_file() or not manifest.is_file():
         return None
     try:
-        shards = fmt.parse_manifest(manifest.read_bytes(), str(manifest))["shards"]
+        data = read_regular_file(manifest, fmt.MAX_MANIFEST_BYTES, "manifest")
+        shards = fmt.parse_manifest(data, str(manifest)).shards
     except (TorchSerializedError, OSError):
         return None
-    names = [entry["file"] for entry in shards]
+    names = [entry.file for entry in shards]
     if file.name not in names:
         return None
     return file.parent, names.index(file.name), len(names)
@@ -245,8 +248,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     info = _pack_info(args.path)
-    if args.json:
-        print(json.dumps(info, indent=1, ensure_ascii=False))
+    if args.json:  # JSON escapes C0 controls itself; the rest become \\u escapes
+        print(printable(json.dumps(info, indent=1, ensure_ascii=False), json_text=True))
         return EXIT_OK
     options = ", ".join(f"{k}={v}" for k, v in info["options"].items())
     sets = "; ".join(
@@ -286,14 +289,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
         for name, count in info["classes"].items():
             bar = "#" * max(1, round(30 * count / top))
             lines.append(f"    {name:<{width}} {count:>7}  {bar}")
-    print("\n".join(lines))
+    print("\n".join(printable(line) for line in lines))
     return EXIT_OK
 
 
 # -- verify -------------------------------------------------------------------------------------
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .reader import PackReader
-    from .voc.reader import VOCPackReader
 
     started = time.perf_counter()
     try:
@@ -302,15 +304,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         message = _describe(exc)
         _error(message if str(args.path) in message else f"cannot open {args.path}: {message}")
         return EXIT_ERROR
-    bad = reader.verify()
+    bad: list[int] = []
+    bad_shards: list[str] = []  # shards that fail their own checks: every record is suspect
+    for s, start in enumerate(reader.starts[:-1].tolist()):
+        try:
+            shard = reader.shard(s)
+        except (TorchSerializedError, OSError) as exc:
+            bad_shards.append(_describe(exc))
+            continue
+        bad.extend(start + i for i in shard.verify())
     seconds = time.perf_counter() - started
-    files = len(reader.shards)
+    files = reader.num_shards
     where = f"{reader.path} ({len(reader)} records in {files} {'file' if files == 1 else 'shards'})"
-    if not bad:
+    if not bad and not bad_shards:
         print(
-            f"OK {where}: header, footer, metadata, index, arrays and all "
-            f"{len(reader) * len(reader.fields)} field checksums match "
-            f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
+            printable(
+                f"OK {where}: header, footer, metadata, index, arrays and all "
+                f"{len(reader) * len(reader.fields)} field checksums match "
+                f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
+            )
         )
         piece = _shard_of(args.path)
         if piece is not None:
@@ -320,12 +332,30 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 f"{PROG} verify {folder} checks the whole pack."
             )
         return EXIT_OK
+    lines = []
+    if bad_shards:
+        lines.append(f"FAILED {where}: {len(bad_shards)} damaged shard(s)")
+        lines += [f"  {' '.join(message.split())}" for message in bad_shards]
+    if bad:
+        lines.append(f"FAILED {where}: {len(bad)} damaged record(s)")
+        lines += _damaged_records(args.path, reader, bad)
+    lines.append("Re-copy the pack or re-pack the dataset.")
+    print("\n".join(printable(line) for line in lines))
+    return EXIT_DAMAGED
+
+
+def _damaged_records(path: str, reader: Any, bad: list[int]) -> list[str]:
+    """One line per damaged record: its id when the pack is a readable VOC pack, its shard,
+    and the fields that fail their checksum."""
+    from .reader import PackReader
+    from .voc.reader import VOCPackReader
+
     try:
-        ids: Callable[[int], str] | None = VOCPackReader(args.path).id
-    except (TorchSerializedError, OSError, KeyError):
+        ids: Callable[[int], str] | None = VOCPackReader(path).id
+    except (TorchSerializedError, OSError):
         ids = None
-    checked = PackReader(args.path, checked=True)
-    print(f"FAILED {where}: {len(bad)} damaged record(s)")
+    checked = PackReader(path, checked=True)
+    lines = []
     for record in bad:
         failing = []
         for k, name in enumerate(reader.fields):
@@ -337,11 +367,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         label = f"record {record}"
         if ids is not None:
             label += f" (id {_safe_id(ids, record)})"
-        if files > 1:
+        if reader.num_shards > 1:
             label += f" [{os.path.basename(shard.path)} record {local}]"
-        print(f"  {label}: field(s) {', '.join(failing)} fail their checksum")
-    print("Re-copy the file or re-pack the dataset.")
-    return EXIT_DAMAGED
+        lines.append(f"  {label}: field(s) {', '.join(failing)} fail their checksum")
+    return lines
 
 
 def _safe_id(ids: Callable[[int], str], record: int) -> str:
@@ -433,9 +462,9 @@ def _parser() -> argparse.ArgumentParser:
         "pack a VOCdevkit into a .tser file or a shard folder",
         "Pack every id listed in ImageSets/Main and ImageSets/Segmentation (images, XML, "
         "masks and list files) into OUTPUT. With a shard option OUTPUT is a folder of "
-        "shards plus manifest.json. The output appears atomically when packing succeeds. "
-        "An existing OUTPUT is replaced only with --overwrite (as export), and only if it is "
-        "a pack.",
+        "shards, a catalog and manifest.json. The output appears atomically when packing "
+        "succeeds. An existing OUTPUT is replaced only with --overwrite (as export), and only "
+        "if it is a pack torch_serialized wrote.",
     )
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")
     pack.add_argument("output", help="the .tser file (or shard folder) to write")
@@ -484,6 +513,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     pack.add_argument(
         "--overwrite", action="store_true", help="replace OUTPUT if it exists (a pack only)"
+    )
+    pack.add_argument(
+        "--max-file-size",
+        type=parse_size,
+        default=DEFAULT_MAX_FILE_BYTES,
+        metavar="SIZE",
+        help="refuse a source file larger than SIZE (default 1GiB; e.g. 4GiB)",
     )
     pack.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pack.set_defaults(run=_cmd_pack)
@@ -575,8 +611,33 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def printable(text: str, *, json_text: bool = False) -> str:
+    """``text`` with every character a terminal could act on escaped (``\\x1b``, ``\\u202e``):
+    C0 and C1 controls, DEL, format characters (bidirectional overrides...), line or paragraph
+    separators, unassigned and private code points. A pack's metadata is untrusted; what
+    ``info`` prints of it must not move the cursor, recolour the terminal or reorder the text
+    around it. ``json_text``: escapes as JSON spells them (``\\u001b``), for JSON output."""
+    return _UNPRINTABLE.sub(functools.partial(_escape, json_text=json_text), text)
+
+
+#: C0 controls but the newline, DEL and C1 controls; any other non-ASCII character is looked
+#: up (``_escape``), which keeps the scan cheap for ASCII text.
+_UNPRINTABLE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]|[^\x00-\x7f]")
+
+
+def _escape(match: re.Match[str], *, json_text: bool) -> str:
+    char = match.group()
+    code = ord(char)
+    if code > 0x9F and unicodedata.category(char) not in ("Cf", "Zl", "Zp", "Cs", "Co", "Cn"):
+        return char  # a printable letter, digit, mark or symbol of any script
+    if code < 0x100 and not json_text:
+        return f"\\x{code:02x}"
+    units = char.encode("utf-16-be", "surrogatepass")  # a surrogate pair above U+FFFF, as JSON
+    return "".join(f"\\u{units[i] << 8 | units[i + 1]:04x}" for i in range(0, len(units), 2))
+
+
 def _error(message: str) -> None:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"{PROG}: error: {printable(' '.join(message.split()))}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -584,6 +645,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         status: int = args.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (``info PACK | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         if args.debug:
             raise
@@ -594,7 +659,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _error(_describe(exc))
         return EXIT_ERROR
-    sys.stdout.flush()
     return status
 
 

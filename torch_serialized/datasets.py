@@ -325,10 +325,10 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         record = self._record(index)
         image, mask = self._fetch(record)
-        return self._apply(self.decoder.image(record, image), self.decoder.mask(mask))
+        return self._apply(self.decoder.image(record, image), self.decoder.mask(record, mask))
 
     def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
-        return [self.decoder.mask(mask) for mask in data]
+        return [self.decoder.mask(r, mask) for r, mask in zip(records, data)]
 
 
 #: The ``__getitem__`` methods that ``__getitems__`` reproduces in batch form.

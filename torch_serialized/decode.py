@@ -5,6 +5,12 @@ the caller reads a record's fields (a view into the map, or a private copy from 
 read) and passes them in; the decoder never reads the pack. One ``SampleDecoder`` serves both
 the map-style and the iterable datasets, so the two return identical samples. ``decode`` picks
 the image path (see ``Decode``), ``target_format`` the target (see ``TargetFormat``).
+
+Stored bytes are untrusted: every decode path (PIL, ``decode_jpeg``, raw pixels, masks) checks
+the size an image declares against Pillow's ``MAX_IMAGE_PIXELS`` rule before anything is
+allocated (``ImageTooLargeError``), and a record whose bytes cannot be decoded, whose target is
+not a JSON object or whose class ids are out of range raises ``FormatError`` naming the pack,
+the record and its id: never a foreign exception, never a wrong label.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.functional import pil_to_tensor
 
+from .errors import FormatError, ImageTooLargeError
 from .voc import schema
 from .voc.classes import VOC_CLASSES
+from .voc.images import check_pixels, declared_size, jpeg_size
 from .voc.reader import VOCPackReader
 
 __all__ = ["Decode", "TargetFormat", "Classes", "SampleDecoder", "label_names"]
@@ -74,8 +82,8 @@ def label_names(pack: VOCPackReader, classes: Classes) -> list[str]:
 class SampleDecoder:
     """Decodes the fields of records of one pack, for one image set.
 
-    It keeps what decoding needs from the pack (image sizes, label ids, storage kind), not
-    the pack itself.
+    It keeps what decoding needs from the pack (image sizes, label ids, storage kind) and how
+    to name a record in an error (``VOCPackReader.where``), not the pack itself.
     """
 
     def __init__(
@@ -94,6 +102,7 @@ class SampleDecoder:
             raise ValueError(f"target_format must be 'dict' or 'tv_tensors', got {target_format!r}")
         self.decode = decode
         self.target_format = target_format
+        self._where = pack.where  # names a record in errors: the decoder never reads the pack
         #: tensors of stored bytes (``decode="none"``, raw pixels) view the map, not a copy
         self.zero_copy = zero_copy
         self._quiet_pid: int | None = None  # the process torch's warning was silenced in
@@ -101,6 +110,9 @@ class SampleDecoder:
         self.label_names = label_names(pack, classes)
         position = {name: i for i, name in enumerate(self.label_names)}
         self._labels = np.array([position.get(n, -1) for n in pack.classes], dtype=np.int64)
+        #: pack classes outside the label list (-1 above): checked per read, as the class
+        #: counts that ruled them out for this image set below are only the metadata's word
+        self._unknown = bool((self._labels < 0).any())
         columns = pack.columns
         #: (height, width) of every stored image; one small array, read per sample
         self._sizes = np.stack([columns["height"], columns["width"]], axis=1).astype(np.int64)
@@ -127,17 +139,19 @@ class SampleDecoder:
 
     def target_reader(self) -> Callable[[int, Buffer], Any]:
         """``target`` with its dispatch done once (see ``image_reader``)."""
-        return _dict_target if self.target_format == "dict" else self.target
+        return self._dict_target if self.target_format == "dict" else self.target
 
     def image(self, record: int, data: Buffer) -> Any:
         """The image of ``record`` from ``data``, its ``schema.IMAGE`` field."""
         if self.raw:
             return self._raw_image(record, data)
         if self.decode == "pil":
-            return Image.open(_stream(data)).convert("RGB")
+            return self._rgb(record, data)
         if self.decode == "none":
             return self._tensor(data)
-        if bytes(data[:2]) == _JPEG_SOI:
+        size = jpeg_size(_view(data))
+        if size is not None:
+            self._check_pixels(record, size, warn=True)
             try:
                 with warnings.catch_warnings():
                     warnings.filterwarnings(
@@ -146,10 +160,48 @@ class SampleDecoder:
                     return decode_jpeg(_owned_tensor(data), mode=ImageReadMode.RGB)
             except RuntimeError:
                 pass  # a JPEG flavour libjpeg in torchvision refuses: PIL below decides
-        return pil_to_tensor(Image.open(_stream(data)).convert("RGB"))
+        return pil_to_tensor(self._rgb(record, data))
+
+    def _check_pixels(self, record: int, size: tuple[int, int], *, warn: bool) -> None:
+        """``voc.images.check_pixels`` with the limit read now; the record is named (its id
+        looked up) only when the size is over the limit."""
+        limit = Image.MAX_IMAGE_PIXELS
+        if limit and size[0] * size[1] > (limit if warn else 2 * limit):
+            check_pixels(size, self._where(record), ImageTooLargeError)
+
+    def _rgb(self, record: int, data: Buffer) -> Image.Image:
+        """The stored image decoded by PIL to RGB, exactly as torchvision's loader does."""
+        image = self._pil(record, data, "image")
+        try:
+            return image.convert("RGB")
+        except Image.DecompressionBombError as exc:
+            raise ImageTooLargeError(f"{self._where(record)}: the image: {exc}") from None
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise _undecodable(self._where(record), "image", exc) from exc
+
+    def _pil(self, record: int, data: Buffer, what: str) -> Image.Image:
+        """``data`` opened by PIL (lazily, as torchvision opens a file: only the header is
+        read), its declared size checked first; PIL's errors as ours, naming the record."""
+        size = declared_size(_view(data))
+        if size is not None:
+            self._check_pixels(record, size, warn=False)  # PIL itself warns below
+        try:
+            return Image.open(_stream(data))
+        except Image.DecompressionBombError as exc:
+            raise ImageTooLargeError(f"{self._where(record)}: the {what}: {exc}") from None
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise _undecodable(self._where(record), what, exc) from exc
 
     def _raw_image(self, record: int, data: Buffer) -> Any:
         height, width = self._sizes[record].tolist()
+        # the same rule as every decode path, though the columns must also match the bytes
+        self._check_pixels(record, (width, height), warn=True)
+        if len(data) != width * height * 3:
+            raise FormatError(
+                f"{self._where(record)}: {len(data)} bytes of raw pixels for a "
+                f"{width}x{height} RGB image ({width * height * 3} bytes); the pack is "
+                "damaged, re-pack it"
+            )
         if self.decode == "pil":
             return Image.frombytes("RGB", (width, height), bytes(data))
         pixels = self._tensor(data)
@@ -174,25 +226,70 @@ class SampleDecoder:
     def target(self, record: int, data: Buffer) -> Any:
         """The target of ``record`` from ``data``, its ``target_field``."""
         if self.target_format == "dict":
-            return schema.decode_target(_view(data))
-        objects = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
+            return self._dict_target(record, data)
+        objects, labels = self._objects(record, data)
         return {
             "boxes": _boxes(
                 torch.from_numpy(objects["box"].copy()), tuple(self._sizes[record].tolist())
             ),
-            "labels": torch.from_numpy(self._labels[objects["class_id"]]),
+            "labels": torch.from_numpy(labels),
             "difficult": torch.from_numpy(objects["difficult"].astype(bool)),
         }
+
+    def _dict_target(self, record: int, data: Buffer) -> dict[str, Any]:
+        """The stored target JSON as torchvision's dict; damaged bytes raise ours."""
+        try:
+            target = schema.decode_target(_view(data))
+        except ValueError as exc:  # orjson.JSONDecodeError
+            raise FormatError(
+                f"{self._where(record)}: the stored target is not valid JSON ({exc}); "
+                "the pack is damaged, re-pack it"
+            ) from None
+        if type(target) is not dict:
+            raise FormatError(
+                f"{self._where(record)}: the stored target is not a JSON object; "
+                "the pack is damaged, re-pack it"
+            )
+        return target
+
+    def _objects(self, record: int, data: Buffer) -> tuple[np.ndarray, np.ndarray]:
+        """The stored object rows of ``record`` and their labels, the class ids checked
+        against the pack's classes and this decoder's label list (never a wrong label, never
+        a wrapped index)."""
+        try:
+            objects = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
+            # unsigned: -1 must fail the lookup, not wrap to the last class
+            labels = self._labels[objects["class_id"].view(np.uint32)]
+        except (ValueError, IndexError):
+            raise FormatError(
+                f"{self._where(record)}: the stored objects are not rows of "
+                f"{len(self._labels)} known classes; the pack is damaged, re-pack it"
+            ) from None
+        if self._unknown and bool((labels < 0).any()):
+            raise FormatError(
+                f"{self._where(record)}: an object's class is not in the label list, though "
+                "the pack's class counts said so; the pack is damaged, re-pack it"
+            )
+        return objects, labels
 
     def targets(self, records: Sequence[int], data: Sequence[Buffer]) -> list[Any]:
         """``[self.target(r, d) for r, d in zip(records, data)]``, built for the whole batch:
         ``tv_tensors`` targets come from one array per key, split into per-sample views."""
         if self.target_format == "dict":
-            return [schema.decode_target(_view(d)) for d in data]
+            return [self._dict_target(r, d) for r, d in zip(records, data)]
+        size = schema.OBJECT_DTYPE.itemsize
+        if any(len(d) % size for d in data):  # damaged: the per-record path names the record
+            return [self.target(r, d) for r, d in zip(records, data)]
         objects = np.frombuffer(b"".join(_view(d) for d in data), dtype=schema.OBJECT_DTYPE)
-        counts = [len(d) // schema.OBJECT_DTYPE.itemsize for d in data]
+        ids = objects["class_id"].view(np.uint32)
+        labels = self._labels
+        if len(ids) and (
+            int(ids.max()) >= len(labels) or (self._unknown and (labels[ids] < 0).any())
+        ):
+            return [self.target(r, d) for r, d in zip(records, data)]
+        counts = [len(d) // size for d in data]
         boxes = torch.from_numpy(objects["box"].copy()).split(counts)
-        labels = torch.from_numpy(self._labels[objects["class_id"]]).split(counts)
+        labels = torch.from_numpy(self._labels[ids]).split(counts)
         difficult = torch.from_numpy(objects["difficult"].astype(bool)).split(counts)
         sizes = self._sizes[np.asarray(records, dtype=np.int64)].tolist()
         return [
@@ -200,20 +297,31 @@ class SampleDecoder:
             for b, lab, d, size in zip(boxes, labels, difficult, sizes)
         ]
 
-    def mask(self, data: Buffer) -> Image.Image:
-        """A SegmentationClass mask from its ``schema.MASK`` field, as PIL opens the PNG
-        (mode P, palette)."""
-        return Image.open(_stream(data))
+    def mask(self, record: int, data: Buffer) -> Image.Image:
+        """A SegmentationClass mask from its ``schema.MASK`` field, as PIL opens the PNG (mode
+        P, palette), its declared size checked first and its pixels decoded here, so damaged
+        bytes raise our error naming the record rather than PIL's later in a transform."""
+        mask = self._pil(record, data, "mask")
+        try:
+            mask.load()
+        except Image.DecompressionBombError as exc:
+            raise ImageTooLargeError(f"{self._where(record)}: the mask: {exc}") from None
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise _undecodable(self._where(record), "mask", exc) from exc
+        return mask
+
+
+def _undecodable(where: str, what: str, exc: BaseException) -> FormatError:
+    return FormatError(
+        f"{where}: the stored {what} cannot be decoded ({type(exc).__name__}: {exc}); the "
+        "source file was damaged (pack with check_images=True to find such files) or the "
+        "pack is, re-pack it"
+    )
 
 
 def _bytes_image(record: int, data: Buffer) -> torch.Tensor:
     """``SampleDecoder.image`` for ``decode="none"`` without ``zero_copy``: a copy it owns."""
     return _owned_tensor(data)
-
-
-def _dict_target(record: int, data: Buffer) -> Any:
-    """``SampleDecoder.target`` for ``target_format="dict"``."""
-    return schema.decode_target(_view(data))
 
 
 def _boxes(tensor: torch.Tensor, canvas_size: tuple[int, int]) -> tv_tensors.BoundingBoxes:

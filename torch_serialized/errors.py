@@ -14,9 +14,11 @@ __all__ = [
     "TruncatedFileError",
     "UnsupportedVersionError",
     "ChecksumError",
+    "ImageTooLargeError",
     "FileChangedError",
     "WriteError",
     "SourceDataError",
+    "SourceNotFoundError",
     "RemoteError",
     "RemoteNotFoundError",
     "RemoteAccessError",
@@ -48,6 +50,13 @@ class ChecksumError(CorruptFileError):
     """A record's bytes do not match the checksum stored when it was written."""
 
 
+class ImageTooLargeError(FormatError):
+    """A stored image or mask declares more pixels than Pillow's ``Image.MAX_IMAGE_PIXELS``
+    allows (twice the limit, as Pillow's own ``DecompressionBombError``): refused before any
+    pixel memory is allocated. Raise the limit as you would for Pillow if the image is
+    genuine."""
+
+
 class FileChangedError(TorchSerializedError, OSError):
     """A packed file was replaced on disk while a dataset still referred to it."""
 
@@ -58,6 +67,11 @@ class WriteError(TorchSerializedError, OSError):
 
 class SourceDataError(TorchSerializedError, ValueError):
     """The VOC source data given to the packer is missing, malformed or unsafe."""
+
+
+class SourceNotFoundError(SourceDataError, FileNotFoundError):
+    """A VOC source folder or file that must exist does not; also a ``FileNotFoundError``, as
+    torchvision's own datasets raise for missing data."""
 
 
 class RemoteError(TorchSerializedError, OSError):

@@ -1,4 +1,4 @@
-"""The torch_serialized container format, version 1.0: the one place it is specified.
+"""The torch_serialized container format, version 1.1: the one place it is specified.
 
 docs/FORMAT.md says the same in prose; ``tests/test_format.py`` checks that the two agree.
 
@@ -23,7 +23,7 @@ Footer (``FOOTER``): ``meta_offset`` u64, ``meta_length`` u64, ``file_size`` u64
 bytes, ``footer_crc32`` u32 of the preceding 52 bytes, ``magic`` (8 bytes). A file whose
 last 8 bytes are not the magic, or whose size differs from ``file_size``, is truncated.
 
-Metadata (JSON object) keys:
+Metadata (strict JSON object, see ``loads_json``) keys:
 
 - ``format``: ``"torch_serialized"``; ``format_version``: ``[major, minor]``;
 - ``created_by``: the writing software (informative);
@@ -32,7 +32,8 @@ Metadata (JSON object) keys:
 - ``index``: an array descriptor for the record index, shape ``(N, K)``, dtype
   ``INDEX_DTYPE`` (offset u64, length u64, crc32 u32, reserved u32);
 - ``arrays``: name -> array descriptor, plus ``per_record`` (first axis is ``N``);
-- ``user``: the writer's own metadata object (schema, packing options, counts...).
+- ``user``: the writer's own metadata object (schema, packing options, counts...);
+- ``pack`` (1.1): the container's ``binding`` to its pack (pack id, role, place).
 
 An array descriptor is ``{"dtype", "shape", "offset", "nbytes", "crc32"}``. ``dtype`` is a
 simple type code (exactly one of ``|b1 |i1 |u1 <i2 <i4 <i8 <u2 <u4 <u8 <f2 <f4 <f8``) or a
@@ -42,29 +43,35 @@ index; ``verify`` recomputes them.
 
 Readers MUST reject a newer ``major``; they MAY read a newer ``minor`` (additions only).
 
-A shard set is a folder of containers plus ``MANIFEST_NAME``, a JSON object: ``format``
-(``MANIFEST_FORMAT``), ``version`` (``MANIFEST_VERSION``), ``created_by``, ``num_records``,
-``fields``, ``shards`` (``{"file", "num_records", "bytes", "meta_crc32"}`` each, in record
-order) and ``user``.
+A shard folder holds shards, a catalog (a 0-record container with the dataset-level arrays,
+every record's columns and ``user``) and ``MANIFEST_NAME``: strict JSON naming each with its
+size and ``meta_crc32``, protected by ``checksum`` (sha256 of the canonical JSON of every other
+key); every member carries its ``binding``, so a file swapped, duplicated or taken from another
+pack is refused (docs/FORMAT.md, "Integrity rules"). Manifest version 1 (0.1.0) is still read.
 
 Each structure has its writing and its reading function side by side: ``pack_header`` /
 ``unpack_header``, ``pack_footer`` / ``unpack_footer``, ``array_descriptor`` /
-``check_descriptor``, ``build_metadata`` / ``parse_metadata``, ``build_manifest`` /
-``parse_manifest``.
+``check_descriptor``, ``binding`` / ``parse_binding``, ``build_metadata`` / ``parse_metadata``,
+``build_manifest`` / ``parse_manifest``.
 """
 
 # More than 400 lines: the whole specification in one module, docs/FORMAT.md's twin, each
-# structure's writing and reading functions side by side.
+# structure's writing and reading functions side by side, the manifest's included.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import math
 import re
+import secrets
 import struct
+import unicodedata
 import zlib
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -86,6 +93,13 @@ __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_FORMAT",
     "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "MAX_META_BYTES",
+    "MAX_JSON_DEPTH",
+    "ROLE_SINGLE",
+    "ROLE_SHARD",
+    "ROLE_CATALOG",
+    "CANONICAL_JSON",
     "crc32",
     "pad_to",
     "pack_header",
@@ -97,9 +111,19 @@ __all__ = [
     "array_bytes",
     "array_descriptor",
     "check_descriptor",
+    "loads_json",
+    "new_pack_id",
+    "new_token",
+    "shard_file_name",
+    "catalog_file_name",
+    "binding",
+    "parse_binding",
     "build_metadata",
     "parse_metadata",
-    "manifest_shard",
+    "ShardEntry",
+    "CatalogEntry",
+    "Manifest",
+    "manifest_checksum",
     "build_manifest",
     "parse_manifest",
 ]
@@ -110,7 +134,7 @@ MAGIC = b"\x89TSER\r\n\x1a"
 #: The metadata's ``format`` value.
 FORMAT_NAME = "torch_serialized"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
 FILE_SUFFIX = ".tser"
 DEFAULT_ALIGNMENT = 64
 #: Largest alignment a reader accepts (1 MiB); writers refuse larger ones.
@@ -130,7 +154,23 @@ INDEX_DTYPE = np.dtype(
 #: A shard set is a folder holding shards and this JSON file.
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "torch_serialized.shards"
-MANIFEST_VERSION = 1
+#: The manifest version written; readers also read version 1 (written by 0.1.0).
+MANIFEST_VERSION = 2
+#: Largest manifest a reader accepts (64 MiB: about 400,000 shard entries).
+MAX_MANIFEST_BYTES = 64 << 20
+#: Deepest nesting of JSON arrays and objects a reader accepts in metadata and manifests.
+MAX_JSON_DEPTH = 64
+#: A container's role in its pack (its ``pack`` metadata, see ``binding``).
+ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG = "single", "shard", "catalog"
+ROLES = (ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG)
+#: ``json.dumps`` arguments of the canonical form a manifest's checksum covers.
+CANONICAL_JSON = {
+    "sort_keys": True,
+    "separators": (",", ":"),
+    "ensure_ascii": False,
+    "allow_nan": False,
+}
+_PACK_ID = re.compile(r"[0-9a-f]{32}")
 
 #: The only simple type codes a file may use: numpy's own ``dtype.str`` of little-endian
 #: bool, signed and unsigned integers and IEEE floats.
@@ -323,6 +363,144 @@ def check_descriptor(
     return dtype, shape, offset, nbytes, crc
 
 
+# -- strict JSON ----------------------------------------------------------------------------------
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {_clip(repr(dup))}")
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {_clip(text)} is out of range")
+    return value
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, for messages that quote file content."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
+    """Parse strict JSON (RFC 8259): UTF-8, no duplicate keys, no ``NaN`` or ``Infinity``
+    (nor numbers that overflow to them), arrays and objects nested at most ``MAX_JSON_DEPTH``
+    deep. Anything else raises ``CorruptFileError`` naming ``path`` and ``what`` it is.
+
+    Duplicate keys are refused because readers disagree on them (first or last wins), so
+    another reader could see other content behind the same checksum.
+    """
+    try:
+        text = bytes(data).decode("utf-8")
+        value = json.loads(
+            text,
+            object_pairs_hook=_unique_keys,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptFileError(
+            f"{path}: {what} is not valid JSON ({_clip(str(exc), 160)}); the file is damaged, "
+            "re-pack it"
+        ) from None
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return value  # too few brackets to nest too deep: skip the walk
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:  # no recursion: a deep structure must not exhaust the stack here either
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise CorruptFileError(
+                f"{path}: {what} nests arrays or objects more than {MAX_JSON_DEPTH} deep; "
+                "the file is damaged or not a pack"
+            )
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return value
+
+
+def _is_count(value: Any, limit: int = 1 << 63) -> TypeGuard[int]:
+    """An integer (not a bool) in ``0..limit-1``."""
+    return type(value) is int and 0 <= value < limit
+
+
+# -- pack binding -----------------------------------------------------------------------------
+def new_pack_id() -> str:
+    """A random pack id: 32 lowercase hex digits, made once per pack (kept by appends)."""
+    return secrets.token_hex(16)
+
+
+def new_token() -> str:
+    """A random per-write token for file names: 8 lowercase hex digits."""
+    return secrets.token_hex(4)
+
+
+def shard_file_name(index: int, token: str) -> str:
+    """``shard-00003-<token>.tser``: the name of shard ``index`` written by write ``token``."""
+    return f"shard-{index:05d}-{token}{FILE_SUFFIX}"
+
+
+def catalog_file_name(token: str) -> str:
+    """``catalog-<token>.tser``: the name of the catalog written by write ``token``."""
+    return f"catalog-{token}{FILE_SUFFIX}"
+
+
+def binding(
+    role: str,
+    pack_id: str,
+    *,
+    index: int = 0,
+    first_record: int = 0,
+    num_records: int = 0,
+    num_shards: int = 0,
+) -> dict[str, Any]:
+    """A container's ``pack`` metadata: which pack it belongs to and its place in it.
+
+    ``"single"``: a one-file pack (``pack_id`` only). ``"shard"``: shard ``index`` of a shard
+    folder, holding global records ``first_record`` to ``first_record + num_records - 1``.
+    ``"catalog"``: the catalog of a shard folder of ``num_records`` records in ``num_shards``
+    shards.
+    """
+    if role == ROLE_SINGLE:
+        return {"pack_id": pack_id, "role": role}
+    if role == ROLE_SHARD:
+        return {
+            "pack_id": pack_id,
+            "role": role,
+            "index": index,
+            "first_record": first_record,
+            "num_records": num_records,
+        }
+    if role == ROLE_CATALOG:
+        return {
+            "pack_id": pack_id,
+            "role": role,
+            "num_records": num_records,
+            "num_shards": num_shards,
+        }
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+def parse_binding(value: Any, path: str) -> dict[str, Any]:
+    """Validate a container's ``pack`` metadata; return it."""
+    role = value.get("role") if isinstance(value, dict) else None
+    pack_id = value.get("pack_id") if isinstance(value, dict) else None
+    if role not in ROLES or not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
+        raise CorruptFileError(f"{path}: the metadata's pack binding is invalid")
+    assert isinstance(value, dict)
+    expected = binding(role, pack_id)
+    for key in expected:
+        if key not in ("pack_id", "role") and not _is_count(value.get(key)):
+            raise CorruptFileError(f"{path}: the metadata's pack binding has an invalid {key!r}")
+    return {key: value[key] for key in expected}
+
+
 # -- metadata -----------------------------------------------------------------------------------
 def build_metadata(
     *,
@@ -333,11 +511,13 @@ def build_metadata(
     index: Mapping[str, Any],
     arrays: Mapping[str, Mapping[str, Any]],
     user: Mapping[str, Any],
+    pack: Mapping[str, Any] | None = None,
 ) -> bytes:
     """The metadata of a container, encoded: compact UTF-8 JSON, keys in the documented order.
 
     ``index`` and ``arrays`` are descriptors made by ``array_descriptor`` (arrays with their
-    ``per_record`` flag); ``user`` is the writer's own JSON object.
+    ``per_record`` flag); ``user`` is the writer's own JSON object; ``pack`` the container's
+    ``binding`` (since format 1.1).
     """
     meta = {
         "format": FORMAT_NAME,
@@ -350,6 +530,8 @@ def build_metadata(
         "arrays": {name: dict(desc) for name, desc in arrays.items()},
         "user": dict(user),
     }
+    if pack is not None:
+        meta["pack"] = dict(pack)
     text = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return text.encode("utf-8")
 
@@ -358,13 +540,11 @@ def parse_metadata(data: bytes, *, num_records: int, data_end: int, path: str) -
     """Validate a container's metadata bytes; return the object.
 
     ``num_records`` is the footer's count and ``data_end`` the metadata's offset, the end of
-    the space arrays may occupy. Raises ``CorruptFileError`` for anything but metadata that
-    describes a container with those records, a valid index descriptor and valid arrays.
+    the space arrays may occupy. Raises ``CorruptFileError`` for anything but strict JSON
+    (``loads_json``) that describes a container with those records, a valid index descriptor,
+    valid arrays and, if present, a valid pack binding.
     """
-    try:
-        meta = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptFileError(f"{path}: metadata is not valid JSON: {exc}") from None
+    meta = loads_json(data, path, "metadata")
     if not isinstance(meta, dict):
         raise CorruptFileError(f"{path}: metadata is not a JSON object")
     fields = meta.get("fields")
@@ -372,8 +552,9 @@ def parse_metadata(data: bytes, *, num_records: int, data_end: int, path: str) -
     if (
         meta.get("format") != FORMAT_NAME
         or not isinstance(fields, list)
-        or not fields
+        or not 0 < len(fields) <= _MAX_FIELDS
         or not all(isinstance(f, str) for f in fields)
+        or len(set(fields)) != len(fields)
         or type(num) is not int
         or num != num_records
     ):
@@ -387,70 +568,227 @@ def parse_metadata(data: bytes, *, num_records: int, data_end: int, path: str) -
         raise CorruptFileError(f"{path}: record index has dtype {dtype}, shape {shape}")
     for name, desc in arrays.items():
         check_descriptor(desc, name, data_end, path)
-        if desc.get("per_record") and desc["shape"][:1] != [num]:
-            raise CorruptFileError(f"{path}: per-record array {name!r} has the wrong length")
+        per_record = desc.get("per_record", False)
+        if not isinstance(per_record, bool) or (per_record and desc["shape"][:1] != [num]):
+            raise CorruptFileError(f"{path}: per-record array {_clip(repr(name))} is invalid")
+    if "pack" in meta:
+        meta["pack"] = parse_binding(meta["pack"], path)
     return meta
 
 
 # -- shard manifest -----------------------------------------------------------------------------
-def manifest_shard(file: str, num_records: int, nbytes: int, meta_crc32: int) -> dict[str, Any]:
-    """One entry of a manifest's ``shards`` list."""
-    return {"file": file, "num_records": num_records, "bytes": nbytes, "meta_crc32": meta_crc32}
+@dataclass(frozen=True)
+class ShardEntry:
+    """A shard as its manifest names it: file, global records, size and checksum."""
+
+    file: str
+    first_record: int
+    num_records: int
+    bytes: int
+    meta_crc32: int  # the shard footer's meta_crc32
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "first_record": self.first_record,
+            "num_records": self.num_records,
+            "bytes": self.bytes,
+            "meta_crc32": self.meta_crc32,
+        }
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """The catalog as its manifest names it: file, size and checksum."""
+
+    file: str
+    bytes: int
+    meta_crc32: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "bytes": self.bytes, "meta_crc32": self.meta_crc32}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest of either version.
+
+    Version 2 has ``pack_id``, ``catalog`` and ``checksum``; version 1 (written by 0.1.0) has
+    ``user`` instead and no protection of its own (see docs/FORMAT.md, "Manifest version 1").
+    """
+
+    version: int
+    created_by: str
+    num_records: int
+    fields: tuple[str, ...]
+    shards: tuple[ShardEntry, ...]
+    pack_id: str | None = None
+    catalog: CatalogEntry | None = None
+    checksum: str | None = None
+    user: dict[str, Any] | None = None
+
+    def files(self) -> list[str]:
+        """Every file the manifest names (catalog first), the manifest itself excluded."""
+        return [*([self.catalog.file] if self.catalog else []), *(s.file for s in self.shards)]
+
+
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """``"sha256:<hex>"`` of the canonical JSON of every key of ``manifest`` but ``checksum``:
+    keys sorted, no whitespace, UTF-8, non-ASCII characters unescaped (``CANONICAL_JSON``)."""
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    text = json.dumps(body, **CANONICAL_JSON)  # type: ignore[arg-type]
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def build_manifest(
     *,
     created_by: str,
+    pack_id: str,
     num_records: int,
     fields: Sequence[str],
-    shards: Sequence[Mapping[str, Any]],
-    user: Mapping[str, Any],
+    catalog: CatalogEntry,
+    shards: Sequence[ShardEntry],
 ) -> bytes:
-    """The manifest of a shard set, encoded: indented UTF-8 JSON ending with a newline.
-
-    ``shards`` are ``manifest_shard`` entries in record order.
-    """
-    manifest = {
+    """The version-2 manifest of a shard folder, encoded: indented UTF-8 JSON ending with a
+    newline, its ``checksum`` last. ``shards`` are in record order."""
+    manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "created_by": created_by,
+        "pack_id": pack_id,
         "num_records": num_records,
         "fields": list(fields),
-        "shards": [dict(shard) for shard in shards],
-        "user": dict(user),
+        "catalog": catalog.to_json(),
+        "shards": [shard.to_json() for shard in shards],
     }
-    return (json.dumps(manifest, indent=1, ensure_ascii=False, allow_nan=False) + "\n").encode()
+    manifest["checksum"] = manifest_checksum(manifest)
+    text = json.dumps(manifest, indent=1, ensure_ascii=False, allow_nan=False)
+    return (text + "\n").encode("utf-8")
 
 
-def parse_manifest(data: bytes, path: str) -> dict[str, Any]:
-    """Validate a manifest's bytes; return the object.
+def parse_manifest(data: bytes, path: str) -> Manifest:
+    """Validate a manifest's bytes (version 1 or 2); return it.
 
     Raises ``UnsupportedVersionError`` for a newer manifest version and ``CorruptFileError``
-    for anything else that is not a manifest listing at least one shard by a plain file name.
+    for anything else that is not a manifest whose checksum (version 2) matches and whose
+    entries are plain file names with consistent record counts.
     """
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptFileError(f"{path}: not valid JSON ({exc}); re-pack the dataset") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptFileError(
+            f"{path}: {len(data)} bytes is larger than a manifest may be ({MAX_MANIFEST_BYTES})"
+        )
+    raw = loads_json(data, path, "manifest")
+    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
         raise CorruptFileError(f"{path}: not a torch_serialized shard manifest")
-    version = manifest.get("version")
-    if not isinstance(version, int) or version > MANIFEST_VERSION:
+    version: Any = raw.get("version")
+    if not _is_count(version) or version < 1:
+        raise CorruptFileError(f"{path}: invalid manifest version {_clip(repr(version))}")
+    if version > MANIFEST_VERSION:
         raise UnsupportedVersionError(
-            f"{path}: manifest version {version!r} is newer than this torch_serialized reads "
+            f"{path}: manifest version {version} is newer than this torch_serialized reads "
             f"({MANIFEST_VERSION}); upgrade torch_serialized"
         )
-    shards = manifest.get("shards")
-    if not isinstance(shards, list) or not shards or not isinstance(manifest.get("user"), dict):
+    if version >= 2 and raw.get("checksum") != manifest_checksum(raw):
+        raise CorruptFileError(
+            f"{path}: the manifest's checksum does not match its content: it was damaged or "
+            "edited. Copy the pack again or re-pack it"
+        )
+    fields = raw.get("fields")
+    if (
+        not isinstance(fields, list)
+        or not 0 < len(fields) <= _MAX_FIELDS
+        or not all(isinstance(f, str) and f for f in fields)
+        or len(set(fields)) != len(fields)
+    ):
+        raise CorruptFileError(f"{path}: the manifest's fields are invalid")
+    entries = raw.get("shards")
+    if not isinstance(entries, list) or not entries:
         raise CorruptFileError(f"{path}: manifest lists no shards")
-    for entry in shards:
-        name = entry.get("file") if isinstance(entry, dict) else None
-        if (
-            not isinstance(name, str)
-            or Path(name).name != name
-            or name in ("", ".", "..")
-            or not isinstance(entry.get("num_records"), int)
-            or not isinstance(entry.get("meta_crc32"), int)
-        ):
-            raise CorruptFileError(f"{path}: invalid shard entry {entry!r}")
+    shards: list[ShardEntry] = []
+    for k, entry in enumerate(entries):
+        first = shards[-1].first_record + shards[-1].num_records if shards else 0
+        shards.append(_shard_entry(entry, k, first, version, path))
+    num_records = raw.get("num_records")
+    if num_records != shards[-1].first_record + shards[-1].num_records:
+        raise CorruptFileError(
+            f"{path}: num_records {_clip(repr(num_records))} is not the sum of the shards' "
+            "records; the manifest is damaged, re-pack the dataset"
+        )
+    created_by = raw.get("created_by")
+    manifest = Manifest(
+        version=version,
+        created_by=created_by if isinstance(created_by, str) else "",
+        num_records=num_records,
+        fields=tuple(fields),
+        shards=tuple(shards),
+    )
+    if version == 1:
+        user = raw.get("user")
+        if not isinstance(user, dict):
+            raise CorruptFileError(f"{path}: manifest lacks its user section")
+        manifest = dataclasses.replace(manifest, user=user)
+    else:
+        pack_id = raw.get("pack_id")
+        if not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
+            raise CorruptFileError(f"{path}: invalid pack_id {_clip(repr(pack_id))}")
+        catalog = _catalog_entry(raw.get("catalog"), path)
+        manifest = dataclasses.replace(
+            manifest, pack_id=pack_id, catalog=catalog, checksum=raw["checksum"]
+        )
+    names = manifest.files()
+    if len(set(names)) != len(names):
+        twice = next(name for k, name in enumerate(names) if name in names[:k])
+        raise CorruptFileError(
+            f"{path}: the manifest names {twice!r} twice; the manifest was damaged or edited, "
+            "re-pack the dataset"
+        )
     return manifest
+
+
+def _plain_name(name: Any) -> TypeGuard[str]:
+    """A file name inside the pack's folder: not a path, not hidden, no control characters."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name.encode("utf-8", "surrogatepass")) <= 255
+        and not name.startswith(".")
+        and name != MANIFEST_NAME
+        and not any(c in name for c in "/\\")
+        and not any(unicodedata.category(c) in ("Cc", "Cs") for c in name)
+    )
+
+
+def _shard_entry(entry: Any, k: int, first: int, version: int, path: str) -> ShardEntry:
+    """Shard entry ``k`` of a manifest, whose records must start at ``first``."""
+    if isinstance(entry, dict):
+        name, count = entry.get("file"), entry.get("num_records")
+        size, crc = entry.get("bytes"), entry.get("meta_crc32")
+        start = entry.get("first_record") if version >= 2 else first
+        if (
+            _plain_name(name)
+            and _is_count(count)
+            and _is_count(size)
+            and size >= HEADER_SIZE + FOOTER_SIZE
+            and _is_count(crc, 1 << 32)
+            and start == first
+        ):
+            return ShardEntry(name, first, count, size, crc)
+    raise CorruptFileError(
+        f"{path}: shard entry {k} is invalid ({_clip(repr(entry))}); the manifest is damaged, "
+        "re-pack the dataset"
+    )
+
+
+def _catalog_entry(entry: Any, path: str) -> CatalogEntry:
+    if isinstance(entry, dict):
+        name, size, crc = entry.get("file"), entry.get("bytes"), entry.get("meta_crc32")
+        if (
+            _plain_name(name)
+            and _is_count(size)
+            and size >= HEADER_SIZE + FOOTER_SIZE
+            and _is_count(crc, 1 << 32)
+        ):
+            return CatalogEntry(name, size, crc)
+    raise CorruptFileError(
+        f"{path}: the catalog entry is invalid ({_clip(repr(entry))}); the manifest is "
+        "damaged, re-pack the dataset"
+    )

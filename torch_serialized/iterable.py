@@ -22,6 +22,7 @@ from . import state as keys
 from .datasets import joint_transforms, open_split
 from .decode import Classes, Decode, TargetFormat
 from .pipeline import (
+    AHEAD,
     BUFFER,
     Gate,
     Item,
@@ -32,6 +33,7 @@ from .pipeline import (
     read_blocks,
     shuffle_buffer,
     split_blocks,
+    views_fit,
     worker_share,
 )
 from .state import Stateful
@@ -231,8 +233,10 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         self, blocks: list[np.ndarray], here: Topology, skip: int
     ) -> Iterator[tuple[Any, Any]]:
         gate = Gate(open=skip == 0)
+        reader = self.pack.reader
+        in_flight = self.shuffle_buffer + (AHEAD + 1) * self.block_size
         items: Iterator[Item] = read_blocks(
-            blocks, self.records, self.pack.reader, self._fields, gate
+            blocks, self.records, reader, self._fields, gate, copy=not views_fit(reader, in_flight)
         )
         if self.shuffle:
             rng = seeded_rng(self.seed, BUFFER, self.epoch, here.rank, here.worker)
@@ -260,14 +264,9 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             self.pack.reader,
             self._fields,
         )
-        target: Callable[[int, Any], Any]
-        if self.task == "Segmentation":
-            mask = self.decoder.mask
-
-            def target(record: int, data: Any) -> Any:
-                return mask(data)
-        else:
-            target = self.decoder.target_reader()
+        target: Callable[[int, Any], Any] = (
+            self.decoder.mask if self.task == "Segmentation" else self.decoder.target_reader()
+        )
 
         def decode(item: Item) -> tuple[Any, Any]:
             record, data = item.record, item.data

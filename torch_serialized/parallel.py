@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from . import format as fmt
+from .errors import TorchSerializedError
 from .writer import ContainerWriter, PackWriter, Payload
 
 __all__ = ["Record", "Spilled", "SpillPool", "pays_off", "copy_range"]
@@ -166,8 +167,8 @@ class SpillPool(Generic[_J]):
         try:
             return future.result()
         except OSError as exc:
-            if self._writer is None:
-                raise
+            if self._writer is None or isinstance(exc, TorchSerializedError):
+                raise  # ours already says what failed (a missing source file, say)
             raise self._writer.write_error(exc) from exc
 
 

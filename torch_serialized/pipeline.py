@@ -8,6 +8,7 @@
     worker_share     the rank's slice split evenly across DataLoader workers
     split_blocks     a worker's positions regrouped into the blocks they came from
     read_blocks      each block's fields as views of the map, the next blocks hinted ahead
+    views_fit        whether a stream may hold views, or must copy (descriptors stay bounded)
     shuffle_buffer   bounded sample mixing (shuffle=True)
 
 then decodes each item as the map-style dataset does. Only positions (integers) travel through
@@ -40,6 +41,7 @@ __all__ = [
     "record_runs",
     "read_block",
     "read_blocks",
+    "views_fit",
     "shuffle_buffer",
 ]
 
@@ -134,6 +136,10 @@ def split_blocks(positions: np.ndarray, block_ids: np.ndarray) -> list[np.ndarra
 
 
 # -- reading, mixing ---------------------------------------------------------------------------
+#: A record's fields as read: views of the map, or private arrays (``read_block(copy=True)``).
+Fields = list[memoryview] | list[np.ndarray]
+
+
 class Item:
     """One sample between the read and decode stages: its position, record and field bytes.
 
@@ -143,7 +149,7 @@ class Item:
 
     __slots__ = ("position", "record", "data")
 
-    def __init__(self, position: int, record: int, data: list[memoryview] | None) -> None:
+    def __init__(self, position: int, record: int, data: Fields | None) -> None:
         self.position = position
         self.record = record
         self.data = data
@@ -188,15 +194,34 @@ def read_block(
     records: np.ndarray,
     fields: Sequence[int],
     runs: list[tuple[int, np.ndarray]] | None = None,
-) -> dict[int, list[memoryview]]:
-    """``fields`` of every record of a block, by global record number: read-only views of
-    the map, looked up run by run (``runs``: ``record_runs(reader, records)``, computed here
-    when not given) with one index lookup per run."""
-    out: dict[int, list[memoryview]] = {}
+    *,
+    copy: bool = False,
+) -> dict[int, Fields]:
+    """``fields`` of every record of a block, by global record number, looked up run by run
+    (``runs``: ``record_runs(reader, records)``, computed here when not given): read-only
+    views of the map with one index lookup per run, or with ``copy`` private arrays read with
+    one scatter read per run (see ``views_fit``)."""
+    out: dict[int, Fields] = {}
     for shard, local in record_runs(reader, records) if runs is None else runs:
-        rows = reader.shards[shard].views(local, fields)
+        container = reader.shard(shard)
+        rows = container.read_records(local, fields) if copy else container.views(local, fields)
         out.update(zip((local + int(reader.starts[shard])).tolist(), rows))
     return out
+
+
+def views_fit(reader: PackReader, in_flight: int) -> bool:
+    """Whether a stream holding ``in_flight`` records at a time (its buffer and blocks) may
+    hold them as views of the map rather than private copies.
+
+    A view keeps its shard's map alive after the reader closed the shard, and on Python
+    < 3.13 each map holds a file descriptor, so views are used only while the records in
+    flight span few shards: when every shard can stay open, or when shards hold on average
+    more records than are in flight. Otherwise (thousands of tiny shards) reads are copies
+    and the descriptors stay bounded by ``max_open_shards``.
+    """
+    if reader.num_shards <= reader.max_open_shards:
+        return True
+    return reader.num_records >= in_flight * reader.num_shards
 
 
 #: Blocks hinted to the kernel ahead of the one being used (see ``read_blocks``).
@@ -209,6 +234,8 @@ def read_blocks(
     reader: PackReader,
     fields: Sequence[int],
     gate: Gate | None = None,
+    *,
+    copy: bool = False,
 ) -> Iterator[Item]:
     """Items of each block in position order, their fields as views of the map.
 
@@ -217,8 +244,8 @@ def read_blocks(
     on a cold cache the disk reads ahead while this block is decoded, with no thread; on a
     warm cache a block costs one index lookup per run and its samples copy straight from the
     page cache (see benchmarks/README.md, "Measurements behind the code"). Nothing is held
-    but views: no block buffers. Items produced while ``gate`` is closed (a resume replay)
-    carry no data.
+    but views: no block buffers (with ``copy``, private arrays instead: see ``views_fit``).
+    Items produced while ``gate`` is closed (a resume replay) carry no data.
     """
     gate = gate or Gate()
     runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
@@ -226,7 +253,7 @@ def read_blocks(
     def hint(b: int) -> None:
         runs[b] = record_runs(reader, records[blocks[b]])
         for shard, local in runs[b]:
-            reader.shards[shard].prefetch(local)
+            reader.shard(shard).prefetch(local)
 
     hinted = 0  # blocks hinted so far
     for b, block in enumerate(blocks):
@@ -236,7 +263,7 @@ def read_blocks(
             while hinted <= min(b + AHEAD, len(blocks) - 1):
                 hint(hinted)
                 hinted += 1
-            data = read_block(reader, recs, fields, runs.pop(b, None))
+            data = read_block(reader, recs, fields, runs.pop(b, None), copy=copy)
         for position, record in zip(block.tolist(), recs.tolist()):
             yield Item(position, record, None if data is None else data[record])
 

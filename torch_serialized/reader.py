@@ -4,8 +4,13 @@ A reader validates the header, footer, metadata and index when it is created, th
 the file with ``mmap``. The map belongs to one process: it is dropped when the reader is
 pickled (spawn/forkserver DataLoader workers) and reopened by the first access in a process
 whose pid differs from the one that mapped it (fork), so no setup is needed in workers.
-A reopen checks that the file on disk is still the one that was validated. This module
-never imports torch.
+A reopen checks that the file on disk is still the one that was validated.
+
+A shard folder opens from its manifest and its catalog alone; each shard is opened on first
+use, checked then against its manifest entry and its own binding, and kept in a bounded
+least-recently-used set, so a pack of any number of shards needs a bounded number of file
+descriptors (each map holds one: Python's ``mmap`` keeps a duplicate until 3.13's
+``trackfd=False``). This module never imports torch.
 """
 
 # More than 400 lines: the reading half of the format (ContainerReader, PackReader), the
@@ -13,13 +18,15 @@ never imports torch.
 
 from __future__ import annotations
 
-import errno
+import hashlib
 import mmap
 import os
-import stat
 import sys
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +42,15 @@ from .errors import (
     TruncatedFileError,
     UnsupportedVersionError,
 )
+from .safeio import FileKindError, FileSizeError, open_regular, read_regular_file
 
-__all__ = ["ContainerReader", "PackReader", "open_pack"]
+__all__ = ["ContainerReader", "PackReader", "open_pack", "default_max_open_shards"]
+
+#: Shards whose checked metadata a ``PackReader`` keeps after closing their maps, so opening
+#: one again costs a map, not a validation (a few KB each).
+_MAX_CLOSED_SHARDS = 4096
+#: ``mmap`` keeps no duplicate descriptor (Python >= 3.13).
+_MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 _IOV_MAX = getattr(os, "sysconf", lambda _name: 1024)("SC_IOV_MAX") or 1024
 #: Bytes one ``preadv`` call asks for at most: a run is read as a sequence of such calls, so
@@ -87,26 +101,62 @@ class _Mapped:
             self.where = index.view("<u8").reshape(*index.shape, 3).data
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What a manifest says about one of its containers (a shard or the catalog): checked
+    when the container is opened, before its records are trusted."""
+
+    manifest: str  # the manifest's path, named in errors
+    bytes: int
+    meta_crc32: int
+    num_records: int
+    fields: tuple[str, ...]
+    #: the binding its metadata must hold; None (manifest version 1): it must hold none, since
+    #: 0.1.0 never wrote one (a version-1 manifest over newer files is a downgrade)
+    pack: dict[str, Any] | None
+
+    def mismatch(self, path: str, what: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{path} does not match {self.manifest}: {what}. A shard was swapped, renamed, "
+            "copied from another pack or damaged; copy the pack again or re-pack it"
+        )
+
+
 class ContainerReader:
     """One ``.tser`` container file.
 
     Opening validates the file in the order of docs/FORMAT.md ("Truncation and damage
     detection"): ``_read_header``, ``_read_footer``, ``_read_metadata``, then ``_read_arrays``
-    maps the record index and the arrays and checks them. ``checked=True`` recomputes each
-    field's CRC32 on every read and raises ``ChecksumError`` on a mismatch (slower; for
-    untrusted storage).
+    maps the record index and the arrays and checks them. ``expect`` (a shard or catalog of a
+    manifest) adds the checks of docs/FORMAT.md, "Integrity rules": size, ``meta_crc32``,
+    fields, records and binding. ``checked=True`` recomputes each field's CRC32 on every read
+    and raises ``ChecksumError`` on a mismatch (slower; for untrusted storage).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, checked: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        checked: bool = False,
+        expect: Expected | None = None,
+    ) -> None:
         self.path = str(path)
         self.checked = checked
         self._local: _Mapped | None = None
         fd = self._open_fd()
         try:
             self.size = os.fstat(fd).st_size
+            if expect is not None and self.size != expect.bytes:
+                raise expect.mismatch(
+                    self.path, f"{self.size} bytes, the manifest says {expect.bytes}"
+                )
             self._read_header(fd)
             footer = self._read_footer(fd)
+            if expect is not None and footer["meta_crc32"] != expect.meta_crc32:
+                raise expect.mismatch(self.path, "its metadata checksum differs")
             self._read_metadata(fd, footer)
+            if expect is not None:
+                self._check_expected(expect)
             self._local = self._read_arrays(fd, check=True)
         finally:
             os.close(fd)
@@ -114,17 +164,14 @@ class ContainerReader:
     # -- opening: one step per section of docs/FORMAT.md ---------------------------------------
     def _open_fd(self) -> int:
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            # Linux opens a folder read-only without complaint; only reading it fails.
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.path)
-            return fd
-        except IsADirectoryError:
-            raise FormatError(
-                f"{self.path} is a folder without {fmt.MANIFEST_NAME}; pass a .tser file "
-                "or a shard folder written by torch_serialized"
-            ) from None
+            return open_regular(self.path, "the pack")
+        except FileKindError as exc:
+            if os.path.isdir(self.path):
+                raise FormatError(
+                    f"{self.path} is a folder without {fmt.MANIFEST_NAME}; pass a .tser file "
+                    "or a shard folder written by torch_serialized"
+                ) from None
+            raise FormatError(str(exc)) from None
 
     def _read_header(self, fd: int) -> None:
         """Header: magic, checksum, alignment, and a major version this package reads."""
@@ -179,36 +226,63 @@ class ContainerReader:
         self.fields: list[str] = self.meta["fields"]
         self.num_records: int = self.meta["num_records"]
 
+    def _check_expected(self, expect: Expected) -> None:
+        """The manifest's view of this file: its fields, its records and its binding."""
+        if tuple(self.fields) != expect.fields:
+            raise expect.mismatch(self.path, "its fields differ from the manifest's")
+        if self.num_records != expect.num_records:
+            raise expect.mismatch(
+                self.path, f"{self.num_records} records, the manifest says {expect.num_records}"
+            )
+        if self.meta.get("pack") != expect.pack:
+            found = self.meta.get("pack")
+            raise expect.mismatch(
+                self.path,
+                f"it is bound to {_describe_binding(found)}, the manifest expects "
+                f"{_describe_binding(expect.pack)}",
+            )
+
     def _read_arrays(self, fd: int, *, check: bool) -> _Mapped:
         """Arrays: map the file and view the record index and every array in it; with
-        ``check``, verify their checksums and that the index points inside the data."""
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        ``check`` (at creation), verify their descriptors and checksums and that the index
+        points inside the data, and keep the checked layout for later maps."""
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ, **_MMAP_OPTIONS)
         view = memoryview(mm)
-        # The record index is kept apart: a user array may also be called "index".
-        descs = [("index", self.meta["index"]), *self.meta["arrays"].items()]
+        if check:
+            self._layout = self._check_layout(view)
         views: list[np.ndarray] = []
-        for name, desc in descs:
+        for _name, dtype, shape, offset, count in self._layout:
+            views.append(np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape))
+        index = views[0]
+        if check:
+            self._check_index(index)
+        arrays = {layout[0]: array for layout, array in zip(self._layout[1:], views[1:])}
+        return _Mapped(mm, view, index, arrays)
+
+    def _check_layout(
+        self, view: memoryview
+    ) -> list[tuple[str, np.dtype, tuple[int, ...], int, int]]:
+        """Every array's descriptor (the record index first, kept apart: a user array may also
+        be called "index"), its checksum and a shape numpy can build; the checked layout."""
+        layout = []
+        for name, desc in [("index", self.meta["index"]), *self.meta["arrays"].items()]:
             dtype, shape, offset, nbytes, crc = fmt.check_descriptor(
                 desc, name, self.data_end, self.path
             )
-            if check and fmt.crc32(view[offset : offset + nbytes]) != crc:
+            if fmt.crc32(view[offset : offset + nbytes]) != crc:
                 raise CorruptFileError(
                     f"{self.path}: {name} checksum mismatch; the file is damaged, re-pack it"
                 )
             count = nbytes // dtype.itemsize
             try:
-                array = np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape)
+                np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape)
             except (ValueError, OverflowError) as exc:  # absurd shapes: > 64 axes, huge dims
                 raise CorruptFileError(
                     f"{self.path}: array {name!r} has an unusable shape: {exc}; the file is "
                     "damaged, re-pack it"
                 ) from None
-            views.append(array)
-        index = views[0]
-        if check:
-            self._check_index(index)
-        arrays = {name: array for (name, _), array in zip(descs[1:], views[1:])}
-        return _Mapped(mm, view, index, arrays)
+            layout.append((name, dtype, shape, offset, count))
+        return layout
 
     def _check_index(self, index: np.ndarray) -> None:
         """The record index: every field lies between the header and the metadata."""
@@ -242,7 +316,7 @@ class ContainerReader:
         """Open the path again, checking it still holds the file validated at creation."""
         try:
             fd = self._open_fd()
-        except FileNotFoundError:  # a re-pack removed this shard: never read a mix of packs
+        except (FileNotFoundError, FormatError):  # a re-pack removed it: never read a mix
             raise FileChangedError(
                 f"{self.path} was removed or replaced after it was opened; "
                 "create the dataset again to read the new pack"
@@ -264,13 +338,19 @@ class ContainerReader:
             )
         return fd
 
-    def _descriptor(self) -> int:
-        """This process's file descriptor for ``pread``, checked to be the validated file."""
-        local = self._mapped()
+    def _descriptor(self, local: _Mapped) -> int:
+        """This process's file descriptor for ``pread`` (``local``, which the caller holds
+        while it uses the descriptor, owns it), checked to be the validated file."""
         if local.fd is None:
             local.fd = self._open_same_file()
             weakref.finalize(local, os.close, local.fd)
         return local.fd
+
+    def close(self) -> None:
+        """Drop this process's map (and descriptors) of the file; the next access maps it
+        again, checking that the file is still the one validated (``FileChangedError``).
+        Views handed out keep the map alive until they are gone."""
+        self._local = None
 
     @property
     def mapped_by(self) -> int | None:
@@ -396,7 +476,7 @@ class ContainerReader:
             return
         hinted[windows] = True
         local.hinted_all = bool(hinted.all())
-        fd = self._descriptor()
+        fd = self._descriptor(local)
         breaks = np.flatnonzero(np.diff(windows) != 1) + 1
         for run in np.split(windows, breaks):
             _willneed(fd, int(run[0]) * HINT_WINDOW, len(run) * HINT_WINDOW)
@@ -453,7 +533,7 @@ class ContainerReader:
                 pieces.append((int(offsets[r, k]), array))
                 by_field[k] = array
             out.append([by_field[k] for k in fields])
-        self._scatter_read(pieces)
+        self._scatter_read(local, pieces)
         if self.checked:
             for r, row in zip(wanted, out):
                 for k, array in zip(fields, row):
@@ -486,14 +566,14 @@ class ContainerReader:
         else:
             starts = local.offsets[wanted]
             start, end = int(starts.min()), int((starts + local.lengths[wanted]).max())
-        fd = self._descriptor()
+        fd = self._descriptor(local)
         if end > start and _cached(fd, end - 1):
             return
         _willneed(fd, start, end - start)
 
-    def _scatter_read(self, pieces: list[tuple[int, np.ndarray]]) -> None:
+    def _scatter_read(self, local: _Mapped, pieces: list[tuple[int, np.ndarray]]) -> None:
         """Fill each destination array from the file at its offset, in few ``preadv`` calls."""
-        fd = self._descriptor()
+        fd = self._descriptor(local)
         pieces.sort(key=lambda piece: piece[0])
         gaps = [b[0] - (a[0] + len(a[1])) for a, b in zip(pieces, pieces[1:])]
         scratch = np.empty(max([0, *gaps]), dtype=np.uint8)
@@ -549,37 +629,286 @@ def _cached(fd: int, offset: int) -> bool:
 class PackReader:
     """A packed dataset: one container file, or a shard folder with ``manifest.json``.
 
-    Records are numbered globally across shards. Per-record arrays are concatenated in shard
-    order; dataset-level arrays are found in whichever shard stores them.
+    Records are numbered globally across shards. The dataset-level arrays, the per-record
+    columns (``arrays``) and the metadata (``user``) come from one file: the catalog of a
+    version-2 shard folder, the single file, or (manifest version 1) the last shard plus the
+    columns every shard holds, read once at open. Shards are opened on first use (``shard``),
+    checked against their manifest entry and binding, and at most ``max_open_shards`` stay
+    open (least recently used closed first); the catalog stays open.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, checked: bool = False) -> None:
-        location, self.manifest, files = _locate(Path(path))
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        checked: bool = False,
+        max_open_shards: int | None = None,
+    ) -> None:
+        if max_open_shards is None:
+            max_open_shards = default_max_open_shards()
+        if max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
+        location, manifest_path, data = _locate(Path(path))
         self.path = str(location)
-        self.shards = [ContainerReader(file, checked=checked) for file in files]
-        if self.manifest is not None:
-            _check_manifest_bindings(self.manifest, self.shards, location / fmt.MANIFEST_NAME)
-            self.user: dict[str, Any] = self.manifest["user"]
+        self.checked = checked
+        self.max_open_shards = max_open_shards
+        self.manifest: fmt.Manifest | None = None
+        self.manifest_path = manifest_path
+        #: sha256 of the manifest's bytes: the pack's identity, and how a reader tells a
+        #: replaced pack (``FileChangedError``) from a damaged one
+        self.manifest_sha256: str | None = None
+        self._per_record: dict[str, np.ndarray] = {}  # manifest v1: columns merged at open
+        self._expected: list[Expected | None] = []
+        self._reset_open()
+        if manifest_path is None:
+            self._catalog = ContainerReader(location, checked=checked)
+            self.entries: tuple[fmt.ShardEntry, ...] = (
+                fmt.ShardEntry(
+                    location.name,
+                    0,
+                    self._catalog.num_records,
+                    self._catalog.size,
+                    self._catalog.meta_crc32,
+                ),
+            )
+            self._expected = [None]
+            self.user: dict[str, Any] = self._catalog.user
         else:
-            self.user = self.shards[0].user
-        self.fields = self.shards[0].fields
-        if any(s.fields != self.fields for s in self.shards):
-            raise CorruptFileError(f"{self.path}: shards disagree on their fields")
-        counts = [s.num_records for s in self.shards]
+            assert data is not None
+            self.manifest_sha256 = hashlib.sha256(data).hexdigest()
+            manifest = self.manifest = fmt.parse_manifest(data, str(manifest_path))
+            self.entries = manifest.shards
+            if manifest.version >= 2:
+                self._open_catalog(manifest)
+            else:
+                self._open_v1(manifest)
+        self.fields = list(self._catalog.fields)
+        counts = [entry.num_records for entry in self.entries]
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.num_records = int(self.starts[-1])
         self._field_index = {name: k for k, name in enumerate(self.fields)}
-        # merged arrays, and the shard array dicts they were merged from (see ``arrays``)
         self._arrays: dict[str, np.ndarray] | None = None
-        self._arrays_from: list[Mapping[str, np.ndarray]] = []
+        self._arrays_from: Mapping[str, np.ndarray] | None = None
+
+    # -- opening ---------------------------------------------------------------------------
+    def _open_catalog(self, manifest: fmt.Manifest) -> None:
+        """Manifest version 2: the catalog holds the metadata, the dataset-level arrays and a
+        copy of every record's columns; no shard is opened yet."""
+        assert manifest.catalog is not None and manifest.pack_id is not None
+        entry = manifest.catalog
+        expect = Expected(
+            str(self.manifest_path),
+            entry.bytes,
+            entry.meta_crc32,
+            0,
+            manifest.fields,
+            fmt.binding(
+                fmt.ROLE_CATALOG,
+                manifest.pack_id,
+                num_records=manifest.num_records,
+                num_shards=len(manifest.shards),
+            ),
+        )
+        catalog = ContainerReader(Path(self.path) / entry.file, checked=self.checked, expect=expect)
+        for name, array in catalog.arrays().items():
+            if catalog.is_per_record(name):
+                raise expect.mismatch(catalog.path, f"the catalog holds per-record array {name!r}")
+            if name == "records" and array.shape[:1] != (manifest.num_records,):
+                raise expect.mismatch(catalog.path, "its record columns do not cover every record")
+        self._catalog = catalog
+        self.user = catalog.user
+        self._expected = [
+            Expected(
+                str(self.manifest_path),
+                shard.bytes,
+                shard.meta_crc32,
+                shard.num_records,
+                manifest.fields,
+                fmt.binding(
+                    fmt.ROLE_SHARD,
+                    manifest.pack_id,
+                    index=k,
+                    first_record=shard.first_record,
+                    num_records=shard.num_records,
+                ),
+            )
+            for k, shard in enumerate(manifest.shards)
+        ]
+
+    def _open_v1(self, manifest: fmt.Manifest) -> None:
+        """Manifest version 1 (0.1.0): every shard is checked now, since the per-record columns
+        are spread across them (merged into private arrays here) and the manifest has no
+        checksum of its own: its ``user`` must equal the copy in the last shard."""
+        self._expected = [
+            Expected(
+                str(self.manifest_path),
+                shard.bytes,
+                shard.meta_crc32,
+                shard.num_records,
+                manifest.fields,
+                None,
+            )
+            for shard in manifest.shards
+        ]
+        parts: dict[str, list[np.ndarray]] = {}
+        last = len(manifest.shards) - 1
+        for k in range(last + 1):
+            shard = self._open_shard(k)
+            for name, array in shard.arrays().items():
+                if shard.is_per_record(name):
+                    parts.setdefault(name, []).append(array)
+            if k == last:
+                self._catalog = shard
+            else:
+                self._remember(k, shard)
+        assert self.manifest_path is not None and manifest.user is not None
+        if self._catalog.user != manifest.user:
+            raise CorruptFileError(
+                f"{self.manifest_path}: its metadata differs from the copy in "
+                f"{self._catalog.path}: the manifest was damaged or edited; re-pack the dataset"
+            )
+        self.user = manifest.user
+        for name, arrays in parts.items():
+            if len(arrays) != len(manifest.shards) or not self._catalog.is_per_record(name):
+                raise CorruptFileError(
+                    f"{self.path}: per-record array {name!r} is missing from some shards; "
+                    "the pack is damaged, re-pack it"
+                )
+            try:
+                self._per_record[name] = np.concatenate(arrays)
+            except (ValueError, TypeError) as exc:  # shapes or dtypes differ by shard
+                raise CorruptFileError(
+                    f"{self.path}: shards disagree on array {name!r} ({exc}); "
+                    "the pack is damaged, re-pack it"
+                ) from None
+
+    # -- shards: opened on first use, a bounded number kept ------------------------------------
+    def _reset_open(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        #: shards mapped in this process, least recently used first
+        self._open: OrderedDict[int, ContainerReader] = OrderedDict()
+        #: shards checked before whose maps were closed: opened again without a validation
+        self._closed: OrderedDict[int, ContainerReader] = OrderedDict()
+
+    def _check_process(self) -> None:
+        """In a forked child, close the maps inherited from the parent (they are not this
+        process's; each holds a descriptor) and keep what was checked."""
+        if self._pid == os.getpid():
+            return
+        known = [*self._closed.items(), *self._open.items()]
+        self._reset_open()
+        for s, shard in known:
+            shard.close()
+            self._closed[s] = shard
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.entries)
+
+    def shard_path(self, s: int) -> str:
+        """Where shard ``s`` is (the file itself for a single-file pack)."""
+        if self.manifest_path is None:
+            return self.path
+        return os.path.join(self.path, self.entries[s].file)
+
+    def shard(self, s: int) -> ContainerReader:
+        """Shard ``s``, opened and checked on first use. At most ``max_open_shards`` stay
+        mapped: the least recently used one is closed (its checked metadata kept, so mapping it
+        again is cheap) when another is needed."""
+        if not 0 <= s < len(self.entries):
+            raise IndexError(f"shard {s} out of range for {len(self.entries)} shards")
+        if self._expected[s] is None or self._catalog.path == self.shard_path(s):
+            return self._catalog  # the single file, or a v1 pack's last shard
+        self._check_process()
+        with self._lock:
+            shard = self._open.get(s)
+            if shard is not None:
+                self._open.move_to_end(s)
+                return shard
+            shard = self._closed.pop(s, None)
+            if shard is not None:
+                shard.reopen()  # FileChangedError if the file is no longer the one checked
+            else:
+                shard = self._open_shard(s)
+            self._remember(s, shard)
+            return shard
+
+    def _remember(self, s: int, shard: ContainerReader) -> None:
+        self._open[s] = shard
+        while len(self._open) > self.max_open_shards:
+            old, closing = self._open.popitem(last=False)
+            closing.close()  # the map goes once no view of it is left
+            self._closed[old] = closing
+            while len(self._closed) > _MAX_CLOSED_SHARDS:
+                self._closed.popitem(last=False)
+
+    def _open_shard(self, s: int) -> ContainerReader:
+        path = self.shard_path(s)
+        expect = self._expected[s]
+        assert expect is not None
+        try:
+            shard = ContainerReader(path, checked=self.checked, expect=expect)
+        except (FileNotFoundError, FormatError) as exc:
+            if self._manifest_changed():
+                name = os.path.basename(path)
+                raise FileChangedError(
+                    f"{self.path} was replaced after it was opened ({name} is not the file "
+                    "its manifest named then); create the dataset again to read the new pack"
+                ) from None
+            if isinstance(exc, FileNotFoundError):
+                raise FileNotFoundError(
+                    f"{path}: shard {s} named by {self.manifest_path} is missing; the pack is "
+                    "incomplete: copy it again or re-pack the dataset"
+                ) from None
+            raise
+        if self.manifest is not None and self.manifest.version >= 2:
+            self._check_columns(s, shard)
+        return shard
+
+    def _check_columns(self, s: int, shard: ContainerReader) -> None:
+        """A shard holds its rows of the catalog's ``records`` (and no other per-record
+        array), equal to the catalog's copy."""
+        catalog = self._catalog.arrays()
+        first, count = self.entries[s].first_record, self.entries[s].num_records
+        expect = self._expected[s]
+        assert expect is not None
+        names = {name for name in shard.arrays() if shard.is_per_record(name)}
+        wanted = {"records"} & set(catalog)
+        if names != wanted:
+            raise expect.mismatch(
+                shard.path,
+                f"it holds per-record arrays {sorted(names)}, the catalog {sorted(wanted)}",
+            )
+        for name in names:
+            rows, copy = shard.arrays()[name], catalog[name]
+            if copy.dtype != rows.dtype or copy[first : first + count].tobytes() != rows.tobytes():
+                raise expect.mismatch(
+                    shard.path, f"its array {name!r} differs from the catalog's copy"
+                )
+
+    def _manifest_changed(self) -> bool:
+        """Whether the manifest on disk is no longer the one this reader opened."""
+        assert self.manifest_path is not None
+        try:
+            data = read_regular_file(self.manifest_path, fmt.MAX_MANIFEST_BYTES, "manifest")
+        except OSError:
+            return True
+        return hashlib.sha256(data).hexdigest() != self.manifest_sha256
 
     def __len__(self) -> int:
         return self.num_records
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_arrays"], state["_arrays_from"] = None, []
+        for name in ("_pid", "_lock", "_open", "_closed"):
+            del state[name]
+        state["_arrays"], state["_arrays_from"] = None, None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_open()
 
     def field_index(self, name: str) -> int:
         try:
@@ -591,10 +920,10 @@ class PackReader:
         """The shard holding global record ``i`` and the record's index inside it."""
         if not 0 <= i < self.num_records:
             raise IndexError(f"record {i} out of range for {self.num_records} records")
-        if len(self.shards) == 1:
-            return self.shards[0], i
+        if len(self.entries) == 1:
+            return self.shard(0), i
         s = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return self.shards[s], i - int(self.starts[s])
+        return self.shard(s), i - int(self.starts[s])
 
     def field(self, i: int, k: int) -> memoryview:
         """Bytes of field number ``k`` of global record ``i``."""
@@ -602,91 +931,101 @@ class PackReader:
         return shard.field(j, k)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """All arrays: per-record ones concatenated across shards, dataset-level ones as stored.
+        """The dataset-level arrays and the per-record columns of all records.
 
-        Merged again whenever a shard's arrays are not those merged before (the shard was
-        mapped again in this process), so the result always views this process's maps.
+        Views of this process's map of the catalog (rebuilt when it is mapped again, after a
+        fork), plus for a version-1 shard folder the columns merged at open.
         """
-        sources = [shard.arrays() for shard in self.shards]
-        if self._arrays is not None and all(
-            a is b for a, b in zip(sources, self._arrays_from, strict=True)
-        ):
+        source = self._catalog.arrays()
+        if self._arrays is not None and self._arrays_from is source:
             return self._arrays
-        merged: dict[str, list[np.ndarray]] = {}
-        single: dict[str, np.ndarray] = {}
-        for shard, arrays in zip(self.shards, sources):
-            for name, array in arrays.items():
-                if shard.is_per_record(name):
-                    merged.setdefault(name, []).append(array)
-                else:
-                    single[name] = array
-        out = dict(single)
-        for name, parts in merged.items():
-            if len(parts) != len(self.shards) or name in single:
-                raise CorruptFileError(
-                    f"{self.path}: per-record array {name!r} is missing from some shards; "
-                    "the pack is damaged, re-pack it"
-                )
-            try:
-                out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            except (ValueError, TypeError) as exc:  # shapes or dtypes differ by shard
-                raise CorruptFileError(
-                    f"{self.path}: shards disagree on array {name!r} ({exc}); "
-                    "the pack is damaged, re-pack it"
-                ) from None
-        self._arrays, self._arrays_from = out, sources
+        if self.manifest is not None and self.manifest.version == 1:
+            out = {n: a for n, a in source.items() if not self._catalog.is_per_record(n)}
+            out.update(self._per_record)
+        else:
+            out = dict(source)
+        self._arrays, self._arrays_from = out, source
         return out
 
     def reopen(self) -> None:
-        """Map every shard in this process now rather than on first read (idempotent)."""
-        for shard in self.shards:
-            shard.reopen()
+        """Map the catalog in this process now rather than on first read (idempotent);
+        shards are mapped on first use."""
+        self._check_process()
+        self._catalog.reopen()
 
     def verify(self) -> list[int]:
-        """Global indices of damaged records (empty when all is well)."""
+        """Global indices of damaged records (empty when all is well); opens every shard in
+        turn."""
         bad: list[int] = []
-        for start, shard in zip(self.starts, self.shards):
-            bad.extend(int(start) + i for i in shard.verify())
+        for s, start in enumerate(self.starts[:-1]):
+            bad.extend(int(start) + i for i in self.shard(s).verify())
         return bad
 
     @property
+    def version(self) -> tuple[int, int]:
+        """The container format version of the catalog (or single file)."""
+        return self._catalog.version
+
+    @property
     def nbytes(self) -> int:
-        """Bytes on disk, all files included."""
-        total = sum(s.size for s in self.shards)
+        """Bytes on disk, all files included (as the manifest lists them)."""
+        total = sum(entry.bytes for entry in self.entries)
         if self.manifest is not None:
-            total += (Path(self.path) / fmt.MANIFEST_NAME).stat().st_size
+            assert self.manifest_path is not None
+            if self.manifest.catalog is not None:
+                total += self.manifest.catalog.bytes
+            total += self.manifest_path.stat().st_size
         return total
 
 
-def _locate(path: Path) -> tuple[Path, dict[str, Any] | None, list[Path]]:
-    """Where the files of the pack at ``path`` live: the pack's own path, its manifest (shard
-    sets only) and its container files in record order."""
-    if path.name == fmt.MANIFEST_NAME and path.is_file():
+def _describe_binding(value: Any) -> str:
+    if not isinstance(value, dict):
+        return "no pack (written before format 1.1)"
+    parts = [f"{key} {value[key]}" for key in ("role", "index", "first_record") if key in value]
+    return f"pack {str(value.get('pack_id'))[:12]}... as " + ", ".join(parts)
+
+
+def _locate(path: Path) -> tuple[Path, Path | None, bytes | None]:
+    """Where the pack at ``path`` lives: its own path, and for a shard folder its manifest's
+    path and bytes (read as a regular file of bounded size)."""
+    if path.name == fmt.MANIFEST_NAME and not path.is_dir() and os.path.lexists(path):
         path = path.parent
     manifest_path = path / fmt.MANIFEST_NAME
-    if path.is_dir() and manifest_path.is_file():
-        manifest = fmt.parse_manifest(manifest_path.read_bytes(), str(manifest_path))
-        return path, manifest, [path / shard["file"] for shard in manifest["shards"]]
-    if path.exists():
-        return path, None, [path]
+    if path.is_dir() and os.path.lexists(manifest_path):
+        try:
+            data = read_regular_file(manifest_path, fmt.MAX_MANIFEST_BYTES, "the manifest")
+        except (FileKindError, FileSizeError) as exc:
+            raise CorruptFileError(f"{exc}; the pack is damaged, re-pack it") from None
+        return path, manifest_path, data
+    if os.path.lexists(path):
+        return path, None, None
     raise FileNotFoundError(
         f"{path} does not exist; pack a VOC dataset first with torch_serialized.pack_voc "
         "or `torch-serialized pack`"
     )
 
 
-def _check_manifest_bindings(
-    manifest: Mapping[str, Any], shards: Sequence[ContainerReader], manifest_path: Path
-) -> None:
-    """Each shard is the file the manifest was written with (its records and checksum)."""
-    for shard, entry in zip(shards, manifest["shards"]):
-        if (shard.num_records, shard.meta_crc32) != (entry["num_records"], entry["meta_crc32"]):
-            raise CorruptFileError(
-                f"{shard.path} does not match {manifest_path} (records or "
-                "checksum differ): a shard was replaced; re-pack the dataset"
-            )
+def default_max_open_shards() -> int:
+    """How many shards a reader keeps mapped unless told: an eighth of this process's
+    descriptor limit (each open shard holds up to two), between 4 and 512 (64 where the limit
+    cannot be read)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 512
+    return max(4, min(512, soft // 8))
 
 
-def open_pack(path: str | os.PathLike[str], *, checked: bool = False) -> PackReader:
-    """Open a packed dataset (a ``.tser`` file or a shard folder)."""
-    return PackReader(path, checked=checked)
+def open_pack(
+    path: str | os.PathLike[str],
+    *,
+    checked: bool = False,
+    max_open_shards: int | None = None,
+) -> PackReader:
+    """Open a packed dataset (a ``.tser`` file or a shard folder). A shard folder keeps at most
+    ``max_open_shards`` shards mapped (default: ``default_max_open_shards()``)."""
+    return PackReader(path, checked=checked, max_open_shards=max_open_shards)

@@ -21,10 +21,11 @@ import numpy as np
 
 from . import format as fmt
 from ._version import __version__
-from .atomic import AtomicOutput
+from .atomic import AtomicOutput, is_temporary
 from .errors import WriteError
+from .safeio import read_regular_file
 
-__all__ = ["ContainerWriter", "PackWriter", "Payload", "CREATED_BY"]
+__all__ = ["ContainerWriter", "PackWriter", "Payload", "CREATED_BY", "is_pack", "replace_refusal"]
 
 #: The ``created_by`` of every container and manifest written here.
 CREATED_BY = f"torch_serialized {__version__}"
@@ -159,14 +160,21 @@ class ContainerWriter:
 
     def add_array(self, name: str, array: np.ndarray, *, per_record: bool = False) -> None:
         """Store a named numpy array (plain numbers only) in this file."""
-        if name in self._arrays or name == "records":
+        if name in self._arrays or (name == "records" and self._columns is not None):
             raise ValueError(f"array {name!r} is already stored")
         array = np.asarray(array, order="C")  # not ascontiguousarray: it makes 0-d arrays 1-d
         fmt.dtype_to_json(array.dtype)  # refuse object and other unstorable dtypes early
         self._arrays[name] = (array, per_record)
 
-    def finish(self, user: Mapping[str, Any]) -> int:
-        """Write index, arrays, metadata and footer; return the file size."""
+    def rows(self) -> np.ndarray:
+        """The per-record rows written so far (a copy), empty without columns."""
+        if self._rows is None:
+            return np.empty(0, dtype=np.uint8)
+        return self._rows[: self.num_records].copy()
+
+    def finish(self, user: Mapping[str, Any], *, pack: Mapping[str, Any] | None = None) -> int:
+        """Write index, arrays, metadata and footer; return the file size. ``pack`` is the
+        file's binding to its pack (``format.binding``)."""
         arrays: dict[str, tuple[np.ndarray, bool]] = {}
         if self._rows is not None:
             arrays["records"] = (self._rows[: self.num_records], True)
@@ -186,6 +194,7 @@ class ContainerWriter:
             index=index,
             arrays=descriptors,
             user=user,
+            pack=pack,
         )
         self._write(data)
         size = self.position + fmt.FOOTER_SIZE
@@ -202,25 +211,59 @@ class ContainerWriter:
         return desc
 
 
-def is_pack(path: Path) -> bool:
-    """Whether ``path`` holds a torch_serialized file or shard folder (safe to replace)."""
+def replace_refusal(path: Path) -> str | None:
+    """Why ``path`` may not be replaced by a new pack, or ``None`` when it may.
+
+    Only a pack this package wrote may be replaced, verified rather than sniffed: a file with a
+    valid torch_serialized header, or a folder whose manifest parses and checks and that holds
+    nothing but the files that manifest names and our own temporaries. Anything else might be
+    someone's data.
+    """
+    if not os.path.lexists(path):
+        return None
     if path.is_dir():
-        return (path / fmt.MANIFEST_NAME).is_file()
+        manifest_path = path / fmt.MANIFEST_NAME
+        if not os.path.lexists(manifest_path):
+            return f"is a folder without {fmt.MANIFEST_NAME}"
+        try:
+            data = read_regular_file(manifest_path, fmt.MAX_MANIFEST_BYTES, "the manifest")
+            manifest = fmt.parse_manifest(data, str(manifest_path))
+        except (OSError, ValueError) as exc:
+            return f"has a {fmt.MANIFEST_NAME} that is not a valid manifest ({exc})"
+        ours = {fmt.MANIFEST_NAME, *manifest.files()}
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if is_temporary(entry.name):
+                    continue
+                if entry.name not in ours or not entry.is_file(follow_symlinks=False):
+                    return f"holds {entry.name!r}, which is not a file of the pack it lists"
+        return None
     try:
-        with open(path, "rb") as f:
-            return f.read(len(fmt.MAGIC)) == fmt.MAGIC
-    except OSError:
-        return False
+        header = read_regular_file(path, fmt.HEADER_SIZE, "the file", prefix=True)
+        fmt.unpack_header(header, str(path))
+    except (OSError, ValueError):
+        return "is not a torch_serialized file"
+    return None
+
+
+def is_pack(path: Path) -> bool:
+    """Whether ``path`` holds a pack this package wrote (see ``replace_refusal``)."""
+    return os.path.lexists(path) and replace_refusal(path) is None
 
 
 class PackWriter:
     """Writes records to ``output``: one file, or shards plus manifest when a limit is set.
 
     With ``max_records_per_shard`` or ``max_shard_bytes``, ``output`` becomes a folder of
-    ``shard-NNNNN.tser`` files and ``manifest.json``. Arrays added with ``add_array`` are
-    dataset-level and go into the last shard. Use as a context manager: leaving the block
+    ``shard-NNNNN-<token>.tser`` files, a ``catalog-<token>.tser`` and ``manifest.json``
+    (version 2; ``token`` is new for every write, so no name is ever reused). Arrays added
+    with ``add_array`` are dataset-level: they go into the single file, or into the catalog
+    with a copy of every record's columns. Every file is bound to the pack by its metadata
+    (``format.binding``). Use as a context manager: leaving the block
     with an exception removes all temporary output. ``before_finish`` is called before each
     file is finished: a caller that ``reserve``s records copies their bytes in by then.
+    ``pack_id`` and ``token`` are random unless given (a writer that grows a pack keeps its
+    id; tests pin both to compare bytes).
     """
 
     def __init__(
@@ -233,6 +276,8 @@ class PackWriter:
         max_shard_bytes: int | None = None,
         alignment: int = fmt.DEFAULT_ALIGNMENT,
         before_finish: Callable[[], None] | None = None,
+        pack_id: str | None = None,
+        token: str | None = None,
     ) -> None:
         for name, limit in (
             ("max_records_per_shard", max_records_per_shard),
@@ -253,13 +298,18 @@ class PackWriter:
                 errno.ENOENT,
                 f"output folder {self.output.parent} does not exist; create it first",
             )
-        if self.output.exists() and not is_pack(self.output):
+        refusal = replace_refusal(self.output)
+        if refusal is not None:
             raise WriteError(
                 errno.EEXIST,
-                f"{self.output} exists and is not a torch_serialized pack; "
-                "remove it or choose another output path",
+                f"{self.output} exists and is not a torch_serialized pack: it {refusal}. "
+                "Refusing to replace it; remove it yourself or choose another output path",
             )
-        self._shards: list[dict[str, Any]] = []
+        self.pack_id = pack_id or fmt.new_pack_id()
+        #: in every file name this write makes, so no name a reader may hold is ever reused
+        self._token = token or fmt.new_token()
+        self._shards: list[fmt.ShardEntry] = []
+        self._rows: list[np.ndarray] = []  # each finished shard's rows, for the catalog
         self._arrays: list[tuple[str, np.ndarray]] = []
         self._file: BinaryIO | None = None
         self._path: Path | None = None  # the file being written
@@ -338,7 +388,7 @@ class PackWriter:
         if self._writer is not None:
             self._finish_shard(None)
         if self.sharded:
-            name = f"shard-{len(self._shards):05d}{fmt.FILE_SUFFIX}"
+            name = fmt.shard_file_name(len(self._shards), self._token)
             path = self._out.path / name
         else:
             name, path = self.output.name, self._out.path
@@ -350,24 +400,64 @@ class PackWriter:
         return self._writer
 
     def _finish_shard(self, user: Mapping[str, Any] | None) -> None:
-        """Close the current file; the last one (``user`` given) gets metadata and arrays."""
-        if self._writer is None or self._file is None or self._path is None:
+        """Close the current file; for a single file (``user`` given) with its metadata and
+        arrays (a shard folder keeps those for the catalog)."""
+        writer, file, path = self._writer, self._file, self._path
+        if writer is None or file is None or path is None:
             raise RuntimeError("no shard is open")
         if self._before_finish is not None:
             self._before_finish()  # records reserved in this file are copied in by now
-        for name, array in self._arrays if user is not None else ():
-            self._writer.add_array(name, array)
-        size = self._writer.finish(user or {})
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._shards.append(
-            fmt.manifest_shard(
-                self._path.name, self._writer.num_records, size, self._writer.meta_crc32
+        if self.sharded:
+            first = (
+                self._shards[-1].first_record + self._shards[-1].num_records if self._shards else 0
             )
-        )
+            pack = fmt.binding(
+                fmt.ROLE_SHARD,
+                self.pack_id,
+                index=len(self._shards),
+                first_record=first,
+                num_records=writer.num_records,
+            )
+            self._rows.append(writer.rows())
+            size = writer.finish({}, pack=pack)
+        else:
+            first = 0
+            for name, array in self._arrays:
+                writer.add_array(name, array)
+            size = writer.finish(user or {}, pack=fmt.binding(fmt.ROLE_SINGLE, self.pack_id))
+        self._sync_close(file)
+        entry = fmt.ShardEntry(path.name, first, writer.num_records, size, writer.meta_crc32)
+        self._shards.append(entry)
         self._writer = None
         self._file = None
+
+    def _write_catalog(self, user: Mapping[str, Any]) -> fmt.CatalogEntry:
+        """The catalog of a shard folder: a container without records holding the dataset-level
+        arrays, a copy of every record's columns (``records``) and the metadata, so a reader
+        opens the dataset from the manifest and this one small file."""
+        name = fmt.catalog_file_name(self._token)
+        with open(self._out.path / name, "wb", buffering=1 << 20) as file:
+            writer = ContainerWriter(file, self._fields, alignment=self._alignment)
+            if self._columns is not None:
+                rows = np.concatenate(self._rows) if self._rows else np.empty(0, self._columns)
+                writer.add_array("records", rows)
+            for array_name, array in self._arrays:
+                writer.add_array(array_name, array)
+            pack = fmt.binding(
+                fmt.ROLE_CATALOG,
+                self.pack_id,
+                num_records=self.num_records,
+                num_shards=len(self._shards),
+            )
+            size = writer.finish(user, pack=pack)
+            self._sync_close(file)
+        return fmt.CatalogEntry(name, size, writer.meta_crc32)
+
+    @staticmethod
+    def _sync_close(file: BinaryIO) -> None:
+        file.flush()
+        os.fsync(file.fileno())
+        file.close()
 
     def close(self, metadata: Mapping[str, Any] | None = None) -> Path:
         """Finish every file, then move the output into place atomically; return its path."""
@@ -379,7 +469,7 @@ class PackWriter:
                 self._next_shard()
             self._finish_shard(user)
             if self.sharded:
-                self._write_manifest(user)
+                self._write_manifest(self._write_catalog(user))
             self._out.commit()
         except BaseException as exc:
             self.abort()
@@ -389,13 +479,14 @@ class PackWriter:
         self._closed = True
         return self.output
 
-    def _write_manifest(self, user: Mapping[str, Any]) -> None:
+    def _write_manifest(self, catalog: fmt.CatalogEntry) -> None:
         data = fmt.build_manifest(
             created_by=CREATED_BY,
+            pack_id=self.pack_id,
             num_records=self.num_records,
             fields=self._fields,
+            catalog=catalog,
             shards=self._shards,
-            user=user,
         )
         with open(self._out.path / fmt.MANIFEST_NAME, "wb") as f:
             f.write(data)

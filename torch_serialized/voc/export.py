@@ -7,13 +7,17 @@
 the result. Files the source had but no list named are not in a pack and are not restored.
 
 A pack is untrusted input: every id and stored path is checked before anything is written, and
-one that would land outside ``out_root`` is refused. Each file is written under a temporary name
-and renamed into place, so a failure (a damaged record, a full disk) leaves whole files only.
-Records are read with their checksums verified.
+one that would land outside ``out_root`` is refused. Folders below ``out_root`` are opened one
+component at a time with ``O_NOFOLLOW`` and files written through those descriptors, so a
+symbolic link anywhere below ``out_root`` (``VOCdevkit/VOC2007/JPEGImages`` pointing elsewhere,
+say) is refused, never followed. Each file is written under a temporary name and renamed into
+place, so a failure (a damaged record, a full disk) leaves whole files only. Records are read
+with their checksums verified.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections.abc import Iterator
@@ -21,7 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from tqdm.auto import tqdm
 
-from ..atomic import replace_file
+from ..atomic import replace_file_at
 from ..errors import FormatError, WriteError
 from . import schema
 from .reader import VOCPackReader
@@ -59,31 +63,113 @@ def export_voc(
             "so it cannot be exported byte for byte; export a pack made with the defaults"
         )
     out_root = Path(out_root)
-    voc = out_root.joinpath(*_safe_parts(pack.base_dir, f"{pack.path}: base_dir"))
-    files = pack.files()
-    plan = list(_plan(pack, voc, files))
-    if not overwrite:
-        for target, *_ in plan:
-            if os.path.lexists(target):
+    base = _safe_parts(pack.base_dir, f"{pack.path}: base_dir")
+    plan = list(_plan(pack, base, pack.files()))
+    with _Tree(out_root) as tree:
+        if not overwrite:
+            for folder, name, *_ in plan:
+                if tree.exists(folder, name):
+                    raise WriteError(
+                        errno.EEXIST,
+                        f"{out_root.joinpath(*folder, name)} already exists; export into an "
+                        "empty folder or pass overwrite=True (--overwrite) to replace the files",
+                    )
+        for folder, name, record, field, stored in tqdm(
+            plan, desc="exporting", unit="file", disable=not progress
+        ):
+            data = pack.field(record, field) if stored is None else stored
+            tree.write(folder, name, data)
+    return out_root.joinpath(*base)
+
+
+_Folder = tuple[str, ...]
+
+
+class _Tree:
+    """The folders below ``root``, each opened from its parent's descriptor with
+    ``O_NOFOLLOW`` (created first when writing), so nothing below ``root`` is reached through
+    a symbolic link. ``root`` itself is the caller's choice and may be one."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._fds: dict[_Folder, int] = {}
+
+    def __enter__(self) -> _Tree:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _open(self, folder: _Folder, create: bool) -> int | None:
+        """The descriptor of ``root/folder``; ``None`` if it does not exist and not ``create``."""
+        if folder in self._fds:
+            return self._fds[folder]
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+        path = self.root.joinpath(*folder)
+        try:
+            if not folder:
+                if create:
+                    self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.root, flags)
+            else:
+                parent = self._open(folder[:-1], create)
+                if parent is None:
+                    return None
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(folder[-1], dir_fd=parent)
+                fd = os.open(folder[-1], flags | getattr(os, "O_NOFOLLOW", 0), dir_fd=parent)
+        except FileNotFoundError:
+            if create:
+                raise
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise WriteError(
-                    errno.EEXIST,
-                    f"{target} already exists; export into an empty folder or pass "
-                    "overwrite=True (--overwrite) to replace the files",
-                )
-    for folder in sorted({target.parent for target, *_ in plan}):
-        _mkdir(folder)
-    for target, record, field, stored in tqdm(
-        plan, desc="exporting", unit="file", disable=not progress
-    ):
-        _write_atomic(target, pack.field(record, field) if stored is None else stored)
-    return voc
+                    exc.errno,
+                    f"{path} is a symbolic link or not a folder; export writes only into real "
+                    "folders below the output folder, never through a link: remove it or "
+                    "export elsewhere",
+                ) from None
+            raise WriteError(
+                exc.errno or errno.EIO, f"cannot create {path}: {exc.strerror or exc}"
+            ) from exc
+        self._fds[folder] = fd
+        return fd
+
+    def exists(self, folder: _Folder, name: str) -> bool:
+        fd = self._open(folder, create=False)
+        if fd is None:
+            return False
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def write(self, folder: _Folder, name: str, data: bytes | memoryview) -> None:
+        """Write one file atomically (``atomic.replace_file_at``), failing with a
+        ``WriteError``."""
+        fd = self._open(folder, create=True)
+        assert fd is not None
+        try:
+            replace_file_at(fd, name, data)
+        except OSError as exc:
+            target = self.root.joinpath(*folder, name)
+            raise WriteError(
+                exc.errno or errno.EIO,
+                f"writing {target} failed: {exc.strerror or exc}; no partial file was left",
+            ) from exc
 
 
 def _plan(
-    pack: VOCPackReader, voc: Path, files: dict[str, bytes]
-) -> Iterator[tuple[Path, int, int, bytes | None]]:
-    """``(destination, record, field, None)`` per record file, ``(destination, -1, -1, bytes)``
-    per list file. Raises on an unsafe id or path; the caller lists the whole plan first."""
+    pack: VOCPackReader, base: _Folder, files: dict[str, bytes]
+) -> Iterator[tuple[_Folder, str, int, int, bytes | None]]:
+    """``(folder, name, record, field, None)`` per record file, ``(folder, name, -1, -1,
+    bytes)`` per list file, folders relative to the output folder. Raises on an unsafe id or
+    path; the caller lists the whole plan first."""
     flags = pack.columns["flags"]
     seen: set[str] = set()
     for record in range(len(pack)):
@@ -95,7 +181,7 @@ def _plan(
         seen.add(image_id)
         for field, flag, folder, ext in _OUTPUTS:
             if flag == 0 or int(flags[record]) & flag:
-                yield voc / folder / f"{image_id}{ext}", record, field, None
+                yield (*base, folder), f"{image_id}{ext}", record, field, None
     for name in sorted(files):
         parts = _safe_parts(name, f"{pack.path}: stored list file {name!r}")
         if parts[0] != "ImageSets" or len(parts) < 2:
@@ -103,7 +189,7 @@ def _plan(
                 f"{pack.path}: stored list file {name!r} is not under ImageSets/; refusing to "
                 "write it (the pack was not made by pack_voc, or is damaged)"
             )
-        yield voc.joinpath(*parts), -1, -1, files[name]
+        yield (*base, *parts[:-1]), parts[-1], -1, -1, files[name]
 
 
 def _check_id(image_id: str, where: str) -> None:
@@ -138,23 +224,3 @@ def _safe_parts(relative: str, where: str) -> tuple[str, ...]:
             "parts would write outside the output folder); the pack is unsafe"
         )
     return parts
-
-
-def _mkdir(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise WriteError(
-            exc.errno or errno.EIO, f"cannot create {folder}: {exc.strerror or exc}"
-        ) from exc
-
-
-def _write_atomic(target: Path, data: bytes | memoryview) -> None:
-    """Write one file atomically (``atomic.replace_file``), failing with a ``WriteError``."""
-    try:
-        replace_file(target, data)
-    except OSError as exc:
-        raise WriteError(
-            exc.errno or errno.EIO,
-            f"writing {target} failed: {exc.strerror or exc}; no partial file was left",
-        ) from exc

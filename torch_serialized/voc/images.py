@@ -21,7 +21,17 @@ from PIL import Image, UnidentifiedImageError
 from ..errors import SourceDataError
 from .xml import VOCObjects
 
-__all__ = ["ImageOptions", "store_image", "jpeg_size", "scale_objects", "scale_target"]
+__all__ = [
+    "ImageOptions",
+    "store_image",
+    "check_mask",
+    "jpeg_size",
+    "png_size",
+    "declared_size",
+    "check_pixels",
+    "scale_objects",
+    "scale_target",
+]
 
 #: JPEG quality of images re-encoded after resizing (``max_size`` with original storage).
 RESIZE_QUALITY = 90
@@ -29,6 +39,7 @@ RESIZE_QUALITY = 90
 SKIP_HINT = "(or leave such samples out: on_error='skip' in pack_voc, --skip-bad in the CLI)"
 #: Start-of-frame markers (baseline, extended, progressive, lossless...): they hold the size.
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,7 @@ def store_image(
     if not options.decodes:
         size = jpeg_size(data)  # the common case: stored as is, only the size is needed
         if size is not None:
-            _check_pixels(size, path)
+            check_pixels(size, path, SourceDataError)
             return data, size[0], size[1], None
     try:
         img: Image.Image = Image.open(io.BytesIO(data))
@@ -82,14 +93,49 @@ def store_image(
     return data, width, height, scale
 
 
-def jpeg_size(data: bytes) -> tuple[int, int] | None:
+def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
+    """A segmentation mask: its declared size within the pixel limit (always, from the PNG
+    header); with ``check_images``, a PNG that decodes completely."""
+    size = png_size(data)
+    if size is not None:
+        check_pixels(size, path, SourceDataError)
+    if not options.check_images:
+        return
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format != "PNG":
+                raise ValueError(f"a {img.format} image, not a PNG")
+            check_pixels(img.size, path, SourceDataError)
+            img.load()
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise SourceDataError(
+            f"{path}: not a readable PNG mask ({exc}); replace the file or remove its id "
+            "from the lists (or pack with on_error='skip')"
+        ) from None
+    except Image.DecompressionBombError as exc:
+        raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
+
+
+def png_size(data: bytes | memoryview) -> tuple[int, int] | None:
+    """``(width, height)`` from a PNG's IHDR chunk, or ``None`` if ``data`` is no PNG."""
+    if len(data) < 24 or bytes(data[:8]) != _PNG_SIGNATURE or bytes(data[12:16]) != b"IHDR":
+        return None
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def declared_size(data: bytes | memoryview) -> tuple[int, int] | None:
+    """The size a JPEG or PNG declares in its header, read without decoding anything."""
+    return jpeg_size(data) or png_size(data)
+
+
+def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
     """``(width, height)`` from a JPEG's start-of-frame header, or ``None`` if not found.
 
     Reads a few hundred bytes of markers instead of opening the image with Pillow, which is
     much slower (benchmarks/README.md, "Measurements behind the code"). ``None`` (not a
     JPEG, odd markers) sends the caller to Pillow.
     """
-    if data[:2] != b"\xff\xd8":
+    if bytes(data[:2]) != b"\xff\xd8":
         return None
     i, n = 2, len(data)
     while i + 4 <= n:
@@ -115,21 +161,26 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def _check_pixels(size: tuple[int, int], path: str) -> None:
-    """Pillow's decompression-bomb rule, for images whose size was read without Pillow."""
+def check_pixels(size: tuple[int, int], where: str, error: type[Exception]) -> None:
+    """Pillow's decompression-bomb rule for a size read without Pillow, with the limit read now
+    (``PIL.Image.MAX_IMAGE_PIXELS``, so users configure it as they already do for Pillow; None
+    turns it off): above twice the limit ``error(...)`` naming ``where``, above the limit
+    Pillow's ``DecompressionBombWarning``. The one rule of every decode path, at pack and at
+    read time, checked before any pixel memory is allocated."""
     limit = Image.MAX_IMAGE_PIXELS
     pixels = size[0] * size[1]
     if limit and pixels > 2 * limit:
-        raise SourceDataError(
-            f"{path}: image size ({pixels} pixels) exceeds limit of {2 * limit} pixels, could "
-            "be decompression bomb DOS attack; refusing a decompression bomb"
+        raise error(
+            f"{where}: image size ({pixels} pixels, {size[0]}x{size[1]}) exceeds limit of "
+            f"{2 * limit} pixels, could be decompression bomb DOS attack; refusing it "
+            "(raise PIL.Image.MAX_IMAGE_PIXELS if the image is genuine)"
         )
     if limit and pixels > limit:
         warnings.warn(
-            f"{path}: image size ({pixels} pixels) exceeds limit of {limit} pixels, could be "
+            f"{where}: image size ({pixels} pixels) exceeds limit of {limit} pixels, could be "
             "decompression bomb DOS attack.",
             Image.DecompressionBombWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
 
 

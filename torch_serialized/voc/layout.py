@@ -10,12 +10,14 @@ torchvision would build, and refuses the lines that would make torchvision look 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from torch_serialized.errors import SourceDataError
+from ..errors import SourceDataError, SourceNotFoundError
+from ..safeio import DEFAULT_MAX_FILE_BYTES, FileKindError, FileSizeError, read_regular_file
 
 __all__ = [
     "STANDARD_IMAGE_SETS",
@@ -56,9 +58,8 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
     if year is not None and (not isinstance(year, str) or not _YEAR.fullmatch(year)):
         raise SourceDataError(f"year must be a 4-digit string such as '2007', got {year!r}.")
     if not root.is_dir():
-        raise SourceDataError(
-            f"VOC root {str(root)!r} is not a directory; pass an existing folder."
-        )
+        error = SourceDataError if os.path.lexists(root) else SourceNotFoundError
+        raise error(f"VOC root {str(root)!r} is not a directory; pass an existing folder.")
     if year is None:
         return _infer(root)
     candidates = _candidates(root, year)
@@ -66,7 +67,7 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
         if candidate.is_dir():
             return candidate, year
     looked = ", ".join(repr(str(c)) for c in candidates)
-    raise SourceDataError(
+    raise SourceNotFoundError(
         f"No Pascal VOC {year} folder found: looked for {looked}. Pass torchvision's root "
         f"(the folder holding VOCdevkit/VOC{year}) or the VOC{year} folder itself."
     )
@@ -98,7 +99,7 @@ def _infer(root: Path) -> tuple[Path, str]:
         match = _VOC_FOLDER.fullmatch(root.name)
         if match:
             return root, match.group(1)
-        raise SourceDataError(
+        raise SourceNotFoundError(
             f"No Pascal VOC folder found under {str(root)!r}: looked for VOCdevkit/VOC<year>, "
             "TrainVal/VOCdevkit/VOC<year> and a folder named VOC<year>. Pass torchvision's root "
             "(the folder holding VOCdevkit/VOC2012) or the VOC2012 folder itself."
@@ -120,17 +121,21 @@ def _voc_folders(parent: Path) -> list[Path]:
     return [p for p in parent.iterdir() if _VOC_FOLDER.fullmatch(p.name) and p.is_dir()]
 
 
-def read_image_sets(voc_root: Path) -> dict[str, dict[str, list[str]]]:
+def read_image_sets(
+    voc_root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> dict[str, dict[str, list[str]]]:
     """Map task (``Main``, ``Segmentation``) -> list name -> ids, as torchvision reads them.
 
     Ids keep file order, duplicates and leading zeros. Besides the standard names, any other
     ``*.txt`` whose lines are all one token is a custom split; per-class files such as
     ``aeroplane_train.txt`` (``id -1`` lines) are skipped. Tasks without lists are left out.
+    Only regular files of at most ``max_file_bytes`` are read (a FIFO named ``train.txt`` is
+    refused, not waited on).
     """
     voc_root = Path(voc_root)
     image_sets = voc_root / "ImageSets"
     if not image_sets.is_dir():
-        raise SourceDataError(
+        raise SourceNotFoundError(
             f"{str(image_sets)!r} does not exist. Create ImageSets/Main/train.txt (and val.txt, "
             "trainval.txt) with one image id per line, e.g. 000005 for JPEGImages/000005.jpg."
         )
@@ -139,37 +144,37 @@ def read_image_sets(voc_root: Path) -> dict[str, dict[str, list[str]]]:
         folder = image_sets / task
         if not folder.is_dir():
             continue
-        lists = _read_task(folder)
+        lists = _read_task(folder, max_file_bytes)
         if lists:
             result[task] = lists
     if not result:
-        raise SourceDataError(
+        raise SourceNotFoundError(
             f"No list files in {str(image_sets)!r}: expected Main/train.txt, Main/val.txt, ... "
             "(or Segmentation/...). Create them with one image id per line."
         )
     return result
 
 
-def _read_task(folder: Path) -> dict[str, list[str]]:
+def _read_task(folder: Path, max_file_bytes: int) -> dict[str, list[str]]:
     """The id lists of one ImageSets sub-folder, standard names first, then custom ones sorted."""
-    paths = {path.stem: path for path in folder.glob("*.txt") if path.is_file()}
+    paths = {path.stem: path for path in folder.glob("*.txt") if not path.is_dir()}
     lists: dict[str, list[str]] = {}
     for name in (*STANDARD_IMAGE_SETS, *sorted(set(paths) - set(STANDARD_IMAGE_SETS))):
         path = paths.get(name)
         if path is None:
             continue
-        lines = _read_lines(path)
+        lines = _read_lines(path, max_file_bytes)
         if name not in STANDARD_IMAGE_SETS and any(len(line.split()) > 1 for line in lines):
             continue  # a per-class file ("000005 -1") or some other text, not an id list
         lists[name] = _ids(path, lines)
     return lists
 
 
-def _read_lines(path: Path) -> list[str]:
+def _read_lines(path: Path, max_file_bytes: int) -> list[str]:
     """torchvision's ``[x.strip() for x in open(path).readlines()]`` (universal newlines)."""
     try:
-        with open(path, encoding="utf-8", newline=None) as file:
-            return [line.strip() for line in file.readlines()]
+        text = read_list_file(path, max_file_bytes).decode("utf-8")
+        return [line.strip() for line in io.StringIO(text, newline=None).readlines()]
     except UnicodeDecodeError as exc:
         raise SourceDataError(
             f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
@@ -198,10 +203,22 @@ def _ids(path: Path, lines: list[str]) -> list[str]:
     return lines
 
 
-def image_set_files(voc_root: Path) -> Iterator[tuple[str, bytes]]:
+def image_set_files(
+    voc_root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> Iterator[tuple[str, bytes]]:
     """Every list file under ImageSets, as ``(devkit-relative path, raw bytes)``, sorted, so
     ``export`` can restore them byte for byte."""
     base = voc_root / "ImageSets"
     for path in sorted(base.rglob("*.txt")):
-        if path.is_file():
-            yield path.relative_to(voc_root).as_posix(), path.read_bytes()
+        if not path.is_dir():
+            yield path.relative_to(voc_root).as_posix(), read_list_file(path, max_file_bytes)
+
+
+def read_list_file(path: Path, max_file_bytes: int) -> bytes:
+    """The bytes of an ImageSets list file: a regular file of at most ``max_file_bytes``."""
+    try:
+        return read_regular_file(path, max_file_bytes, "the list file")
+    except (FileKindError, FileSizeError) as exc:
+        raise SourceDataError(f"{exc}; replace it with a plain text file of ids") from None
+    except OSError as exc:
+        raise SourceDataError(f"{path}: cannot read the list file: {exc.strerror or exc}") from None

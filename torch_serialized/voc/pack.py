@@ -12,6 +12,7 @@ output is byte-identical for any number of pack processes. This module never imp
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -24,8 +25,10 @@ from typing import Any, Literal
 import numpy as np
 
 from .._version import __version__
-from ..errors import SourceDataError
+from ..atomic import replace_file
+from ..errors import SourceDataError, WriteError
 from ..parallel import Record, Spilled, SpillPool, pays_off
+from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
 from ..writer import PackWriter
 from . import schema
 from .images import ImageOptions
@@ -35,6 +38,8 @@ from .source import Job, LoadedSample, load, plan
 __all__ = ["pack_voc", "PackResult", "SkippedSample", "ImageStorage"]
 
 ImageStorage = Literal["original", "raw"]
+#: The skipped-samples report is ``OUTPUT`` + this, beside the output.
+REPORT_SUFFIX = ".skipped.json"
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ def pack_voc(
     check_images: bool = False,
     on_error: Literal["raise", "skip"] = "raise",
     progress: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> PackResult:
     """Pack a VOC dataset into ``output`` (a ``.tser`` file, or a shard folder with a limit).
 
@@ -101,8 +107,11 @@ def pack_voc(
     stores decoded RGB pixels (no decode at read time, larger file); ``max_size`` resizes
     images so their longer side is at most that many pixels, scaling boxes and sizes with
     them. Both change what is returned, so such packs are no longer byte-exact drop-ins.
-    ``check_images`` decodes every image at pack time. ``on_error="skip"`` leaves out bad
-    samples (listed in the result and a ``.skipped.json`` report) instead of failing.
+    ``check_images`` decodes every image and mask at pack time. ``on_error="skip"`` leaves out
+    bad samples (listed in the result and a ``.skipped.json`` report beside ``output``) instead
+    of failing; a pack without skipped samples removes an earlier report.
+    Only regular files are read, each of at most ``max_file_bytes`` (1 GiB by default): a
+    FIFO or a link to a device in the source tree is refused, not waited on or read forever.
     ``workers > 1`` reads, parses and writes samples in that many spawned processes (scratch
     files beside the output, removed at the end); the output is byte-identical to one
     process. ``progress`` shows a progress bar.
@@ -115,11 +124,16 @@ def pack_voc(
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if max_file_bytes < 1:
+        raise ValueError(f"max_file_bytes must be a positive number, got {max_file_bytes}")
     started = time.perf_counter()
     voc_root, year = find_voc_root(root, year)
-    image_sets = read_image_sets(voc_root)
-    jobs = plan(voc_root, image_sets, ImageOptions(image_storage, max_size, check_images))
+    image_sets = read_image_sets(voc_root, max_file_bytes)
+    options = ImageOptions(image_storage, max_size, check_images)
+    jobs = plan(voc_root, image_sets, options, max_file_bytes)
     output = Path(output)
+    report = output.with_name(output.name + REPORT_SUFFIX)
+    _check_report_path(report)  # before any work: never overwrite someone's file with it
     skip = on_error == "skip"
     pool = (
         SpillPool(functools.partial(_load_spilled, skip=skip), jobs, schema.FIELDS, workers)
@@ -142,7 +156,9 @@ def pack_voc(
             if pool is not None:  # on an error, stop the processes before the output is removed
                 stack.callback(pool.close)
             books = _write_records(writer, jobs, pool, skip, bar, started)
-            splits, class_counts = _write_dataset_arrays(writer, books, image_sets, voc_root)
+            splits, class_counts = _write_dataset_arrays(
+                writer, books, image_sets, voc_root, max_file_bytes
+            )
             metadata = {
                 "schema": schema.SCHEMA,
                 "schema_version": schema.SCHEMA_VERSION,
@@ -167,13 +183,11 @@ def pack_voc(
             }
             path = writer.close(metadata)
 
-        report = None
         if books.skipped:
-            report = path.with_name(path.name + ".skipped.json")
-            report.write_text(
-                json.dumps(metadata["skipped"], indent=1, ensure_ascii=False) + "\n",
-                encoding="utf-8",
-            )
+            text = json.dumps(metadata["skipped"], indent=1, ensure_ascii=False) + "\n"
+            replace_file(report, text.encode("utf-8"))
+        elif os.path.lexists(report):  # an earlier pack's report: these samples are all in now
+            report.unlink()
         result = PackResult(
             path=path,
             num_samples=len(books.record_of),
@@ -181,7 +195,7 @@ def pack_voc(
             source_bytes=books.source_bytes,
             seconds=time.perf_counter() - started,
             skipped=books.skipped,
-            report=report,
+            report=report if books.skipped else None,
             year=year,
             voc_root=voc_root,
         )
@@ -205,6 +219,26 @@ def _size_on_disk(path: Path) -> int:
     if not path.is_dir():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def _check_report_path(report: Path) -> None:
+    """Refuse to pack when ``report`` (``OUTPUT.skipped.json``) exists but is not a report of
+    ours: writing or removing it would destroy someone's file."""
+    if not os.path.lexists(report):
+        return
+    try:
+        entries = json.loads(read_regular_file(report, 64 << 20, "the report"))
+        ours = isinstance(entries, list) and all(
+            isinstance(e, dict) and set(e) == {"id", "reason"} for e in entries
+        )
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise WriteError(
+            errno.EEXIST,
+            f"{report} exists and is not a skipped-samples report of torch_serialized; "
+            "refusing to replace it. Move it away or choose another output path",
+        )
 
 
 def _write_records(
@@ -257,6 +291,7 @@ def _write_dataset_arrays(
     books: _Books,
     image_sets: Mapping[str, Mapping[str, Sequence[str]]],
     voc_root: Path,
+    max_file_bytes: int,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """Ids, one record list per image set and the raw list files; return the image set
     sizes and class counts for the metadata."""
@@ -279,7 +314,7 @@ def _write_dataset_arrays(
             class_counts[f"{task}/{name}"] = {
                 n: int(counts[c]) for n, c in books.classes.items() if counts[c]
             }
-    for rel, data in image_set_files(voc_root):
+    for rel, data in image_set_files(voc_root, max_file_bytes):
         writer.add_array(f"file/{rel}", np.frombuffer(data, dtype=np.uint8))
     return splits, class_counts
 

@@ -4,11 +4,19 @@
 reading side of ``pack_voc``, shared by the map-style and iterable datasets, ``export_voc``
 and the command line. It holds numpy arrays only, never per-sample Python objects, so
 DataLoader workers do not grow their memory by touching samples.
+
+A pack is untrusted input: at open, ``check_metadata`` and ``check_arrays`` validate
+everything the VOC layer reads from the metadata and the dataset-level arrays (types,
+ranges, every image set's record numbers, the ids' offsets and encoding) and raise
+``FormatError`` naming the file and the field, so no ``KeyError``, ``IndexError`` or silently
+wrong label can come out of a damaged or crafted pack later. What varies per record (the
+objects' class ids, a stored target's JSON) is checked by the decoder as it reads.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +24,7 @@ import numpy as np
 from ..errors import FormatError
 from ..reader import PackReader
 from . import schema
+from .layout import TASKS
 
 __all__ = ["VOCPackReader"]
 
@@ -32,13 +41,15 @@ class VOCPackReader:
                 f"(schema {meta.get('schema')!r}); pack it with torch_serialized.pack_voc"
             )
         version = meta.get("schema_version")
-        if not isinstance(version, int) or version > schema.SCHEMA_VERSION:
+        if type(version) is not int or not 1 <= version <= schema.SCHEMA_VERSION:
             raise FormatError(
                 f"{self.reader.path}: VOC schema version {version!r} is newer than this "
                 f"torch_serialized reads ({schema.SCHEMA_VERSION}); upgrade torch_serialized"
             )
         if tuple(self.reader.fields) != schema.FIELDS:
             raise FormatError(f"{self.reader.path}: unexpected fields {self.reader.fields}")
+        check_metadata(meta, len(self.reader), self.reader.path)
+        check_arrays(self.reader.arrays(), meta, len(self.reader), self.reader.path)
         self.meta: dict[str, Any] = meta
         self.year: str = meta["year"]
         self.base_dir: str = meta["base_dir"]
@@ -81,6 +92,25 @@ class VOCPackReader:
         arrays = self.reader.arrays()
         return arrays["ids"], arrays["id_offsets"]
 
+    def objects(self, record: int) -> np.ndarray:
+        """The ``schema.OBJECT_DTYPE`` rows of ``record``, checked: whole rows, class ids that
+        name one of the pack's classes."""
+        data = self.field(record, schema.OBJECTS)
+        if len(data) % schema.OBJECT_DTYPE.itemsize:
+            raise FormatError(f"{self.where(record)}: the stored objects are not whole rows")
+        rows = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
+        ids = rows["class_id"]
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(self.classes)):
+            raise FormatError(
+                f"{self.where(record)}: class id {int(ids.min())}..{int(ids.max())} is not one "
+                f"of the pack's {len(self.classes)} classes; the pack is damaged, re-pack it"
+            )
+        return rows
+
+    def where(self, record: int) -> str:
+        """``"<pack>: record 5 (id '2008_000123')"``, for messages about one record."""
+        return f"{self.path}: record {record} (id {self.id(record)!r})"
+
     def field(self, record: int, k: int) -> memoryview:
         return self.reader.field(record, k)
 
@@ -91,3 +121,108 @@ class VOCPackReader:
             for name, array in self.reader.arrays().items()
             if name.startswith("file/")
         }
+
+
+# -- validation at open ---------------------------------------------------------------------------
+def _bad(path: str, field: str, expected: str, found: Any) -> FormatError:
+    text = repr(found)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return FormatError(
+        f"{path}: VOC metadata field {field!r} is invalid: expected {expected}, found {text}; "
+        "the pack is damaged or was not written by pack_voc: re-pack it"
+    )
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
+    """Every metadata value the VOC layer reads has the type and range ``pack_voc`` writes."""
+    year = meta.get("year")
+    if not isinstance(year, str) or len(year) != 4 or not year.isdigit():
+        raise _bad(path, "year", "a 4-digit string", year)
+    for key in ("base_dir", "voc_folder"):
+        if not isinstance(meta.get(key), str):
+            raise _bad(path, key, "a string", meta.get(key))
+    if meta.get("num_samples") != num_records:
+        raise _bad(
+            path, "num_samples", f"the pack's {num_records} records", meta.get("num_samples")
+        )
+    classes = meta.get("classes")
+    if (
+        not isinstance(classes, list)
+        or not all(isinstance(c, str) for c in classes)
+        or len(set(classes)) != len(classes)
+    ):
+        raise _bad(path, "classes", "a list of distinct class names", classes)
+    if meta.get("image_storage") not in ("original", "raw"):
+        raise _bad(path, "image_storage", "'original' or 'raw'", meta.get("image_storage"))
+    max_size = meta.get("max_size")
+    if max_size is not None and not _is_int(max_size, 1):
+        raise _bad(path, "max_size", "null or a positive integer", max_size)
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or not set(splits) <= set(TASKS):
+        raise _bad(path, "splits", f"an object with keys among {TASKS}", splits)
+    for task, sets in splits.items():
+        if not isinstance(sets, dict) or not all(_is_int(n) for n in sets.values()):
+            raise _bad(path, f"splits.{task}", "image set names -> record counts", sets)
+    counts = meta.get("class_counts", {})
+    if not isinstance(counts, dict) or not all(
+        isinstance(per, dict) and all(name in classes and _is_int(n) for name, n in per.items())
+        for per in counts.values()
+    ):
+        raise _bad(path, "class_counts", "'task/set' -> class name -> count", counts)
+    for key, kind in (("options", dict), ("skipped", list)):
+        if not isinstance(meta.get(key, kind()), kind):
+            raise _bad(path, key, f"a JSON {kind.__name__}", meta.get(key))
+
+
+def check_arrays(
+    arrays: Mapping[str, np.ndarray], meta: dict[str, Any], num_records: int, path: str
+) -> None:
+    """The dataset-level arrays: the columns, the ids and their offsets, one record list per
+    image set with every record number in range, and the raw list files."""
+    columns = arrays.get("records")
+    if columns is None or columns.dtype != schema.COLUMNS or columns.shape != (num_records,):
+        raise _bad(path, "records", f"{num_records} rows of {schema.COLUMNS}", _shape(columns))
+    ids, offsets = arrays.get("ids"), arrays.get("id_offsets")
+    if ids is None or ids.dtype != np.uint8 or ids.ndim != 1:
+        raise _bad(path, "ids", "a 1-D uint8 array", _shape(ids))
+    if offsets is None or offsets.dtype != np.dtype("<u8") or offsets.shape != (num_records + 1,):
+        raise _bad(path, "id_offsets", f"{num_records + 1} uint64 offsets", _shape(offsets))
+    starts = offsets[:-1][offsets[1:] > offsets[:-1]].astype(np.int64)  # of non-empty ids
+    if num_records and (
+        int(offsets[0]) != 0
+        or int(offsets[-1]) != len(ids)
+        or bool((offsets[1:] < offsets[:-1]).any())
+        or bool(((ids[starts] & 0xC0) == 0x80).any())  # no id starts inside a character
+    ):
+        raise _bad(path, "id_offsets", "ascending offsets of each id in ids", "other offsets")
+    try:
+        ids.tobytes().decode("utf-8")  # with the starts above: every id decodes alone too
+    except UnicodeDecodeError:
+        raise _bad(path, "ids", "UTF-8 text", "other bytes") from None
+    named = {name for name in arrays if name.startswith("split/")}
+    listed = {schema.split_array_name(t, n) for t, sets in meta["splits"].items() for n in sets}
+    if named != listed:
+        raise _bad(path, "splits", f"the image sets stored ({sorted(named)})", sorted(listed))
+    for task, sets in meta["splits"].items():
+        for name, count in sets.items():
+            records = arrays[schema.split_array_name(task, name)]
+            if records.dtype != np.dtype("<i8") or records.shape != (count,):
+                raise _bad(path, f"split/{task}/{name}", f"{count} int64 records", _shape(records))
+            if count and (int(records.min()) < 0 or int(records.max()) >= num_records):
+                raise _bad(
+                    path,
+                    f"split/{task}/{name}",
+                    f"record numbers below {num_records}",
+                    [int(records.min()), int(records.max())],
+                )
+    for name, array in arrays.items():
+        if name.startswith("file/") and (array.dtype != np.uint8 or array.ndim != 1):
+            raise _bad(path, name, "a 1-D uint8 array", _shape(array))
+
+
+def _shape(array: np.ndarray | None) -> str:
+    return "nothing" if array is None else f"{array.dtype} {array.shape}"

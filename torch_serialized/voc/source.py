@@ -15,9 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import SourceDataError
+from ..errors import SourceDataError, SourceNotFoundError
+from ..safeio import DEFAULT_MAX_FILE_BYTES, FileKindError, FileSizeError, read_regular_file
 from . import schema
-from .images import SKIP_HINT, ImageOptions, scale_objects, scale_target, store_image
+from .images import (
+    SKIP_HINT,
+    ImageOptions,
+    check_mask,
+    scale_objects,
+    scale_target,
+    store_image,
+)
 from .layout import TASKS
 from .xml import VOCObjects, extract_objects, parse_annotation
 
@@ -42,6 +50,8 @@ class Job:
     #: The ``_OPTIONAL_FILES`` folders that list this id's file: only those are opened, as a
     #: failed open per absent file costs (benchmarks/README.md, "Measurements behind the code").
     listed_in_folders: frozenset[str]
+    #: The largest file read (``pack_voc(max_file_bytes=...)``).
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
 @dataclass
@@ -59,7 +69,10 @@ class LoadedSample:
 
 
 def plan(
-    voc_root: Path, image_sets: Mapping[str, Mapping[str, Sequence[str]]], options: ImageOptions
+    voc_root: Path,
+    image_sets: Mapping[str, Mapping[str, Sequence[str]]],
+    options: ImageOptions,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> list[Job]:
     """One job per distinct id, in layout order: train ids first, then val, test, the rest."""
     first: dict[str, str] = {}
@@ -84,6 +97,7 @@ def plan(
                 for folder, extension in _OPTIONAL_FILES.items()
                 if (image_id + extension).casefold() in listings[folder]
             ),
+            max_file_bytes,
         )
         for image_id, listed_in in first.items()
     ]
@@ -113,7 +127,7 @@ def load(job: Job) -> LoadedSample:
         mask = _read_optional(mask_path, job.needs_mask, job, "the mask")
     if "SegmentationObject" in listed:
         path = os.path.join(voc, "SegmentationObject", name + ".png")
-        object_mask = _read_optional(path, False, job, "")
+        object_mask = _read_optional(path, False, job, "the object mask")
     source_bytes = sum(len(b) for b in (image, annotation, mask, object_mask) if b)
 
     target_json = b""
@@ -128,8 +142,10 @@ def load(job: Job) -> LoadedSample:
         names = objects.names
     if mask is not None:
         flags |= schema.HAS_MASK
+        check_mask(mask, mask_path, job.options)
     if object_mask is not None:
         flags |= schema.HAS_OBJECT_MASK
+        check_mask(object_mask, os.path.join(voc, "SegmentationObject", name + ".png"), job.options)
 
     stored, width, height, scale = store_image(image, image_path, job.options)
     if scale is not None and objects is not None and target is not None:
@@ -145,21 +161,30 @@ def _read(path: str, job: Job, what: str) -> bytes:
     """A required file's bytes."""
     data = _read_optional(path, True, job, what)
     if data is None:  # _read_optional raises for a missing required file
-        raise SourceDataError(f"{path}: {what} of id {job.id!r} is missing")
+        raise SourceNotFoundError(f"{path}: {what} of id {job.id!r} is missing")
     return data
 
 
 def _read_optional(path: str, required: bool, job: Job, what: str) -> bytes | None:
-    """A file's bytes, or ``None`` when it is absent and not ``required``."""
+    """A file's bytes, or ``None`` when it is absent and not ``required``. Only a regular
+    file of at most ``job.max_file_bytes`` is read (see ``safeio``)."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_regular_file(path, job.max_file_bytes, what or "the file")
     except FileNotFoundError:
         if not required:
             return None
-        raise SourceDataError(
+        raise SourceNotFoundError(
             f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing; "
             f"add the file or remove the id from the list {SKIP_HINT}"
+        ) from None
+    except FileKindError as exc:
+        raise SourceDataError(
+            f"{exc} (id {job.id!r}); replace it with the file or remove the id from the lists"
+        ) from None
+    except FileSizeError as exc:
+        raise SourceDataError(
+            f"{exc} (id {job.id!r}); pass a larger max_file_bytes (--max-file-size) if the file "
+            "is genuine, or remove the id from the lists"
         ) from None
     except OSError as exc:
         raise SourceDataError(

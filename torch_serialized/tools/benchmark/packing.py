@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import resource
 import shutil
@@ -184,10 +185,20 @@ def _import_seconds(module: str) -> float:
 
 
 def _sha256(path: Path) -> str:
+    """A digest of what a pack holds, identical for packs of the same records whatever their
+    random pack id and file-name token (each container's bytes before its metadata, and the
+    metadata without its ``pack`` binding; the manifest only restates those)."""
+    from torch_serialized import format as fmt
+
     digest = hashlib.sha256()
     for part in sorted(pack_file_paths(path)):
-        digest.update(os.path.relpath(part, path).encode() if path.is_dir() else b"")
-        with open(part, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
+        if os.path.basename(part) == fmt.MANIFEST_NAME:
+            continue
+        data = Path(part).read_bytes()
+        footer = fmt.unpack_footer(data[-fmt.FOOTER_SIZE :], str(part))
+        meta = json.loads(data[footer["meta_offset"] : -fmt.FOOTER_SIZE])
+        meta.pop("pack", None)
+        digest.update(os.path.basename(part).split("-")[0].encode())
+        digest.update(data[: footer["meta_offset"]])
+        digest.update(json.dumps(meta, sort_keys=True).encode())
     return digest.hexdigest()

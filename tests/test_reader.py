@@ -866,3 +866,16 @@ def test_metadata_with_duplicate_keys_or_nan_is_refused(tmp_path, container_pack
     with pytest.raises(CorruptFileError, match="not valid JSON") as info:
         open_pack(path)
     assert str(path) in str(info.value)
+
+
+def test_the_least_recently_used_shard_is_closed_first(tmp_path):
+    """The per-sample lookup of an open shard still counts as a use: with room for two
+    shards, reading 0, 1, 0, then 2 closes shard 1, not shard 0."""
+    out = write_pack(tmp_path / "lru", 6, max_records_per_shard=2)
+    reader = open_pack(out, max_open_shards=2)
+    first, second = reader.locate(0)[0], reader.locate(2)[0]
+    for i in (1, 0, 4):
+        reader.field(i, 0)
+    assert first.mapped_by == os.getpid() and second.mapped_by is None
+    assert bytes(reader.field(3, 0)) == payload(3, 0, size_of(3, 0))  # reopened on demand
+    assert first.mapped_by is None  # now shard 0 was the least recently used

@@ -688,6 +688,8 @@ class PackReader:
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.num_records = int(self.starts[-1])
         self._starts: list[int] = self.starts.tolist()  # for ``locate``
+        #: the one container holding every record, when it is the catalog (a single file)
+        self._single = self._catalog if self._expected == [None] else None
         self._field_index = {name: k for k, name in enumerate(self.fields)}
         self._arrays: dict[str, np.ndarray] | None = None
         self._arrays_from: Mapping[str, np.ndarray] | None = None
@@ -933,8 +935,8 @@ class PackReader:
         """The shard holding global record ``i`` and the record's index inside it."""
         if not 0 <= i < self.num_records:
             raise IndexError(f"record {i} out of range for {self.num_records} records")
-        if len(self.entries) == 1:
-            return self.shard(0), i
+        if self._single is not None:
+            return self._single, i
         starts = self._starts
         s = bisect.bisect_right(starts, i) - 1  # a tenth of np.searchsorted's cost per call
         return self.shard(s), i - starts[s]

@@ -757,7 +757,10 @@ def test_getitems_equals_per_index_access_on_real_data(
     real_packs: Callable[[Path, str], Packed], root: Path, year: str
 ) -> None:
     packed = real_packs(root, year)
-    for task, image_set in standard_sets(root, year):
+    sets = standard_sets(root, year)
+    # trainval holds every sample of train and val: batches over it cover their records
+    covering = [(t, s) for t, s in sets if s not in ("train", "val") or (t, "trainval") not in sets]
+    for task, image_set in covering:
         for param in BATCH_CASES:
             case_task, kw = param.values
             if case_task == task:

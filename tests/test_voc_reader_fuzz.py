@@ -330,7 +330,7 @@ def test_hostile_voc_packs_read_correctly_or_raise_our_errors(
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@settings(SETTINGS, max_examples=600)
+@settings(SETTINGS, max_examples=300)
 @given(data=st.data())
 def test_hostile_voc_packs_read_correctly_or_raise_our_errors_at_length(
     tmp_path, bounded_memory, bases, data

@@ -1,0 +1,540 @@
+"""Grow a VOC pack from its source folder without re-packing: ``append_voc``.
+
+The source is planned as a full pack would plan it (``source.plan``: every listed id, in
+layout order). Each id is then classified against the pack (``compare``): new ids are loaded
+and written as new records; ids already packed are checked like rsync's quick check, by each
+source file's size and modification time recorded at pack time, and a file whose statistics
+differ (or, with ``checksum``, every file) is read and compared by content with what the pack
+holds; an id with a changed file is an error unless ``replace_changed``, which writes the new
+version and retires the old record. Ids no longer listed are retired too, so the pack holds
+what a full re-pack of the source would. Image set lists, class counts and the stored list
+files are rebuilt from the source as it is now; class ids of existing classes never move.
+
+A shard folder grows in place (``grow.GrowWriter``: new shards, a new catalog, the manifest
+replaced last; retired records keep their bytes in their shards until the next full pack). A
+single file is rewritten: its kept records are copied from the old file with
+``copy_file_range`` (no source file is read for them), the new ones written after them, and
+the result renamed over the old file. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from .. import format as fmt
+from ..errors import FileChangedError, SourceDataError
+from ..grow import GrowWriter
+from ..parallel import SpillPool, copy_range, pays_off
+from ..safeio import DEFAULT_MAX_FILE_BYTES, open_regular, read_regular_file
+from ..writer import PackWriter
+from . import schema
+from .images import ImageOptions
+from .layout import find_voc_root, read_image_sets
+from .pack import (
+    REPORT_SUFFIX,
+    Books,
+    PackResult,
+    check_report_path,
+    history_entry,
+    load_spilled,
+    progress_bar,
+    rate,
+    size_on_disk,
+    write_dataset_arrays,
+    write_records,
+    write_report,
+)
+from .reader import VOCPackReader
+from .source import Job, load, reads, source_paths, stores_digest
+from .source import plan as plan_jobs
+
+__all__ = ["append_voc", "Verdict", "compare"]
+
+#: How the ``SOURCE_FILES`` are named in messages, relative to the VOC folder.
+_FOLDERS = ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject")
+_FLAGS = (0, schema.HAS_ANNOTATION, schema.HAS_MASK, schema.HAS_OBJECT_MASK)
+#: How many changed ids an error message names before it counts the rest.
+_NAMED = 10
+Stat = tuple[int, int]
+
+
+@dataclass
+class Verdict:
+    """What ``compare`` found for one packed id: the files that changed (empty: unchanged),
+    the files' statistics now, the source image's digest where one is kept, and how many files
+    were read to find out."""
+
+    changes: list[str]
+    stats: tuple[Stat, ...]
+    digest: bytes
+    files_read: int = 0
+
+
+def append_voc(
+    root: str | os.PathLike[str],
+    pack: str | os.PathLike[str],
+    *,
+    year: str | None = None,
+    on_error: Literal["raise", "skip"] = "raise",
+    progress: bool = False,
+    workers: int = 1,
+    replace_changed: bool = False,
+    checksum: bool = False,
+) -> PackResult:
+    """Bring the pack at ``pack`` up to date with the VOC source at ``root``; return what
+    was done (``added``, ``replaced``, ``retired``, ``notes``, ``bytes_written``).
+
+    New ids become new records; unchanged ids are left alone; an id whose image, annotation
+    or masks changed raises ``SourceDataError`` naming it, the file and the change, unless
+    ``replace_changed`` (then its new version is stored and the old record retired). Ids no
+    longer in any list are retired. Afterwards every image set, class count and stored list
+    file is the one a full re-pack of ``root`` would give, and existing class ids are kept (new
+    classes get the next ids). Change is detected from each file's size and modification
+    time, reading only files whose statistics differ; ``checksum`` compares every file's
+    content. The pack's own options (image storage, ``max_size``, shard limits) are used.
+    ``on_error``, ``progress`` and ``workers`` are ``pack_voc``'s. An interrupted append
+    leaves the pack as it was.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if "://" in os.fspath(pack):
+        raise ValueError(
+            f"{os.fspath(pack)}: append_voc grows a local pack; appending to a pack at a URL "
+            "is not supported yet: append to a local copy and upload it"
+        )
+    started = time.perf_counter()
+    old = VOCPackReader(pack)
+    path = Path(old.path)
+    voc_root, found_year = find_voc_root(root, year if year is not None else old.year)
+    if found_year != old.year:
+        raise ValueError(
+            f"{voc_root} is VOC{found_year} but {path} holds VOC{old.year}; append the same "
+            "year's devkit (or pack it into another pack)"
+        )
+    meta = old.meta
+    report = path.with_name(path.name + REPORT_SUFFIX)
+    check_report_path(report)
+    options = ImageOptions(
+        old.image_storage, meta.get("max_size"), bool(meta.get("options", {}).get("check_images"))
+    )
+    image_sets = read_image_sets(voc_root, DEFAULT_MAX_FILE_BYTES)
+    jobs = plan_jobs(voc_root, image_sets, options, DEFAULT_MAX_FILE_BYTES)
+    plan_ = _classify(old, jobs, replace_changed, checksum)
+    skip = on_error == "skip"
+    sharded = old.reader.manifest is not None
+    grow = _grow_shards if sharded else _rewrite_file
+    books, written, new_meta = grow(
+        old, plan_, voc_root, image_sets, skip, progress, started, workers
+    )
+    write_report(report, books.skipped)
+    result = PackResult(
+        path=path,
+        num_samples=len(books.record_of),
+        num_bytes=size_on_disk(path),
+        source_bytes=int(new_meta["source_bytes"]),
+        seconds=time.perf_counter() - started,
+        skipped=books.skipped,
+        report=report if books.skipped else None,
+        year=old.year,
+        voc_root=voc_root,
+        added=len(books.ids) - (len(old) if sharded else len(plan_.kept)),
+        replaced=[job.id for job in plan_.replaced if job.id in books.record_of],
+        retired=plan_.dropped,
+        notes=plan_.notes,
+        bytes_written=written,
+    )
+    return result
+
+
+# -- classifying the source against the pack ------------------------------------------------------
+@dataclass
+class _Plan:
+    """Every listed id sorted out: records kept (record -> verdict), jobs to load (new ids,
+    then changed ones to replace), ids dropped from the lists, and notes for the user."""
+
+    kept: dict[int, Verdict]
+    new: list[Job]
+    replaced: list[Job]
+    dropped: list[str]
+    notes: list[str]
+    order: Sequence[Job]  # every listed id's job, in layout order
+
+    @property
+    def jobs(self) -> list[Job]:
+        """Jobs to load, in layout order (as a full pack would write them)."""
+        wanted = {job.id for job in (*self.new, *self.replaced)}
+        return [job for job in self.order if job.id in wanted]
+
+
+def _classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: bool) -> _Plan:
+    arrays = old.reader.arrays()
+    live = old.live.tolist()
+    blob, offsets = old.id_table()
+    record_of = {schema.decode_id(blob, offsets, r): r for r in live}
+    has_stats = old.meta.get("source_stats") == schema.SOURCE_STATS_VERSION
+    sizes, mtimes = arrays.get(schema.SIZE_ARRAY), arrays.get(schema.MTIME_ARRAY)
+    digests = arrays.get(schema.DIGEST_ARRAY)
+    quick = has_stats and not checksum
+    kept: dict[int, Verdict] = {}
+    new: list[Job] = []
+    changed: list[tuple[Job, Verdict]] = []
+    read = 0
+    for job in jobs:
+        record = record_of.get(job.id)
+        if record is None:
+            new.append(job)
+            continue
+        stored: tuple[Stat, ...] | None = None
+        if quick and sizes is not None and mtimes is not None:
+            stored = tuple(zip(sizes[record].tolist(), mtimes[record].tolist()))
+        digest = bytes(digests[record]) if digests is not None else b""
+        verdict = compare(old, record, job, stored, digest)
+        read += verdict.files_read
+        if verdict.changes is None:  # a required file is missing: load says it as a pack would
+            new.append(job)
+        elif verdict.changes:
+            changed.append((job, verdict))
+        else:
+            kept[record] = verdict
+    if changed and not replace:
+        raise SourceDataError(_changed_message(old.path, changed))
+    listed = {job.id for job in jobs}
+    notes = []
+    if not has_stats:
+        notes.append(
+            f"{old.path} was packed before source statistics were kept: every packed id was "
+            f"compared by content ({read} files read); they are recorded now, so the next "
+            "append compares sizes and times only"
+        )
+    return _Plan(
+        kept=kept,
+        new=new,
+        replaced=[job for job, _ in changed],
+        dropped=[i for i in record_of if i not in listed],
+        notes=notes,
+        order=jobs,
+    )
+
+
+def compare(
+    old: VOCPackReader,
+    record: int,
+    job: Job,
+    stored: tuple[Stat, ...] | None,
+    digest: bytes,
+) -> Verdict:
+    """Whether the source files of ``job`` are what ``record`` holds. ``stored``: their
+    statistics at pack time (``None``: compare every file by content). A file whose size and
+    time match is taken as unchanged without reading it; any other is read and compared with
+    the stored bytes (or the stored digest of a transformed image). ``changes`` is ``None``
+    when a file the id needs is missing now."""
+    paths = source_paths(job)
+    wanted = reads(job)
+    required = (True, job.needs_annotation, job.needs_mask, False)
+    flags = int(old.columns[record]["flags"])
+    now = tuple(_stat(p) if w else (schema.ABSENT, 0) for p, w in zip(paths, wanted))
+    verdict = Verdict([], now, digest)
+    for k, (path, (size, _)) in enumerate(zip(paths, now)):
+        if size == schema.ABSENT and required[k]:
+            verdict.changes = None  # type: ignore[assignment]
+            return verdict
+        if stored is not None and stored[k] == now[k]:
+            continue
+        had = k == 0 or bool(flags & _FLAGS[k])
+        name = f"{_FOLDERS[k]}/{os.path.basename(path)}"
+        if size == schema.ABSENT:
+            if had:
+                verdict.changes.append(f"{name} was removed")
+            continue
+        if not had:
+            verdict.changes.append(f"{name} was added")
+            continue
+        verdict.files_read += 1
+        data = read_regular_file(path, job.max_file_bytes, "the file")
+        if _same_content(old, record, job, k, data, verdict):
+            continue
+        if stored is not None and stored[k][0] != size:
+            verdict.changes.append(f"{name} changed size ({stored[k][0]} -> {size} bytes)")
+        else:
+            verdict.changes.append(f"{name} changed content")
+    return verdict
+
+
+def _same_content(
+    old: VOCPackReader, record: int, job: Job, k: int, data: bytes, verdict: Verdict
+) -> bool:
+    """Whether ``data`` (source file ``k`` of ``job``, now) is what ``record`` was made from."""
+    if k != schema.IMAGE or not stores_digest(job.options):
+        return old.field(record, k) == data  # stored as the file's own bytes
+    now = hashlib.sha256(data).digest()
+    if any(verdict.digest):  # the digest kept at pack time
+        return verdict.digest == now
+    # a pack written before digests were kept: store the image again and compare the results
+    loaded = load(job)
+    same = old.field(record, k) == loaded.payloads[schema.IMAGE]
+    if same:
+        verdict.digest = now
+    return same
+
+
+def _stat(path: str) -> Stat:
+    """``(size, mtime_ns)`` of a regular file, ``(ABSENT, 0)`` when it is not there; anything
+    that is not a regular file counts as changed (``load`` then says what it is)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return schema.ABSENT, 0
+    if not stat.S_ISREG(st.st_mode):
+        return -2, 0  # never equal to stored statistics, never absent
+    return st.st_size, st.st_mtime_ns
+
+
+def _changed_message(pack: str, changed: Sequence[tuple[Job, Verdict]]) -> str:
+    named = "; ".join(f"{job.id!r} ({', '.join(v.changes)})" for job, v in changed[:_NAMED])
+    more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
+    return (
+        f"{pack}: {len(changed)} packed ids changed in the source since they were packed: "
+        f"{named}{more}. Pass replace_changed=True (--replace-changed) to store their new "
+        "versions (the old records are retired), or re-pack the dataset"
+    )
+
+
+# -- writing -------------------------------------------------------------------------------------
+def _old_books(old: VOCPackReader, plan: _Plan, records: Sequence[int]) -> Books:
+    """Books for the kept ``records`` of the old pack, in that order (record numbers as the
+    new pack numbers them follow from their position): ids, class ids, statistics, digests."""
+    books = Books(classes={name: c for c, name in enumerate(old.classes)})
+    blob, offsets = old.id_table()
+    num_objects = old.columns["num_objects"]
+    for record in records:
+        books.ids.append(schema.decode_id(blob, offsets, record))
+        verdict = plan.kept.get(record)
+        if verdict is None:  # retired: its statistics no longer matter
+            books.record_classes.append([])
+            books.stats.append(((schema.ABSENT, 0),) * len(schema.SOURCE_FILES))
+            books.digests.append(b"")
+            continue
+        books.record_classes.append(
+            old.objects(record)["class_id"].tolist() if num_objects[record] else []
+        )
+        books.stats.append(verdict.stats)
+        books.digests.append(verdict.digest)
+        books.source_bytes += sum(max(size, 0) for size, _ in verdict.stats)
+    return books
+
+
+def _metadata(old: VOCPackReader, books: Books, plan: _Plan, splits: Any, counts: Any) -> dict:
+    meta = dict(old.meta)
+    history = list(meta.get("history") or [])
+    if not history:  # packed before histories were kept: what is known of that pack
+        history.append(
+            {"action": "pack", "at": None, "records": len(old), "by": meta.get("packed_by")}
+        )
+    replaced = sum(1 for job in plan.replaced if job.id in books.record_of)
+    added = len(plan.jobs) - len(books.skipped)
+    history.append(
+        history_entry(
+            "append",
+            len(books.record_of),
+            added - replaced,
+            replaced,
+            len(old.live) - len(plan.kept),
+        )
+    )
+    meta.update(
+        schema_version=(
+            schema.RETIRED_SCHEMA_VERSION if books.retired else schema.BASE_SCHEMA_VERSION
+        ),
+        num_samples=len(books.ids),
+        splits=splits,
+        classes=list(books.classes),
+        class_counts=counts,
+        source_bytes=books.source_bytes,
+        skipped=[{"id": s.id, "reason": s.reason} for s in books.skipped],
+        source_stats=schema.SOURCE_STATS_VERSION,
+        history=history,
+    )
+    return meta
+
+
+def _pool(jobs: Sequence[Job], skip: bool, workers: int) -> SpillPool[Job] | None:
+    if not pays_off(len(jobs), workers):
+        return None
+    return SpillPool(functools.partial(load_spilled, skip=skip), jobs, schema.FIELDS, workers)
+
+
+def _grow_shards(
+    old: VOCPackReader,
+    plan: _Plan,
+    voc_root: Path,
+    image_sets: Any,
+    skip: bool,
+    progress: bool,
+    started: float,
+    workers: int,
+) -> tuple[Books, int, dict[str, Any]]:
+    """Grow a shard folder: new shards, a new catalog, the manifest last; return the books,
+    the bytes of the files written and the metadata."""
+    manifest = old.reader.manifest
+    assert manifest is not None
+    everything = range(len(old))
+    books = _old_books(old, plan, everything)
+    books.record_of = {books.ids[r]: r for r in plan.kept}
+    books.retired = sorted(set(everything) - set(plan.kept))
+    kept_catalog = old.meta.get("previous_catalog")
+    jobs = plan.jobs
+    pool = _pool(jobs, skip, workers)
+    opts = old.meta.get("options", {})
+    folder = Path(old.reader.path)
+    before = set(os.listdir(folder))
+    with contextlib.ExitStack() as outer:
+        bar = outer.enter_context(
+            progress_bar(len(jobs), old.reader.path, progress, "appending to")
+        )
+        with contextlib.ExitStack() as stack:
+            writer = stack.enter_context(
+                GrowWriter(
+                    old.reader.path,
+                    manifest,
+                    old.columns,
+                    schema.FIELDS,
+                    columns=schema.COLUMNS,
+                    max_records_per_shard=opts.get("max_samples_per_shard"),
+                    max_shard_bytes=opts.get("max_shard_bytes"),
+                    before_finish=pool.drain if pool is not None else None,
+                    keep=[kept_catalog] if isinstance(kept_catalog, str) else [],
+                )
+            )
+            if pool is not None:
+                stack.callback(pool.close)
+            write_records(writer, jobs, pool, skip, bar, started, books)
+            splits, counts = write_dataset_arrays(
+                writer, books, image_sets, voc_root, DEFAULT_MAX_FILE_BYTES
+            )
+            meta = _metadata(old, books, plan, splits, counts)
+            assert manifest.catalog is not None
+            meta["previous_catalog"] = manifest.catalog.file
+            writer.close(meta)
+        bar.set_postfix_str(
+            rate(writer.bytes_written, time.perf_counter() - started), refresh=False
+        )
+    written = sum(
+        (folder / name).stat().st_size
+        for name in os.listdir(folder)
+        if name not in before or name == fmt.MANIFEST_NAME
+    )
+    return books, written, meta
+
+
+def _rewrite_file(
+    old: VOCPackReader,
+    plan: _Plan,
+    voc_root: Path,
+    image_sets: Any,
+    skip: bool,
+    progress: bool,
+    started: float,
+    workers: int,
+) -> tuple[Books, int, dict[str, Any]]:
+    """Rewrite a single file: kept records copied from the old file, new ones after them;
+    return the books, the bytes written (the whole new file) and the metadata."""
+    kept = sorted(plan.kept)
+    books = _old_books(old, plan, kept)
+    books.record_of = {books.ids[i]: i for i in range(len(kept))}
+    jobs = plan.jobs
+    pool = _pool(jobs, skip, workers)
+    source = old.reader.shard(0)
+    rows = source.index_rows(kept)
+    columns = old.columns
+    copies: list[list[int]] = []  # [source offset, target offset, length], runs merged
+    target: list[Path] = []
+
+    def copy_kept() -> None:
+        if not copies:
+            return
+        src = open_regular(source.path, "the pack")
+        try:
+            if os.fstat(src).st_size != source.size:  # replaced since it was opened
+                raise FileChangedError(
+                    f"{source.path} was replaced while appending to it; nothing was changed, "
+                    "append again"
+                )
+            dst = os.open(target[0], os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                for offset, at, length in copies:
+                    copy_range(src, offset, dst, at, length)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+        copies.clear()
+
+    def before_finish() -> None:
+        copy_kept()
+        if pool is not None:
+            pool.drain()
+
+    with contextlib.ExitStack() as outer:
+        bar = outer.enter_context(
+            progress_bar(len(jobs), old.reader.path, progress, "appending to")
+        )
+        with contextlib.ExitStack() as stack:
+            writer = stack.enter_context(
+                PackWriter(
+                    old.reader.path,
+                    schema.FIELDS,
+                    columns=schema.COLUMNS,
+                    before_finish=before_finish,
+                    pack_id=_pack_id(old),
+                )
+            )
+            if pool is not None:
+                stack.callback(pool.close)
+            for record, entries in zip(kept, rows):
+                _, file, at = writer.reserve(entries, tuple(columns[record].tolist()))
+                _add_copy(copies, int(entries["offset"][0]), at, _span(entries))
+                if not target:
+                    target.append(file)
+            write_records(writer, jobs, pool, skip, bar, started, books)
+            splits, counts = write_dataset_arrays(
+                writer, books, image_sets, voc_root, DEFAULT_MAX_FILE_BYTES
+            )
+            meta = _metadata(old, books, plan, splits, counts)
+            writer.close(meta)
+    return books, os.path.getsize(old.reader.path), meta
+
+
+def _pack_id(old: VOCPackReader) -> str | None:
+    """The single file's pack id, kept by the file that replaces it."""
+    binding = old.reader.shard(0).meta.get("pack")
+    return binding.get("pack_id") if isinstance(binding, dict) else None
+
+
+def _span(entries: np.ndarray) -> int:
+    offsets, lengths = entries["offset"].astype(np.int64), entries["length"].astype(np.int64)
+    return int(offsets[-1] + lengths[-1] - offsets[0])
+
+
+def _add_copy(copies: list[list[int]], offset: int, at: int, length: int) -> None:
+    """Add a copy of ``length`` bytes from ``offset`` to ``at``, merged with the previous one
+    when both files have the same gap (alignment padding: zeros in both) between them."""
+    if copies:
+        last = copies[-1]
+        gap = offset - (last[0] + last[2])
+        if gap >= 0 and at - (last[1] + last[2]) == gap:
+            last[2] += gap + length
+            return
+    copies.append([offset, at, length])

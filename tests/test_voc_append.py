@@ -1,0 +1,480 @@
+"""append_voc: a grown source appended to a pack reads exactly as a full re-pack of it, and as
+torchvision reads the grown folder; unchanged shards stay byte-identical; changes are found by
+size and time (or content with checksum); failures leave the previous pack."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _reliability_helpers import PACK_FORMS, dead_pid, out_name, snapshot
+from torchvision.datasets import VOCDetection, VOCSegmentation
+
+from torch_serialized import (
+    SerializedDataset,
+    SourceDataError,
+    VOCSerializedDataset,
+    VOCSerializedSegmentation,
+    append_voc,
+    export_voc,
+    open_pack,
+    pack_voc,
+)
+from torch_serialized.cli import main
+from torch_serialized.tools import make_synthetic_voc
+from torch_serialized.voc import schema
+from torch_serialized.voc.reader import VOCPackReader
+
+YEAR = "2007"
+TASKS = (
+    ("Main", VOCSerializedDataset, VOCDetection),
+    ("Segmentation", VOCSerializedSegmentation, VOCSegmentation),
+)
+
+
+# -- a source that grows -----------------------------------------------------------------------
+class Source:
+    """A synthetic devkit whose image set lists can be cut back (the pack's state) and restored
+    (the grown state): every file stays, the lists decide what a pack holds."""
+
+    def __init__(self, root: Path, num_images: int = 24) -> None:
+        self.root = make_synthetic_voc(root, num_images, year=YEAR)
+        self.voc = self.root / "VOCdevkit" / f"VOC{YEAR}"
+        self.grown = {p: p.read_bytes() for p in sorted((self.voc / "ImageSets").rglob("*.txt"))}
+
+    def cut(self, keep: float = 0.75) -> None:
+        """Each list keeps its first lines only: the source as it was when packed."""
+        for path, data in self.grown.items():
+            ids = data.decode().split()
+            path.write_text("".join(f"{i}\n" for i in ids[: max(1, int(len(ids) * keep))]))
+
+    def grow(self) -> None:
+        for path, data in self.grown.items():
+            path.write_bytes(data)
+
+    def listed(self) -> list[str]:
+        return list(dict.fromkeys(i for d in self.grown.values() for i in d.decode().split()))
+
+    def file(self, folder: str, image_id: str) -> Path:
+        ext = ".jpg" if folder == "JPEGImages" else ".xml" if folder == "Annotations" else ".png"
+        return self.voc / folder / f"{image_id}{ext}"
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Source:
+    return Source(tmp_path / "src")
+
+
+def pack(source: Source, out: Path, form: str, **kwargs: Any) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    return pack_voc(source.root, out / out_name(form), year=YEAR, **PACK_FORMS[form], **kwargs).path
+
+
+def hashes(path: Path) -> dict[str, str]:
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def as_bytes(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.numpy().tobytes()
+    if hasattr(value, "tobytes"):
+        return (value.mode, value.size, value.tobytes())
+    return value
+
+
+def assert_same_as_repack(grown: Path, source: Source, tmp: Path, form: str) -> None:
+    """Every image set of every task reads sample for sample as a fresh pack of the source."""
+    fresh = pack(source, tmp / "fresh", form)
+    ours, theirs = VOCPackReader(grown), VOCPackReader(fresh)
+    for task, dataset, _ in TASKS:
+        assert ours.image_sets(task) == theirs.image_sets(task)
+        for image_set in theirs.image_sets(task):
+            a, b = (
+                dataset(grown, image_set, decode="none"),
+                dataset(fresh, image_set, decode="none"),
+            )
+            assert list(a.ids) == list(b.ids) and len(a) == len(b)
+            for i in range(len(b)):
+                (xa, ya), (xb, yb) = a[i], b[i]
+                assert as_bytes(xa) == as_bytes(xb), (task, image_set, i)
+                assert as_bytes(ya) == as_bytes(yb), (task, image_set, i)
+    assert ours.files() == theirs.files()
+    assert ours.meta["splits"] == theirs.meta["splits"]
+    assert len(SerializedDataset(grown)) == len(SerializedDataset(fresh))
+    assert sorted(
+        SerializedDataset(grown)[i]["id"] for i in range(len(SerializedDataset(grown)))
+    ) == sorted(SerializedDataset(fresh)[i]["id"] for i in range(len(SerializedDataset(fresh))))
+
+
+def assert_same_as_torchvision(
+    grown: Path, source: Source, *, decode_set: str | None = "train"
+) -> None:
+    """torchvision on the grown folder: the same files and parsed targets, index for index;
+    ``decode_set`` also compared decoded, image by image."""
+    for task, dataset, tv_class in TASKS:
+        for image_set in VOCPackReader(grown).image_sets(task):
+            tv = tv_class(str(source.root), year=YEAR, image_set=image_set)
+            ours = dataset(grown, image_set, decode="none")
+            assert len(ours) == len(tv)
+            for i in range(len(tv)):
+                image, target = ours[i]
+                assert as_bytes(image) == Path(tv.images[i]).read_bytes()
+                if task == "Main":
+                    parsed = tv.parse_voc_xml(ET.parse(tv.annotations[i]).getroot())
+                    assert target == parsed
+            if task == "Main" and image_set == decode_set:
+                decoded = dataset(grown, image_set)
+                for i in range(len(tv)):
+                    (xa, ya), (xb, yb) = decoded[i], tv[i]
+                    assert as_bytes(xa) == as_bytes(xb) and ya == yb
+
+
+# -- growing -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_append_new_ids_reads_as_a_full_repack_and_as_torchvision(tmp_path, source, form, workers):
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    before = hashes(path)
+    packed = len(VOCPackReader(path))
+    source.grow()
+
+    result = append_voc(source.root, path, workers=workers)
+
+    assert result.added == len(source.listed()) - packed > 0
+    assert result.replaced == [] and result.retired == []
+    assert result.num_samples == len(source.listed())
+    assert_same_as_repack(path, source, tmp_path, form)
+    assert_same_as_torchvision(path, source)
+    after = hashes(path)
+    if form == "shards":  # only new files: every existing shard byte-identical
+        manifest = open_pack(path).manifest
+        assert manifest is not None
+        old_shards = {n: h for n, h in before.items() if n.startswith("shard-")}
+        assert old_shards and all(after[n] == h for n, h in old_shards.items())
+        assert set(after) - set(before) == {
+            *(e.file for e in manifest.shards[len(old_shards) :]),
+            manifest.catalog.file,  # type: ignore[union-attr]
+        }
+        assert (
+            open_pack(path).manifest.pack_id
+            == json.loads(  # type: ignore[union-attr]
+                (path / "manifest.json").read_text()
+            )["pack_id"]
+        )
+    assert open_pack(path).verify() == []
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_append_with_nothing_new_changes_no_record(tmp_path, source, form):
+    path = pack(source, tmp_path / "pack", form)
+    before = {n: h for n, h in hashes(path).items() if n.startswith("shard-") or form == "single"}
+    result = append_voc(source.root, path)
+    assert (result.added, result.replaced, result.retired) == (0, [], [])
+    after = hashes(path)
+    if form == "shards":
+        assert {n: h for n, h in after.items() if n.startswith("shard-")} == before
+    assert_same_as_repack(path, source, tmp_path, form)
+
+
+def test_single_file_keeps_its_records_bytes_and_pack_id(tmp_path, source):
+    source.cut()
+    path = pack(source, tmp_path / "pack", "single")
+    old = open_pack(path)
+    old_records = [
+        [bytes(old.field(i, k)) for k in range(len(old.fields))] for i in range(len(old))
+    ]
+    pack_id = old.shard(0).meta["pack"]["pack_id"]
+    source.grow()
+    append_voc(source.root, path)
+    new = open_pack(path)
+    assert new.shard(0).meta["pack"]["pack_id"] == pack_id
+    assert [
+        [bytes(new.field(i, k)) for k in range(len(new.fields))] for i in range(len(old_records))
+    ] == old_records
+
+
+# -- changes -------------------------------------------------------------------------------------
+def edit_annotation(source: Source, image_id: str, new_class: str = "helmet") -> None:
+    path = source.file("Annotations", image_id)
+    root = ET.fromstring(path.read_bytes())
+    root.find("object/name").text = new_class  # type: ignore[union-attr]
+    path.write_bytes(ET.tostring(root))
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_a_changed_id_is_an_error_naming_it_and_nothing_is_written(tmp_path, source, form):
+    path = pack(source, tmp_path / "pack", form)
+    before = snapshot(path)
+    victim = source.listed()[3]
+    edit_annotation(source, victim)
+    with pytest.raises(
+        SourceDataError, match=rf"{victim}.*Annotations/{victim}\.xml changed"
+    ) as err:
+        append_voc(source.root, path)
+    assert "replace_changed=True" in str(err.value)
+    assert snapshot(path) == before
+    assert sorted(os.listdir(path.parent)) == [path.name]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_replace_changed_stores_the_new_version_and_retires_the_old(
+    tmp_path, source, form, workers
+):
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    packed = VOCPackReader(path)
+    ids = [packed.id(r) for r in range(len(packed))]
+    changed = [ids[1], ids[5]]
+    edit_annotation(source, changed[0])
+    image = source.file("JPEGImages", changed[1])
+    image.write_bytes(source.file("JPEGImages", ids[0]).read_bytes())  # another image's bytes
+    source.grow()
+
+    result = append_voc(source.root, path, replace_changed=True, workers=workers)
+
+    assert sorted(result.replaced) == sorted(changed)
+    assert_same_as_repack(path, source, tmp_path, form)
+    assert_same_as_torchvision(path, source, decode_set=None)
+    grown = VOCPackReader(path)
+    if form == "shards":  # the old records stay in their shards, retired
+        assert sorted(grown.id(int(r)) for r in grown.retired) == sorted(changed)
+        assert grown.meta["schema_version"] == schema.RETIRED_SCHEMA_VERSION
+    else:  # a rewritten file leaves them out
+        assert len(grown.retired) == 0 and len(grown) == len(source.listed())
+    live_ids = [grown.id(int(r)) for r in grown.live]
+    assert sorted(live_ids) == sorted(source.listed())
+    # export rebuilds the source's devkit; verify and info agree
+    out = export_voc(path, tmp_path / "export")
+    for image_id in source.listed():
+        for folder in ("JPEGImages", "Annotations"):
+            rel = source.file(folder, image_id).relative_to(source.voc)
+            assert (out / rel).read_bytes() == (source.voc / rel).read_bytes()
+    assert open_pack(path).verify() == []
+    assert main(["verify", str(path)]) == 0
+
+
+def test_a_touched_file_is_not_a_change_and_its_time_is_recorded(tmp_path, source):
+    path = pack(source, tmp_path / "pack", "shards")
+    victim = source.listed()[2]
+    xml = source.file("Annotations", victim)
+    os.utime(xml, ns=(xml.stat().st_atime_ns, xml.stat().st_mtime_ns + 10**9))
+    result = append_voc(source.root, path)
+    assert (result.added, result.replaced) == (0, [])
+    pack_ = VOCPackReader(path)
+    record = [pack_.id(r) for r in range(len(pack_))].index(victim)
+    mtimes = pack_.reader.arrays()[schema.MTIME_ARRAY]
+    assert int(mtimes[record, 1]) == xml.stat().st_mtime_ns
+
+
+def test_quick_check_trusts_size_and_time_and_checksum_reads_the_content(tmp_path, source):
+    path = pack(source, tmp_path / "pack", "single")
+    victim = source.listed()[0]
+    xml = source.file("Annotations", victim)
+    data = xml.read_bytes()
+    st = xml.stat()
+    edited = data.replace(b"<difficult>0</difficult>", b"<difficult>1</difficult>", 1)
+    assert edited != data and len(edited) == len(data)
+    xml.write_bytes(edited)
+    os.utime(xml, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same time: as rsync, unseen
+    assert append_voc(source.root, path).replaced == []
+    with pytest.raises(SourceDataError, match=rf"{victim}.*changed content"):
+        append_voc(source.root, path, checksum=True)
+    result = append_voc(source.root, path, checksum=True, replace_changed=True)
+    assert result.replaced == [victim]
+    assert_same_as_repack(path, source, tmp_path, "single")
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_ids_that_left_the_lists_are_retired_and_export_rebuilds_the_source(tmp_path, source, form):
+    path = pack(source, tmp_path / "pack", form)
+    source.cut(0.5)
+    result = append_voc(source.root, path)
+    listed = list(dict.fromkeys(i for p in source.grown for i in p.read_text().split()))
+    assert sorted(result.retired) == sorted(set(source.listed()) - set(listed))
+    assert result.num_samples == len(listed)
+    assert len(SerializedDataset(path)) == len(listed)
+    out = export_voc(path, tmp_path / "export")
+    exported = sorted(p.stem for p in (out / "JPEGImages").iterdir())
+    assert exported == sorted(listed)
+    fresh = pack(source, tmp_path / "fresh", form)
+    assert VOCPackReader(path).files() == VOCPackReader(fresh).files()
+    info = json.loads(_run_cli(["info", "--json", str(path)]))
+    assert info["num_samples"] == len(listed)
+    assert info["retired"] == (len(result.retired) if form == "shards" else 0)
+
+
+def test_class_ids_stay_and_new_classes_come_after(tmp_path, source):
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    before = VOCPackReader(path).classes
+    new_id = [
+        i
+        for i in source.listed()
+        if i not in {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
+    ][0]
+    edit_annotation(source, new_id, "helmet")
+    source.grow()
+    append_voc(source.root, path)
+    after = VOCPackReader(path).classes
+    assert after[: len(before)] == before and after[len(before) :] == ["helmet"]
+    image_set = next(
+        s
+        for s in VOCPackReader(path).image_sets("Main")
+        if new_id in VOCSerializedDataset(path, s).ids
+    )
+    ds = VOCSerializedDataset(path, image_set, target_format="tv_tensors")
+    assert ds.label_names == ["__background__", *after]
+    index = list(ds.ids).index(new_id)
+    labels = ds[index][1]["labels"].tolist()
+    assert ds.label_names[labels[0]] == "helmet"
+    packed = VOCSerializedDataset(path, image_set, target_format="tv_tensors", classes="packed")
+    assert packed.label_names == ["__background__", *sorted(after)]
+    assert packed.label_names[packed[index][1]["labels"].tolist()[0]] == "helmet"
+
+
+def test_a_pack_without_source_statistics_is_compared_by_content(tmp_path):
+    data = Path(__file__).parent / "data" / "v1"
+    path = shutil.copyfile(data / "tiny.tser", tmp_path / "tiny.tser")
+    root = tmp_path / "devkit"
+    shutil.copytree(data / "devkit", root)
+    result = append_voc(root, path)
+    assert (result.added, result.replaced, result.retired) == (0, [], [])
+    assert result.notes and "compared by content" in result.notes[0]
+    meta = VOCPackReader(path).meta
+    assert meta["source_stats"] == schema.SOURCE_STATS_VERSION
+    assert [e["action"] for e in meta["history"]] == ["pack", "append"]
+    assert meta["history"][0]["at"] is None
+    assert append_voc(root, path).notes == []  # recorded now: a quick check next time
+
+
+# -- failures ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_an_error_while_appending_leaves_the_previous_pack_and_nothing_else(
+    tmp_path, source, form, monkeypatch
+):
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    before = snapshot(path)
+    source.grow()
+    from torch_serialized.voc import pack as pack_module
+
+    calls = {"n": 0}
+    real = pack_module.load
+
+    def failing(job: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the new records
+        return real(job)
+
+    monkeypatch.setattr(pack_module, "load", failing)
+    with pytest.raises(KeyboardInterrupt):
+        append_voc(source.root, path, progress=False)
+    assert snapshot(path) == before
+    assert sorted(os.listdir(path.parent)) == [path.name]
+    monkeypatch.undo()
+    append_voc(source.root, path)
+    assert_same_as_repack(path, source, tmp_path, form)
+
+
+def test_files_of_an_interrupted_append_are_removed_by_the_next(tmp_path, source):
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    stray_shard = path / "shard-00009-deadbeef.tser"
+    stray_catalog = path / "catalog-deadbeef.tser"
+    pid = dead_pid()
+    stray_temp = path / f".manifest.json.tmp-{pid}-0badc0de"
+    for stray in (stray_shard, stray_catalog, stray_temp):
+        stray.write_bytes(b"left by a killed append")
+    source.grow()
+    append_voc(source.root, path)
+    names = set(os.listdir(path))
+    manifest = open_pack(path).manifest
+    assert manifest is not None
+    assert names == {
+        "manifest.json",
+        *manifest.files(),
+        VOCPackReader(path).meta["previous_catalog"],
+    }
+
+
+def test_catalogs_older_than_the_previous_one_are_removed(tmp_path, source):
+    source.cut(0.5)
+    path = pack(source, tmp_path / "pack", "shards")
+    catalogs = []
+    for keep in (0.75, 1.0):
+        catalogs.append(open_pack(path).manifest.catalog.file)  # type: ignore[union-attr]
+        source.cut(keep)
+        append_voc(source.root, path)
+    present = {n for n in os.listdir(path) if n.startswith("catalog-")}
+    assert present == {catalogs[-1], open_pack(path).manifest.catalog.file}  # type: ignore[union-attr]
+    # a full pack over it still replaces it: the kept catalog is one of ours
+    pack_voc(source.root, path, year=YEAR, max_samples_per_shard=5)
+
+
+def test_another_append_running_is_refused(tmp_path, source):
+    import fcntl
+
+    from torch_serialized import WriteError
+
+    path = pack(source, tmp_path / "pack", "shards")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(WriteError, match="another process"):
+            append_voc(source.root, path)
+    finally:
+        os.close(fd)
+
+
+def test_bad_arguments(tmp_path, source):
+    path = pack(source, tmp_path / "pack", "single")
+    with pytest.raises(ValueError, match="on_error"):
+        append_voc(source.root, path, on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="URL"):
+        append_voc(source.root, "https://example.invalid/pack")
+    with pytest.raises(ValueError, match="2012"):
+        append_voc(source.root, path, year="2012")
+
+
+# -- the command line -------------------------------------------------------------------------
+def _run_cli(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def test_cli_append_and_info_history(tmp_path, source, capsys):
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    source.grow()
+    edit_annotation(source, source.listed()[0])
+    assert main(["pack", str(source.root), str(path), "--append", "-q"]) == 2
+    assert "--replace-changed" in capsys.readouterr().err
+    text = _run_cli(["pack", str(source.root), str(path), "--append", "--replace-changed", "-q"])
+    assert "changed samples replaced" in text and "1 changed" in text
+    info = _run_cli(["info", str(path)])
+    assert "history" in info and "append" in info and "1 replaced" in info
+    history = json.loads(_run_cli(["info", "--json", str(path)]))["history"]
+    assert [e["action"] for e in history] == ["pack", "append"]
+    assert history[1]["replaced"] == 1 and history[1]["added"] > 0
+    assert main(["pack", str(source.root), str(path), "--append", "--shards", "2"]) == 2
+    assert "--shards cannot be combined with --append" in capsys.readouterr().err
+    assert main(["pack", str(source.root), str(tmp_path / "x.tser"), "--checksum"]) == 2
+    assert "--checksum only applies with --append" in capsys.readouterr().err
+    assert np.array_equal(VOCPackReader(path).retired, VOCPackReader(path).retired)

@@ -1,0 +1,196 @@
+"""Which packed ids changed in the source: the quick check of ``append_voc``.
+
+``classify`` sorts every listed id (``source.plan``) against a pack: new ids, ids left alone,
+ids whose files changed, ids no longer listed. Like rsync's quick check, a packed id's source
+files are compared by size and modification time with the statistics the pack recorded
+(``schema``, "Source statistics"); a file whose statistics differ, every file with
+``checksum``, and every file of a pack that recorded none is read and compared by content
+with the stored bytes (or the stored SHA-256 of a transformed image). This module never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import SourceDataError
+from ..safeio import read_regular_file
+from . import schema
+from .reader import VOCPackReader
+from .source import Job, load, reads, source_paths, stores_digest
+
+__all__ = ["Verdict", "Plan", "classify", "compare"]
+
+_FOLDERS = ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject")
+_FLAGS = (0, schema.HAS_ANNOTATION, schema.HAS_MASK, schema.HAS_OBJECT_MASK)
+#: How many changed ids an error message names before it counts the rest.
+_NAMED = 10
+Stat = tuple[int, int]
+
+
+@dataclass
+class Verdict:
+    """What ``compare`` found for one packed id: the files that changed (empty: unchanged),
+    the files' statistics now, the source image's digest where one is kept, and how many files
+    were read to find out."""
+
+    changes: list[str]
+    stats: tuple[Stat, ...]
+    digest: bytes
+    files_read: int = 0
+
+
+@dataclass
+class Plan:
+    """Every listed id sorted out: records kept (record -> verdict), jobs to load (new ids,
+    then changed ones to replace), ids dropped from the lists, and notes for the user."""
+
+    kept: dict[int, Verdict]
+    new: list[Job]
+    replaced: list[Job]
+    dropped: list[str]
+    notes: list[str]
+    order: Sequence[Job]  # every listed id's job, in layout order
+
+    @property
+    def jobs(self) -> list[Job]:
+        """Jobs to load, in layout order (as a full pack would write them)."""
+        wanted = {job.id for job in (*self.new, *self.replaced)}
+        return [job for job in self.order if job.id in wanted]
+
+
+def classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: bool) -> Plan:
+    arrays = old.reader.arrays()
+    live = old.live.tolist()
+    blob, offsets = old.id_table()
+    record_of = {schema.decode_id(blob, offsets, r): r for r in live}
+    has_stats = old.meta.get("source_stats") == schema.SOURCE_STATS_VERSION
+    sizes, mtimes = arrays.get(schema.SIZE_ARRAY), arrays.get(schema.MTIME_ARRAY)
+    digests = arrays.get(schema.DIGEST_ARRAY)
+    quick = has_stats and not checksum
+    kept: dict[int, Verdict] = {}
+    new: list[Job] = []
+    changed: list[tuple[Job, Verdict]] = []
+    read = 0
+    for job in jobs:
+        record = record_of.get(job.id)
+        if record is None:
+            new.append(job)
+            continue
+        stored: tuple[Stat, ...] | None = None
+        if quick and sizes is not None and mtimes is not None:
+            stored = tuple(zip(sizes[record].tolist(), mtimes[record].tolist()))
+        digest = bytes(digests[record]) if digests is not None else b""
+        verdict = compare(old, record, job, stored, digest)
+        read += verdict.files_read
+        if verdict.changes is None:  # a required file is missing: load says it as a pack would
+            new.append(job)
+        elif verdict.changes:
+            changed.append((job, verdict))
+        else:
+            kept[record] = verdict
+    if changed and not replace:
+        raise SourceDataError(_changed_message(old.path, changed))
+    listed = {job.id for job in jobs}
+    notes = []
+    if not has_stats:
+        notes.append(
+            f"{old.path} was packed before source statistics were kept: every packed id was "
+            f"compared by content ({read} files read); they are recorded now, so the next "
+            "append compares sizes and times only"
+        )
+    return Plan(
+        kept=kept,
+        new=new,
+        replaced=[job for job, _ in changed],
+        dropped=[i for i in record_of if i not in listed],
+        notes=notes,
+        order=jobs,
+    )
+
+
+def compare(
+    old: VOCPackReader,
+    record: int,
+    job: Job,
+    stored: tuple[Stat, ...] | None,
+    digest: bytes,
+) -> Verdict:
+    """Whether the source files of ``job`` are what ``record`` holds. ``stored``: their
+    statistics at pack time (``None``: compare every file by content). A file whose size and
+    time match is taken as unchanged without reading it; any other is read and compared with
+    the stored bytes (or the stored digest of a transformed image). ``changes`` is ``None``
+    when a file the id needs is missing now."""
+    paths = source_paths(job)
+    wanted = reads(job)
+    required = (True, job.needs_annotation, job.needs_mask, False)
+    flags = int(old.columns[record]["flags"])
+    now = tuple(_stat(p) if w else (schema.ABSENT, 0) for p, w in zip(paths, wanted))
+    verdict = Verdict([], now, digest)
+    for k, (path, (size, _)) in enumerate(zip(paths, now)):
+        if size == schema.ABSENT and required[k]:
+            verdict.changes = None  # type: ignore[assignment]
+            return verdict
+        if stored is not None and stored[k] == now[k]:
+            continue
+        had = k == 0 or bool(flags & _FLAGS[k])
+        name = f"{_FOLDERS[k]}/{os.path.basename(path)}"
+        if size == schema.ABSENT:
+            if had:
+                verdict.changes.append(f"{name} was removed")
+            continue
+        if not had:
+            verdict.changes.append(f"{name} was added")
+            continue
+        verdict.files_read += 1
+        data = read_regular_file(path, job.max_file_bytes, "the file")
+        if _same_content(old, record, job, k, data, verdict):
+            continue
+        if stored is not None and stored[k][0] != size:
+            verdict.changes.append(f"{name} changed size ({stored[k][0]} -> {size} bytes)")
+        else:
+            verdict.changes.append(f"{name} changed content")
+    return verdict
+
+
+def _same_content(
+    old: VOCPackReader, record: int, job: Job, k: int, data: bytes, verdict: Verdict
+) -> bool:
+    """Whether ``data`` (source file ``k`` of ``job``, now) is what ``record`` was made from."""
+    if k != schema.IMAGE or not stores_digest(job.options):
+        return old.field(record, k) == data  # stored as the file's own bytes
+    now = hashlib.sha256(data).digest()
+    if any(verdict.digest):  # the digest kept at pack time
+        return verdict.digest == now
+    # a pack written before digests were kept: store the image again and compare the results
+    loaded = load(job)
+    same = old.field(record, k) == loaded.payloads[schema.IMAGE]
+    if same:
+        verdict.digest = now
+    return same
+
+
+def _stat(path: str) -> Stat:
+    """``(size, mtime_ns)`` of a regular file, ``(ABSENT, 0)`` when it is not there; anything
+    that is not a regular file counts as changed (``load`` then says what it is)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return schema.ABSENT, 0
+    if not stat.S_ISREG(st.st_mode):
+        return -2, 0  # never equal to stored statistics, never absent
+    return st.st_size, st.st_mtime_ns
+
+
+def _changed_message(pack: str, changed: Sequence[tuple[Job, Verdict]]) -> str:
+    named = "; ".join(f"{job.id!r} ({', '.join(v.changes)})" for job, v in changed[:_NAMED])
+    more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
+    return (
+        f"{pack}: {len(changed)} packed ids changed in the source since they were packed: "
+        f"{named}{more}. Pass replace_changed=True (--replace-changed) to store their new "
+        "versions (the old records are retired), or re-pack the dataset"
+    )

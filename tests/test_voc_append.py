@@ -7,7 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -478,3 +481,59 @@ def test_cli_append_and_info_history(tmp_path, source, capsys):
     assert main(["pack", str(source.root), str(tmp_path / "x.tser"), "--checksum"]) == 2
     assert "--checksum only applies with --append" in capsys.readouterr().err
     assert np.array_equal(VOCPackReader(path).retired, VOCPackReader(path).retired)
+
+
+# -- readers open while another process appends -------------------------------------------------
+def _append_in_another_process(source: Source, path: Path) -> None:
+    code = (
+        "import sys; from torch_serialized import append_voc; append_voc(sys.argv[1], sys.argv[2])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(source.root), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def _epoch(loader: Any) -> list[tuple[str, bytes]]:
+    return [(t["annotation"]["filename"], as_bytes(x)) for batch in loader for x, t in batch]
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_readers_open_during_an_append_in_another_process(tmp_path, source, form):
+    from torch.utils.data import DataLoader
+
+    from torch_serialized import FileChangedError, VOCSerializedIterableDataset
+
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    mapped = VOCSerializedDataset(path, "trainval", decode="none")
+    stream = VOCSerializedIterableDataset(path, "trainval", decode="none")
+    before = [(t["annotation"]["filename"], as_bytes(x)) for x, t in mapped]
+    streamed = [(t["annotation"]["filename"], as_bytes(x)) for x, t in stream]
+
+    def loader(dataset: Any, **kwargs: Any) -> Any:
+        return DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=list, **kwargs)
+
+    persistent = loader(mapped, persistent_workers=True)
+    persistent_stream = loader(stream, persistent_workers=True)
+    assert _epoch(persistent) == before  # workers started before the append
+    assert sorted(_epoch(persistent_stream)) == sorted(streamed)
+
+    source.grow()
+    _append_in_another_process(source, path)
+
+    assert [(t["annotation"]["filename"], as_bytes(x)) for x, t in mapped] == before
+    assert _epoch(persistent) == before
+    assert sorted(_epoch(persistent_stream)) == sorted(streamed)
+    if form == "shards":  # workers started after the append still read the pack they opened
+        assert _epoch(loader(mapped)) == before
+        assert sorted(_epoch(loader(stream))) == sorted(streamed)
+    else:  # the file was renamed over: an old reader in a new process is told to reopen
+        with pytest.raises(FileChangedError, match="create the dataset again"):
+            pickle.loads(pickle.dumps(mapped))[0]  # as a DataLoader worker receives it
+    grown = VOCSerializedDataset(path, "trainval", decode="none")
+    assert len(grown) > len(before)
+    assert_same_as_repack(path, source, tmp_path, form)

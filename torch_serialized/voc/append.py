@@ -1,14 +1,15 @@
 """Grow a VOC pack from its source folder without re-packing: ``append_voc``.
 
 The source is planned as a full pack would plan it (``source.plan``: every listed id, in
-layout order). Each id is then classified against the pack (``changes.classify``): new ids are loaded
-and written as new records; ids already packed are checked like rsync's quick check, by each
-source file's size and modification time recorded at pack time, and a file whose statistics
-differ (or, with ``checksum``, every file) is read and compared by content with what the pack
-holds; an id with a changed file is an error unless ``replace_changed``, which writes the new
-version and retires the old record. Ids no longer listed are retired too, so the pack holds
-what a full re-pack of the source would. Image set lists, class counts and the stored list
-files are rebuilt from the source as it is now; class ids of existing classes never move.
+layout order), and each id classified against the pack (``changes.classify``): new ids are
+loaded and written as new records; ids already packed are checked like rsync's quick check,
+by each source file's size and modification time recorded at pack time, and a file whose
+statistics differ (or, with ``checksum``, every file) is read and compared by content with
+what the pack holds; an id with a changed file is an error unless ``replace_changed``, which
+writes the new version and retires the old record. Ids no longer listed are retired too, so
+the pack holds what a full re-pack of the source would. Image set lists, class counts and the
+stored list files are rebuilt from the source as it is now; class ids of existing classes
+never move.
 
 A shard folder grows in place (``grow.GrowWriter``: new shards, a new catalog, the manifest
 replaced last; retired records keep their bytes in their shards until the next full pack). A

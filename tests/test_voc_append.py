@@ -537,3 +537,129 @@ def test_readers_open_during_an_append_in_another_process(tmp_path, source, form
     grown = VOCSerializedDataset(path, "trainval", decode="none")
     assert len(grown) > len(before)
     assert_same_as_repack(path, source, tmp_path, form)
+
+
+# -- killed and starved appends (slow) ------------------------------------------------------------
+def _reads_as_before_or_as_grown(
+    path: Path, before: dict[str, bytes], source: Source, tmp: Path, form: str
+) -> str:
+    """What a killed append left: the previous pack byte for byte (a shard folder may also hold
+    files the killed append wrote and no manifest names: the next run removes them), or the
+    complete grown one."""
+    from torch_serialized import format as fmt
+    from torch_serialized.atomic import is_temporary
+
+    state = snapshot(path)
+    assert state is not None
+    if state.get("manifest.json", state.get("")) == before.get("manifest.json", before.get("")):
+        assert {name: state.get(name) for name in before} == before
+        assert all(fmt.is_member_name(n) or is_temporary(n) for n in set(state) - set(before))
+        return "previous"
+    assert_same_as_repack(path, source, tmp, form)  # a complete append, nothing in between
+    return "grown"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_append_killed_at_random_moments_keeps_the_previous_or_the_grown_pack(tmp_path, form):
+    import random
+    import signal
+    import time
+
+    from _append_helpers import run_child
+
+    source = Source(tmp_path / "src", 40)
+    rng = random.Random(f"kill-append-{form}")
+    delays = [0.02, *(rng.uniform(0.05, 1.2) for _ in range(4))]
+    outcomes = []
+    for run, delay in enumerate(delays):
+        source.cut(0.5)
+        path = pack(source, tmp_path / f"run{run}", form)
+        before = snapshot(path)
+        assert before is not None
+        source.grow()
+        proc = run_child("slow_append", str(source.root), str(path), "0.04")
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.stderr else ""
+            time.sleep(delay)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+        outcomes.append(
+            _reads_as_before_or_as_grown(path, before, source, tmp_path / f"r{run}", form)
+        )
+        append_voc(source.root, path)  # the next run cleans up after the killed one
+        assert sorted(os.listdir(path.parent)) == [path.name]
+        if form == "shards":
+            manifest = open_pack(path).manifest
+            assert manifest is not None
+            kept = VOCPackReader(path).meta.get("previous_catalog")
+            assert set(os.listdir(path)) == {"manifest.json", *manifest.files(), kept}
+        assert_same_as_repack(path, source, tmp_path / f"after{run}", form)
+    assert "previous" in outcomes, outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_disk_full_during_an_append_leaves_the_previous_pack(tmp_path, form):
+    from _append_helpers import run_child
+
+    source = Source(tmp_path / "src", 40)
+    source.cut(0.5)
+    path = pack(source, tmp_path / "pack", form)
+    source.grow()
+    size = sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+    runs = []
+    folder = tmp_path / "limited"
+    folder.mkdir()
+    proc = run_child("append_and_report", str(source.root), str(path), str(folder), str(256 << 10))
+    runs.append(("EFBIG", proc))
+    unshare = shutil.which("unshare")
+    if unshare is not None and os.geteuid() == 0:
+        small = tmp_path / "small"
+        small.mkdir()
+        script = (
+            f'mount -t tmpfs -o size={size + (300 << 10)} tmpfs "$1" || exit 77; shift; exec "$@"'
+        )
+        wrap = [
+            unshare,
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            str(small),
+        ]
+        runs.append(
+            (
+                "ENOSPC",
+                run_child(
+                    "append_and_report", str(source.root), str(path), str(small), "0", wrap=wrap
+                ),
+            )
+        )
+    checked = 0
+    for expected, proc in runs:
+        stdout, stderr = proc.communicate(timeout=200)
+        if proc.returncode == 77 or (
+            expected == "ENOSPC" and not stdout and "Traceback" not in stderr
+        ):
+            continue  # no private tmpfs here
+        assert proc.returncode == 0, stderr
+        report = json.loads(stdout)
+        assert report["error"] is not None, report
+        assert (
+            report["error"]["type"] == "WriteError"
+            and expected in __import__("errno").errorcode[report["error"]["errno"]]
+        ), report
+        assert report["unchanged"] and report["readable"] == len(VOCPackReader(path).live)
+        assert report["left"] == [path.name]
+        if form == "shards":
+            assert set(report["inside"]) == set(os.listdir(path))
+        checked += 1
+    assert checked >= 1

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import format as fmt
-from ..errors import FileChangedError
+from ..errors import FileChangedError, FormatError
 from ..grow import GrowWriter
 from ..parallel import SpillPool, copy_range, pays_off
 from ..safeio import DEFAULT_MAX_FILE_BYTES, open_regular
@@ -145,23 +145,43 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     """Books for the kept ``records`` of the old pack, in that order (record numbers as the
     new pack numbers them follow from their position): ids, class ids, statistics, digests."""
     books = Books(classes={name: c for c, name in enumerate(old.classes)})
-    blob, offsets = old.id_table()
-    num_objects = old.columns["num_objects"]
+    names = schema.decode_ids(*old.id_table())
+    classes, counts = _object_classes(old)
+    chosen = np.asarray(records, dtype=np.int64)
+    books.base_classes = classes[np.repeat(np.isin(np.arange(len(counts)), chosen), counts)]
+    books.base_counts = counts[chosen]
+    absent = ((schema.ABSENT, 0),) * len(schema.SOURCE_FILES)
     for record in records:
-        books.ids.append(schema.decode_id(blob, offsets, record))
+        books.ids.append(names[record])
         verdict = plan.kept.get(record)
         if verdict is None:  # retired: its statistics no longer matter
-            books.record_classes.append([])
-            books.stats.append(((schema.ABSENT, 0),) * len(schema.SOURCE_FILES))
+            books.stats.append(absent)
             books.digests.append(b"")
             continue
-        books.record_classes.append(
-            old.objects(record)["class_id"].tolist() if num_objects[record] else []
-        )
         books.stats.append(verdict.stats)
         books.digests.append(verdict.digest)
         books.source_bytes += sum(max(size, 0) for size, _ in verdict.stats)
     return books
+
+
+def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
+    """The class id of every stored object of every record, in record order, and how many
+    objects each record has: read shard by shard in one pass (the objects field only)."""
+    parts: list[bytes] = []
+    for s in range(old.reader.num_shards):
+        shard = old.reader.shard(s)
+        parts += [bytes(v[0]) for v in shard.views(range(len(shard)), [schema.OBJECTS])]
+    size = schema.OBJECT_DTYPE.itemsize
+    if any(len(p) % size for p in parts):
+        raise FormatError(f"{old.path}: a record's stored objects are not whole rows; re-pack it")
+    counts = np.array([len(p) // size for p in parts], dtype=np.int64)
+    rows = np.frombuffer(b"".join(parts), dtype=schema.OBJECT_DTYPE)
+    classes = rows["class_id"].astype(np.int64)
+    if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= len(old.classes)):
+        raise FormatError(
+            f"{old.path}: a stored object names a class the pack does not have; re-pack it"
+        )
+    return classes, counts
 
 
 def _metadata(old: VOCPackReader, books: Books, plan: Plan, splits: Any, counts: Any) -> dict:

@@ -64,27 +64,40 @@ class Plan:
 
 
 def classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: bool) -> Plan:
+    """Sort ``jobs`` (every listed id) against the pack ``old``; raise ``SourceDataError``
+    naming the changed ids unless ``replace``."""
     arrays = old.reader.arrays()
-    live = old.live.tolist()
-    blob, offsets = old.id_table()
-    record_of = {schema.decode_id(blob, offsets, r): r for r in live}
+    names = schema.decode_ids(*old.id_table())
+    record_of = {names[r]: r for r in old.live.tolist()}
     has_stats = old.meta.get("source_stats") == schema.SOURCE_STATS_VERSION
     sizes, mtimes = arrays.get(schema.SIZE_ARRAY), arrays.get(schema.MTIME_ARRAY)
     digests = arrays.get(schema.DIGEST_ARRAY)
-    quick = has_stats and not checksum
+    quick = has_stats and not checksum and sizes is not None and mtimes is not None
+    stored_sizes = sizes.tolist() if quick and sizes is not None else []
+    stored_times = mtimes.tolist() if quick and mtimes is not None else []
     kept: dict[int, Verdict] = {}
     new: list[Job] = []
     changed: list[tuple[Job, Verdict]] = []
     read = 0
+    absent = (schema.ABSENT, 0)
     for job in jobs:
         record = record_of.get(job.id)
         if record is None:
             new.append(job)
             continue
-        stored: tuple[Stat, ...] | None = None
-        if quick and sizes is not None and mtimes is not None:
-            stored = tuple(zip(sizes[record].tolist(), mtimes[record].tolist()))
         digest = bytes(digests[record]) if digests is not None else b""
+        stored: tuple[Stat, ...] | None = None
+        if quick:  # rsync's quick check, inline: most ids stop here
+            stored = tuple(zip(stored_sizes[record], stored_times[record]))
+            now = _quick_stats(job)
+            missing = (
+                now[0] == absent
+                or (job.needs_annotation and now[1] == absent)
+                or (job.needs_mask and now[2] == absent)
+            )
+            if now == stored and not missing:
+                kept[record] = Verdict([], now, digest)
+                continue
         verdict = compare(old, record, job, stored, digest)
         read += verdict.files_read
         if verdict.changes is None:  # a required file is missing: load says it as a pack would
@@ -172,6 +185,26 @@ def _same_content(
     if same:
         verdict.digest = now
     return same
+
+
+def _quick_stats(job: Job) -> tuple[Stat, ...]:
+    """``_stat`` of each file ``load`` would read for ``job`` (``reads``), ``(ABSENT, 0)``
+    for the others: the quick check's only system calls."""
+    voc, name, listed = job.voc_root, job.id, job.listed_in_folders
+    absent = (schema.ABSENT, 0)
+    sep = os.sep
+    return (
+        _stat(f"{voc}{sep}JPEGImages{sep}{name}.jpg"),
+        _stat(f"{voc}{sep}Annotations{sep}{name}.xml")
+        if job.needs_annotation or "Annotations" in listed
+        else absent,
+        _stat(f"{voc}{sep}SegmentationClass{sep}{name}.png")
+        if job.needs_mask or "SegmentationClass" in listed
+        else absent,
+        _stat(f"{voc}{sep}SegmentationObject{sep}{name}.png")
+        if "SegmentationObject" in listed
+        else absent,
+    )
 
 
 def _stat(path: str) -> Stat:

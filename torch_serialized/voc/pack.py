@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import json
 import os
 import time
@@ -106,7 +107,10 @@ class Books:
     classes: dict[str, int] = field(default_factory=dict)  # name -> class id, first seen first
     record_of: dict[str, int] = field(default_factory=dict)  # live id -> record number
     ids: list[str] = field(default_factory=list)  # every record's id
-    record_classes: list[list[int]] = field(default_factory=list)  # class ids per record
+    #: class ids of the first records, those an append copied (flat, and per record how many)
+    base_classes: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    base_counts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    record_classes: list[list[int]] = field(default_factory=list)  # class ids per later record
     skipped: list[SkippedSample] = field(default_factory=list)
     source_bytes: int = 0
     #: per record: (size, mtime_ns) of each ``schema.SOURCE_FILES`` file when read
@@ -375,6 +379,13 @@ def write_dataset_arrays(
         writer.add_array(schema.RETIRED_ARRAY, np.array(sorted(books.retired), dtype="<i8"))
     splits: dict[str, dict[str, int]] = {}
     class_counts: dict[str, dict[str, int]] = {}
+    # every object's class and record, so an image set's class counts are two bincounts
+    per_record = np.concatenate(
+        [books.base_counts, np.array([len(c) for c in books.record_classes], dtype=np.int64)]
+    )
+    later = itertools.chain.from_iterable(books.record_classes)
+    classes = np.concatenate([books.base_classes, np.fromiter(later, dtype=np.int64)])
+    owner = np.repeat(np.arange(len(per_record)), per_record)
     for task, sets in image_sets.items():
         for name, listed in sets.items():
             records = np.array(
@@ -382,10 +393,8 @@ def write_dataset_arrays(
             )
             writer.add_array(schema.split_array_name(task, name), records)
             splits.setdefault(task, {})[name] = len(records)
-            listed_classes = [c for r in records for c in books.record_classes[r]]
-            counts = np.bincount(
-                np.array(listed_classes, dtype=np.int64), minlength=len(books.classes)
-            )
+            times = np.bincount(records, minlength=len(per_record))[owner]  # duplicates count
+            counts = np.bincount(classes, weights=times, minlength=len(books.classes))
             class_counts[f"{task}/{name}"] = {
                 n: int(counts[c]) for n, c in books.classes.items() if counts[c]
             }

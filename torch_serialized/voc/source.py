@@ -86,26 +86,34 @@ def plan(
         sets = image_sets.get(task, {})
         for name in sorted(sets, key=lambda n: (_LAYOUT_ORDER.get(n, 4), n)):
             for line, image_id in enumerate(sets[name], start=1):
-                first.setdefault(image_id, f"ImageSets/{task}/{name}.txt line {line}")
-                needs.setdefault(image_id, set()).add(task)
+                if image_id not in first:  # the message is made once per id, not per line
+                    first[image_id] = f"ImageSets/{task}/{name}.txt line {line}"
+                    needs[image_id] = set()
+                needs[image_id].add(task)
     listings = {folder: _listing(voc_root / folder) for folder in _OPTIONAL_FILES}
-    return [
-        Job(
-            str(voc_root),
-            image_id,
-            listed_in,
-            "Main" in needs[image_id],
-            "Segmentation" in needs[image_id],
-            options,
-            frozenset(
-                folder
-                for folder, extension in _OPTIONAL_FILES.items()
-                if (image_id + extension).casefold() in listings[folder]
-            ),
-            max_file_bytes,
+    kinds: dict[tuple[bool, ...], frozenset[str]] = {}  # a few distinct sets, shared by all jobs
+    folders = tuple(_OPTIONAL_FILES.items())
+    root = str(voc_root)
+    jobs = []
+    for image_id, listed_in in first.items():
+        key = tuple((image_id + ext).casefold() in listings[folder] for folder, ext in folders)
+        found = kinds.get(key)
+        if found is None:
+            found = kinds[key] = frozenset(f for (f, _), has in zip(folders, key) if has)
+        tasks = needs[image_id]
+        jobs.append(
+            Job(
+                root,
+                image_id,
+                listed_in,
+                "Main" in tasks,
+                "Segmentation" in tasks,
+                options,
+                found,
+                max_file_bytes,
+            )
         )
-        for image_id, listed_in in first.items()
-    ]
+    return jobs
 
 
 def _listing(folder: Path) -> frozenset[str]:
@@ -127,10 +135,10 @@ def source_paths(job: Job) -> tuple[str, str, str, str]:
     """The paths of ``job``'s image, annotation, mask and object mask (``SOURCE_FILES``)."""
     voc, name = job.voc_root, job.id  # plain strings, not pathlib: see benchmarks/README.md
     return (
-        os.path.join(voc, "JPEGImages", name + ".jpg"),
-        os.path.join(voc, "Annotations", name + ".xml"),
-        os.path.join(voc, "SegmentationClass", name + ".png"),
-        os.path.join(voc, "SegmentationObject", name + ".png"),
+        f"{voc}{os.sep}JPEGImages{os.sep}{name}.jpg",
+        f"{voc}{os.sep}Annotations{os.sep}{name}.xml",
+        f"{voc}{os.sep}SegmentationClass{os.sep}{name}.png",
+        f"{voc}{os.sep}SegmentationObject{os.sep}{name}.png",
     )
 
 

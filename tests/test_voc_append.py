@@ -48,8 +48,11 @@ class Source:
     """A synthetic devkit whose image set lists can be cut back (the pack's state) and restored
     (the grown state): every file stays, the lists decide what a pack holds."""
 
-    def __init__(self, root: Path, num_images: int = 24) -> None:
-        self.root = make_synthetic_voc(root, num_images, year=YEAR)
+    def __init__(self, root: Path, num_images: int = 24, *, copy_of: Path | None = None) -> None:
+        if copy_of is not None:  # times kept: a copy is the same source to a quick check
+            self.root = Path(shutil.copytree(copy_of, root, symlinks=True))
+        else:
+            self.root = make_synthetic_voc(root, num_images, year=YEAR)
         self.voc = self.root / "VOCdevkit" / f"VOC{YEAR}"
         self.grown = {p: p.read_bytes() for p in sorted((self.voc / "ImageSets").rglob("*.txt"))}
 
@@ -71,9 +74,15 @@ class Source:
         return self.voc / folder / f"{image_id}{ext}"
 
 
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 24-image synthetic devkit, generated once; each test grows its own copy."""
+    return make_synthetic_voc(tmp_path_factory.mktemp("append-src"), 24, year=YEAR)
+
+
 @pytest.fixture
-def source(tmp_path: Path) -> Source:
-    return Source(tmp_path / "src")
+def source(tmp_path: Path, pristine: Path) -> Source:
+    return Source(tmp_path / "src", copy_of=pristine)
 
 
 def pack(source: Source, out: Path, form: str, **kwargs: Any) -> Path:
@@ -229,8 +238,7 @@ def test_a_changed_id_is_an_error_naming_it_and_nothing_is_written(tmp_path, sou
     assert sorted(os.listdir(path.parent)) == [path.name]
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("form", PACK_FORMS)
+@pytest.mark.parametrize(("form", "workers"), [("single", 1), ("shards", 1), ("shards", 2)])
 def test_replace_changed_stores_the_new_version_and_retires_the_old(
     tmp_path, source, form, workers
 ):
@@ -663,3 +671,93 @@ def test_disk_full_during_an_append_leaves_the_previous_pack(tmp_path, form):
             assert set(report["inside"]) == set(os.listdir(path))
         checked += 1
     assert checked >= 1
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_an_append_that_lost_a_race_writes_nothing(tmp_path, source, form, monkeypatch):
+    from torch_serialized import WriteError
+    from torch_serialized.voc import append as append_module
+
+    source.cut(0.5)
+    path = pack(source, tmp_path / "pack", form)
+    real = append_module.classify
+    raced = {"done": False}
+
+    def classify_then_race(*args: Any, **kwargs: Any) -> Any:
+        plan = real(*args, **kwargs)
+        if not raced["done"]:  # another process appends after this one opened the pack
+            raced["done"] = True
+            source.cut(0.75)
+            append_voc(source.root, path)
+            source.grow()
+        return plan
+
+    monkeypatch.setattr(append_module, "classify", classify_then_race)
+    source.grow()
+    with pytest.raises(WriteError, match="changed since it was opened"):
+        append_voc(source.root, path)
+    monkeypatch.undo()
+    source.cut(0.75)
+    assert_same_as_repack(path, source, tmp_path, form)  # the other append's pack, whole
+    source.grow()
+    append_voc(source.root, path)
+    assert_same_as_repack(path, source, tmp_path / "2", form)
+
+
+def test_a_single_file_being_appended_to_is_refused(tmp_path, source):
+    import fcntl
+
+    from torch_serialized import WriteError
+
+    source.cut()
+    path = pack(source, tmp_path / "pack", "single")
+    source.grow()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(WriteError, match="another process"):
+            append_voc(source.root, path)
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(path.parent)) == [path.name]
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_on_error_skip_leaves_bad_new_ids_out_and_reports_them(tmp_path, source, form):
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    source.grow()
+    packed = {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
+    bad = next(i for i in source.listed() if i not in packed)
+    source.file("JPEGImages", bad).write_bytes(b"not an image")
+    with pytest.raises(SourceDataError, match=bad):
+        append_voc(source.root, path)
+    result = append_voc(source.root, path, on_error="skip")
+    assert [s.id for s in result.skipped] == [bad]
+    assert result.report is not None and bad in result.report.read_text()
+    fresh = pack_voc(
+        source.root, tmp_path / out_name(form), year=YEAR, on_error="skip", **PACK_FORMS[form]
+    )
+    assert fresh.num_samples == result.num_samples
+    for image_set in VOCPackReader(fresh.path).image_sets("Main"):
+        assert list(VOCSerializedDataset(path, image_set).ids) == list(
+            VOCSerializedDataset(fresh.path, image_set).ids
+        )
+
+
+def test_a_pack_of_transformed_images_compares_source_digests(tmp_path, source):
+    path = pack(source, tmp_path / "pack", "shards", image_storage="raw", max_size=64)
+    assert schema.DIGEST_ARRAY in VOCPackReader(path).reader.arrays()
+    ids = source.listed()
+    image = source.file("JPEGImages", ids[0])
+    os.utime(image, ns=(image.stat().st_atime_ns, image.stat().st_mtime_ns + 10**9))
+    assert append_voc(source.root, path).replaced == []  # touched, same content
+    image.write_bytes(source.file("JPEGImages", ids[1]).read_bytes())
+    with pytest.raises(SourceDataError, match=rf"JPEGImages/{ids[0]}\.jpg changed"):
+        append_voc(source.root, path)
+    assert append_voc(source.root, path, replace_changed=True).replaced == [ids[0]]
+    fresh = pack(source, tmp_path / "fresh", "shards", image_storage="raw", max_size=64)
+    for image_set in VOCPackReader(fresh).image_sets("Main"):
+        a = VOCSerializedDataset(path, image_set, decode="none")
+        b = VOCSerializedDataset(fresh, image_set, decode="none")
+        assert [(as_bytes(x), y) for x, y in a] == [(as_bytes(x), y) for x, y in b]

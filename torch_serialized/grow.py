@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ import numpy as np
 from . import format as fmt
 from .atomic import clean_stale, remove, temp_sibling
 from .errors import WriteError
+from .safeio import read_regular_file
 from .writer import PackWriter
 
 __all__ = ["GrowWriter", "strays"]
@@ -49,7 +51,9 @@ class GrowWriter(PackWriter):
     """Adds records to the shard folder ``output`` whose manifest is ``manifest`` and whose
     catalog holds ``rows`` (every existing record's columns). Records are numbered after the
     existing ones; ``close(metadata)`` writes the new catalog with ``metadata`` and commits.
-    ``keep`` names a catalog of the previous generation to leave in place."""
+    ``keep`` names a catalog of the previous generation to leave in place;
+    ``manifest_sha256``, the manifest the caller read ``manifest`` from: when the one on disk
+    differs once the folder is locked, another writer got there first (``WriteError``)."""
 
     def __init__(
         self,
@@ -64,6 +68,7 @@ class GrowWriter(PackWriter):
         before_finish: Callable[[], None] | None = None,
         keep: Sequence[str] = (),
         token: str | None = None,
+        manifest_sha256: str | None = None,
     ) -> None:
         if manifest.version < 2 or manifest.pack_id is None or manifest.catalog is None:
             raise WriteError(
@@ -74,6 +79,7 @@ class GrowWriter(PackWriter):
         if max_records_per_shard is None and max_shard_bytes is None:
             max_records_per_shard = max(entry.num_records for entry in manifest.shards)
         self._manifest_before = manifest
+        self._manifest_sha256 = manifest_sha256
         self._keep = list(keep)
         self._lock: int | None = None
         self._written: list[Path] = []
@@ -105,6 +111,17 @@ class GrowWriter(PackWriter):
                 f"{self.output} is being written by another process; wait for it to finish",
             ) from None
         self._lock = fd
+        if self._manifest_sha256 is not None:  # another writer may have committed meanwhile
+            data = read_regular_file(
+                self.output / fmt.MANIFEST_NAME, fmt.MAX_MANIFEST_BYTES, "the manifest"
+            )
+            if hashlib.sha256(data).hexdigest() != self._manifest_sha256:
+                self._unlock()
+                raise WriteError(
+                    errno.EBUSY,
+                    f"{self.output} changed since it was opened for this append (another "
+                    "process wrote it); nothing was written: append again",
+                )
         clean_stale(self.output)  # scratch folders of killed writers, beside the folder
         clean_stale(self.output / fmt.MANIFEST_NAME)  # manifest temporaries inside it
         for path in strays(self.output, self._manifest_before, self._keep):

@@ -21,19 +21,22 @@ the result renamed over the old file. This module never imports torch.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from .. import format as fmt
-from ..errors import FileChangedError, FormatError
+from ..errors import FileChangedError, FormatError, WriteError
 from ..grow import GrowWriter
 from ..parallel import SpillPool, copy_range, pays_off
+from ..reader import ContainerReader
 from ..safeio import DEFAULT_MAX_FILE_BYTES, open_regular
 from ..writer import PackWriter
 from . import schema
@@ -264,6 +267,7 @@ def _grow_shards(
                     max_shard_bytes=opts.get("max_shard_bytes"),
                     before_finish=pool.drain if pool is not None else None,
                     keep=[kept_catalog] if isinstance(kept_catalog, str) else [],
+                    manifest_sha256=old.reader.manifest_sha256,
                 )
             )
             if pool is not None:
@@ -336,6 +340,7 @@ def _rewrite_file(
             pool.drain()
 
     with contextlib.ExitStack() as outer:
+        outer.enter_context(_locked(source))
         bar = outer.enter_context(
             progress_bar(len(jobs), old.reader.path, progress, "appending to")
         )
@@ -363,6 +368,32 @@ def _rewrite_file(
             meta = _metadata(old, books, plan, splits, counts)
             writer.close(meta)
     return books, os.path.getsize(old.reader.path), meta
+
+
+@contextlib.contextmanager
+def _locked(source: ContainerReader) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the single file being grown, checked to be the file
+    ``source`` validated: a second append waits for none and is refused, and one that opened
+    the file before another append replaced it is refused rather than undoing it."""
+    fd = open_regular(source.path, "the pack")
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WriteError(
+                errno.EBUSY,
+                f"{source.path} is being appended to by another process; wait for it to finish",
+            ) from None
+        same = os.path.samestat(os.fstat(fd), os.stat(source.path))
+        if not same or os.fstat(fd).st_size != source.size:
+            raise WriteError(
+                errno.EBUSY,
+                f"{source.path} changed since it was opened for this append (another process "
+                "wrote it); nothing was written: append again",
+            )
+        yield
+    finally:
+        os.close(fd)
 
 
 def _pack_id(old: VOCPackReader) -> str | None:

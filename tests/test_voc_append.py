@@ -761,3 +761,15 @@ def test_a_pack_of_transformed_images_compares_source_digests(tmp_path, source):
         a = VOCSerializedDataset(path, image_set, decode="none")
         b = VOCSerializedDataset(fresh, image_set, decode="none")
         assert [(as_bytes(x), y) for x, y in a] == [(as_bytes(x), y) for x, y in b]
+
+
+def test_a_shard_folder_of_manifest_version_1_is_not_grown(tmp_path):
+    from torch_serialized import WriteError
+
+    data = Path(__file__).parent / "data" / "v1"
+    path = Path(shutil.copytree(data / "tiny-shards", tmp_path / "tiny-shards"))
+    before = snapshot(path)
+    root = Path(shutil.copytree(data / "devkit", tmp_path / "devkit"))
+    with pytest.raises(WriteError, match="pack it again"):
+        append_voc(root, path)
+    assert snapshot(path) == before and sorted(os.listdir(tmp_path)) == ["devkit", "tiny-shards"]

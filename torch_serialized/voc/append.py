@@ -153,17 +153,13 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     chosen = np.asarray(records, dtype=np.int64)
     books.base_classes = classes[np.repeat(np.isin(np.arange(len(counts)), chosen), counts)]
     books.base_counts = counts[chosen]
-    absent = ((schema.ABSENT, 0),) * len(schema.SOURCE_FILES)
-    for record in records:
-        books.ids.append(names[record])
-        verdict = plan.kept.get(record)
-        if verdict is None:  # retired: its statistics no longer matter
-            books.stats.append(absent)
-            books.digests.append(b"")
-            continue
-        books.stats.append(verdict.stats)
-        books.digests.append(verdict.digest)
-        books.source_bytes += sum(max(size, 0) for size, _ in verdict.stats)
+    absent = (schema.ABSENT, 0) * len(schema.SOURCE_FILES)
+    kept = plan.kept
+    books.ids = [names[r] for r in records]
+    books.stats = [kept[r].stats if r in kept else absent for r in records]  # retired: unused
+    books.digests = [kept[r].digest if r in kept else b"" for r in records]
+    sizes = np.array([kept[r].stats[0::2] for r in records if r in kept], dtype=np.int64)
+    books.source_bytes = int(sizes[sizes > 0].sum()) if sizes.size else 0
     return books
 
 

@@ -17,6 +17,8 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import SourceDataError
 from ..safeio import read_regular_file
 from . import schema
@@ -30,6 +32,9 @@ _FLAGS = (0, schema.HAS_ANNOTATION, schema.HAS_MASK, schema.HAS_OBJECT_MASK)
 #: How many changed ids an error message names before it counts the rest.
 _NAMED = 10
 Stat = tuple[int, int]
+#: (size, mtime_ns) of each of ``schema.SOURCE_FILES`` in turn: 8 integers
+Stats = tuple[int, ...]
+_ABSENT = (schema.ABSENT, 0)
 
 
 @dataclass
@@ -39,7 +44,7 @@ class Verdict:
     were read to find out."""
 
     changes: list[str]
-    stats: tuple[Stat, ...]
+    stats: Stats
     digest: bytes
     files_read: int = 0
 
@@ -73,29 +78,25 @@ def classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: b
     sizes, mtimes = arrays.get(schema.SIZE_ARRAY), arrays.get(schema.MTIME_ARRAY)
     digests = arrays.get(schema.DIGEST_ARRAY)
     quick = has_stats and not checksum and sizes is not None and mtimes is not None
-    stored_sizes = sizes.tolist() if quick and sizes is not None else []
-    stored_times = mtimes.tolist() if quick and mtimes is not None else []
+    stored_rows: list[Stats] = []
+    if quick and sizes is not None and mtimes is not None:  # one pass, not one per id
+        pairs = np.stack([sizes, mtimes], axis=2).reshape(len(sizes), -1)
+        stored_rows = list(map(tuple, pairs.tolist()))
     kept: dict[int, Verdict] = {}
     new: list[Job] = []
     changed: list[tuple[Job, Verdict]] = []
     read = 0
-    absent = (schema.ABSENT, 0)
     for job in jobs:
         record = record_of.get(job.id)
         if record is None:
             new.append(job)
             continue
         digest = bytes(digests[record]) if digests is not None else b""
-        stored: tuple[Stat, ...] | None = None
+        stored: Stats | None = None
         if quick:  # rsync's quick check, inline: most ids stop here
-            stored = tuple(zip(stored_sizes[record], stored_times[record]))
+            stored = stored_rows[record]
             now = _quick_stats(job)
-            missing = (
-                now[0] == absent
-                or (job.needs_annotation and now[1] == absent)
-                or (job.needs_mask and now[2] == absent)
-            )
-            if now == stored and not missing:
+            if now == stored and now[0] >= 0 and not _lacks_required(job, now):
                 kept[record] = Verdict([], now, digest)
                 continue
         verdict = compare(old, record, job, stored, digest)
@@ -130,7 +131,7 @@ def compare(
     old: VOCPackReader,
     record: int,
     job: Job,
-    stored: tuple[Stat, ...] | None,
+    stored: Stats | None,
     digest: bytes,
 ) -> Verdict:
     """Whether the source files of ``job`` are what ``record`` holds. ``stored``: their
@@ -142,13 +143,14 @@ def compare(
     wanted = reads(job)
     required = (True, job.needs_annotation, job.needs_mask, False)
     flags = int(old.columns[record]["flags"])
-    now = tuple(_stat(p) if w else (schema.ABSENT, 0) for p, w in zip(paths, wanted))
-    verdict = Verdict([], now, digest)
+    now = [_stat(p) if w else _ABSENT for p, w in zip(paths, wanted)]
+    verdict = Verdict([], tuple(x for pair in now for x in pair), digest)
+    before = [stored[2 * k : 2 * k + 2] for k in range(len(now))] if stored else None
     for k, (path, (size, _)) in enumerate(zip(paths, now)):
         if size == schema.ABSENT and required[k]:
             verdict.changes = None  # type: ignore[assignment]
             return verdict
-        if stored is not None and stored[k] == now[k]:
+        if before is not None and before[k] == now[k]:
             continue
         had = k == 0 or bool(flags & _FLAGS[k])
         name = f"{_FOLDERS[k]}/{os.path.basename(path)}"
@@ -163,8 +165,8 @@ def compare(
         data = read_regular_file(path, job.max_file_bytes, "the file")
         if _same_content(old, record, job, k, data, verdict):
             continue
-        if stored is not None and stored[k][0] != size:
-            verdict.changes.append(f"{name} changed size ({stored[k][0]} -> {size} bytes)")
+        if before is not None and before[k][0] != size:
+            verdict.changes.append(f"{name} changed size ({before[k][0]} -> {size} bytes)")
         else:
             verdict.changes.append(f"{name} changed content")
     return verdict
@@ -187,23 +189,36 @@ def _same_content(
     return same
 
 
-def _quick_stats(job: Job) -> tuple[Stat, ...]:
+def _quick_stats(job: Job) -> Stats:
     """``_stat`` of each file ``load`` would read for ``job`` (``reads``), ``(ABSENT, 0)``
-    for the others: the quick check's only system calls."""
+    for the others, flat: the quick check's only system calls."""
     voc, name, listed = job.voc_root, job.id, job.listed_in_folders
-    absent = (schema.ABSENT, 0)
     sep = os.sep
     return (
-        _stat(f"{voc}{sep}JPEGImages{sep}{name}.jpg"),
-        _stat(f"{voc}{sep}Annotations{sep}{name}.xml")
-        if job.needs_annotation or "Annotations" in listed
-        else absent,
-        _stat(f"{voc}{sep}SegmentationClass{sep}{name}.png")
-        if job.needs_mask or "SegmentationClass" in listed
-        else absent,
-        _stat(f"{voc}{sep}SegmentationObject{sep}{name}.png")
-        if "SegmentationObject" in listed
-        else absent,
+        *_stat(f"{voc}{sep}JPEGImages{sep}{name}.jpg"),
+        *(
+            _stat(f"{voc}{sep}Annotations{sep}{name}.xml")
+            if job.needs_annotation or "Annotations" in listed
+            else _ABSENT
+        ),
+        *(
+            _stat(f"{voc}{sep}SegmentationClass{sep}{name}.png")
+            if job.needs_mask or "SegmentationClass" in listed
+            else _ABSENT
+        ),
+        *(
+            _stat(f"{voc}{sep}SegmentationObject{sep}{name}.png")
+            if "SegmentationObject" in listed
+            else _ABSENT
+        ),
+    )
+
+
+def _lacks_required(job: Job, now: Stats) -> bool:
+    """Whether a file ``job``'s lists require (annotation for Main, mask for Segmentation) is
+    missing: then ``load`` must say so, as a full pack would."""
+    return (job.needs_annotation and now[2] == schema.ABSENT) or (
+        job.needs_mask and now[4] == schema.ABSENT
     )
 
 
@@ -213,8 +228,8 @@ def _stat(path: str) -> Stat:
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
-        return schema.ABSENT, 0
-    if not stat.S_ISREG(st.st_mode):
+        return _ABSENT
+    if st.st_mode & 0o170000 != stat.S_IFREG:
         return -2, 0  # never equal to stored statistics, never absent
     return st.st_size, st.st_mtime_ns
 

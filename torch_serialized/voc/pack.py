@@ -113,8 +113,8 @@ class Books:
     record_classes: list[list[int]] = field(default_factory=list)  # class ids per later record
     skipped: list[SkippedSample] = field(default_factory=list)
     source_bytes: int = 0
-    #: per record: (size, mtime_ns) of each ``schema.SOURCE_FILES`` file when read
-    stats: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    #: per record: size and mtime_ns of each ``schema.SOURCE_FILES`` file when read, flat
+    stats: list[tuple[int, ...]] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)  # per record, when images are transformed
     retired: list[int] = field(default_factory=list)  # records no longer live (shard folders)
 

@@ -67,8 +67,9 @@ class LoadedSample:
     names: list[str]
     objects: VOCObjects | None
     source_bytes: int
-    #: (size, mtime_ns) of each of ``schema.SOURCE_FILES`` when read, ``(ABSENT, 0)`` if not
-    stats: tuple[tuple[int, int], ...] = ()
+    #: size and mtime_ns of each of ``schema.SOURCE_FILES`` in turn (8 integers) when read,
+    #: ``ABSENT, 0`` for a file not read
+    stats: tuple[int, ...] = ()
     #: SHA-256 of the source image when the stored image is not its bytes, else empty
     digest: bytes = b""
 
@@ -90,16 +91,22 @@ def plan(
                     first[image_id] = f"ImageSets/{task}/{name}.txt line {line}"
                     needs[image_id] = set()
                 needs[image_id].add(task)
-    listings = {folder: _listing(voc_root / folder) for folder in _OPTIONAL_FILES}
+    # per folder, the case-folded stems of its files with the id's extension (casefold maps
+    # character by character, so the stem of a folded name is the folded id)
+    stems = [
+        {n[: -len(ext)] for n in _listing(voc_root / folder) if n.endswith(ext)}
+        for folder, ext in _OPTIONAL_FILES.items()
+    ]
     kinds: dict[tuple[bool, ...], frozenset[str]] = {}  # a few distinct sets, shared by all jobs
-    folders = tuple(_OPTIONAL_FILES.items())
+    folders = tuple(_OPTIONAL_FILES)
     root = str(voc_root)
     jobs = []
     for image_id, listed_in in first.items():
-        key = tuple((image_id + ext).casefold() in listings[folder] for folder, ext in folders)
+        folded = image_id.casefold()
+        key = (folded in stems[0], folded in stems[1], folded in stems[2])
         found = kinds.get(key)
         if found is None:
-            found = kinds[key] = frozenset(f for (f, _), has in zip(folders, key) if has)
+            found = kinds[key] = frozenset(f for f, has in zip(folders, key) if has)
         tasks = needs[image_id]
         jobs.append(
             Job(
@@ -196,7 +203,16 @@ def load(job: Job) -> LoadedSample:
     payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
     digest = hashlib.sha256(image).digest() if stores_digest(job.options) else b""
     return LoadedSample(
-        name, payloads, width, height, flags, names, objects, source_bytes, tuple(stats), digest
+        name,
+        payloads,
+        width,
+        height,
+        flags,
+        names,
+        objects,
+        source_bytes,
+        tuple(x for pair in stats for x in pair),
+        digest,
     )
 
 

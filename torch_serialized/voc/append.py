@@ -1,21 +1,16 @@
 """Grow a VOC pack from its source folder without re-packing: ``append_voc``.
 
-The source is planned as a full pack would plan it (``source.plan``: every listed id, in
-layout order), and each id classified against the pack (``changes.classify``): new ids are
-loaded and written as new records; ids already packed are checked like rsync's quick check,
-by each source file's size and modification time recorded at pack time, and a file whose
-statistics differ (or, with ``checksum``, every file) is read and compared by content with
-what the pack holds; an id with a changed file is an error unless ``replace_changed``, which
-writes the new version and retires the old record. Ids no longer listed are retired too, so
-the pack holds what a full re-pack of the source would. Image set lists, class counts and the
-stored list files are rebuilt from the source as it is now; class ids of existing classes
-never move.
+The source is planned as a full pack plans it and each id sorted against the pack
+(``changes.classify``: new, unchanged, changed, no longer listed). New ids and, with
+``replace_changed``, new versions of changed ones are written as new records; replaced and
+unlisted records are retired. Image set lists, class counts and list files are rebuilt from
+the source as it is now, so the pack reads as a full re-pack; class ids never move.
 
 A shard folder grows in place (``grow.GrowWriter``: new shards, a new catalog, the manifest
 replaced last; retired records keep their bytes in their shards until the next full pack). A
-single file is rewritten: its kept records are copied from the old file with
-``copy_file_range`` (no source file is read for them), the new ones written after them, and
-the result renamed over the old file. This module never imports torch.
+single file is rewritten: its kept records copied from the old file with ``copy_file_range``
+(no source file is read for them), the new ones after them, the result renamed over the old
+file. This module never imports torch.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import format as fmt
-from ..errors import FileChangedError, FormatError, WriteError
+from ..errors import FormatError, WriteError
 from ..grow import GrowWriter
 from ..parallel import SpillPool, copy_range, pays_off
 from ..reader import ContainerReader
@@ -64,7 +59,6 @@ from .source import plan as plan_jobs
 __all__ = ["append_voc"]
 
 
-#: How the ``SOURCE_FILES`` are named in messages, relative to the VOC folder.
 def append_voc(
     root: str | os.PathLike[str],
     pack: str | os.PathLike[str],
@@ -183,7 +177,10 @@ def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
     return classes, counts
 
 
-def _metadata(old: VOCPackReader, books: Books, plan: Plan, splits: Any, counts: Any) -> dict:
+def _metadata(
+    old: VOCPackReader, books: Books, plan: Plan, splits: Any, counts: Any
+) -> dict[str, Any]:
+    """The old pack's metadata brought up to date, with this append in its history."""
     meta = dict(old.meta)
     history = list(meta.get("history") or [])
     if not history:  # packed before histories were kept: what is known of that pack
@@ -218,9 +215,8 @@ def _metadata(old: VOCPackReader, books: Books, plan: Plan, splits: Any, counts:
 
 
 def _pool(jobs: Sequence[Job], skip: bool, workers: int) -> SpillPool[Job] | None:
-    if not pays_off(len(jobs), workers):
-        return None
-    return SpillPool(functools.partial(load_spilled, skip=skip), jobs, schema.FIELDS, workers)
+    load = functools.partial(load_spilled, skip=skip)
+    return SpillPool(load, jobs, schema.FIELDS, workers) if pays_off(len(jobs), workers) else None
 
 
 def _grow_shards(
@@ -241,8 +237,7 @@ def _grow_shards(
     books = _old_books(old, plan, everything)
     books.record_of = {books.ids[r]: r for r in plan.kept}
     books.retired = sorted(set(everything) - set(plan.kept))
-    kept_catalog = old.meta.get("previous_catalog")
-    jobs = plan.jobs
+    kept_catalog, jobs = old.meta.get("previous_catalog"), plan.jobs
     pool = _pool(jobs, skip, workers)
     opts = old.meta.get("options", {})
     folder = Path(old.reader.path)
@@ -309,34 +304,22 @@ def _rewrite_file(
     columns = old.columns
     copies: list[list[int]] = []  # [source offset, target offset, length], runs merged
     target: list[Path] = []
+    locked: list[int] = []  # the old file, open and locked
 
-    def copy_kept() -> None:
-        if not copies:
-            return
-        src = open_regular(source.path, "the pack")
-        try:
-            if os.fstat(src).st_size != source.size:  # replaced since it was opened
-                raise FileChangedError(
-                    f"{source.path} was replaced while appending to it; nothing was changed, "
-                    "append again"
-                )
+    def before_finish() -> None:  # the kept records' bytes, copied in before the file ends
+        if copies:
             dst = os.open(target[0], os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
             try:
                 for offset, at, length in copies:
-                    copy_range(src, offset, dst, at, length)
+                    copy_range(locked[0], offset, dst, at, length)
             finally:
                 os.close(dst)
-        finally:
-            os.close(src)
-        copies.clear()
-
-    def before_finish() -> None:
-        copy_kept()
+            copies.clear()
         if pool is not None:
             pool.drain()
 
     with contextlib.ExitStack() as outer:
-        outer.enter_context(_locked(source))
+        locked.append(outer.enter_context(_locked(source)))
         bar = outer.enter_context(
             progress_bar(len(jobs), old.reader.path, progress, "appending to")
         )
@@ -367,10 +350,11 @@ def _rewrite_file(
 
 
 @contextlib.contextmanager
-def _locked(source: ContainerReader) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the single file being grown, checked to be the file
-    ``source`` validated: a second append waits for none and is refused, and one that opened
-    the file before another append replaced it is refused rather than undoing it."""
+def _locked(source: ContainerReader) -> Iterator[int]:
+    """The single file being grown, open (its descriptor) with an exclusive ``flock``, checked
+    to be the file ``source`` validated: a second append is refused, not waited for, and one
+    that opened the file before another append replaced it is refused rather than undoing
+    it."""
     fd = open_regular(source.path, "the pack")
     try:
         try:
@@ -387,7 +371,7 @@ def _locked(source: ContainerReader) -> Iterator[None]:
                 f"{source.path} changed since it was opened for this append (another process "
                 "wrote it); nothing was written: append again",
             )
-        yield
+        yield fd
     finally:
         os.close(fd)
 

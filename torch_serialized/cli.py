@@ -1,11 +1,11 @@
 """The ``torch-serialized`` command line (also ``python -m torch_serialized``).
 
-A thin layer over the public API: ``pack`` (``pack_voc``), ``info`` and ``verify`` (the
-reader), ``export`` (``export_voc``), ``bench`` (``torch_serialized.tools.run_benchmark``) and
-``demo`` (``torch_serialized.tools.run_demo``); this is the only module of the library that
-imports ``tools``. Errors of torch_serialized, bad paths and bad values print one
-line on stderr and exit with status 2 (``--debug`` shows the traceback instead); ``verify``
-exits 1 when it finds damage.
+A thin layer over the public API: ``pack`` (``pack_voc``; ``append_voc`` with ``--append``),
+``info`` and ``verify`` (the reader), ``export`` (``export_voc``), ``bench``
+(``torch_serialized.tools.run_benchmark``) and ``demo`` (``torch_serialized.tools.run_demo``);
+this is the only module of the library that imports ``tools``. Errors of torch_serialized,
+bad paths and bad values print one line on stderr and exit with status 2 (``--debug`` shows
+the traceback instead); ``verify`` exits 1 when it finds damage.
 """
 
 # More than 400 lines: one function per command plus the one argument parser, kept together
@@ -541,7 +541,8 @@ def _parser() -> argparse.ArgumentParser:
         "masks and list files) into OUTPUT. With a shard option OUTPUT is a folder of "
         "shards, a catalog and manifest.json. The output appears atomically when packing "
         "succeeds. An existing OUTPUT is replaced only with --overwrite (as export), and only "
-        "if it is a pack torch_serialized wrote.",
+        "if it is a pack torch_serialized wrote. With --append, OUTPUT is an existing pack "
+        "brought up to date with ROOT at the cost of what changed (README: Updating a pack).",
     )
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")
     pack.add_argument("output", help="the .tser file (or shard folder) to write")

@@ -325,16 +325,22 @@ def test_ids_that_left_the_lists_are_retired_and_export_rebuilds_the_source(tmp_
     assert info["retired"] == (len(result.retired) if form == "shards" else 0)
 
 
-def test_class_ids_stay_and_new_classes_come_after(tmp_path, source):
+def test_class_ids_and_labels_stay_and_new_classes_come_after(tmp_path, source):
+    from torch_serialized.voc.classes import VOC_CLASSES
+
     source.cut()
     path = pack(source, tmp_path / "pack", "shards")
     before = VOCPackReader(path).classes
-    new_id = [
-        i
-        for i in source.listed()
-        if i not in {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
-    ][0]
-    edit_annotation(source, new_id, "helmet")
+    labels_before = {
+        rule: VOCSerializedDataset(
+            path, "trainval", target_format="tv_tensors", classes=rule
+        ).label_names
+        for rule in (None, "packed")
+    }
+    assert labels_before[None] == ["__background__", *VOC_CLASSES]  # all VOC classes
+    packed_ids = {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
+    new_ids = [i for i in source.listed() if i not in packed_ids]
+    edit_annotation(source, new_ids[0], "helmet")
     source.grow()
     append_voc(source.root, path)
     after = VOCPackReader(path).classes
@@ -342,16 +348,21 @@ def test_class_ids_stay_and_new_classes_come_after(tmp_path, source):
     image_set = next(
         s
         for s in VOCPackReader(path).image_sets("Main")
-        if new_id in VOCSerializedDataset(path, s).ids
+        if new_ids[0] in VOCSerializedDataset(path, s).ids
     )
-    ds = VOCSerializedDataset(path, image_set, target_format="tv_tensors")
-    assert ds.label_names == ["__background__", *after]
-    index = list(ds.ids).index(new_id)
-    labels = ds[index][1]["labels"].tolist()
-    assert ds.label_names[labels[0]] == "helmet"
-    packed = VOCSerializedDataset(path, image_set, target_format="tv_tensors", classes="packed")
-    assert packed.label_names == ["__background__", *sorted(after)]
-    assert packed.label_names[packed[index][1]["labels"].tolist()[0]] == "helmet"
+    for rule in (None, "packed"):  # every existing label kept, the new class after them
+        ds = VOCSerializedDataset(path, image_set, target_format="tv_tensors", classes=rule)
+        assert ds.label_names == [*labels_before[rule], "helmet"]
+        index = list(ds.ids).index(new_ids[0])
+        assert ds.label_names[ds[index][1]["labels"].tolist()[0]] == "helmet"
+    # a later append adds after those, whatever the rule would say for a fresh pack
+    source.cut(0.5)
+    append_voc(source.root, path)
+    edit_annotation(source, new_ids[0], "cone")
+    source.grow()
+    append_voc(source.root, path)
+    ds = VOCSerializedDataset(path, image_set, target_format="tv_tensors", classes="packed")
+    assert ds.label_names == [*labels_before["packed"], "helmet", "cone"]
 
 
 def test_a_pack_without_source_statistics_is_compared_by_content(tmp_path):

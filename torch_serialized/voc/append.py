@@ -36,6 +36,7 @@ from ..safeio import DEFAULT_MAX_FILE_BYTES, open_regular
 from ..writer import PackWriter
 from . import schema
 from .changes import Plan, classify
+from .classes import label_classes
 from .images import ImageOptions
 from .layout import find_voc_root, read_image_sets
 from .pack import (
@@ -102,23 +103,18 @@ def append_voc(
             f"{voc_root} is VOC{found_year} but {path} holds VOC{old.year}; append the same "
             "year's devkit (or pack it into another pack)"
         )
-    meta = old.meta
-    report = path.with_name(path.name + REPORT_SUFFIX)
-    check_report_path(report)
-    options = ImageOptions(
-        old.image_storage, meta.get("max_size"), bool(meta.get("options", {}).get("check_images"))
-    )
+    check_report_path(report := path.with_name(path.name + REPORT_SUFFIX))
+    checks = bool(old.meta.get("options", {}).get("check_images"))
+    options = ImageOptions(old.image_storage, old.meta.get("max_size"), checks)
     image_sets = read_image_sets(voc_root, DEFAULT_MAX_FILE_BYTES)
     jobs = plan_jobs(voc_root, image_sets, options, DEFAULT_MAX_FILE_BYTES)
     plan_ = classify(old, jobs, replace_changed, checksum)
-    skip = on_error == "skip"
     sharded = old.reader.manifest is not None
-    grow = _grow_shards if sharded else _rewrite_file
-    books, written, new_meta = grow(
-        old, plan_, voc_root, image_sets, skip, progress, started, workers
+    books, written, new_meta = (_grow_shards if sharded else _rewrite_file)(
+        old, plan_, voc_root, image_sets, on_error == "skip", progress, started, workers
     )
     write_report(report, books.skipped)
-    result = PackResult(
+    return PackResult(
         path=path,
         num_samples=len(books.record_of),
         num_bytes=size_on_disk(path),
@@ -134,7 +130,6 @@ def append_voc(
         notes=plan_.notes,
         bytes_written=written,
     )
-    return result
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -182,6 +177,10 @@ def _metadata(
 ) -> dict[str, Any]:
     """The old pack's metadata brought up to date, with this append in its history."""
     meta = dict(old.meta)
+    if "label_base" not in meta:  # the label lists as they are, kept: no label ever moves
+        meta["label_base"] = {
+            rule: label_classes(rule, old.classes, None) for rule in ("default", "packed")
+        }
     history = list(meta.get("history") or [])
     if not history:  # packed before histories were kept: what is known of that pack
         history.append(

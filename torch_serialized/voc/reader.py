@@ -193,6 +193,16 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
     stats = meta.get("source_stats")
     if stats is not None and stats != schema.SOURCE_STATS_VERSION:
         raise _bad(path, "source_stats", f"null or {schema.SOURCE_STATS_VERSION}", stats)
+    base = meta.get("label_base")
+    if base is not None and not (
+        isinstance(base, dict)
+        and set(base) == {"default", "packed"}
+        and all(
+            isinstance(v, list) and all(isinstance(c, str) for c in v) and len(set(v)) == len(v)
+            for v in base.values()
+        )
+    ):
+        raise _bad(path, "label_base", "'default' and 'packed' lists of class names", base)
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(
         isinstance(e, dict) and isinstance(e.get("action"), str) for e in history

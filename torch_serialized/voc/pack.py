@@ -6,7 +6,8 @@ Every id listed in ``ImageSets/Main`` or ``ImageSets/Segmentation`` is stored on
 module only orchestrates: it assigns class ids in dataset order, writes each record
 (``PackWriter``, or ``parallel.SpillPool`` with ``workers > 1``), then the dataset-level arrays
 and the metadata described in ``schema``. Records are written in one fixed order, so the
-output is byte-identical for any number of pack processes. This module never imports torch.
+output is byte-identical for any number of pack processes (given the same pack id, file-name
+token and time in its history: ``utc_now``). This module never imports torch.
 """
 
 # More than 400 lines: pack_voc and the pieces append_voc reuses (books, records, dataset
@@ -47,6 +48,7 @@ __all__ = [
     "Books",
     "REPORT_SUFFIX",
     "history_entry",
+    "utc_now",
     "progress_bar",
     "rate",
     "size_on_disk",
@@ -151,7 +153,8 @@ def pack_voc(
     FIFO or a link to a device in the source tree is refused, not waited on or read forever.
     ``workers > 1`` reads, parses and writes samples in that many spawned processes (scratch
     files beside the output, removed at the end); the output is byte-identical to one
-    process. ``progress`` shows a progress bar.
+    process (but for the random pack id and file names, and the time in its history).
+    ``progress`` shows a progress bar.
     """
     if image_storage not in ("original", "raw"):
         raise ValueError(f"image_storage must be 'original' or 'raw', got {image_storage!r}")
@@ -242,14 +245,20 @@ def pack_voc(
     return result
 
 
+def utc_now() -> str:
+    """The time a history entry records: UTC, to the second (tests that compare the bytes of
+    two packs pin it, as they pin the pack id and the file-name token)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def history_entry(
     action: str, records: int, added: int, replaced: int = 0, retired: int = 0
 ) -> dict[str, Any]:
     """One line of a pack's history (metadata ``history``): what a pack or append did, when
-    (UTC, to the second), and which version did it."""
+    (``utc_now``), and which version did it."""
     return {
         "action": action,
-        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "at": utc_now(),
         "records": records,
         "added": added,
         "replaced": replaced,

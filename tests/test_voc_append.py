@@ -151,7 +151,11 @@ def assert_same_as_torchvision(
 
 
 # -- growing -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("workers", [1, 2])
+#: pack processes: 2 spawns a pool (seconds of start-up), so those cases run with the slow tests
+WORKERS = [1, pytest.param(2, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("form", PACK_FORMS)
 def test_append_new_ids_reads_as_a_full_repack_and_as_torchvision(tmp_path, source, form, workers):
     source.cut()
@@ -238,7 +242,10 @@ def test_a_changed_id_is_an_error_naming_it_and_nothing_is_written(tmp_path, sou
     assert sorted(os.listdir(path.parent)) == [path.name]
 
 
-@pytest.mark.parametrize(("form", "workers"), [("single", 1), ("shards", 1), ("shards", 2)])
+@pytest.mark.parametrize(
+    ("form", "workers"),
+    [("single", 1), ("shards", 1), pytest.param("shards", 2, marks=pytest.mark.slow)],
+)
 def test_replace_changed_stores_the_new_version_and_retires_the_old(
     tmp_path, source, form, workers
 ):

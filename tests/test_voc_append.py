@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 from _reliability_helpers import PACK_FORMS, dead_pid, out_name, snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torchvision.datasets import VOCDetection, VOCSegmentation
 
 from torch_serialized import (
@@ -791,3 +793,68 @@ def test_a_shard_folder_of_manifest_version_1_is_not_grown(tmp_path):
     with pytest.raises(WriteError, match="pack it again"):
         append_voc(root, path)
     assert snapshot(path) == before and sorted(os.listdir(tmp_path)) == ["devkit", "tiny-shards"]
+
+
+# -- any sequence of source changes ----------------------------------------------------------------
+_POOL = [f"{i:03d}" for i in range(8)]
+_NAMES = ("dog", "cat", "helmet")
+#: one step: each list's ids (duplicates allowed), and the ids whose annotation is rewritten
+_step = st.tuples(
+    st.lists(st.sampled_from(_POOL), min_size=1, max_size=8),
+    st.lists(st.sampled_from(_POOL), max_size=6),
+    st.lists(st.sampled_from(_POOL), max_size=2),
+)
+
+
+def _write_step(root: Path, step: tuple[list[str], list[str], list[str]], n: int) -> None:
+    from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
+
+    train, val, edited = step
+    samples = []
+    for i, image_id in enumerate(_POOL):
+        voc = root / "VOCdevkit" / f"VOC{YEAR}"
+        xml = voc / "Annotations" / f"{image_id}.xml"
+        if xml.exists() and image_id not in edited:
+            continue  # untouched: same bytes, same time
+        name = _NAMES[(i + n) % len(_NAMES)] if image_id in edited else _NAMES[i % 2]
+        samples.append(
+            Sample(
+                image_id,
+                jpeg(16 + i, 12, seed=i),
+                voc_xml(f"{image_id}.jpg", 16 + i, 12, [obj(name, (1, 1, 9, 7))]),
+            )
+        )
+    write_voc(root, YEAR, samples, {"Main": {"train": train, "val": val}})
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=st.lists(_step, min_size=1, max_size=3), form=st.sampled_from(sorted(PACK_FORMS)))
+def test_any_sequence_of_changes_appends_to_what_a_full_pack_holds(tmp_path_factory, steps, form):
+    tmp = tmp_path_factory.mktemp("seq")
+    root = tmp / "src"
+    _write_step(root, ([_POOL[0]], [], []), 0)
+    path = pack_voc(root, tmp / out_name(form), year=YEAR, **PACK_FORMS[form]).path
+    for n, step in enumerate(steps, start=1):
+        _write_step(root, step, n)
+        append_voc(root, path, replace_changed=True)
+        fresh = pack_voc(
+            root, tmp / f"fresh{n}-{out_name(form)}", year=YEAR, **PACK_FORMS[form]
+        ).path
+        ours, theirs = VOCPackReader(path), VOCPackReader(fresh)
+        assert ours.meta["splits"] == theirs.meta["splits"]
+        assert ours.files() == theirs.files()
+        for image_set in theirs.image_sets("Main"):
+            a, b = ours.split("Main", image_set), theirs.split("Main", image_set)
+            assert [ours.id(int(r)) for r in a] == [theirs.id(int(r)) for r in b]
+            for ra, rb in zip(a.tolist(), b.tolist()):
+                for field in (schema.IMAGE, schema.ANNOTATION, schema.TARGET):
+                    assert bytes(ours.field(ra, field)) == bytes(theirs.field(rb, field))
+                names_a = [ours.classes[c] for c in ours.objects(ra)["class_id"]]
+                names_b = [theirs.classes[c] for c in theirs.objects(rb)["class_id"]]
+                assert names_a == names_b
+        assert sorted(ours.id(int(r)) for r in ours.live) == sorted(
+            theirs.id(int(r)) for r in range(len(theirs))
+        )
+        assert open_pack(path).verify() == []

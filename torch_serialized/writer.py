@@ -323,6 +323,8 @@ class PackWriter:
         self._closed = False
         try:
             self._open_output()
+        except WriteError:
+            raise  # says what is wrong already
         except OSError as exc:
             raise WriteError(
                 exc.errno, f"cannot create {exc.filename or self.output}: {exc.strerror}"

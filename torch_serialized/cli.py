@@ -122,7 +122,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         check_images=args.check_images,
         on_error="skip" if args.skip_bad else "raise",
         progress=not args.quiet,
-        max_file_bytes=args.max_file_size,
+        max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
     )
     seconds = max(result.seconds, 1e-9)
     files = open_pack(result.path).num_shards
@@ -153,6 +153,7 @@ _PACK_ONLY = {
     "max_size": "--max-size",
     "check_images": "--check-images",
     "overwrite": "--overwrite",
+    "max_file_size": "--max-file-size",
 }
 
 
@@ -595,7 +596,7 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument(
         "--max-file-size",
         type=parse_size,
-        default=DEFAULT_MAX_FILE_BYTES,
+        default=None,
         metavar="SIZE",
         help="refuse a source file larger than SIZE (default 1GiB; e.g. 4GiB)",
     )

@@ -193,15 +193,19 @@ def test_append_new_ids_reads_as_a_full_repack_and_as_torchvision(tmp_path, sour
 
 
 @pytest.mark.parametrize("form", PACK_FORMS)
-def test_append_with_nothing_new_changes_no_record(tmp_path, source, form):
+def test_append_with_nothing_new_writes_nothing(tmp_path, source, form):
     path = pack(source, tmp_path / "pack", form)
-    before = {n: h for n, h in hashes(path).items() if n.startswith("shard-") or form == "single"}
+    before = snapshot(path)
     result = append_voc(source.root, path)
-    assert (result.added, result.replaced, result.retired) == (0, [], [])
-    after = hashes(path)
-    if form == "shards":
-        assert {n: h for n, h in after.items() if n.startswith("shard-")} == before
+    assert (result.added, result.replaced, result.retired, result.bytes_written) == (0, [], [], 0)
+    assert "up to date" in result.notes[0]
+    assert snapshot(path) == before and result.num_samples == len(source.listed())
+    image = source.file("JPEGImages", source.listed()[0])  # touched: its new time is recorded
+    os.utime(image, ns=(image.stat().st_atime_ns, image.stat().st_mtime_ns + 10**9))
+    assert append_voc(source.root, path).notes == []
+    assert snapshot(path) != before
     assert_same_as_repack(path, source, tmp_path, form)
+    assert "up to date" in append_voc(source.root, path).notes[0]
 
 
 def test_single_file_keeps_its_records_bytes_and_pack_id(tmp_path, source):
@@ -386,7 +390,8 @@ def test_a_pack_without_source_statistics_is_compared_by_content(tmp_path):
     assert meta["source_stats"] == schema.SOURCE_STATS_VERSION
     assert [e["action"] for e in meta["history"]] == ["pack", "append"]
     assert meta["history"][0]["at"] is None
-    assert append_voc(root, path).notes == []  # recorded now: a quick check next time
+    again = append_voc(root, path)  # recorded now: a quick check, and nothing to write
+    assert len(again.notes) == 1 and "up to date" in again.notes[0]
 
 
 # -- failures ----------------------------------------------------------------------------------
@@ -459,7 +464,9 @@ def test_another_append_running_is_refused(tmp_path, source):
 
     from torch_serialized import WriteError
 
+    source.cut()
     path = pack(source, tmp_path / "pack", "shards")
+    source.grow()
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -13,6 +13,9 @@ single file is rewritten: its kept records copied from the old file with ``copy_
 file. This module never imports torch.
 """
 
+# More than 400 lines: the whole append, both forms, kept together so the two stay alike; the
+# decisions about what changed are apart, in changes.py.
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +41,7 @@ from . import schema
 from .changes import Plan, classify
 from .classes import label_classes
 from .images import ImageOptions
-from .layout import find_voc_root, read_image_sets
+from .layout import find_voc_root, image_set_files, read_image_sets
 from .pack import (
     REPORT_SUFFIX,
     Books,
@@ -109,6 +112,9 @@ def append_voc(
     image_sets = read_image_sets(voc_root, DEFAULT_MAX_FILE_BYTES)
     jobs = plan_jobs(voc_root, image_sets, options, DEFAULT_MAX_FILE_BYTES)
     plan_ = classify(old, jobs, replace_changed, checksum)
+    if plan_.current and old.files() == dict(image_set_files(voc_root, DEFAULT_MAX_FILE_BYTES)):
+        plan_.notes.append(f"{path} is up to date with {voc_root}: nothing was written")
+        return _up_to_date(old, plan_, voc_root, started)
     sharded = old.reader.manifest is not None
     books, written, new_meta = (_grow_shards if sharded else _rewrite_file)(
         old, plan_, voc_root, image_sets, on_error == "skip", progress, started, workers
@@ -129,6 +135,22 @@ def append_voc(
         retired=plan_.dropped,
         notes=plan_.notes,
         bytes_written=written,
+    )
+
+
+def _up_to_date(old: VOCPackReader, plan: Plan, voc_root: Path, started: float) -> PackResult:
+    """What an append that has nothing to write returns (nothing is written: a single file
+    is not copied, a shard folder keeps its catalog)."""
+    path = Path(old.path)
+    return PackResult(
+        path=path,
+        num_samples=len(plan.kept),
+        num_bytes=size_on_disk(path),
+        source_bytes=int(old.meta.get("source_bytes") or 0),
+        seconds=time.perf_counter() - started,
+        year=old.year,
+        voc_root=voc_root,
+        notes=plan.notes,
     )
 
 

@@ -60,6 +60,8 @@ class Plan:
     dropped: list[str]
     notes: list[str]
     order: Sequence[Job]  # every listed id's job, in layout order
+    #: every listed id is packed and passed the quick check: no record or statistic to write
+    current: bool = False
 
     @property
     def jobs(self) -> list[Job]:
@@ -85,7 +87,7 @@ def classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: b
     kept: dict[int, Verdict] = {}
     new: list[Job] = []
     changed: list[tuple[Job, Verdict]] = []
-    read = 0
+    read = quick_kept = 0
     for job in jobs:
         record = record_of.get(job.id)
         if record is None:
@@ -98,6 +100,7 @@ def classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: b
             now = _quick_stats(job)
             if now == stored and now[0] >= 0 and not _lacks_required(job, now):
                 kept[record] = Verdict([], now, digest)
+                quick_kept += 1
                 continue
         verdict = compare(old, record, job, stored, digest)
         read += verdict.files_read
@@ -124,6 +127,7 @@ def classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: b
         dropped=[i for i in record_of if i not in listed],
         notes=notes,
         order=jobs,
+        current=quick_kept == len(record_of) == len(listed),
     )
 
 

@@ -31,19 +31,22 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 #: ``pack_voc`` limits of the two pack forms.
 PACK_FORMS: dict[str, dict[str, Any]] = {"single": {}, "shards": {"max_samples_per_shard": 5}}
-#: The pack id and file-name token ``pinned_identity`` gives every pack.
-PACK_ID, TOKEN = "5eed" * 8, "0badcafe"
+#: The pack id, file-name token and history time ``pinned_identity`` gives every pack.
+PACK_ID, TOKEN, PACKED_AT = "5eed" * 8, "0badcafe", "2000-01-01T00:00:00Z"
 
 
 @contextlib.contextmanager
 def pinned_identity() -> Iterator[None]:
-    """Every pack written inside gets the same pack id and file-name token (random otherwise),
-    so two writes of the same records can be compared byte for byte."""
+    """Every pack written inside gets the same pack id, file-name token (random otherwise) and
+    history time (the clock otherwise), so two writes of the same records can be compared
+    byte for byte."""
     from torch_serialized import format as fmt
+    from torch_serialized.voc import pack
 
     with (
         mock.patch.object(fmt, "new_pack_id", lambda: PACK_ID),
         mock.patch.object(fmt, "new_token", lambda: TOKEN),
+        mock.patch.object(pack, "utc_now", lambda: PACKED_AT),
     ):
         yield
 

@@ -22,6 +22,7 @@ def test_all_names_resolve_and_are_documented() -> None:
 PUBLIC = [
     "__version__",
     "pack_voc",
+    "append_voc",
     "PackResult",
     "SkippedSample",
     "Serializer",

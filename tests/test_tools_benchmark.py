@@ -99,7 +99,7 @@ def test_scenario_subset_through_main(tmp_path: Path) -> None:
 
 
 def test_unknown_scenario_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown scenarios.*choose from pack, bytes"):
+    with pytest.raises(ValueError, match="unknown scenarios.*choose from pack, append, bytes"):
         run_benchmark(quick=True, out_dir=str(tmp_path), scenarios=["nope"], progress=False)
 
 

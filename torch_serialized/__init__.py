@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .iterable import VOCSerializedIterableDataset
     from .reader import PackReader, open_pack
     from .samplers import BlockShuffleSampler
+    from .voc.append import append_voc
     from .voc.export import export_voc
     from .voc.pack import PackResult, SkippedSample, pack_voc
     from .workers import worker_init_fn
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 #: public name -> module that defines it
 _LAZY = {
     "pack_voc": ".voc.pack",
+    "append_voc": ".voc.append",
     "PackResult": ".voc.pack",
     "SkippedSample": ".voc.pack",
     "Serializer": ".compat",
@@ -58,6 +60,7 @@ _LAZY = {
 __all__ = [
     "__version__",
     "pack_voc",
+    "append_voc",
     "PackResult",
     "SkippedSample",
     "Serializer",

@@ -1,11 +1,11 @@
 """The ``torch-serialized`` command line (also ``python -m torch_serialized``).
 
-A thin layer over the public API: ``pack`` (``pack_voc``), ``info`` and ``verify`` (the
-reader), ``export`` (``export_voc``), ``bench`` (``torch_serialized.tools.run_benchmark``) and
-``demo`` (``torch_serialized.tools.run_demo``); this is the only module of the library that
-imports ``tools``. Errors of torch_serialized, bad paths and bad values print one
-line on stderr and exit with status 2 (``--debug`` shows the traceback instead); ``verify``
-exits 1 when it finds damage.
+A thin layer over the public API: ``pack`` (``pack_voc``; ``append_voc`` with ``--append``),
+``info`` and ``verify`` (the reader), ``export`` (``export_voc``), ``bench``
+(``torch_serialized.tools.run_benchmark``) and ``demo`` (``torch_serialized.tools.run_demo``);
+this is the only module of the library that imports ``tools``. Errors of torch_serialized,
+bad paths and bad values print one line on stderr and exit with status 2 (``--debug`` shows
+the traceback instead); ``verify`` exits 1 when it finds damage.
 """
 
 # More than 400 lines: one function per command plus the one argument parser, kept together
@@ -93,6 +93,11 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from .voc.layout import find_voc_root, read_image_sets
     from .voc.pack import pack_voc
 
+    if args.append:
+        return _cmd_append(args)
+    for flag in ("replace_changed", "checksum"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} only applies with --append")
     output = Path(args.output)
     if not args.overwrite and (output.exists() or output.is_symlink()):
         raise FileExistsError(
@@ -112,12 +117,12 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         max_samples_per_shard=per_shard,
         max_shard_bytes=args.shard_size,
         workers=args.workers,
-        image_storage=args.image_storage,
+        image_storage=args.image_storage or "original",
         max_size=args.max_size,
         check_images=args.check_images,
         on_error="skip" if args.skip_bad else "raise",
         progress=not args.quiet,
-        max_file_bytes=args.max_file_size,
+        max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
     )
     seconds = max(result.seconds, 1e-9)
     files = open_pack(result.path).num_shards
@@ -139,6 +144,56 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: ``pack`` options an append cannot take: the pack keeps its own (dest -> flag).
+_PACK_ONLY = {
+    "shards": "--shards",
+    "shard_size": "--shard-size",
+    "samples_per_shard": "--samples-per-shard",
+    "image_storage": "--image-storage",
+    "max_size": "--max-size",
+    "check_images": "--check-images",
+    "overwrite": "--overwrite",
+    "max_file_size": "--max-file-size",
+}
+
+
+def _cmd_append(args: argparse.Namespace) -> int:
+    """``pack ROOT PACK --append``: ``append_voc``, and what it did."""
+    from .voc.append import append_voc
+
+    given = [flag for dest, flag in _PACK_ONLY.items() if getattr(args, dest)]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} cannot be combined with --append: an append keeps the pack's "
+            "own options (see `torch-serialized info OUTPUT`); re-pack to change them"
+        )
+    result = append_voc(
+        args.root,
+        args.output,
+        year=args.year,
+        on_error="skip" if args.skip_bad else "raise",
+        progress=not args.quiet,
+        workers=args.workers,
+        replace_changed=args.replace_changed,
+        checksum=args.checksum,
+    )
+    new = result.added - len(result.replaced)
+    dropped = len(result.retired)
+    print(f"appended to {result.path} from {result.voc_root}")
+    print(f"  added    {new} new samples, {len(result.replaced)} changed samples replaced")
+    print(f"  retired  {dropped} samples no longer listed in the source")
+    print(
+        f"  pack     {result.num_samples} samples, {_mb(result.num_bytes)} on disk "
+        f"({_mb(result.bytes_written)} written)"
+    )
+    print(f"  time     {result.seconds:.2f} s")
+    if result.skipped:
+        print(f"  skipped  {len(result.skipped)} samples; reasons in {result.report}")
+    for note in result.notes:
+        print(f"  note     {note}")
+    return EXIT_OK
+
+
 # -- info ---------------------------------------------------------------------------------------
 def _pack_info(path: str) -> dict[str, Any]:
     """Everything ``info`` shows, as JSON-ready values."""
@@ -147,10 +202,11 @@ def _pack_info(path: str) -> dict[str, Any]:
 
     pack = VOCPackReader(path)
     reader, meta = pack.reader, pack.meta
-    columns = pack.columns
+    live = pack.live  # records an append retired are not samples
+    columns = pack.columns[live]
     flags = columns["flags"].astype(np.int64)
     histogram: Counter[str] = Counter()
-    for record in range(len(pack)):
+    for record in live.tolist():
         histogram.update(pack.classes[c] for c in pack.objects(record)["class_id"].tolist())
     sizes = Counter(zip(columns["width"].tolist(), columns["height"].tolist()))
     num_objects = columns["num_objects"]
@@ -167,7 +223,8 @@ def _pack_info(path: str) -> dict[str, Any]:
             "max_size": meta.get("max_size"),
             **meta.get("options", {}),
         },
-        "num_samples": len(pack),
+        "num_samples": len(live),
+        "retired": len(pack) - len(live),
         "with_annotation": int(np.count_nonzero(flags & schema.HAS_ANNOTATION)),
         "with_mask": int(np.count_nonzero(flags & schema.HAS_MASK)),
         "with_object_mask": int(np.count_nonzero(flags & schema.HAS_OBJECT_MASK)),
@@ -187,7 +244,20 @@ def _pack_info(path: str) -> dict[str, Any]:
             for entry in reader.entries
         ],
         "skipped": meta.get("skipped", []),
+        "history": meta.get("history", []),
     }
+
+
+def _history_line(entry: dict[str, Any]) -> str:
+    """One pack or append of a pack's history, as ``info`` shows it."""
+    when = entry.get("at") or "(time not recorded)"
+    what = f"{entry.get('action')}  {when}  {entry.get('records')} samples"
+    if entry.get("action") == "append":
+        what += (
+            f" (+{entry.get('added')} new, {entry.get('replaced')} replaced, "
+            f"{entry.get('retired')} retired)"
+        )
+    return f"{what}  by {entry.get('by')}"
 
 
 def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
@@ -280,8 +350,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
     ]
     if info["sharded"]:
         lines += [f"    {s['file']}  {s['records']} samples  {_mb(s['bytes'])}" for s in shards]
+    if info["retired"]:
+        lines.append(
+            f"  retired      {info['retired']} records replaced or dropped by appends (their "
+            "bytes stay until the next full pack)"
+        )
     if info["skipped"]:
         lines.append(f"  skipped      {len(info['skipped'])} samples at pack time")
+    if info["history"]:
+        lines.append("  history")
+        lines += [f"    {_history_line(entry)}" for entry in info["history"]]
     if info["classes"]:
         lines.append("  classes      (objects in all samples)")
         top = max(info["classes"].values())
@@ -464,7 +542,8 @@ def _parser() -> argparse.ArgumentParser:
         "masks and list files) into OUTPUT. With a shard option OUTPUT is a folder of "
         "shards, a catalog and manifest.json. The output appears atomically when packing "
         "succeeds. An existing OUTPUT is replaced only with --overwrite (as export), and only "
-        "if it is a pack torch_serialized wrote.",
+        "if it is a pack torch_serialized wrote. With --append, OUTPUT is an existing pack "
+        "brought up to date with ROOT at the cost of what changed (README: Updating a pack).",
     )
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")
     pack.add_argument("output", help="the .tser file (or shard folder) to write")
@@ -494,7 +573,7 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument(
         "--image-storage",
         choices=("original", "raw"),
-        default="original",
+        default=None,
         help="original: the JPEG bytes, byte-exact (default); raw: decoded RGB pixels",
     )
     pack.add_argument(
@@ -517,9 +596,26 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument(
         "--max-file-size",
         type=parse_size,
-        default=DEFAULT_MAX_FILE_BYTES,
+        default=None,
         metavar="SIZE",
         help="refuse a source file larger than SIZE (default 1GiB; e.g. 4GiB)",
+    )
+    pack.add_argument(
+        "--append",
+        action="store_true",
+        help="bring the existing pack OUTPUT up to date with ROOT: pack new ids, keep "
+        "unchanged ones, retire ids no longer listed (the pack's own options are used)",
+    )
+    pack.add_argument(
+        "--replace-changed",
+        action="store_true",
+        help="with --append: store new versions of packed ids whose files changed (otherwise "
+        "an error names them)",
+    )
+    pack.add_argument(
+        "--checksum",
+        action="store_true",
+        help="with --append: compare every packed file's content, not only sizes and times",
     )
     pack.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pack.set_defaults(run=_cmd_pack)

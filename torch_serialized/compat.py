@@ -36,7 +36,8 @@ class Serializer:
 
 
 class SerializedDataset:
-    """Every packed sample in storage order, as in the original design.
+    """Every packed sample in storage order, as in the original design (records an append
+    retired left out).
 
     ``get_sample(i)`` returns ``{"id", "image": HWC uint8 numpy array, "target": dict}``
     (``target`` is ``{}`` for ids without an annotation).
@@ -45,12 +46,13 @@ class SerializedDataset:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.pack = VOCPackReader(path)
         self.decoder = SampleDecoder(self.pack)
+        self.records = self.pack.live  # records an append retired are not samples
 
     def __len__(self) -> int:
-        return len(self.pack)
+        return len(self.records)
 
     def get_sample(self, index: int) -> dict[str, Any]:
-        record = range(len(self.pack))[index]
+        record = int(self.records[range(len(self.records))[index]])
         pack, decoder = self.pack, self.decoder
         flags = int(pack.columns[record]["flags"])
         target = {}

@@ -30,7 +30,7 @@ from torchvision.transforms.functional import pil_to_tensor
 
 from .errors import FormatError, ImageTooLargeError
 from .voc import schema
-from .voc.classes import VOC_CLASSES
+from .voc.classes import label_classes
 from .voc.images import check_pixels, declared_size, jpeg_size
 from .voc.reader import VOCPackReader
 
@@ -48,9 +48,11 @@ TargetFormat = Literal["dict", "tv_tensors"]
 #: - ``None`` (default): ``"__background__"`` at 0, then VOC's 20 classes (as torchvision's
 #:   wrapper) when every class in the pack is one of them; otherwise the pack's classes in
 #:   pack order (the order they first appear in the packed samples), so custom datasets work
-#:   without arguments and their labels do not move when a class is added later.
+#:   without arguments and their labels do not move when a class is added later (a pack
+#:   grown by ``append_voc`` keeps the list it had, new classes after it: ``label_names``).
 #: - ``"packed"``: ``"__background__"``, then the pack's classes sorted by name (0.1.0's rule,
-#:   kept so that labels of models trained with it stay the same; it differs from ``None``).
+#:   kept so that labels of models trained with it stay the same; it differs from ``None``);
+#:   after an append, the sorted list the pack had, new classes after it.
 #: - a sequence of names: exactly that list; every class of the image set must be in it.
 Classes = Literal["packed"] | Sequence[str] | None
 #: Bytes of one record field: a read-only view into the map, or a private array.
@@ -65,14 +67,13 @@ _TV_DECODE_DEPRECATED = r"The image decoding and encoding capabilities of TorchV
 
 def label_names(pack: VOCPackReader, classes: Classes) -> list[str]:
     """The label name list that ``classes`` stands for (see ``Classes``)."""
+    base = pack.meta.get("label_base")
     if classes is None:
-        if set(pack.classes) <= set(VOC_CLASSES):
-            return ["__background__", *VOC_CLASSES]
-        return ["__background__", *pack.classes]
+        return ["__background__", *label_classes("default", pack.classes, base)]
     if isinstance(classes, str):
         if classes != "packed":
             raise ValueError(f"classes must be None, 'packed' or a list of names, got {classes!r}")
-        return ["__background__", *sorted(pack.classes)]
+        return ["__background__", *label_classes("packed", pack.classes, base)]
     names = list(classes)
     if len(set(names)) != len(names):
         raise ValueError("classes must not repeat a name")

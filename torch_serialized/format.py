@@ -100,6 +100,7 @@ __all__ = [
     "ROLE_SHARD",
     "ROLE_CATALOG",
     "CANONICAL_JSON",
+    "is_member_name",
     "crc32",
     "pad_to",
     "pack_header",
@@ -449,6 +450,16 @@ def shard_file_name(index: int, token: str) -> str:
 def catalog_file_name(token: str) -> str:
     """``catalog-<token>.tser``: the name of the catalog written by write ``token``."""
     return f"catalog-{token}{FILE_SUFFIX}"
+
+
+_MEMBER_NAME = re.compile(r"(?:shard-\d{5,}-|catalog-)[0-9a-f]{8}" + re.escape(FILE_SUFFIX))
+
+
+def is_member_name(name: str) -> bool:
+    """Whether ``name`` is a shard or catalog name as ``shard_file_name`` and
+    ``catalog_file_name`` make them: a file of this pack or of an earlier generation of it
+    (an append keeps the previous catalog for readers that opened the pack before)."""
+    return _MEMBER_NAME.fullmatch(name) is not None
 
 
 def binding(

@@ -387,6 +387,17 @@ class ContainerReader:
             )
         return view
 
+    def index_rows(self, records: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The index rows (``format.INDEX_DTYPE``, one entry per field) of ``records``, a copy:
+        where each record's fields lie in this file, for copying records to another file."""
+        local = self._mapped()
+        rows = np.asarray(records, dtype=np.int64).reshape(-1)
+        out = np.zeros((len(rows), len(self.fields)), dtype=fmt.INDEX_DTYPE)
+        out["offset"] = local.offsets[rows]
+        out["length"] = local.lengths[rows]
+        out["crc32"] = local.crcs[rows]
+        return out
+
     def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
         """Views of ``fields`` of record ``i``: ``field`` for several fields at once, the
         per-sample lookup of map-style ``__getitem__``. No hint: for one record at a time the

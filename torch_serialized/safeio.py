@@ -20,6 +20,7 @@ __all__ = [
     "FileSizeError",
     "open_regular",
     "read_regular_file",
+    "read_regular_file_stat",
 ]
 
 #: The default cap on one source file (``pack_voc(max_file_bytes=...)``): 1 GiB, far above
@@ -76,9 +77,19 @@ def read_regular_file(
     instead. Memory allocated is bounded by the file's size and the cap, whatever the file does
     while it is read.
     """
+    return read_regular_file_stat(path, max_bytes, what, prefix=prefix)[0]
+
+
+def read_regular_file_stat(
+    path: str | os.PathLike[str], max_bytes: int, what: str, *, prefix: bool = False
+) -> tuple[bytes, os.stat_result]:
+    """``read_regular_file``, and the file's ``fstat`` taken before its first byte was read
+    (a change while it is read then shows as a newer time at the next look, never as an old
+    time beside new bytes)."""
     fd = open_regular(path, what)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         want = min(size, max_bytes) + 1
         chunks: list[bytes] = []
         total = 0
@@ -95,9 +106,9 @@ def read_regular_file(
     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if len(data) > max_bytes:
         if prefix:
-            return data[:max_bytes]
+            return data[:max_bytes], st
         raise FileSizeError(
             f"{os.fspath(path)}: {what} is larger than the {max_bytes:,}-byte limit "
             f"({max(size, len(data)):,} bytes or more)",
         )
-    return data
+    return data, st

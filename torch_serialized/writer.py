@@ -216,8 +216,9 @@ def replace_refusal(path: Path) -> str | None:
 
     Only a pack this package wrote may be replaced, verified rather than sniffed: a file with a
     valid torch_serialized header, or a folder whose manifest parses and checks and that holds
-    nothing but the files that manifest names and our own temporaries. Anything else might be
-    someone's data.
+    nothing but the files that manifest names, shard and catalog files named as this package
+    names them (an earlier generation's, kept by an append) and our own temporaries. Anything
+    else might be someone's data.
     """
     if not os.path.lexists(path):
         return None
@@ -233,8 +234,10 @@ def replace_refusal(path: Path) -> str | None:
         ours = {fmt.MANIFEST_NAME, *manifest.files()}
         with os.scandir(path) as entries:
             for entry in entries:
-                if is_temporary(entry.name):
-                    continue
+                if is_temporary(entry.name) or (
+                    fmt.is_member_name(entry.name) and entry.is_file(follow_symlinks=False)
+                ):
+                    continue  # ours: a temporary, or a file of an earlier generation
                 if entry.name not in ours or not entry.is_file(follow_symlinks=False):
                     return f"holds {entry.name!r}, which is not a file of the pack it lists"
         return None
@@ -319,11 +322,27 @@ class PackWriter:
         self.bytes_written = 0
         self._closed = False
         try:
-            self._out = AtomicOutput(self.output, folder=self.sharded)
+            self._open_output()
+        except WriteError:
+            raise  # says what is wrong already
         except OSError as exc:
             raise WriteError(
                 exc.errno, f"cannot create {exc.filename or self.output}: {exc.strerror}"
             ) from exc
+
+    # -- where files go (``grow.GrowWriter`` writes into an existing folder instead) -----------
+    def _open_output(self) -> None:
+        self._out = AtomicOutput(self.output, folder=self.sharded)
+
+    def _member_path(self, name: str) -> Path:
+        """Where the shard folder's file ``name`` is written."""
+        return self._out.path / name
+
+    def _commit(self) -> None:
+        self._out.commit()
+
+    def _discard(self) -> None:
+        self._out.abort()
 
     # -- writing -------------------------------------------------------------------------
     def add(self, payloads: Sequence[Payload], row: tuple[Any, ...] | None = None) -> int:
@@ -389,7 +408,7 @@ class PackWriter:
             self._finish_shard(None)
         if self.sharded:
             name = fmt.shard_file_name(len(self._shards), self._token)
-            path = self._out.path / name
+            path = self._member_path(name)
         else:
             name, path = self.output.name, self._out.path
         self._file = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in _finish
@@ -436,7 +455,7 @@ class PackWriter:
         arrays, a copy of every record's columns (``records``) and the metadata, so a reader
         opens the dataset from the manifest and this one small file."""
         name = fmt.catalog_file_name(self._token)
-        with open(self._out.path / name, "wb", buffering=1 << 20) as file:
+        with open(self._member_path(name), "wb", buffering=1 << 20) as file:
             writer = ContainerWriter(file, self._fields, alignment=self._alignment)
             if self._columns is not None:
                 rows = np.concatenate(self._rows) if self._rows else np.empty(0, self._columns)
@@ -465,12 +484,13 @@ class PackWriter:
             raise ValueError("writer is already closed")
         user = dict(metadata or {})
         try:
-            if self._writer is None:
-                self._next_shard()
-            self._finish_shard(user)
+            if self._writer is None and not (self.sharded and self._shards):
+                self._next_shard()  # an empty pack still has one (empty) file
+            if self._writer is not None:
+                self._finish_shard(user)
             if self.sharded:
                 self._write_manifest(self._write_catalog(user))
-            self._out.commit()
+            self._commit()
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError) and not isinstance(exc, WriteError):
@@ -479,8 +499,8 @@ class PackWriter:
         self._closed = True
         return self.output
 
-    def _write_manifest(self, catalog: fmt.CatalogEntry) -> None:
-        data = fmt.build_manifest(
+    def _manifest_bytes(self, catalog: fmt.CatalogEntry) -> bytes:
+        return fmt.build_manifest(
             created_by=CREATED_BY,
             pack_id=self.pack_id,
             num_records=self.num_records,
@@ -488,7 +508,10 @@ class PackWriter:
             catalog=catalog,
             shards=self._shards,
         )
-        with open(self._out.path / fmt.MANIFEST_NAME, "wb") as f:
+
+    def _write_manifest(self, catalog: fmt.CatalogEntry) -> None:
+        data = self._manifest_bytes(catalog)
+        with open(self._member_path(fmt.MANIFEST_NAME), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -501,7 +524,7 @@ class PackWriter:
             self._file = None
         self._writer = None
         self._closed = True
-        self._out.abort()
+        self._discard()
 
     def write_error(self, exc: OSError) -> WriteError:
         """``exc``, raised while writing this output, as a ``WriteError`` that says what to do."""

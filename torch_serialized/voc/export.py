@@ -172,7 +172,7 @@ def _plan(
     path; the caller lists the whole plan first."""
     flags = pack.columns["flags"]
     seen: set[str] = set()
-    for record in range(len(pack)):
+    for record in pack.live.tolist():  # a record an append retired is not in the devkit
         image_id = pack.id(record)
         where = f"{pack.path}: record {record} id {image_id!r}"
         _check_id(image_id, where)

@@ -6,14 +6,19 @@ Every id listed in ``ImageSets/Main`` or ``ImageSets/Segmentation`` is stored on
 module only orchestrates: it assigns class ids in dataset order, writes each record
 (``PackWriter``, or ``parallel.SpillPool`` with ``workers > 1``), then the dataset-level arrays
 and the metadata described in ``schema``. Records are written in one fixed order, so the
-output is byte-identical for any number of pack processes. This module never imports torch.
+output is byte-identical for any number of pack processes (given the same pack id, file-name
+token and time in its history: ``utc_now``). This module never imports torch.
 """
+
+# More than 400 lines: pack_voc and the pieces append_voc reuses (books, records, dataset
+# arrays, the report), kept together so that a pack and an append write records alike.
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import functools
+import itertools
 import json
 import os
 import time
@@ -35,7 +40,24 @@ from .images import ImageOptions
 from .layout import base_dir, find_voc_root, image_set_files, read_image_sets
 from .source import Job, LoadedSample, load, plan
 
-__all__ = ["pack_voc", "PackResult", "SkippedSample", "ImageStorage"]
+__all__ = [
+    "pack_voc",
+    "PackResult",
+    "SkippedSample",
+    "ImageStorage",
+    "Books",
+    "REPORT_SUFFIX",
+    "history_entry",
+    "utc_now",
+    "progress_bar",
+    "rate",
+    "size_on_disk",
+    "write_records",
+    "write_dataset_arrays",
+    "write_report",
+    "check_report_path",
+    "load_spilled",
+]
 
 ImageStorage = Literal["original", "raw"]
 #: The skipped-samples report is ``OUTPUT`` + this, beside the output.
@@ -65,6 +87,14 @@ class PackResult:
     report: Path | None = None
     year: str = ""
     voc_root: Path | None = None
+    #: what the write did: records added (an append: new ids and new versions of changed
+    #: ones), ids whose old record was replaced, ids retired (no longer listed), notes
+    #: (``append_voc``), and the bytes of the files it wrote
+    added: int = 0
+    replaced: list[str] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    bytes_written: int = 0
 
     @property
     def samples_per_second(self) -> float:
@@ -72,14 +102,23 @@ class PackResult:
 
 
 @dataclass
-class _Books:
-    """What the writing process records about the samples it wrote, in order."""
+class Books:
+    """What the writing process records about the records it wrote, in record order (an
+    append starts from the books of the pack it grows)."""
 
     classes: dict[str, int] = field(default_factory=dict)  # name -> class id, first seen first
-    record_of: dict[str, int] = field(default_factory=dict)  # id -> record number
-    record_classes: list[list[int]] = field(default_factory=list)  # class ids per record
+    record_of: dict[str, int] = field(default_factory=dict)  # live id -> record number
+    ids: list[str] = field(default_factory=list)  # every record's id
+    #: class ids of the first records, those an append copied (flat, and per record how many)
+    base_classes: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    base_counts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    record_classes: list[list[int]] = field(default_factory=list)  # class ids per later record
     skipped: list[SkippedSample] = field(default_factory=list)
     source_bytes: int = 0
+    #: per record: size and mtime_ns of each ``schema.SOURCE_FILES`` file when read, flat
+    stats: list[tuple[int, ...]] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)  # per record, when images are transformed
+    retired: list[int] = field(default_factory=list)  # records no longer live (shard folders)
 
 
 def pack_voc(
@@ -114,7 +153,8 @@ def pack_voc(
     FIFO or a link to a device in the source tree is refused, not waited on or read forever.
     ``workers > 1`` reads, parses and writes samples in that many spawned processes (scratch
     files beside the output, removed at the end); the output is byte-identical to one
-    process. ``progress`` shows a progress bar.
+    process (but for the random pack id and file names, and the time in its history).
+    ``progress`` shows a progress bar.
     """
     if image_storage not in ("original", "raw"):
         raise ValueError(f"image_storage must be 'original' or 'raw', got {image_storage!r}")
@@ -133,15 +173,15 @@ def pack_voc(
     jobs = plan(voc_root, image_sets, options, max_file_bytes)
     output = Path(output)
     report = output.with_name(output.name + REPORT_SUFFIX)
-    _check_report_path(report)  # before any work: never overwrite someone's file with it
+    check_report_path(report)  # before any work: never overwrite someone's file with it
     skip = on_error == "skip"
     pool = (
-        SpillPool(functools.partial(_load_spilled, skip=skip), jobs, schema.FIELDS, workers)
+        SpillPool(functools.partial(load_spilled, skip=skip), jobs, schema.FIELDS, workers)
         if pays_off(len(jobs), workers)
         else None
     )
     with contextlib.ExitStack() as outer:
-        bar = outer.enter_context(_progress_bar(len(jobs), output.name, progress))
+        bar = outer.enter_context(progress_bar(len(jobs), output.name, progress))
         with contextlib.ExitStack() as stack:
             writer = stack.enter_context(
                 PackWriter(
@@ -155,13 +195,13 @@ def pack_voc(
             )
             if pool is not None:  # on an error, stop the processes before the output is removed
                 stack.callback(pool.close)
-            books = _write_records(writer, jobs, pool, skip, bar, started)
-            splits, class_counts = _write_dataset_arrays(
+            books = write_records(writer, jobs, pool, skip, bar, started)
+            splits, class_counts = write_dataset_arrays(
                 writer, books, image_sets, voc_root, max_file_bytes
             )
             metadata = {
                 "schema": schema.SCHEMA,
-                "schema_version": schema.SCHEMA_VERSION,
+                "schema_version": schema.BASE_SCHEMA_VERSION,
                 "year": year,
                 "base_dir": base_dir(year),
                 "voc_folder": voc_root.name,
@@ -180,48 +220,82 @@ def pack_voc(
                 "source_bytes": books.source_bytes,
                 "skipped": [{"id": s.id, "reason": s.reason} for s in books.skipped],
                 "packed_by": f"torch_serialized {__version__}",
+                "source_stats": schema.SOURCE_STATS_VERSION,
+                "history": [history_entry("pack", len(books.record_of), len(books.record_of))],
             }
             path = writer.close(metadata)
 
-        if books.skipped:
-            text = json.dumps(metadata["skipped"], indent=1, ensure_ascii=False) + "\n"
-            replace_file(report, text.encode("utf-8"))
-        elif os.path.lexists(report):  # an earlier pack's report: these samples are all in now
-            report.unlink()
+        write_report(report, books.skipped)
+        num_bytes = size_on_disk(path)
         result = PackResult(
             path=path,
             num_samples=len(books.record_of),
-            num_bytes=_size_on_disk(path),
+            num_bytes=num_bytes,
             source_bytes=books.source_bytes,
             seconds=time.perf_counter() - started,
             skipped=books.skipped,
             report=report if books.skipped else None,
             year=year,
             voc_root=voc_root,
+            added=len(books.record_of),
+            bytes_written=num_bytes,
         )
         # The bar's last figure is the summary's: all bytes on disk over the whole time.
-        bar.set_postfix_str(_rate(result.num_bytes, result.seconds), refresh=False)
+        bar.set_postfix_str(rate(result.num_bytes, result.seconds), refresh=False)
     return result
 
 
-def _progress_bar(total: int, name: str, progress: bool) -> Any:
+def utc_now() -> str:
+    """The time a history entry records: UTC, to the second (tests that compare the bytes of
+    two packs pin it, as they pin the pack id and the file-name token)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def history_entry(
+    action: str, records: int, added: int, replaced: int = 0, retired: int = 0
+) -> dict[str, Any]:
+    """One line of a pack's history (metadata ``history``): what a pack or append did, when
+    (``utc_now``), and which version did it."""
+    return {
+        "action": action,
+        "at": utc_now(),
+        "records": records,
+        "added": added,
+        "replaced": replaced,
+        "retired": retired,
+        "by": f"torch_serialized {__version__}",
+    }
+
+
+def progress_bar(total: int, name: str, progress: bool, verb: str = "packing") -> Any:
     from tqdm.auto import tqdm  # here, not at the top: pack processes import this module
 
-    return tqdm(total=total, unit="img", disable=not progress, desc=f"packing {name}")
+    return tqdm(total=total, unit="img", disable=not progress, desc=f"{verb} {name}")
 
 
-def _rate(num_bytes: int, seconds: float) -> str:
+def rate(num_bytes: int, seconds: float) -> str:
     return f"{num_bytes / max(seconds, 1e-9) / 1e6:.0f} MB/s"
 
 
-def _size_on_disk(path: Path) -> int:
+def size_on_disk(path: Path) -> int:
     """Bytes of the output: the file, or every file of the shard folder (manifest included)."""
     if not path.is_dir():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def _check_report_path(report: Path) -> None:
+def write_report(report: Path, skipped: Sequence[SkippedSample]) -> None:
+    """Write the skipped-samples report, or remove an earlier one when nothing was skipped
+    (those samples are all in now)."""
+    if skipped:
+        entries = [{"id": s.id, "reason": s.reason} for s in skipped]
+        text = json.dumps(entries, indent=1, ensure_ascii=False) + "\n"
+        replace_file(report, text.encode("utf-8"))
+    elif os.path.lexists(report):
+        report.unlink()
+
+
+def check_report_path(report: Path) -> None:
     """Refuse to pack when ``report`` (``OUTPUT.skipped.json``) exists but is not a report of
     ours: writing or removing it would destroy someone's file."""
     if not os.path.lexists(report):
@@ -241,17 +315,19 @@ def _check_report_path(report: Path) -> None:
         )
 
 
-def _write_records(
+def write_records(
     writer: PackWriter,
     jobs: Sequence[Job],
     pool: SpillPool[Job] | None,
     skip: bool,
     bar: Any,
     started: float,
-) -> _Books:
-    """Write every job's record in job order, assigning class ids as names first appear;
-    ``bar`` (a tqdm bar) shows the progress and the write rate so far."""
-    books = _Books()
+    books: Books | None = None,
+) -> Books:
+    """Write every job's record in job order, assigning class ids as names first appear
+    (after those ``books`` already holds); ``bar`` (a tqdm bar) shows the progress and the
+    write rate so far."""
+    books = books if books is not None else Books()
     last = time.perf_counter()
     items: Iterable[LoadedSample | Spilled | SkippedSample] = (
         pool.items(writer) if pool is not None else (_load_or_skip(job, skip) for job in jobs)
@@ -277,29 +353,48 @@ def _write_records(
             payloads = list(loaded.payloads)
             payloads[schema.OBJECTS] = objects
             books.record_of[loaded.id] = writer.add(payloads, row)
+        books.ids.append(loaded.id)
         books.record_classes.append(class_ids)
         books.source_bytes += loaded.source_bytes
+        books.stats.append(loaded.stats)
+        books.digests.append(loaded.digest)
         now = time.perf_counter()
         if not bar.disable and (now - last > 0.5 or bar.n == 1):
-            bar.set_postfix_str(_rate(writer.bytes_written, now - started))
+            bar.set_postfix_str(rate(writer.bytes_written, now - started))
             last = now
     return books
 
 
-def _write_dataset_arrays(
+def write_dataset_arrays(
     writer: PackWriter,
-    books: _Books,
+    books: Books,
     image_sets: Mapping[str, Mapping[str, Sequence[str]]],
     voc_root: Path,
     max_file_bytes: int,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """Ids, one record list per image set and the raw list files; return the image set
-    sizes and class counts for the metadata."""
-    blob, offsets = schema.encode_ids(list(books.record_of))
+    """Ids, the source statistics, the retired records, one record list per image set and
+    the raw list files; return the image set sizes and class counts for the metadata."""
+    blob, offsets = schema.encode_ids(books.ids)
     writer.add_array("ids", blob)
     writer.add_array("id_offsets", offsets)
+    stats = np.array(books.stats, dtype="<i8").reshape(len(books.ids), len(schema.SOURCE_FILES), 2)
+    writer.add_array(schema.SIZE_ARRAY, np.ascontiguousarray(stats[:, :, 0]))
+    writer.add_array(schema.MTIME_ARRAY, np.ascontiguousarray(stats[:, :, 1]))
+    if any(books.digests):
+        known = b"".join(d or bytes(32) for d in books.digests)  # zeros: not known
+        digests = np.frombuffer(known, dtype=np.uint8)
+        writer.add_array(schema.DIGEST_ARRAY, digests.reshape(len(books.ids), 32))
+    if books.retired:
+        writer.add_array(schema.RETIRED_ARRAY, np.array(sorted(books.retired), dtype="<i8"))
     splits: dict[str, dict[str, int]] = {}
     class_counts: dict[str, dict[str, int]] = {}
+    # every object's class and record, so an image set's class counts are two bincounts
+    per_record = np.concatenate(
+        [books.base_counts, np.array([len(c) for c in books.record_classes], dtype=np.int64)]
+    )
+    later = itertools.chain.from_iterable(books.record_classes)
+    classes = np.concatenate([books.base_classes, np.fromiter(later, dtype=np.int64)])
+    owner = np.repeat(np.arange(len(per_record)), per_record)
     for task, sets in image_sets.items():
         for name, listed in sets.items():
             records = np.array(
@@ -307,10 +402,8 @@ def _write_dataset_arrays(
             )
             writer.add_array(schema.split_array_name(task, name), records)
             splits.setdefault(task, {})[name] = len(records)
-            listed_classes = [c for r in records for c in books.record_classes[r]]
-            counts = np.bincount(
-                np.array(listed_classes, dtype=np.int64), minlength=len(books.classes)
-            )
+            times = np.bincount(records, minlength=len(per_record))[owner]  # duplicates count
+            counts = np.bincount(classes, weights=times, minlength=len(books.classes))
             class_counts[f"{task}/{name}"] = {
                 n: int(counts[c]) for n, c in books.classes.items() if counts[c]
             }
@@ -328,7 +421,7 @@ def _load_or_skip(job: Job, skip: bool) -> LoadedSample | SkippedSample:
         return SkippedSample(job.id, str(exc))
 
 
-def _load_spilled(job: Job, skip: bool) -> Record | SkippedSample:
+def load_spilled(job: Job, skip: bool) -> Record | SkippedSample:
     """A job's record for a pack process (``parallel.spill_chunk``): objects are left as
     zero bytes, since their class ids are only known in the writing process, which sees the
     samples in dataset order."""

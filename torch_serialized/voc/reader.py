@@ -63,6 +63,20 @@ class VOCPackReader:
     def __len__(self) -> int:
         return len(self.reader)
 
+    @property
+    def retired(self) -> np.ndarray:
+        """Record numbers retired by an append (replaced or dropped; ascending), usually none:
+        their bytes stay in their shard until the next full pack, but no reader shows them."""
+        array = self.reader.arrays().get(schema.RETIRED_ARRAY)
+        return array if array is not None else np.empty(0, dtype="<i8")
+
+    @property
+    def live(self) -> np.ndarray:
+        """The record numbers a reader shows, in storage order: every record not retired."""
+        everything = np.arange(len(self), dtype=np.int64)
+        retired = self.retired
+        return np.delete(everything, retired) if len(retired) else everything
+
     def image_sets(self, task: str) -> list[str]:
         """Names of the image sets stored for ``task`` ("Main" or "Segmentation")."""
         return list(self.meta["splits"].get(task, {}))
@@ -176,6 +190,24 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
     for key, kind in (("options", dict), ("skipped", list)):
         if not isinstance(meta.get(key, kind()), kind):
             raise _bad(path, key, f"a JSON {kind.__name__}", meta.get(key))
+    stats = meta.get("source_stats")
+    if stats is not None and stats != schema.SOURCE_STATS_VERSION:
+        raise _bad(path, "source_stats", f"null or {schema.SOURCE_STATS_VERSION}", stats)
+    base = meta.get("label_base")
+    if base is not None and not (
+        isinstance(base, dict)
+        and set(base) == {"default", "packed"}
+        and all(
+            isinstance(v, list) and all(isinstance(c, str) for c in v) and len(set(v)) == len(v)
+            for v in base.values()
+        )
+    ):
+        raise _bad(path, "label_base", "'default' and 'packed' lists of class names", base)
+    history = meta.get("history", [])
+    if not isinstance(history, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("action"), str) for e in history
+    ):
+        raise _bad(path, "history", "a list of objects with an 'action'", history)
 
 
 def check_arrays(
@@ -222,6 +254,43 @@ def check_arrays(
     for name, array in arrays.items():
         if name.startswith("file/") and (array.dtype != np.uint8 or array.ndim != 1):
             raise _bad(path, name, "a 1-D uint8 array", _shape(array))
+    _check_append_arrays(arrays, meta, num_records, path)
+
+
+def _check_append_arrays(
+    arrays: Mapping[str, np.ndarray], meta: dict[str, Any], num_records: int, path: str
+) -> None:
+    """The source statistics and the retired records (see ``schema``): shapes, ranges, and no
+    image set naming a retired record."""
+    files = len(schema.SOURCE_FILES)
+    wanted = {schema.SIZE_ARRAY, schema.MTIME_ARRAY} if meta.get("source_stats") else set()
+    for name in (schema.SIZE_ARRAY, schema.MTIME_ARRAY):
+        array = arrays.get(name)
+        if (array is None) != (name not in wanted) or (
+            array is not None
+            and (array.dtype != np.dtype("<i8") or array.shape != (num_records, files))
+        ):
+            raise _bad(path, name, f"{num_records}x{files} int64 with source_stats", _shape(array))
+    digests = arrays.get(schema.DIGEST_ARRAY)
+    if digests is not None and (digests.dtype != np.uint8 or digests.shape != (num_records, 32)):
+        raise _bad(path, schema.DIGEST_ARRAY, f"{num_records}x32 uint8", _shape(digests))
+    retired = arrays.get(schema.RETIRED_ARRAY)
+    if retired is None:
+        return
+    if meta.get("schema_version", 1) < schema.RETIRED_SCHEMA_VERSION:
+        raise _bad(path, "schema_version", "2 with retired records", meta.get("schema_version"))
+    if (
+        retired.dtype != np.dtype("<i8")
+        or retired.ndim != 1
+        or (len(retired) and (int(retired[0]) < 0 or int(retired[-1]) >= num_records))
+        or bool((retired[1:] <= retired[:-1]).any())
+    ):
+        raise _bad(path, "retired", f"ascending record numbers below {num_records}", "others")
+    for task, sets in meta["splits"].items():
+        for name in sets:
+            records = arrays[schema.split_array_name(task, name)]
+            if np.isin(records, retired).any():
+                raise _bad(path, f"split/{task}/{name}", "live records only", "a retired one")
 
 
 def _shape(array: np.ndarray | None) -> str:

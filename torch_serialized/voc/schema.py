@@ -14,6 +14,23 @@ samples with these byte fields:
 The per-record ``records`` array has dtype ``COLUMNS``. Dataset-level arrays: ``ids`` (UTF-8
 bytes of all ids concatenated) with ``id_offsets`` (N + 1 offsets), and ``split/TASK/NAME``
 (record numbers of image set NAME of task Main or Segmentation, in list-file order).
+
+Source statistics (``SOURCE_STATS_VERSION``, metadata key ``source_stats``; absent in packs
+written before it): what ``append_voc`` compares to tell a changed source file without
+reading it, like rsync's quick check. ``source/size`` and ``source/mtime_ns`` (int64, shape
+``[N, 4]``, columns in ``SOURCE_FILES`` order) hold each source file's size and modification
+time in nanoseconds when it was read (``ABSENT`` size: the file was not there or not read).
+The stored ``annotation``, ``mask`` and ``object_mask`` fields are the files' own bytes, and so
+is ``image`` when stored as is; when images are stored transformed (``image_storage="raw"`` or
+``max_size``), ``source/sha256`` (uint8, ``[N, 32]``) holds each source image's SHA-256, so a
+content comparison needs no re-encoding (a row of zeros: not known, the record came from a
+pack written before).
+
+Retired records (schema version 2, only in shard folders): a record replaced or dropped by an
+append stays in its shard (shards are never rewritten) and is listed in the dataset-level
+array ``retired`` (int64 record numbers, ascending). No image set refers to it; readers that
+walk every record skip it (``VOCPackReader.live``). A pack without retired records is written
+as schema version 1, which older readers read.
 """
 
 from __future__ import annotations
@@ -40,10 +57,33 @@ __all__ = [
     "encode_objects",
     "encode_ids",
     "decode_id",
+    "decode_ids",
+    "SOURCE_STATS_VERSION",
+    "SOURCE_FILES",
+    "ABSENT",
+    "SIZE_ARRAY",
+    "MTIME_ARRAY",
+    "DIGEST_ARRAY",
+    "RETIRED_ARRAY",
+    "RETIRED_SCHEMA_VERSION",
+    "BASE_SCHEMA_VERSION",
 ]
 
 SCHEMA = "voc"
-SCHEMA_VERSION = 1
+#: The newest schema version read; written only when a pack has retired records.
+SCHEMA_VERSION = 2
+#: Packs without retired records are written as version 1 (what torch_serialized 0.1.0 reads).
+BASE_SCHEMA_VERSION = 1
+RETIRED_SCHEMA_VERSION = 2
+
+SOURCE_STATS_VERSION = 1
+#: The source files of a record whose statistics are kept, in ``source/*`` column order.
+SOURCE_FILES = ("image", "annotation", "mask", "object_mask")
+ABSENT = -1
+SIZE_ARRAY = "source/size"
+MTIME_ARRAY = "source/mtime_ns"
+DIGEST_ARRAY = "source/sha256"
+RETIRED_ARRAY = "retired"
 
 FIELDS = ("image", "annotation", "mask", "object_mask", "target", "objects")
 IMAGE, ANNOTATION, MASK, OBJECT_MASK, TARGET, OBJECTS = range(len(FIELDS))
@@ -117,3 +157,12 @@ def encode_ids(ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 def decode_id(blob: np.ndarray, offsets: np.ndarray, i: int) -> str:
     """Id of record ``i`` from the arrays made by ``encode_ids``."""
     return blob[int(offsets[i]) : int(offsets[i + 1])].tobytes().decode("utf-8")
+
+
+def decode_ids(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
+    """Every id from the arrays made by ``encode_ids``, at once (ASCII ids in one decode)."""
+    ends = offsets.tolist()
+    if len(blob) and int(blob.max()) >= 0x80:
+        return [decode_id(blob, offsets, i) for i in range(len(ends) - 1)]
+    text = blob.tobytes().decode("ascii")
+    return [text[a:b] for a, b in zip(ends[:-1], ends[1:])]

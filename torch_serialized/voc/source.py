@@ -9,6 +9,7 @@ load them too. This module never imports torch.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceDataError, SourceNotFoundError
-from ..safeio import DEFAULT_MAX_FILE_BYTES, FileKindError, FileSizeError, read_regular_file
+from ..safeio import DEFAULT_MAX_FILE_BYTES, FileKindError, FileSizeError, read_regular_file_stat
 from . import schema
 from .images import (
     SKIP_HINT,
@@ -29,7 +30,7 @@ from .images import (
 from .layout import TASKS
 from .xml import VOCObjects, extract_objects, parse_annotation
 
-__all__ = ["Job", "LoadedSample", "plan", "load"]
+__all__ = ["Job", "LoadedSample", "plan", "load", "source_paths", "reads", "stores_digest"]
 
 #: Per-id files that may be absent, by folder: the extension after the id.
 _OPTIONAL_FILES = {"Annotations": ".xml", "SegmentationClass": ".png", "SegmentationObject": ".png"}
@@ -66,6 +67,11 @@ class LoadedSample:
     names: list[str]
     objects: VOCObjects | None
     source_bytes: int
+    #: size and mtime_ns of each of ``schema.SOURCE_FILES`` in turn (8 integers) when read,
+    #: ``ABSENT, 0`` for a file not read
+    stats: tuple[int, ...] = ()
+    #: SHA-256 of the source image when the stored image is not its bytes, else empty
+    digest: bytes = b""
 
 
 def plan(
@@ -81,26 +87,40 @@ def plan(
         sets = image_sets.get(task, {})
         for name in sorted(sets, key=lambda n: (_LAYOUT_ORDER.get(n, 4), n)):
             for line, image_id in enumerate(sets[name], start=1):
-                first.setdefault(image_id, f"ImageSets/{task}/{name}.txt line {line}")
-                needs.setdefault(image_id, set()).add(task)
-    listings = {folder: _listing(voc_root / folder) for folder in _OPTIONAL_FILES}
-    return [
-        Job(
-            str(voc_root),
-            image_id,
-            listed_in,
-            "Main" in needs[image_id],
-            "Segmentation" in needs[image_id],
-            options,
-            frozenset(
-                folder
-                for folder, extension in _OPTIONAL_FILES.items()
-                if (image_id + extension).casefold() in listings[folder]
-            ),
-            max_file_bytes,
-        )
-        for image_id, listed_in in first.items()
+                if image_id not in first:  # the message is made once per id, not per line
+                    first[image_id] = f"ImageSets/{task}/{name}.txt line {line}"
+                    needs[image_id] = set()
+                needs[image_id].add(task)
+    # per folder, the case-folded stems of its files with the id's extension (casefold maps
+    # character by character, so the stem of a folded name is the folded id)
+    stems = [
+        {n[: -len(ext)] for n in _listing(voc_root / folder) if n.endswith(ext)}
+        for folder, ext in _OPTIONAL_FILES.items()
     ]
+    kinds: dict[tuple[bool, ...], frozenset[str]] = {}  # a few distinct sets, shared by all jobs
+    folders = tuple(_OPTIONAL_FILES)
+    root = str(voc_root)
+    jobs = []
+    for image_id, listed_in in first.items():
+        folded = image_id.casefold()
+        key = (folded in stems[0], folded in stems[1], folded in stems[2])
+        found = kinds.get(key)
+        if found is None:
+            found = kinds[key] = frozenset(f for f, has in zip(folders, key) if has)
+        tasks = needs[image_id]
+        jobs.append(
+            Job(
+                root,
+                image_id,
+                listed_in,
+                "Main" in tasks,
+                "Segmentation" in tasks,
+                options,
+                found,
+                max_file_bytes,
+            )
+        )
+    return jobs
 
 
 def _listing(folder: Path) -> frozenset[str]:
@@ -112,22 +132,49 @@ def _listing(folder: Path) -> frozenset[str]:
         return frozenset()
 
 
+def stores_digest(options: ImageOptions) -> bool:
+    """Whether images stored with ``options`` may differ from their files' bytes, so a pack
+    keeps each source image's SHA-256 (``schema.DIGEST_ARRAY``) to compare content."""
+    return options.image_storage != "original" or options.max_size is not None
+
+
+def source_paths(job: Job) -> tuple[str, str, str, str]:
+    """The paths of ``job``'s image, annotation, mask and object mask (``SOURCE_FILES``)."""
+    voc, name = job.voc_root, job.id  # plain strings, not pathlib: see benchmarks/README.md
+    return (
+        f"{voc}{os.sep}JPEGImages{os.sep}{name}.jpg",
+        f"{voc}{os.sep}Annotations{os.sep}{name}.xml",
+        f"{voc}{os.sep}SegmentationClass{os.sep}{name}.png",
+        f"{voc}{os.sep}SegmentationObject{os.sep}{name}.png",
+    )
+
+
+def reads(job: Job) -> tuple[bool, bool, bool, bool]:
+    """Which of ``source_paths(job)`` ``load`` opens (the image always; the others when the
+    id's lists need them or their folder lists a file of the id)."""
+    listed = job.listed_in_folders
+    return (
+        True,
+        job.needs_annotation or "Annotations" in listed,
+        job.needs_mask or "SegmentationClass" in listed,
+        "SegmentationObject" in listed,
+    )
+
+
 def load(job: Job) -> LoadedSample:
     """Read and parse everything about one id; ``SourceDataError`` names what is wrong."""
-    voc, name = job.voc_root, job.id  # plain strings, not pathlib: see benchmarks/README.md
-    image_path = os.path.join(voc, "JPEGImages", name + ".jpg")
-    xml_path = os.path.join(voc, "Annotations", name + ".xml")
-    mask_path = os.path.join(voc, "SegmentationClass", name + ".png")
-    image = _read(image_path, job, "the image")
+    name = job.id
+    image_path, xml_path, mask_path, object_path = source_paths(job)
+    stats = [(schema.ABSENT, 0)] * len(schema.SOURCE_FILES)
+    image = _read(image_path, job, "the image", stats, 0)
     annotation = mask = object_mask = None
-    listed = job.listed_in_folders
-    if job.needs_annotation or "Annotations" in listed:
-        annotation = _read_optional(xml_path, job.needs_annotation, job, "the annotation")
-    if job.needs_mask or "SegmentationClass" in listed:
-        mask = _read_optional(mask_path, job.needs_mask, job, "the mask")
-    if "SegmentationObject" in listed:
-        path = os.path.join(voc, "SegmentationObject", name + ".png")
-        object_mask = _read_optional(path, False, job, "the object mask")
+    _, wants_xml, wants_mask, wants_object = reads(job)
+    if wants_xml:
+        annotation = _read_optional(xml_path, job.needs_annotation, job, "the annotation", stats, 1)
+    if wants_mask:
+        mask = _read_optional(mask_path, job.needs_mask, job, "the mask", stats, 2)
+    if wants_object:
+        object_mask = _read_optional(object_path, False, job, "the object mask", stats, 3)
     source_bytes = sum(len(b) for b in (image, annotation, mask, object_mask) if b)
 
     target_json = b""
@@ -145,7 +192,7 @@ def load(job: Job) -> LoadedSample:
         check_mask(mask, mask_path, job.options)
     if object_mask is not None:
         flags |= schema.HAS_OBJECT_MASK
-        check_mask(object_mask, os.path.join(voc, "SegmentationObject", name + ".png"), job.options)
+        check_mask(object_mask, object_path, job.options)
 
     stored, width, height, scale = store_image(image, image_path, job.options)
     if scale is not None and objects is not None and target is not None:
@@ -154,22 +201,39 @@ def load(job: Job) -> LoadedSample:
     if target is not None:
         target_json = schema.encode_target(target)
     payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
-    return LoadedSample(job.id, payloads, width, height, flags, names, objects, source_bytes)
+    digest = hashlib.sha256(image).digest() if stores_digest(job.options) else b""
+    return LoadedSample(
+        name,
+        payloads,
+        width,
+        height,
+        flags,
+        names,
+        objects,
+        source_bytes,
+        tuple(x for pair in stats for x in pair),
+        digest,
+    )
 
 
-def _read(path: str, job: Job, what: str) -> bytes:
+def _read(path: str, job: Job, what: str, stats: list[tuple[int, int]], k: int) -> bytes:
     """A required file's bytes."""
-    data = _read_optional(path, True, job, what)
+    data = _read_optional(path, True, job, what, stats, k)
     if data is None:  # _read_optional raises for a missing required file
         raise SourceNotFoundError(f"{path}: {what} of id {job.id!r} is missing")
     return data
 
 
-def _read_optional(path: str, required: bool, job: Job, what: str) -> bytes | None:
-    """A file's bytes, or ``None`` when it is absent and not ``required``. Only a regular
-    file of at most ``job.max_file_bytes`` is read (see ``safeio``)."""
+def _read_optional(
+    path: str, required: bool, job: Job, what: str, stats: list[tuple[int, int]], k: int
+) -> bytes | None:
+    """A file's bytes, or ``None`` when it is absent and not ``required``; its size and
+    modification time go to ``stats[k]``. Only a regular file of at most
+    ``job.max_file_bytes`` is read (see ``safeio``)."""
     try:
-        return read_regular_file(path, job.max_file_bytes, what or "the file")
+        data, st = read_regular_file_stat(path, job.max_file_bytes, what or "the file")
+        stats[k] = (st.st_size, st.st_mtime_ns)
+        return data
     except FileNotFoundError:
         if not required:
             return None

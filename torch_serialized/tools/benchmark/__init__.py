@@ -9,6 +9,8 @@ are interleaved within each repeat. Scenarios (``SCENARIOS``):
 
 - ``pack``: pack time with 1 and ``workers`` processes (outputs must be byte-identical) and
   size on disk against the source folder.
+- ``append``: ``append_voc`` of 1% new images to a one-file and a shard-folder pack, against
+  a full re-pack of the grown source and against packing the new images alone.
 - ``bytes``: warm random access without image decode: torchvision's open + read + ``ET.parse``
   + ``parse_voc_xml`` against ``decode="none"`` (dict target, and ``"tv_tensors"`` target).
 - ``decoded``: warm random access to PIL images, against ``VOCDetection`` and against a bare

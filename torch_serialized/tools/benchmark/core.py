@@ -12,6 +12,7 @@ import numpy as np
 #: Scenario names, in the order they run.
 SCENARIOS: tuple[str, ...] = (
     "pack",
+    "append",
     "bytes",
     "attributes",
     "decoded",

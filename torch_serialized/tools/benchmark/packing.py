@@ -186,8 +186,9 @@ def _import_seconds(module: str) -> float:
 
 def _sha256(path: Path) -> str:
     """A digest of what a pack holds, identical for packs of the same records whatever their
-    random pack id and file-name token (each container's bytes before its metadata, and the
-    metadata without its ``pack`` binding; the manifest only restates those)."""
+    random pack id, file-name token and packing time (each container's bytes before its
+    metadata, and the metadata without its ``pack`` binding and history times; the manifest
+    only restates those)."""
     from torch_serialized import format as fmt
 
     digest = hashlib.sha256()
@@ -198,6 +199,8 @@ def _sha256(path: Path) -> str:
         footer = fmt.unpack_footer(data[-fmt.FOOTER_SIZE :], str(part))
         meta = json.loads(data[footer["meta_offset"] : -fmt.FOOTER_SIZE])
         meta.pop("pack", None)
+        for entry in meta.get("user", {}).get("history", []):
+            entry.pop("at", None)  # when it was packed: the only byte a clock decides
         digest.update(os.path.basename(part).split("-")[0].encode())
         digest.update(data[: footer["meta_offset"]])
         digest.update(json.dumps(meta, sort_keys=True).encode())

@@ -18,6 +18,7 @@ from typing import Any
 from torch_serialized.voc.layout import find_voc_root
 
 from .access import scenario_bytes
+from .appending import scenario_append
 from .attributes import scenario_attributes
 from .cold import scenario_cold
 from .context import Bench
@@ -32,6 +33,7 @@ from .system import environment, files_under, read_all
 
 _RUNNERS: dict[str, Callable[[Bench], list[Row]]] = {
     "pack": scenario_pack,
+    "append": scenario_append,
     "bytes": scenario_bytes,
     "attributes": scenario_attributes,
     "decoded": scenario_decoded,

@@ -1,0 +1,867 @@
+"""append_voc: a grown source appended to a pack reads exactly as a full re-pack of it, and as
+torchvision reads the grown folder; unchanged shards stay byte-identical; changes are found by
+size and time (or content with checksum); failures leave the previous pack."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _reliability_helpers import PACK_FORMS, dead_pid, out_name, snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torchvision.datasets import VOCDetection, VOCSegmentation
+
+from torch_serialized import (
+    SerializedDataset,
+    SourceDataError,
+    VOCSerializedDataset,
+    VOCSerializedSegmentation,
+    append_voc,
+    export_voc,
+    open_pack,
+    pack_voc,
+)
+from torch_serialized.cli import main
+from torch_serialized.tools import make_synthetic_voc
+from torch_serialized.voc import schema
+from torch_serialized.voc.reader import VOCPackReader
+
+YEAR = "2007"
+TASKS = (
+    ("Main", VOCSerializedDataset, VOCDetection),
+    ("Segmentation", VOCSerializedSegmentation, VOCSegmentation),
+)
+
+
+# -- a source that grows -----------------------------------------------------------------------
+class Source:
+    """A synthetic devkit whose image set lists can be cut back (the pack's state) and restored
+    (the grown state): every file stays, the lists decide what a pack holds."""
+
+    def __init__(self, root: Path, num_images: int = 24, *, copy_of: Path | None = None) -> None:
+        if copy_of is not None:  # times kept: a copy is the same source to a quick check
+            self.root = Path(shutil.copytree(copy_of, root, symlinks=True))
+        else:
+            self.root = make_synthetic_voc(root, num_images, year=YEAR)
+        self.voc = self.root / "VOCdevkit" / f"VOC{YEAR}"
+        self.grown = {p: p.read_bytes() for p in sorted((self.voc / "ImageSets").rglob("*.txt"))}
+
+    def cut(self, keep: float = 0.75) -> None:
+        """Each list keeps its first lines only: the source as it was when packed."""
+        for path, data in self.grown.items():
+            ids = data.decode().split()
+            path.write_text("".join(f"{i}\n" for i in ids[: max(1, int(len(ids) * keep))]))
+
+    def grow(self) -> None:
+        for path, data in self.grown.items():
+            path.write_bytes(data)
+
+    def listed(self) -> list[str]:
+        return list(dict.fromkeys(i for d in self.grown.values() for i in d.decode().split()))
+
+    def file(self, folder: str, image_id: str) -> Path:
+        ext = ".jpg" if folder == "JPEGImages" else ".xml" if folder == "Annotations" else ".png"
+        return self.voc / folder / f"{image_id}{ext}"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 24-image synthetic devkit, generated once; each test grows its own copy."""
+    return make_synthetic_voc(tmp_path_factory.mktemp("append-src"), 24, year=YEAR)
+
+
+@pytest.fixture
+def source(tmp_path: Path, pristine: Path) -> Source:
+    return Source(tmp_path / "src", copy_of=pristine)
+
+
+def pack(source: Source, out: Path, form: str, **kwargs: Any) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    return pack_voc(source.root, out / out_name(form), year=YEAR, **PACK_FORMS[form], **kwargs).path
+
+
+def hashes(path: Path) -> dict[str, str]:
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def as_bytes(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.numpy().tobytes()
+    if hasattr(value, "tobytes"):
+        return (value.mode, value.size, value.tobytes())
+    return value
+
+
+def assert_same_as_repack(grown: Path, source: Source, tmp: Path, form: str) -> None:
+    """Every image set of every task reads sample for sample as a fresh pack of the source."""
+    fresh = pack(source, tmp / "fresh", form)
+    ours, theirs = VOCPackReader(grown), VOCPackReader(fresh)
+    for task, dataset, _ in TASKS:
+        assert ours.image_sets(task) == theirs.image_sets(task)
+        for image_set in theirs.image_sets(task):
+            a, b = (
+                dataset(grown, image_set, decode="none"),
+                dataset(fresh, image_set, decode="none"),
+            )
+            assert list(a.ids) == list(b.ids) and len(a) == len(b)
+            for i in range(len(b)):
+                (xa, ya), (xb, yb) = a[i], b[i]
+                assert as_bytes(xa) == as_bytes(xb), (task, image_set, i)
+                assert as_bytes(ya) == as_bytes(yb), (task, image_set, i)
+    assert ours.files() == theirs.files()
+    assert ours.meta["splits"] == theirs.meta["splits"]
+    assert len(SerializedDataset(grown)) == len(SerializedDataset(fresh))
+    assert sorted(
+        SerializedDataset(grown)[i]["id"] for i in range(len(SerializedDataset(grown)))
+    ) == sorted(SerializedDataset(fresh)[i]["id"] for i in range(len(SerializedDataset(fresh))))
+
+
+def assert_same_as_torchvision(
+    grown: Path, source: Source, *, decode_set: str | None = "train"
+) -> None:
+    """torchvision on the grown folder: the same files and parsed targets, index for index;
+    ``decode_set`` also compared decoded, image by image."""
+    for task, dataset, tv_class in TASKS:
+        for image_set in VOCPackReader(grown).image_sets(task):
+            tv = tv_class(str(source.root), year=YEAR, image_set=image_set)
+            ours = dataset(grown, image_set, decode="none")
+            assert len(ours) == len(tv)
+            for i in range(len(tv)):
+                image, target = ours[i]
+                assert as_bytes(image) == Path(tv.images[i]).read_bytes()
+                if task == "Main":
+                    parsed = tv.parse_voc_xml(ET.parse(tv.annotations[i]).getroot())
+                    assert target == parsed
+            if task == "Main" and image_set == decode_set:
+                decoded = dataset(grown, image_set)
+                for i in range(len(tv)):
+                    (xa, ya), (xb, yb) = decoded[i], tv[i]
+                    assert as_bytes(xa) == as_bytes(xb) and ya == yb
+
+
+# -- growing -------------------------------------------------------------------------------------
+#: pack processes: 2 spawns a pool (seconds of start-up), so those cases run with the slow tests
+WORKERS = [1, pytest.param(2, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_append_new_ids_reads_as_a_full_repack_and_as_torchvision(tmp_path, source, form, workers):
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    before = hashes(path)
+    packed = len(VOCPackReader(path))
+    source.grow()
+
+    result = append_voc(source.root, path, workers=workers)
+
+    assert result.added == len(source.listed()) - packed > 0
+    assert result.replaced == [] and result.retired == []
+    assert result.num_samples == len(source.listed())
+    assert_same_as_repack(path, source, tmp_path, form)
+    assert_same_as_torchvision(path, source)
+    after = hashes(path)
+    if form == "shards":  # only new files: every existing shard byte-identical
+        manifest = open_pack(path).manifest
+        assert manifest is not None
+        old_shards = {n: h for n, h in before.items() if n.startswith("shard-")}
+        assert old_shards and all(after[n] == h for n, h in old_shards.items())
+        assert set(after) - set(before) == {
+            *(e.file for e in manifest.shards[len(old_shards) :]),
+            manifest.catalog.file,  # type: ignore[union-attr]
+        }
+        assert (
+            open_pack(path).manifest.pack_id
+            == json.loads(  # type: ignore[union-attr]
+                (path / "manifest.json").read_text()
+            )["pack_id"]
+        )
+    assert open_pack(path).verify() == []
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_append_with_nothing_new_writes_nothing(tmp_path, source, form):
+    path = pack(source, tmp_path / "pack", form)
+    before = snapshot(path)
+    result = append_voc(source.root, path)
+    assert (result.added, result.replaced, result.retired, result.bytes_written) == (0, [], [], 0)
+    assert "up to date" in result.notes[0]
+    assert snapshot(path) == before and result.num_samples == len(source.listed())
+    image = source.file("JPEGImages", source.listed()[0])  # touched: its new time is recorded
+    os.utime(image, ns=(image.stat().st_atime_ns, image.stat().st_mtime_ns + 10**9))
+    assert append_voc(source.root, path).notes == []
+    assert snapshot(path) != before
+    assert_same_as_repack(path, source, tmp_path, form)
+    assert "up to date" in append_voc(source.root, path).notes[0]
+
+
+def test_single_file_keeps_its_records_bytes_and_pack_id(tmp_path, source):
+    source.cut()
+    path = pack(source, tmp_path / "pack", "single")
+    old = open_pack(path)
+    old_records = [
+        [bytes(old.field(i, k)) for k in range(len(old.fields))] for i in range(len(old))
+    ]
+    pack_id = old.shard(0).meta["pack"]["pack_id"]
+    source.grow()
+    append_voc(source.root, path)
+    new = open_pack(path)
+    assert new.shard(0).meta["pack"]["pack_id"] == pack_id
+    assert [
+        [bytes(new.field(i, k)) for k in range(len(new.fields))] for i in range(len(old_records))
+    ] == old_records
+
+
+# -- changes -------------------------------------------------------------------------------------
+def edit_annotation(source: Source, image_id: str, new_class: str = "helmet") -> None:
+    path = source.file("Annotations", image_id)
+    root = ET.fromstring(path.read_bytes())
+    root.find("object/name").text = new_class  # type: ignore[union-attr]
+    path.write_bytes(ET.tostring(root))
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_a_changed_id_is_an_error_naming_it_and_nothing_is_written(tmp_path, source, form):
+    path = pack(source, tmp_path / "pack", form)
+    before = snapshot(path)
+    victim = source.listed()[3]
+    edit_annotation(source, victim)
+    with pytest.raises(
+        SourceDataError, match=rf"{victim}.*Annotations/{victim}\.xml changed"
+    ) as err:
+        append_voc(source.root, path)
+    assert "replace_changed=True" in str(err.value)
+    assert snapshot(path) == before
+    assert sorted(os.listdir(path.parent)) == [path.name]
+
+
+@pytest.mark.parametrize(
+    ("form", "workers"),
+    [("single", 1), ("shards", 1), pytest.param("shards", 2, marks=pytest.mark.slow)],
+)
+def test_replace_changed_stores_the_new_version_and_retires_the_old(
+    tmp_path, source, form, workers
+):
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    packed = VOCPackReader(path)
+    ids = [packed.id(r) for r in range(len(packed))]
+    changed = [ids[1], ids[5]]
+    edit_annotation(source, changed[0])
+    image = source.file("JPEGImages", changed[1])
+    image.write_bytes(source.file("JPEGImages", ids[0]).read_bytes())  # another image's bytes
+    source.grow()
+
+    result = append_voc(source.root, path, replace_changed=True, workers=workers)
+
+    assert sorted(result.replaced) == sorted(changed)
+    assert_same_as_repack(path, source, tmp_path, form)
+    assert_same_as_torchvision(path, source, decode_set=None)
+    grown = VOCPackReader(path)
+    if form == "shards":  # the old records stay in their shards, retired
+        assert sorted(grown.id(int(r)) for r in grown.retired) == sorted(changed)
+        assert grown.meta["schema_version"] == schema.RETIRED_SCHEMA_VERSION
+    else:  # a rewritten file leaves them out
+        assert len(grown.retired) == 0 and len(grown) == len(source.listed())
+    live_ids = [grown.id(int(r)) for r in grown.live]
+    assert sorted(live_ids) == sorted(source.listed())
+    # export rebuilds the source's devkit; verify and info agree
+    out = export_voc(path, tmp_path / "export")
+    for image_id in source.listed():
+        for folder in ("JPEGImages", "Annotations"):
+            rel = source.file(folder, image_id).relative_to(source.voc)
+            assert (out / rel).read_bytes() == (source.voc / rel).read_bytes()
+    assert open_pack(path).verify() == []
+    assert main(["verify", str(path)]) == 0
+
+
+def test_a_touched_file_is_not_a_change_and_its_time_is_recorded(tmp_path, source):
+    path = pack(source, tmp_path / "pack", "shards")
+    victim = source.listed()[2]
+    xml = source.file("Annotations", victim)
+    os.utime(xml, ns=(xml.stat().st_atime_ns, xml.stat().st_mtime_ns + 10**9))
+    result = append_voc(source.root, path)
+    assert (result.added, result.replaced) == (0, [])
+    pack_ = VOCPackReader(path)
+    record = [pack_.id(r) for r in range(len(pack_))].index(victim)
+    mtimes = pack_.reader.arrays()[schema.MTIME_ARRAY]
+    assert int(mtimes[record, 1]) == xml.stat().st_mtime_ns
+
+
+def test_quick_check_trusts_size_and_time_and_checksum_reads_the_content(tmp_path, source):
+    path = pack(source, tmp_path / "pack", "single")
+    victim = source.listed()[0]
+    xml = source.file("Annotations", victim)
+    data = xml.read_bytes()
+    st = xml.stat()
+    edited = data.replace(b"<difficult>0</difficult>", b"<difficult>1</difficult>", 1)
+    assert edited != data and len(edited) == len(data)
+    xml.write_bytes(edited)
+    os.utime(xml, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same time: as rsync, unseen
+    assert append_voc(source.root, path).replaced == []
+    with pytest.raises(SourceDataError, match=rf"{victim}.*changed content"):
+        append_voc(source.root, path, checksum=True)
+    result = append_voc(source.root, path, checksum=True, replace_changed=True)
+    assert result.replaced == [victim]
+    assert_same_as_repack(path, source, tmp_path, "single")
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_ids_that_left_the_lists_are_retired_and_export_rebuilds_the_source(tmp_path, source, form):
+    path = pack(source, tmp_path / "pack", form)
+    source.cut(0.5)
+    result = append_voc(source.root, path)
+    listed = list(dict.fromkeys(i for p in source.grown for i in p.read_text().split()))
+    assert sorted(result.retired) == sorted(set(source.listed()) - set(listed))
+    assert result.num_samples == len(listed)
+    assert len(SerializedDataset(path)) == len(listed)
+    out = export_voc(path, tmp_path / "export")
+    exported = sorted(p.stem for p in (out / "JPEGImages").iterdir())
+    assert exported == sorted(listed)
+    fresh = pack(source, tmp_path / "fresh", form)
+    assert VOCPackReader(path).files() == VOCPackReader(fresh).files()
+    info = json.loads(_run_cli(["info", "--json", str(path)]))
+    assert info["num_samples"] == len(listed)
+    assert info["retired"] == (len(result.retired) if form == "shards" else 0)
+
+
+def test_class_ids_and_labels_stay_and_new_classes_come_after(tmp_path, source):
+    from torch_serialized.voc.classes import VOC_CLASSES
+
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    before = VOCPackReader(path).classes
+    labels_before = {
+        rule: VOCSerializedDataset(
+            path, "trainval", target_format="tv_tensors", classes=rule
+        ).label_names
+        for rule in (None, "packed")
+    }
+    assert labels_before[None] == ["__background__", *VOC_CLASSES]  # all VOC classes
+    packed_ids = {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
+    new_ids = [i for i in source.listed() if i not in packed_ids]
+    edit_annotation(source, new_ids[0], "helmet")
+    source.grow()
+    append_voc(source.root, path)
+    after = VOCPackReader(path).classes
+    assert after[: len(before)] == before and after[len(before) :] == ["helmet"]
+    image_set = next(
+        s
+        for s in VOCPackReader(path).image_sets("Main")
+        if new_ids[0] in VOCSerializedDataset(path, s).ids
+    )
+    for rule in (None, "packed"):  # every existing label kept, the new class after them
+        ds = VOCSerializedDataset(path, image_set, target_format="tv_tensors", classes=rule)
+        assert ds.label_names == [*labels_before[rule], "helmet"]
+        index = list(ds.ids).index(new_ids[0])
+        assert ds.label_names[ds[index][1]["labels"].tolist()[0]] == "helmet"
+    # a later append adds after those, whatever the rule would say for a fresh pack
+    source.cut(0.5)
+    append_voc(source.root, path)
+    edit_annotation(source, new_ids[0], "cone")
+    source.grow()
+    append_voc(source.root, path)
+    ds = VOCSerializedDataset(path, image_set, target_format="tv_tensors", classes="packed")
+    assert ds.label_names == [*labels_before["packed"], "helmet", "cone"]
+
+
+def test_a_pack_without_source_statistics_is_compared_by_content(tmp_path):
+    data = Path(__file__).parent / "data" / "v1"
+    path = shutil.copyfile(data / "tiny.tser", tmp_path / "tiny.tser")
+    root = tmp_path / "devkit"
+    shutil.copytree(data / "devkit", root)
+    result = append_voc(root, path)
+    assert (result.added, result.replaced, result.retired) == (0, [], [])
+    assert result.notes and "compared by content" in result.notes[0]
+    meta = VOCPackReader(path).meta
+    assert meta["source_stats"] == schema.SOURCE_STATS_VERSION
+    assert [e["action"] for e in meta["history"]] == ["pack", "append"]
+    assert meta["history"][0]["at"] is None
+    again = append_voc(root, path)  # recorded now: a quick check, and nothing to write
+    assert len(again.notes) == 1 and "up to date" in again.notes[0]
+
+
+# -- failures ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_an_error_while_appending_leaves_the_previous_pack_and_nothing_else(
+    tmp_path, source, form, monkeypatch
+):
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    before = snapshot(path)
+    source.grow()
+    from torch_serialized.voc import pack as pack_module
+
+    calls = {"n": 0}
+    real = pack_module.load
+
+    def failing(job: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the new records
+        return real(job)
+
+    monkeypatch.setattr(pack_module, "load", failing)
+    with pytest.raises(KeyboardInterrupt):
+        append_voc(source.root, path, progress=False)
+    assert snapshot(path) == before
+    assert sorted(os.listdir(path.parent)) == [path.name]
+    monkeypatch.undo()
+    append_voc(source.root, path)
+    assert_same_as_repack(path, source, tmp_path, form)
+
+
+def test_files_of_an_interrupted_append_are_removed_by_the_next(tmp_path, source):
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    stray_shard = path / "shard-00009-deadbeef.tser"
+    stray_catalog = path / "catalog-deadbeef.tser"
+    pid = dead_pid()
+    stray_temp = path / f".manifest.json.tmp-{pid}-0badc0de"
+    for stray in (stray_shard, stray_catalog, stray_temp):
+        stray.write_bytes(b"left by a killed append")
+    source.grow()
+    append_voc(source.root, path)
+    names = set(os.listdir(path))
+    manifest = open_pack(path).manifest
+    assert manifest is not None
+    assert names == {
+        "manifest.json",
+        *manifest.files(),
+        VOCPackReader(path).meta["previous_catalog"],
+    }
+
+
+def test_catalogs_older_than_the_previous_one_are_removed(tmp_path, source):
+    source.cut(0.5)
+    path = pack(source, tmp_path / "pack", "shards")
+    catalogs = []
+    for keep in (0.75, 1.0):
+        catalogs.append(open_pack(path).manifest.catalog.file)  # type: ignore[union-attr]
+        source.cut(keep)
+        append_voc(source.root, path)
+    present = {n for n in os.listdir(path) if n.startswith("catalog-")}
+    assert present == {catalogs[-1], open_pack(path).manifest.catalog.file}  # type: ignore[union-attr]
+    # a full pack over it still replaces it: the kept catalog is one of ours
+    pack_voc(source.root, path, year=YEAR, max_samples_per_shard=5)
+
+
+def test_another_append_running_is_refused(tmp_path, source):
+    import fcntl
+
+    from torch_serialized import WriteError
+
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    source.grow()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(WriteError, match="another process"):
+            append_voc(source.root, path)
+    finally:
+        os.close(fd)
+
+
+def test_bad_arguments(tmp_path, source):
+    path = pack(source, tmp_path / "pack", "single")
+    with pytest.raises(ValueError, match="on_error"):
+        append_voc(source.root, path, on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="URL"):
+        append_voc(source.root, "https://example.invalid/pack")
+    with pytest.raises(ValueError, match="2012"):
+        append_voc(source.root, path, year="2012")
+
+
+# -- the command line -------------------------------------------------------------------------
+def _run_cli(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def test_cli_append_and_info_history(tmp_path, source, capsys):
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    source.grow()
+    edit_annotation(source, source.listed()[0])
+    assert main(["pack", str(source.root), str(path), "--append", "-q"]) == 2
+    assert "--replace-changed" in capsys.readouterr().err
+    text = _run_cli(["pack", str(source.root), str(path), "--append", "--replace-changed", "-q"])
+    assert "changed samples replaced" in text and "1 changed" in text
+    info = _run_cli(["info", str(path)])
+    assert "history" in info and "append" in info and "1 replaced" in info
+    history = json.loads(_run_cli(["info", "--json", str(path)]))["history"]
+    assert [e["action"] for e in history] == ["pack", "append"]
+    assert history[1]["replaced"] == 1 and history[1]["added"] > 0
+    assert main(["pack", str(source.root), str(path), "--append", "--shards", "2"]) == 2
+    assert "--shards cannot be combined with --append" in capsys.readouterr().err
+    assert main(["pack", str(source.root), str(tmp_path / "x.tser"), "--checksum"]) == 2
+    assert "--checksum only applies with --append" in capsys.readouterr().err
+    assert np.array_equal(VOCPackReader(path).retired, VOCPackReader(path).retired)
+
+
+# -- readers open while another process appends -------------------------------------------------
+def _append_in_another_process(source: Source, path: Path) -> None:
+    code = (
+        "import sys; from torch_serialized import append_voc; append_voc(sys.argv[1], sys.argv[2])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(source.root), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def _epoch(loader: Any) -> list[tuple[str, bytes]]:
+    return [(t["annotation"]["filename"], as_bytes(x)) for batch in loader for x, t in batch]
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_readers_open_during_an_append_in_another_process(tmp_path, source, form):
+    from torch.utils.data import DataLoader
+
+    from torch_serialized import FileChangedError, VOCSerializedIterableDataset
+
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    mapped = VOCSerializedDataset(path, "trainval", decode="none")
+    stream = VOCSerializedIterableDataset(path, "trainval", decode="none")
+    before = [(t["annotation"]["filename"], as_bytes(x)) for x, t in mapped]
+    streamed = [(t["annotation"]["filename"], as_bytes(x)) for x, t in stream]
+
+    def loader(dataset: Any, **kwargs: Any) -> Any:
+        return DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=list, **kwargs)
+
+    persistent = loader(mapped, persistent_workers=True)
+    persistent_stream = loader(stream, persistent_workers=True)
+    assert _epoch(persistent) == before  # workers started before the append
+    assert sorted(_epoch(persistent_stream)) == sorted(streamed)
+
+    source.grow()
+    _append_in_another_process(source, path)
+
+    assert [(t["annotation"]["filename"], as_bytes(x)) for x, t in mapped] == before
+    assert _epoch(persistent) == before
+    assert sorted(_epoch(persistent_stream)) == sorted(streamed)
+    if form == "shards":  # workers started after the append still read the pack they opened
+        assert _epoch(loader(mapped)) == before
+        assert sorted(_epoch(loader(stream))) == sorted(streamed)
+    else:  # the file was renamed over: an old reader in a new process is told to reopen
+        with pytest.raises(FileChangedError, match="create the dataset again"):
+            pickle.loads(pickle.dumps(mapped))[0]  # as a DataLoader worker receives it
+    grown = VOCSerializedDataset(path, "trainval", decode="none")
+    assert len(grown) > len(before)
+    assert_same_as_repack(path, source, tmp_path, form)
+
+
+# -- killed and starved appends (slow) ------------------------------------------------------------
+def _reads_as_before_or_as_grown(
+    path: Path, before: dict[str, bytes], source: Source, tmp: Path, form: str
+) -> str:
+    """What a killed append left: the previous pack byte for byte (a shard folder may also hold
+    files the killed append wrote and no manifest names: the next run removes them), or the
+    complete grown one."""
+    from torch_serialized import format as fmt
+    from torch_serialized.atomic import is_temporary
+
+    state = snapshot(path)
+    assert state is not None
+    if state.get("manifest.json", state.get("")) == before.get("manifest.json", before.get("")):
+        assert {name: state.get(name) for name in before} == before
+        assert all(fmt.is_member_name(n) or is_temporary(n) for n in set(state) - set(before))
+        return "previous"
+    assert_same_as_repack(path, source, tmp, form)  # a complete append, nothing in between
+    return "grown"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_append_killed_at_random_moments_keeps_the_previous_or_the_grown_pack(tmp_path, form):
+    import random
+    import signal
+    import time
+
+    from _append_helpers import run_child
+
+    source = Source(tmp_path / "src", 40)
+    rng = random.Random(f"kill-append-{form}")
+    delays = [0.02, *(rng.uniform(0.05, 1.2) for _ in range(4))]
+    outcomes = []
+    for run, delay in enumerate(delays):
+        source.cut(0.5)
+        path = pack(source, tmp_path / f"run{run}", form)
+        before = snapshot(path)
+        assert before is not None
+        source.grow()
+        proc = run_child("slow_append", str(source.root), str(path), "0.04")
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.stderr else ""
+            time.sleep(delay)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+        outcomes.append(
+            _reads_as_before_or_as_grown(path, before, source, tmp_path / f"r{run}", form)
+        )
+        append_voc(source.root, path)  # the next run cleans up after the killed one
+        assert sorted(os.listdir(path.parent)) == [path.name]
+        if form == "shards":
+            manifest = open_pack(path).manifest
+            assert manifest is not None
+            kept = VOCPackReader(path).meta.get("previous_catalog")
+            assert set(os.listdir(path)) == {"manifest.json", *manifest.files(), kept}
+        assert_same_as_repack(path, source, tmp_path / f"after{run}", form)
+    assert "previous" in outcomes, outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_disk_full_during_an_append_leaves_the_previous_pack(tmp_path, form):
+    from _append_helpers import run_child
+
+    source = Source(tmp_path / "src", 40)
+    source.cut(0.5)
+    path = pack(source, tmp_path / "pack", form)
+    source.grow()
+    size = sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+    runs = []
+    folder = tmp_path / "limited"
+    folder.mkdir()
+    proc = run_child("append_and_report", str(source.root), str(path), str(folder), str(256 << 10))
+    runs.append(("EFBIG", proc))
+    unshare = shutil.which("unshare")
+    if unshare is not None and os.geteuid() == 0:
+        small = tmp_path / "small"
+        small.mkdir()
+        script = (
+            f'mount -t tmpfs -o size={size + (300 << 10)} tmpfs "$1" || exit 77; shift; exec "$@"'
+        )
+        wrap = [
+            unshare,
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            str(small),
+        ]
+        runs.append(
+            (
+                "ENOSPC",
+                run_child(
+                    "append_and_report", str(source.root), str(path), str(small), "0", wrap=wrap
+                ),
+            )
+        )
+    checked = 0
+    for expected, proc in runs:
+        stdout, stderr = proc.communicate(timeout=200)
+        if proc.returncode == 77 or (
+            expected == "ENOSPC" and not stdout and "Traceback" not in stderr
+        ):
+            continue  # no private tmpfs here
+        assert proc.returncode == 0, stderr
+        report = json.loads(stdout)
+        assert report["error"] is not None, report
+        assert (
+            report["error"]["type"] == "WriteError"
+            and expected in __import__("errno").errorcode[report["error"]["errno"]]
+        ), report
+        assert report["unchanged"] and report["readable"] == len(VOCPackReader(path).live)
+        assert report["left"] == [path.name]
+        if form == "shards":
+            assert set(report["inside"]) == set(os.listdir(path))
+        checked += 1
+    assert checked >= 1
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_an_append_that_lost_a_race_writes_nothing(tmp_path, source, form, monkeypatch):
+    from torch_serialized import WriteError
+    from torch_serialized.voc import append as append_module
+
+    source.cut(0.5)
+    path = pack(source, tmp_path / "pack", form)
+    real = append_module.classify
+    raced = {"done": False}
+
+    def classify_then_race(*args: Any, **kwargs: Any) -> Any:
+        plan = real(*args, **kwargs)
+        if not raced["done"]:  # another process appends after this one opened the pack
+            raced["done"] = True
+            source.cut(0.75)
+            append_voc(source.root, path)
+            source.grow()
+        return plan
+
+    monkeypatch.setattr(append_module, "classify", classify_then_race)
+    source.grow()
+    with pytest.raises(WriteError, match="changed since it was opened"):
+        append_voc(source.root, path)
+    monkeypatch.undo()
+    source.cut(0.75)
+    assert_same_as_repack(path, source, tmp_path, form)  # the other append's pack, whole
+    source.grow()
+    append_voc(source.root, path)
+    assert_same_as_repack(path, source, tmp_path / "2", form)
+
+
+def test_a_single_file_being_appended_to_is_refused(tmp_path, source):
+    import fcntl
+
+    from torch_serialized import WriteError
+
+    source.cut()
+    path = pack(source, tmp_path / "pack", "single")
+    source.grow()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(WriteError, match="another process"):
+            append_voc(source.root, path)
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(path.parent)) == [path.name]
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_on_error_skip_leaves_bad_new_ids_out_and_reports_them(tmp_path, source, form):
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    source.grow()
+    packed = {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
+    bad = next(i for i in source.listed() if i not in packed)
+    source.file("JPEGImages", bad).write_bytes(b"not an image")
+    with pytest.raises(SourceDataError, match=bad):
+        append_voc(source.root, path)
+    result = append_voc(source.root, path, on_error="skip")
+    assert [s.id for s in result.skipped] == [bad]
+    assert result.report is not None and bad in result.report.read_text()
+    fresh = pack_voc(
+        source.root, tmp_path / out_name(form), year=YEAR, on_error="skip", **PACK_FORMS[form]
+    )
+    assert fresh.num_samples == result.num_samples
+    for image_set in VOCPackReader(fresh.path).image_sets("Main"):
+        assert list(VOCSerializedDataset(path, image_set).ids) == list(
+            VOCSerializedDataset(fresh.path, image_set).ids
+        )
+
+
+def test_a_pack_of_transformed_images_compares_source_digests(tmp_path, source):
+    path = pack(source, tmp_path / "pack", "shards", image_storage="raw", max_size=64)
+    assert schema.DIGEST_ARRAY in VOCPackReader(path).reader.arrays()
+    ids = source.listed()
+    image = source.file("JPEGImages", ids[0])
+    os.utime(image, ns=(image.stat().st_atime_ns, image.stat().st_mtime_ns + 10**9))
+    assert append_voc(source.root, path).replaced == []  # touched, same content
+    image.write_bytes(source.file("JPEGImages", ids[1]).read_bytes())
+    with pytest.raises(SourceDataError, match=rf"JPEGImages/{ids[0]}\.jpg changed"):
+        append_voc(source.root, path)
+    assert append_voc(source.root, path, replace_changed=True).replaced == [ids[0]]
+    fresh = pack(source, tmp_path / "fresh", "shards", image_storage="raw", max_size=64)
+    for image_set in VOCPackReader(fresh).image_sets("Main"):
+        a = VOCSerializedDataset(path, image_set, decode="none")
+        b = VOCSerializedDataset(fresh, image_set, decode="none")
+        assert [(as_bytes(x), y) for x, y in a] == [(as_bytes(x), y) for x, y in b]
+
+
+def test_a_shard_folder_of_manifest_version_1_is_not_grown(tmp_path):
+    from torch_serialized import WriteError
+
+    data = Path(__file__).parent / "data" / "v1"
+    path = Path(shutil.copytree(data / "tiny-shards", tmp_path / "tiny-shards"))
+    before = snapshot(path)
+    root = Path(shutil.copytree(data / "devkit", tmp_path / "devkit"))
+    with pytest.raises(WriteError, match="pack it again"):
+        append_voc(root, path)
+    assert snapshot(path) == before and sorted(os.listdir(tmp_path)) == ["devkit", "tiny-shards"]
+
+
+# -- any sequence of source changes ----------------------------------------------------------------
+_POOL = [f"{i:03d}" for i in range(8)]
+_NAMES = ("dog", "cat", "helmet")
+#: one step: each list's ids (duplicates allowed), and the ids whose annotation is rewritten
+_step = st.tuples(
+    st.lists(st.sampled_from(_POOL), min_size=1, max_size=8),
+    st.lists(st.sampled_from(_POOL), max_size=6),
+    st.lists(st.sampled_from(_POOL), max_size=2),
+)
+
+
+def _write_step(root: Path, step: tuple[list[str], list[str], list[str]], n: int) -> None:
+    from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
+
+    train, val, edited = step
+    samples = []
+    for i, image_id in enumerate(_POOL):
+        voc = root / "VOCdevkit" / f"VOC{YEAR}"
+        xml = voc / "Annotations" / f"{image_id}.xml"
+        if xml.exists() and image_id not in edited:
+            continue  # untouched: same bytes, same time
+        name = _NAMES[(i + n) % len(_NAMES)] if image_id in edited else _NAMES[i % 2]
+        samples.append(
+            Sample(
+                image_id,
+                jpeg(16 + i, 12, seed=i),
+                voc_xml(f"{image_id}.jpg", 16 + i, 12, [obj(name, (1, 1, 9, 7))]),
+            )
+        )
+    write_voc(root, YEAR, samples, {"Main": {"train": train, "val": val}})
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=st.lists(_step, min_size=1, max_size=3), form=st.sampled_from(sorted(PACK_FORMS)))
+def test_any_sequence_of_changes_appends_to_what_a_full_pack_holds(tmp_path_factory, steps, form):
+    tmp = tmp_path_factory.mktemp("seq")
+    root = tmp / "src"
+    _write_step(root, ([_POOL[0]], [], []), 0)
+    path = pack_voc(root, tmp / out_name(form), year=YEAR, **PACK_FORMS[form]).path
+    for n, step in enumerate(steps, start=1):
+        _write_step(root, step, n)
+        append_voc(root, path, replace_changed=True)
+        fresh = pack_voc(
+            root, tmp / f"fresh{n}-{out_name(form)}", year=YEAR, **PACK_FORMS[form]
+        ).path
+        ours, theirs = VOCPackReader(path), VOCPackReader(fresh)
+        assert ours.meta["splits"] == theirs.meta["splits"]
+        assert ours.files() == theirs.files()
+        for image_set in theirs.image_sets("Main"):
+            a, b = ours.split("Main", image_set), theirs.split("Main", image_set)
+            assert [ours.id(int(r)) for r in a] == [theirs.id(int(r)) for r in b]
+            for ra, rb in zip(a.tolist(), b.tolist()):
+                for field in (schema.IMAGE, schema.ANNOTATION, schema.TARGET):
+                    assert bytes(ours.field(ra, field)) == bytes(theirs.field(rb, field))
+                names_a = [ours.classes[c] for c in ours.objects(ra)["class_id"]]
+                names_b = [theirs.classes[c] for c in theirs.objects(rb)["class_id"]]
+                assert names_a == names_b
+        assert sorted(ours.id(int(r)) for r in ours.live) == sorted(
+            theirs.id(int(r)) for r in range(len(theirs))
+        )
+        assert open_pack(path).verify() == []

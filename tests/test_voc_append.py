@@ -865,3 +865,19 @@ def test_any_sequence_of_changes_appends_to_what_a_full_pack_holds(tmp_path_fact
             theirs.id(int(r)) for r in range(len(theirs))
         )
         assert open_pack(path).verify() == []
+
+
+def test_max_file_bytes_bounds_the_files_an_append_reads(tmp_path, source, capsys):
+    """An append reads new source files under the same cap as ``pack_voc`` (it was fixed
+    at 1 GiB, and ``--max-file-size`` refused with ``--append``)."""
+    source.cut()
+    path = pack(source, tmp_path / "pack", "single")
+    before = hashes(path)
+    source.grow()
+    with pytest.raises(SourceDataError, match="max_file_bytes|larger than"):
+        append_voc(source.root, path, max_file_bytes=100)
+    assert hashes(path) == before
+    with pytest.raises(ValueError, match="max_file_bytes"):
+        append_voc(source.root, path, max_file_bytes=0)
+    out = _run_cli(["pack", str(source.root), str(path), "--append", "--max-file-size", "1GiB"])
+    assert "appended to" in out and len(VOCPackReader(path)) == len(source.listed())

@@ -153,7 +153,6 @@ _PACK_ONLY = {
     "max_size": "--max-size",
     "check_images": "--check-images",
     "overwrite": "--overwrite",
-    "max_file_size": "--max-file-size",
 }
 
 
@@ -176,6 +175,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
         workers=args.workers,
         replace_changed=args.replace_changed,
         checksum=args.checksum,
+        max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
     )
     new = result.added - len(result.replaced)
     dropped = len(result.retired)

@@ -73,6 +73,7 @@ def append_voc(
     workers: int = 1,
     replace_changed: bool = False,
     checksum: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> PackResult:
     """Bring the pack at ``pack`` up to date with the VOC source at ``root``; return what
     was done (``added``, ``replaced``, ``retired``, ``notes``, ``bytes_written``).
@@ -85,13 +86,15 @@ def append_voc(
     classes get the next ids). Change is detected from each file's size and modification
     time, reading only files whose statistics differ; ``checksum`` compares every file's
     content. The pack's own options (image storage, ``max_size``, shard limits) are used.
-    ``on_error``, ``progress`` and ``workers`` are ``pack_voc``'s. An interrupted append
-    leaves the pack as it was.
+    ``on_error``, ``progress``, ``workers`` and ``max_file_bytes`` are ``pack_voc``'s. An
+    interrupted append leaves the pack as it was.
     """
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if max_file_bytes < 1:
+        raise ValueError(f"max_file_bytes must be a positive number, got {max_file_bytes}")
     if "://" in os.fspath(pack):
         raise ValueError(
             f"{os.fspath(pack)}: append_voc grows a local pack; appending to a pack at a URL "
@@ -109,15 +112,23 @@ def append_voc(
     check_report_path(report := path.with_name(path.name + REPORT_SUFFIX))
     checks = bool(old.meta.get("options", {}).get("check_images"))
     options = ImageOptions(old.image_storage, old.meta.get("max_size"), checks)
-    image_sets = read_image_sets(voc_root, DEFAULT_MAX_FILE_BYTES)
-    jobs = plan_jobs(voc_root, image_sets, options, DEFAULT_MAX_FILE_BYTES)
+    image_sets = read_image_sets(voc_root, max_file_bytes)
+    jobs = plan_jobs(voc_root, image_sets, options, max_file_bytes)
     plan_ = classify(old, jobs, replace_changed, checksum)
-    if plan_.current and old.files() == dict(image_set_files(voc_root, DEFAULT_MAX_FILE_BYTES)):
+    if plan_.current and old.files() == dict(image_set_files(voc_root, max_file_bytes)):
         plan_.notes.append(f"{path} is up to date with {voc_root}: nothing was written")
         return _up_to_date(old, plan_, voc_root, started)
     sharded = old.reader.manifest is not None
     books, written, new_meta = (_grow_shards if sharded else _rewrite_file)(
-        old, plan_, voc_root, image_sets, on_error == "skip", progress, started, workers
+        old,
+        plan_,
+        voc_root,
+        image_sets,
+        on_error == "skip",
+        progress,
+        started,
+        workers,
+        max_file_bytes,
     )
     write_report(report, books.skipped)
     return PackResult(
@@ -249,6 +260,7 @@ def _grow_shards(
     progress: bool,
     started: float,
     workers: int,
+    max_file_bytes: int,
 ) -> tuple[Books, int, dict[str, Any]]:
     """Grow a shard folder: new shards, a new catalog, the manifest last; return the books,
     the bytes of the files written and the metadata."""
@@ -286,7 +298,7 @@ def _grow_shards(
                 stack.callback(pool.close)
             write_records(writer, jobs, pool, skip, bar, started, books)
             splits, counts = write_dataset_arrays(
-                writer, books, image_sets, voc_root, DEFAULT_MAX_FILE_BYTES
+                writer, books, image_sets, voc_root, max_file_bytes
             )
             meta = _metadata(old, books, plan, splits, counts)
             assert manifest.catalog is not None
@@ -312,6 +324,7 @@ def _rewrite_file(
     progress: bool,
     started: float,
     workers: int,
+    max_file_bytes: int,
 ) -> tuple[Books, int, dict[str, Any]]:
     """Rewrite a single file: kept records copied from the old file, new ones after them;
     return the books, the bytes written (the whole new file) and the metadata."""
@@ -363,7 +376,7 @@ def _rewrite_file(
                     target.append(file)
             write_records(writer, jobs, pool, skip, bar, started, books)
             splits, counts = write_dataset_arrays(
-                writer, books, image_sets, voc_root, DEFAULT_MAX_FILE_BYTES
+                writer, books, image_sets, voc_root, max_file_bytes
             )
             meta = _metadata(old, books, plan, splits, counts)
             writer.close(meta)

@@ -1,0 +1,278 @@
+"""Packs at URLs read end to end through real loopback servers (HTTP with Range, moto S3)
+and the fault proxy: every reader gives what the same pack gives locally."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torch_serialized as ts
+from torch_serialized.errors import ChecksumError, RemoteNotFoundError
+from torch_serialized.reader import open_pack
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+
+HERE = Path(__file__).parent
+REPO = HERE.parent
+
+
+def upload(remote: Remote, pack: Path) -> None:
+    """Put a local pack (a shard folder's files, or one file) under ``remote``'s folder."""
+    files = sorted(pack.iterdir()) if pack.is_dir() else [pack]
+    for f in sorted(files, key=lambda f: f.name == "manifest.json"):  # manifest last
+        remote.put(f.name, f.read_bytes())
+
+
+def shard_names(pack: Path) -> list[str]:
+    return [s["file"] for s in json.loads((pack / "manifest.json").read_bytes())["shards"]]
+
+
+def digest(image: torch.Tensor) -> str:
+    return hashlib.blake2b(image.numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def drop(target: object) -> int:
+    return 0
+
+
+def stream(
+    path: str | Path, loader_workers: int = 2, **kwargs: Any
+) -> tuple[ts.VOCSerializedIterableDataset, Iterator[Any]]:
+    ds = ts.VOCSerializedIterableDataset(
+        path,
+        "trainval",
+        shuffle=True,
+        seed=3,
+        block_size=4,
+        shuffle_buffer=8,
+        decode="none",
+        transform=digest,
+        target_transform=drop,
+        **kwargs,
+    )
+    return ds, iter(DataLoader(ds, batch_size=None, num_workers=loader_workers))
+
+
+@pytest.fixture
+def served(remote: Remote, stream_packs: dict[str, Path]) -> Remote:
+    upload(remote, stream_packs["shards"])
+    remote.proxy.reset()  # count from here
+    return remote
+
+
+def test_map_style_dataset_from_a_url_equals_the_local_pack(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    local = ts.VOCSerializedDataset(stream_packs["shards"], "trainval")
+    ours = ts.VOCSerializedDataset(
+        served.url, "trainval", storage_options=served.storage_options, cache_dir=tmp_path
+    )
+    assert ours.root == served.url
+    names = shard_names(stream_packs["shards"])
+    # the manifest and catalog at open, no shard yet
+    assert served.proxy.count("GET", served.path("manifest.json")) == 1
+    assert served.proxy.count("GET", "catalog-") == 1
+    assert all(served.proxy.count("GET", served.path(n)) == 0 for n in names)
+    assert len(ours) == len(local)
+    ours[len(ours) - 1]  # first touch of the last shard downloads it, and only it
+    touched = [n for n in names if served.proxy.count("GET", served.path(n))]
+    assert len(touched) == 1
+    for i in range(len(local)):
+        (a, ta), (b, tb) = ours[i], local[i]
+        assert ta == tb
+        assert a.tobytes() == b.tobytes()
+    assert all(served.proxy.count("GET", served.path(n)) <= 1 for n in names)  # downloaded once
+
+
+def test_a_single_file_pack_at_a_url(
+    remote: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    single = stream_packs["single"]
+    upload(remote, single)
+    url = f"{remote.url}/{single.name}"
+    with pytest.raises(RemoteNotFoundError, match="manifest.json"):
+        open_pack(
+            remote.url + "/missing", storage_options=remote.storage_options, cache_dir=tmp_path
+        )
+    ours = ts.SerializedDataset(url, storage_options=remote.storage_options, cache_dir=tmp_path)
+    local = ts.SerializedDataset(single)
+    assert len(ours) == len(local)
+    for i in (0, len(local) // 2, len(local) - 1):
+        a, b = ours[i], local[i]
+        assert a["id"] == b["id"] and a["target"] == b["target"]
+        assert np.array_equal(a["image"], b["image"])
+
+
+def test_iterable_from_a_url_equals_the_local_pack(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    _, it = stream(stream_packs["shards"])
+    want = [d for d, _ in it]
+    _, it = stream(served.url, storage_options=served.storage_options, cache_dir=tmp_path)
+    assert [d for d, _ in it] == want
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11
+def test_resume_works_across_a_url_and_a_local_copy(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    local = stream_packs["shards"]
+    remote_kw = {"storage_options": served.storage_options, "cache_dir": tmp_path}
+    _, it = stream(local)
+    want = [d for d, _ in it]
+    for first, second in ((served.url, local), (local, served.url)):
+        a, _ = stream(first, **(remote_kw if first == served.url else {}))
+        loader = stateful.StatefulDataLoader(a, batch_size=None, num_workers=2)
+        got = []
+        for d, _ in loader:
+            got.append(d)
+            if len(got) == 13:
+                state = loader.state_dict()
+                break
+        b, _ = stream(second, **(remote_kw if second == served.url else {}))
+        loader = stateful.StatefulDataLoader(b, batch_size=None, num_workers=2)
+        loader.load_state_dict(state)
+        got.extend(d for d, _ in loader)
+        assert got == want
+
+
+def test_every_reader_of_the_issue_takes_a_url(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    kw = {"storage_options": served.storage_options, "cache_dir": tmp_path}
+    seg = ts.VOCSerializedSegmentation(served.url, "trainval", **kw)
+    local = ts.VOCSerializedSegmentation(stream_packs["shards"], "trainval")
+    assert len(seg) == len(local)
+    assert np.array_equal(np.asarray(seg[0][1]), np.asarray(local[0][1]))
+    reader = ts.open_pack(served.url, **kw)
+    assert (
+        reader.url == served.url
+        and reader.num_records == open_pack(stream_packs["shards"]).num_records
+    )
+    assert reader.verify() == []
+
+
+def test_a_damaged_shard_on_the_server_downloads_twice_then_raises(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    name = shard_names(stream_packs["shards"])[0]
+    data = bytearray((stream_packs["shards"] / name).read_bytes())
+    data[4096] ^= 0xFF  # a record's byte: size and metadata checksum still match
+    served.put(name, bytes(data))
+    ds = ts.VOCSerializedDataset(
+        served.url, "trainval", storage_options=served.storage_options, cache_dir=tmp_path
+    )
+    first = int(np.flatnonzero(ds.records == 0)[0])
+    with pytest.raises(ChecksumError) as info:
+        ds[first]
+    assert served.url in str(info.value) and name in str(info.value)
+    assert served.proxy.count("GET", served.path(name)) == 2
+    assert not [p for p in Path(ds.pack.path).iterdir() if p.name == name or "partial" in p.name]
+
+
+def test_a_missing_pack_names_the_url_and_what_to_check(remote: Remote, tmp_path: Path) -> None:
+    with pytest.raises(RemoteNotFoundError) as info:
+        ts.VOCSerializedDataset(
+            remote.url + "/nothing-here",
+            storage_options=remote.storage_options,
+            cache_dir=tmp_path,
+        )
+    assert "nothing-here" in str(info.value) and "Check" in str(info.value)
+
+
+def test_an_epoch_through_faults_equals_the_local_pack(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    _, it = stream(stream_packs["shards"])
+    want = [d for d, _ in it]
+    names = shard_names(stream_packs["shards"])
+    proxy = served.proxy
+    proxy.configure(latency=0.005)
+    proxy.add_fault("drop", count=1, path=names[1])
+    proxy.add_fault("status", status=503, count=2, path=names[2])
+    proxy.add_fault("truncate", count=1, path=names[3], after_bytes=100)
+    proxy.add_fault("status", status=429, count=1, path=names[4])
+    _, it = stream(served.url, storage_options=served.storage_options, cache_dir=tmp_path)
+    assert [d for d, _ in it] == want
+    faults = proxy.stats()["faults"]
+    assert faults.get("drop") == 1 and faults.get("truncate") == 1 and faults.get("status") == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_two_ranks_with_two_workers_share_one_cache_and_download_each_shard_once(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path, start: str
+) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    procs = []
+    for rank in (0, 1):
+        spec = {
+            "url": served.url,
+            "storage_options": served.storage_options,
+            "cache_dir": str(tmp_path),
+            "rank": rank,
+            "world_size": 2,
+            "start": start,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE / "_remote_rank.py"), json.dumps(spec)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    seen = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        seen.extend(json.loads(out))
+    local = ts.VOCSerializedDataset(stream_packs["shards"], "trainval", decode="none")
+    assert set(seen) == {digest(local[i][0]) for i in range(len(local))}
+    for name in shard_names(stream_packs["shards"]):
+        assert served.proxy.count("GET", served.path(name)) <= 1, name
+    assert served.proxy.count("GET", "catalog-") == 1
+
+
+def test_a_bounded_cache_keeps_a_stream_within_its_limit(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    pack = stream_packs["shards"]
+    sizes = [(pack / n).stat().st_size for n in shard_names(pack)]
+    fixed = sum(f.stat().st_size for f in pack.iterdir() if f.name not in shard_names(pack))
+    limit = fixed + 4 * max(sizes)
+    _, it = stream(pack, loader_workers=0)
+    want = [d for d, _ in it]
+    ds, it = stream(
+        served.url,
+        loader_workers=0,
+        storage_options=served.storage_options,
+        cache_dir=tmp_path,
+        cache_limit_bytes=limit,
+        prefetch=1,
+    )
+    got = []
+    for d, _ in it:
+        got.append(d)
+        cached = sum(p.stat().st_size for p in Path(ds.pack.path).glob("*.tser"))
+        assert cached <= limit
+    assert got == want
+    assert len(list(Path(ds.pack.path).glob("shard-*.tser"))) < len(sizes)

@@ -276,3 +276,40 @@ def test_a_bounded_cache_keeps_a_stream_within_its_limit(
         assert cached <= limit
     assert got == want
     assert len(list(Path(ds.pack.path).glob("shard-*.tser"))) < len(sizes)
+
+
+def test_pack_voc_to_a_url_then_a_repack_keeps_an_open_reader_working(
+    s3_remote: Remote, voc40: Path, voc8: Path, tmp_path: Path
+) -> None:
+    url, options = s3_remote.url + "/voc", s3_remote.storage_options
+    result = ts.pack_voc(voc40, url, max_samples_per_shard=9, storage_options=options)
+    assert result.url == url and not Path(result.path).exists()  # staging removed
+    log = [line for line in s3_remote.proxy.stats()["log"] if line.startswith("PUT")]
+    assert log and "manifest.json" in log[-1]  # uploaded last
+    local = ts.pack_voc(voc40, tmp_path / "local", max_samples_per_shard=9).path
+    old = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    want = ts.VOCSerializedDataset(local, "trainval")
+    old[0]  # one shard cached, the others not yet
+    ts.pack_voc(voc8, url, max_samples_per_shard=3, storage_options=options)
+    assert len(old) == len(want)
+    for i in range(len(want)):  # the old pack's shards are still there
+        assert old[i][1] == want[i][1]
+    new = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    v8 = ts.VOCSerializedDataset(ts.pack_voc(voc8, tmp_path / "v8").path, "trainval")
+    assert [new[i][1] for i in range(len(new))] == [v8[i][1] for i in range(len(v8))]
+    assert new.pack.reader.manifest_sha256 != old.pack.reader.manifest_sha256
+    assert new.pack.path != old.pack.path  # a fresh cache folder: no stale shards mix in
+    stale = ts.prune_remote(url, options, dry_run=True)
+    assert len(stale) == len(shard_names(local)) + 1  # the old shards and catalog
+    assert ts.prune_remote(url, options) == stale
+    assert ts.prune_remote(url, options) == []
+    fresh = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    assert [fresh[i][1] for i in range(len(fresh))] == [new[i][1] for i in range(len(new))]
+
+
+def test_a_single_file_pack_written_to_a_url(s3_remote: Remote, voc8: Path, tmp_path: Path) -> None:
+    url, options = s3_remote.url + "/voc8.tser", s3_remote.storage_options
+    ts.pack_voc(voc8, url, storage_options=options)
+    ours = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    want = ts.VOCSerializedDataset(ts.pack_voc(voc8, tmp_path / "v8.tser").path, "trainval")
+    assert [ours[i][1] for i in range(len(ours))] == [want[i][1] for i in range(len(want))]

@@ -29,11 +29,13 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .cache import clear_cache, list_cache
     from .compat import SerializedDataset, Serializer
     from .datasets import VOCSerializedDataset, VOCSerializedSegmentation
     from .iterable import VOCSerializedIterableDataset
     from .reader import PackReader, open_pack
     from .samplers import BlockShuffleSampler
+    from .upload import prune_remote
     from .voc.export import export_voc
     from .voc.pack import PackResult, SkippedSample, pack_voc
     from .workers import worker_init_fn
@@ -53,6 +55,9 @@ _LAZY = {
     "worker_init_fn": ".workers",
     "open_pack": ".reader",
     "PackReader": ".reader",
+    "prune_remote": ".upload",
+    "list_cache": ".cache",
+    "clear_cache": ".cache",
 }
 
 __all__ = [
@@ -70,6 +75,9 @@ __all__ = [
     "worker_init_fn",
     "open_pack",
     "PackReader",
+    "prune_remote",
+    "list_cache",
+    "clear_cache",
     "TorchSerializedError",
     "FormatError",
     "CorruptFileError",

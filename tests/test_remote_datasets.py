@@ -313,3 +313,39 @@ def test_a_single_file_pack_written_to_a_url(s3_remote: Remote, voc8: Path, tmp_
     ours = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
     want = ts.VOCSerializedDataset(ts.pack_voc(voc8, tmp_path / "v8.tser").path, "trainval")
     assert [ours[i][1] for i in range(len(ours))] == [want[i][1] for i in range(len(want))]
+
+
+def test_each_rank_downloads_only_the_shards_it_reads(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    pack = stream_packs["shards"]
+    names = shard_names(pack)
+    reader = open_pack(pack)
+    for rank in (0, 1):
+        ds = ts.VOCSerializedIterableDataset(
+            served.url,
+            "trainval",
+            rank=rank,
+            world_size=2,
+            decode="none",
+            storage_options=served.storage_options,
+            cache_dir=tmp_path / f"rank{rank}",
+        )
+        read = {int(r) for block in ds.blocks() for r in ds.records[block]}
+        needed = {names[int(np.searchsorted(reader.starts, r, side="right")) - 1] for r in read}
+        served.proxy.reset()
+        assert len(list(ds)) == len(read)
+        fetched = {n for n in names if served.proxy.count("GET", served.path(n))}
+        assert fetched == needed and len(needed) < len(names)
+
+
+def test_access_denied_names_the_url_and_what_to_check(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    served.proxy.add_fault("status", status=403, count=None)
+    with pytest.raises(ts.RemoteAccessError) as info:
+        ts.VOCSerializedDataset(
+            served.url, storage_options=served.storage_options, cache_dir=tmp_path
+        )
+    assert "manifest.json" in str(info.value) and "credentials" in str(info.value)
+    assert served.proxy.stats()["faults"]["status"] == 1  # not retried

@@ -349,3 +349,18 @@ def test_access_denied_names_the_url_and_what_to_check(
         )
     assert "manifest.json" in str(info.value) and "credentials" in str(info.value)
     assert served.proxy.stats()["faults"]["status"] == 1  # not retried
+
+
+def test_close_releases_the_shards_but_not_the_catalog(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    reader = open_pack(served.url, storage_options=served.storage_options, cache_dir=tmp_path)
+    assert reader.verify() == []  # every shard fetched and held
+    assert reader.remote is not None and reader.manifest is not None
+    catalog = reader.manifest.catalog
+    assert catalog is not None
+    assert len(reader.remote.cache.held()) == reader.num_shards + 2
+    reader.close()
+    assert reader.remote.cache.held() == sorted(["manifest.json", catalog.file])
+    assert reader.verify() == []  # fetched again (from the cache: no new download)
+    assert served.proxy.count("GET", "shard-") == reader.num_shards

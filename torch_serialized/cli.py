@@ -705,7 +705,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export.set_defaults(run=_cmd_export)
 
-    from .tools.benchmark.core import SCENARIOS
+    from .tools.benchmark.core import OPTIONAL_SCENARIOS, SCENARIOS
 
     bench = command(
         "bench",
@@ -730,7 +730,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenarios",
         metavar="A,B",
-        help=f"comma-separated subset to run, of: {', '.join(SCENARIOS)} (default: all)",
+        help=f"comma-separated subset to run, of: {', '.join(SCENARIOS)} (default: all), "
+        f"or {', '.join(OPTIONAL_SCENARIOS)} (only when asked: a pack streamed from a "
+        "loopback S3 server through a 20 ms / 100 MB/s proxy)",
     )
     bench.set_defaults(run=_cmd_bench)
 

@@ -894,6 +894,8 @@ class PackReader:
         evict it (it is fetched again if read again). Views handed out stay valid."""
         if self.remote is None or self._expected[s] is None:
             return
+        if self._catalog.path == self.shard_path(s):  # a version-1 pack's last shard
+            return
         self._check_process()
         with self._lock:
             shard = self._open.pop(s, None)
@@ -902,8 +904,9 @@ class PackReader:
         self.remote.release(self.entries[s].file)
 
     def close(self) -> None:
-        """Close every shard's map and, for a remote pack, stop prefetching and release what
-        this process holds in the cache. The reader maps (and fetches) again on next use."""
+        """Close every shard's map and, for a remote pack, stop prefetching and release the
+        shards this process holds in the cache (not the manifest and catalog, which stay in
+        use). The reader maps (and fetches) shards again on next use."""
         self._check_process()
         with self._lock:
             opened = list(self._open.items())
@@ -913,7 +916,8 @@ class PackReader:
             if self.remote is None:
                 self._closed[s] = shard
         if self.remote is not None:
-            self.remote.close()
+            keep = [fmt.MANIFEST_NAME, os.path.basename(self._catalog.path)]
+            self.remote.close(keep=keep)
 
     def _open_shard(self, s: int) -> ContainerReader:
         expect = self._expected[s]

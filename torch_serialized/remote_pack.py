@@ -203,12 +203,19 @@ class RemotePack:
         self._check_fork()
         self.cache.release(name)
 
-    def close(self) -> None:
-        """Cancel pending prefetches, wait for running ones, release every held object."""
+    def close(self, keep: Iterable[str] = ()) -> None:
+        """Cancel pending prefetches, wait for running ones, release every held object (but
+        those named in ``keep``)."""
         self._check_fork()
         with self._mutex:
             pool, self._pool = self._pool, None
             self._pending.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        self.cache.close()
+        kept = set(keep)
+        if not kept:
+            self.cache.close()
+            return
+        for name in self.cache.held():
+            if name not in kept:
+                self.cache.release(name)

@@ -112,7 +112,7 @@ class FsspecVOCDetection:
 def _upload(store_url: str, options: dict[str, Any], files: list[tuple[Path, str]]) -> None:
     from fsspec.core import url_to_fs
 
-    fs, root = url_to_fs(store_url, skip_instance_cache=True, **options)
+    fs, root = url_to_fs(store_url, **options)  # cached instance: one session for the run
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda f: fs.put_file(str(f[0]), f"{root}/{f[1]}"), files))
 
@@ -178,7 +178,7 @@ def scenario_remote(b: Bench) -> list[Row]:
         via_proxy = s3_storage_options(proxy.url)
         from fsspec.core import url_to_fs
 
-        url_to_fs(f"s3://{BUCKET}", skip_instance_cache=True, **direct)[0].mkdir(BUCKET)
+        url_to_fs(f"s3://{BUCKET}", **direct)[0].mkdir(BUCKET)
         url = f"s3://{BUCKET}/voc"
         _upload(url, direct, [(p, p.name) for p in pack_files])
         voc = b.voc_root
@@ -223,7 +223,7 @@ def scenario_remote(b: Bench) -> list[Row]:
             def pull() -> int:  # the proxy's own ceiling: every pack file, 4 at a time
                 from fsspec.core import url_to_fs
 
-                fs, root = url_to_fs(url, skip_instance_cache=True, **via_proxy)
+                fs, root = url_to_fs(url, **via_proxy)
                 names = [f"{root}/{p.name}" for p in pack_files]
                 with ThreadPoolExecutor(4) as pool:
                     list(pool.map(fs.cat_file, names))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +50,12 @@ def stream(url: str, options: dict[str, Any] | None, cache: Path | None, args: A
     return [name for batch in loader for name in batch]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", nargs="?", help="a VOC root to pack (default: synthetic)")
@@ -68,34 +75,43 @@ def main() -> None:
         )
         return
 
-    from torch_serialized.tools.loopback import s3_storage_options, start_s3_server
+    from moto.server import ThreadedMotoServer
 
     work = Path(tempfile.mkdtemp(prefix="tser-"))
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
     try:
-        with start_s3_server() as server:
-            options = s3_storage_options(server.url)
-            import s3fs
+        endpoint = f"http://127.0.0.1:{port}"
+        options = {
+            "key": "testing",  # moto accepts any credentials; nothing leaves 127.0.0.1
+            "secret": "testing",
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+        import s3fs
 
-            s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
-            root = (
-                Path(args.root)
-                if args.root
-                else make_synthetic_voc(work / "voc", args.num_images, year="2007")
-            )
-            url = f"s3://{BUCKET}/voc"
-            result = pack_voc(root, url, max_samples_per_shard=25, storage_options=options)
-            print(f"packed {result.num_samples} samples to {url} (local S3 server {server.url})")
-            cache = work / "cache"
-            started = time.perf_counter()
-            names = stream(url, options, cache, args)
-            seconds = time.perf_counter() - started
-            print(f"streamed {len(names)} samples with {args.workers} workers in {seconds:.1f} s")
-            local = pack_voc(root, work / "local", max_samples_per_shard=25).path
-            same = stream(str(local), None, None, args) == names
-            print(f"same samples, same order as the local pack: {same}")
-            for pack in list_cache(cache):
-                print(f"cache: {pack.objects} files, {pack.bytes / 1e6:.1f} MB of {pack.url}")
+        s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
+        root = (
+            Path(args.root)
+            if args.root
+            else make_synthetic_voc(work / "voc", args.num_images, year="2007")
+        )
+        url = f"s3://{BUCKET}/voc"
+        result = pack_voc(root, url, max_samples_per_shard=25, storage_options=options)
+        print(f"packed {result.num_samples} samples to {url} (local S3 server {endpoint})")
+        cache = work / "cache"
+        started = time.perf_counter()
+        names = stream(url, options, cache, args)
+        seconds = time.perf_counter() - started
+        print(f"streamed {len(names)} samples with {args.workers} workers in {seconds:.1f} s")
+        local = pack_voc(root, work / "local", max_samples_per_shard=25).path
+        same = stream(str(local), None, None, args) == names
+        print(f"same samples, same order as the local pack: {same}")
+        for pack in list_cache(cache):
+            print(f"cache: {pack.objects} files, {pack.bytes / 1e6:.1f} MB of {pack.url}")
     finally:
+        server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -18,11 +18,9 @@ empty cache. Side by side in one run:
 from __future__ import annotations
 
 import io
-import json
+import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -118,33 +116,29 @@ def _upload(store_url: str, options: dict[str, Any], files: list[tuple[Path, str
 
 
 def _ranks(url: str, options: dict[str, Any], cache: Path, workers: int) -> int:
-    """Two ranks (processes) with ``workers`` DataLoader workers each, one cache."""
+    """Two ranks (spawned processes) with ``workers`` DataLoader workers each, one cache."""
+    ctx = multiprocessing.get_context("spawn")
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch_serialized.tools.benchmark.remote",
-                json.dumps(
-                    {
-                        "url": url,
-                        "options": options,
-                        "cache": str(cache),
-                        "rank": rank,
-                        "workers": workers,
-                    }
-                ),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        ctx.Process(
+            target=_rank_main,
+            args=(
+                {
+                    "url": url,
+                    "options": options,
+                    "cache": str(cache),
+                    "rank": rank,
+                    "workers": workers,
+                },
+            ),
         )
         for rank in (0, 1)
     ]
     for proc in procs:
-        _, err = proc.communicate(timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"remote benchmark rank failed: {err[-2000:]}")
+        proc.start()
+    for proc in procs:
+        proc.join(1800)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"remote benchmark rank failed with exit code {proc.exitcode}")
     return 0
 
 
@@ -338,7 +332,3 @@ def _rank_main(spec: dict[str, Any]) -> None:
         world_size=2,
     )
     _epoch(ds, spec["workers"])
-
-
-if __name__ == "__main__":
-    _rank_main(json.loads(sys.argv[1]))

@@ -87,7 +87,7 @@ def main() -> None:
             "key": "testing",  # moto accepts any credentials; nothing leaves 127.0.0.1
             "secret": "testing",
             "endpoint_url": endpoint,
-            "client_kwargs": {"region_name": "us-east-1"},
+            "client_kwargs": {"region_name": "eu-west-1"},
         }
         import s3fs
 

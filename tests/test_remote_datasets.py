@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 pytest_plugins = ["remote_fixtures"]
 
 HERE = Path(__file__).parent
+#: for tests of our own logic above the transfer layer, which both servers exercise alike
+ONE_SERVER = pytest.mark.parametrize("remote", ["http"], indirect=True)
 REPO = HERE.parent
 
 
@@ -174,6 +176,7 @@ def test_resume_works_across_a_url_and_a_local_copy(
         assert got == want
 
 
+@ONE_SERVER
 def test_every_reader_of_the_issue_takes_a_url(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -275,6 +278,7 @@ def test_two_ranks_with_two_workers_share_one_cache_and_download_each_shard_once
     assert served.proxy.count("GET", "catalog-") == 1
 
 
+@ONE_SERVER
 def test_a_bounded_cache_keeps_a_stream_within_its_limit(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -338,6 +342,7 @@ def test_a_single_file_pack_written_to_a_url(s3_remote: Remote, voc8: Path, tmp_
     assert [ours[i][1] for i in range(len(ours))] == [want[i][1] for i in range(len(want))]
 
 
+@ONE_SERVER
 def test_each_rank_downloads_only_the_shards_it_reads(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -374,6 +379,7 @@ def test_access_denied_names_the_url_and_what_to_check(
     assert served.proxy.stats()["faults"]["status"] == 1  # not retried
 
 
+@ONE_SERVER
 def test_close_releases_the_shards_but_not_the_catalog(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:

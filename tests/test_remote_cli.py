@@ -26,6 +26,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, st
     return status, out, err
 
 
+@pytest.mark.slow
 def test_pack_info_verify_export_prune_and_cache_over_s3(
     s3_remote: Remote, voc8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -305,6 +305,7 @@ def test_a_bounded_cache_keeps_a_stream_within_its_limit(
     assert len(list(Path(ds.pack.path).glob("shard-*.tser"))) < len(sizes)
 
 
+@pytest.mark.slow
 def test_pack_voc_to_a_url_then_a_repack_keeps_an_open_reader_working(
     s3_remote: Remote, voc40: Path, voc8: Path, tmp_path: Path
 ) -> None:

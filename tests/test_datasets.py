@@ -653,7 +653,7 @@ def test_torchvision_keywords_year_and_download(synthetic_devkit: Path, tmp_path
     )
     with pytest.raises(ValueError, match="VOC2007, not VOC2012"):
         ts.VOCSerializedDataset(path, year="2012")
-    with pytest.raises(ValueError, match="local file"):
+    with pytest.raises(ValueError, match="pack_voc"):
         ts.VOCSerializedDataset(path, download=True)
 
 

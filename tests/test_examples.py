@@ -33,6 +33,11 @@ CASES = [
     ),
     ("ddp_iterable.py", ["--num-images", "24", "--epochs", "1"], ["rank 1/2 epoch 0: 6 samples"]),
     (
+        "stream_from_s3.py",
+        ["--num-images", "60"],
+        ["packed 60 samples to s3://", "streamed 31 samples", "as the local pack: True"],
+    ),
+    (
         "segmentation.py",
         ["--num-images", "32", "--steps", "2", "--batch-size", "2", "--crop", "128"],
         ["a VOCSegmentation: True", "step 2: loss", "trained 2 steps"],
@@ -63,6 +68,11 @@ SMALL_CASES = [
         ["only 2 train samples: batch size 2", "2 classes (helmet, head)", "trained 3 steps"],
     ),
     ("ddp_iterable.py", ["--epochs", "1"], ["rank 1/2 epoch 0: 1 samples"]),
+    (
+        "stream_from_s3.py",
+        [],
+        ["packed 3 samples to s3://", "streamed 3 samples", "as the local pack: True"],
+    ),
     (
         "segmentation.py",
         ["--steps", "3", "--crop", "64"],

@@ -136,3 +136,31 @@ def test_the_guard_refuses_addresses_off_this_machine() -> None:
     with pytest.raises(ConnectionRefusedError):
         _loopback_only("socket.getaddrinfo", ("169.254.169.254", 80, 0, 0, 0))
     _loopback_only("socket.getaddrinfo", ("localhost", 80, 0, 0, 0))
+
+
+def test_the_bandwidth_cap_is_reached_though_every_sleep_wakes_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fake clock whose sleeps overshoot by 1 ms (epoll's tick): 1,000 chunks of 64 KiB at
+    100 MB/s take 0.66 s of link time, not 1,000 x (0.66 + 1) ms."""
+    import asyncio
+
+    from torch_serialized.tools import loopback
+
+    clock = [1000.0]
+
+    async def late_sleep(delay: float) -> None:
+        clock[0] += delay + 0.001
+
+    monkeypatch.setattr(loopback.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(loopback.asyncio, "sleep", late_sleep)
+    throttle = loopback._Throttle(100e6)
+
+    async def send() -> None:
+        for _ in range(1000):
+            await throttle.take(64 << 10)
+
+    start = clock[0]
+    asyncio.run(send())
+    ideal = 1000 * (64 << 10) / 100e6
+    assert ideal - throttle.SLACK <= clock[0] - start <= ideal * 1.05

@@ -230,3 +230,26 @@ def test_a_row_is_judged_against_torchvision_and_lmdb() -> None:
     assert "LMDB in the same run" in slow.reason
     assert row(50, 10, target=8.0, peer_target=1.1).met is False  # behind torchvision's target
     assert row(100, None, peer_target=1.1).met is None  # no LMDB: not judged on it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_remote_scenario_runs_only_when_asked_and_measures_every_row(tmp_path: Path) -> None:
+    pytest.importorskip("moto")
+    result = run_benchmark(quick=True, scenarios=["remote"], progress=False, work_dir=tmp_path)
+    assert list(result["scenarios"]) == ["remote"]
+    rows = {row["key"]: row for row in result["scenarios"]["remote"]["rows"]}
+    assert set(rows) == {
+        "remote_cap_mbps",
+        "remote_cap_pil",
+        "remote_latency_none",
+        "remote_latency_pil",
+        "remote_vs_tv",
+        "remote_bytes_2x2",
+        "remote_proxy_mbps",
+    }
+    for row in rows.values():
+        assert row["ours"]["median"] > 0, row["key"]
+    assert rows["remote_bytes_2x2"]["ours"]["median"] < 1.02  # each shard downloaded once
+    details = result["scenarios"]["remote"]["details"]
+    assert all(n == details["pack_bytes"] for n in details["bytes_per_epoch"]["cap_none"])

@@ -29,11 +29,13 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .cache import clear_cache, list_cache
     from .compat import SerializedDataset, Serializer
     from .datasets import VOCSerializedDataset, VOCSerializedSegmentation
     from .iterable import VOCSerializedIterableDataset
     from .reader import PackReader, open_pack
     from .samplers import BlockShuffleSampler
+    from .upload import prune_remote
     from .voc.append import append_voc
     from .voc.export import export_voc
     from .voc.pack import PackResult, SkippedSample, pack_voc
@@ -55,6 +57,9 @@ _LAZY = {
     "worker_init_fn": ".workers",
     "open_pack": ".reader",
     "PackReader": ".reader",
+    "prune_remote": ".upload",
+    "list_cache": ".cache",
+    "clear_cache": ".cache",
 }
 
 __all__ = [
@@ -73,6 +78,9 @@ __all__ = [
     "worker_init_fn",
     "open_pack",
     "PackReader",
+    "prune_remote",
+    "list_cache",
+    "clear_cache",
     "TorchSerializedError",
     "FormatError",
     "CorruptFileError",

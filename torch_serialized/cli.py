@@ -87,6 +87,33 @@ def _mb(num_bytes: float) -> str:
     return f"{num_bytes / 1e6:,.1f} MB"
 
 
+def _storage_options(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--storage-options must be JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            "--storage-options must be a JSON object, e.g. '{\"anon\": true}'"
+        )
+    return value
+
+
+def _remote(args: argparse.Namespace) -> dict[str, Any]:
+    """The reader keywords of the remote options (``_remote_options``)."""
+    return {
+        "storage_options": args.storage_options,
+        "cache_dir": args.cache_dir,
+        "cache_limit_bytes": args.cache_limit,
+    }
+
+
+def _is_url(path: str) -> bool:
+    from .remote import is_url
+
+    return is_url(path)
+
+
 # -- pack ---------------------------------------------------------------------------------------
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .reader import open_pack
@@ -98,8 +125,16 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     for flag in ("replace_changed", "checksum"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} only applies with --append")
-    output = Path(args.output)
-    if not args.overwrite and (output.exists() or output.is_symlink()):
+    remote = _is_url(args.output)
+    output: str | Path = args.output if remote else Path(args.output)
+    if remote:
+        if not args.overwrite and _remote_pack_exists(args.output, args.storage_options):
+            raise FileExistsError(
+                errno.EEXIST,
+                f"{args.output} already holds a pack; pass --overwrite to upload a new one "
+                "(readers of the old one keep working; `prune` removes its files later)",
+            )
+    elif not args.overwrite and (Path(output).exists() or Path(output).is_symlink()):
         raise FileExistsError(
             errno.EEXIST,
             f"{output} already exists; pass --overwrite to replace it (or choose another OUTPUT)",
@@ -123,14 +158,18 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         on_error="skip" if args.skip_bad else "raise",
         progress=not args.quiet,
         max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
+        storage_options=args.storage_options,
     )
     seconds = max(result.seconds, 1e-9)
-    files = open_pack(result.path).num_shards
+    files = 0 if remote else open_pack(result.path).num_shards
     ratio = result.num_bytes / result.source_bytes if result.source_bytes else float("nan")
     how = "as asked" if args.year else "found in the folder names; --year picks another"
     print(f"packed {result.num_samples} samples of {result.voc_root}")
     print(f"  year     {result.year} ({how})")
-    print(f"  output   {result.path} ({files} {'file' if files == 1 else 'shards'})")
+    if result.url:
+        print(f"  output   {result.url} (uploaded, manifest last)")
+    else:
+        print(f"  output   {result.path} ({files} {'file' if files == 1 else 'shards'})")
     print(
         f"  size     {_mb(result.num_bytes)}, {ratio:.1%} of the {_mb(result.source_bytes)} "
         "source files"
@@ -140,7 +179,74 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         f"{result.num_bytes / seconds / 1e6:,.0f} MB/s"
     )
     if result.skipped:
-        print(f"  skipped  {len(result.skipped)} samples; reasons in {result.report}")
+        report = f"{result.url}.skipped.json" if result.url else result.report
+        print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
+    return EXIT_OK
+
+
+def _remote_pack_exists(url: str, storage_options: dict[str, Any] | None) -> bool:
+    from .errors import RemoteNotFoundError
+    from .remote import RemoteStore
+
+    store = RemoteStore(url, storage_options)
+    try:
+        store.size("" if url.rstrip("/").endswith(fmt.FILE_SUFFIX) else fmt.MANIFEST_NAME)
+    except RemoteNotFoundError:
+        return False
+    return True
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from .upload import prune_remote
+
+    stale = prune_remote(args.url, args.storage_options, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {len(stale)} file(s) of earlier packs under {args.url}")
+    for name in stale:
+        print(f"  {printable(name)}")
+    return EXIT_OK
+
+
+# -- cache --------------------------------------------------------------------------------------
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from .cache import clear_cache, default_cache_dir, list_cache
+
+    folder = args.cache_dir or default_cache_dir()
+    if args.action == "clear":
+        done = clear_cache(args.cache_dir, url=args.url)
+        print(
+            f"removed {done.packs_removed} pack(s), {done.objects_removed} file(s), "
+            f"{_mb(done.bytes_freed)} from {folder}"
+            + (f"; {done.objects_in_use} file(s) in use were left" if done.objects_in_use else "")
+        )
+        return EXIT_OK
+    packs = list_cache(args.cache_dir)
+    if args.json:
+        rows = [
+            {
+                "url": p.url,
+                "identity": p.identity,
+                "directory": str(p.directory),
+                "objects": p.objects,
+                "bytes": p.bytes,
+                "last_used": p.last_used,
+                "in_use": p.in_use,
+            }
+            for p in packs
+        ]
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    total = sum(p.bytes for p in packs)
+    print(f"{folder}: {len(packs)} pack(s), {_mb(total)}")
+    for p in packs:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.last_used)) if p.last_used else "-"
+        busy = f", {p.in_use} in use" if p.in_use else ""
+        print(
+            printable(
+                f"  {p.url}  [{p.identity[:12]}]  {p.objects} file(s), {_mb(p.bytes)}, "
+                f"last used {used}{busy}"
+            )
+        )
     return EXIT_OK
 
 
@@ -195,12 +301,12 @@ def _cmd_append(args: argparse.Namespace) -> int:
 
 
 # -- info ---------------------------------------------------------------------------------------
-def _pack_info(path: str) -> dict[str, Any]:
+def _pack_info(path: str, remote: dict[str, Any]) -> dict[str, Any]:
     """Everything ``info`` shows, as JSON-ready values."""
     from .voc import schema
     from .voc.reader import VOCPackReader
 
-    pack = VOCPackReader(path)
+    pack = VOCPackReader(path, **remote)
     reader, meta = pack.reader, pack.meta
     live = pack.live  # records an append retired are not samples
     columns = pack.columns[live]
@@ -212,7 +318,8 @@ def _pack_info(path: str) -> dict[str, Any]:
     num_objects = columns["num_objects"]
     major, minor = reader.version
     return {
-        "path": reader.path,
+        "path": reader.url or reader.path,
+        **({"cached_in": reader.path} if reader.url else {}),
         "format_version": f"{major}.{minor}",
         "schema": f"{meta.get('schema')} {meta.get('schema_version')}",
         "packed_by": meta.get("packed_by"),
@@ -272,6 +379,8 @@ def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
 def _shard_of(path: str) -> tuple[Path, int, int] | None:
     """``(shard folder, shard number, shards)`` when ``path`` is one shard file of a shard
     folder (its manifest names it), else None."""
+    if _is_url(path):
+        return None
     file = Path(path)
     manifest = file.parent / fmt.MANIFEST_NAME
     if not file.is_file() or not manifest.is_file():
@@ -317,7 +426,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             f"The dataset is the whole folder: {PROG} info {info['shard_of']}"
         )
         return EXIT_OK
-    info = _pack_info(args.path)
+    info = _pack_info(args.path, _remote(args))
     if args.json:  # JSON escapes C0 controls itself; the rest become \\u escapes
         print(printable(json.dumps(info, indent=1, ensure_ascii=False), json_text=True))
         return EXIT_OK
@@ -377,7 +486,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
-        reader = PackReader(args.path)  # checks header, footer, metadata, index and arrays
+        # checks header, footer, metadata, index and arrays (a URL: downloads and checks all)
+        reader = PackReader(args.path, **_remote(args))
     except (TorchSerializedError, OSError) as exc:
         message = _describe(exc)
         _error(message if str(args.path) in message else f"cannot open {args.path}: {message}")
@@ -393,7 +503,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         bad.extend(start + i for i in shard.verify())
     seconds = time.perf_counter() - started
     files = reader.num_shards
-    where = f"{reader.path} ({len(reader)} records in {files} {'file' if files == 1 else 'shards'})"
+    kind = "file" if files == 1 else "shards"
+    where = f"{reader.url or reader.path} ({len(reader)} records in {files} {kind})"
     if not bad and not bad_shards:
         print(
             printable(
@@ -416,23 +527,23 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         lines += [f"  {' '.join(message.split())}" for message in bad_shards]
     if bad:
         lines.append(f"FAILED {where}: {len(bad)} damaged record(s)")
-        lines += _damaged_records(args.path, reader, bad)
+        lines += _damaged_records(args.path, reader, bad, _remote(args))
     lines.append("Re-copy the pack or re-pack the dataset.")
     print("\n".join(printable(line) for line in lines))
     return EXIT_DAMAGED
 
 
-def _damaged_records(path: str, reader: Any, bad: list[int]) -> list[str]:
+def _damaged_records(path: str, reader: Any, bad: list[int], remote: dict[str, Any]) -> list[str]:
     """One line per damaged record: its id when the pack is a readable VOC pack, its shard,
     and the fields that fail their checksum."""
     from .reader import PackReader
     from .voc.reader import VOCPackReader
 
     try:
-        ids: Callable[[int], str] | None = VOCPackReader(path).id
+        ids: Callable[[int], str] | None = VOCPackReader(path, **remote).id
     except (TorchSerializedError, OSError):
         ids = None
-    checked = PackReader(path, checked=True)
+    checked = PackReader(path, checked=True, **remote)
     lines = []
     for record in bad:
         failing = []
@@ -464,9 +575,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .voc.reader import VOCPackReader
 
     started = time.perf_counter()
-    folder = export_voc(args.path, args.out_root, overwrite=args.overwrite, progress=not args.quiet)
+    remote = _remote(args)
+    folder = export_voc(
+        args.path, args.out_root, overwrite=args.overwrite, progress=not args.quiet, **remote
+    )
     seconds = time.perf_counter() - started
-    pack = VOCPackReader(args.path)
+    pack = VOCPackReader(args.path, **remote)
     print(
         f"exported {len(pack)} samples and {len(pack.files())} list files to {folder} in "
         f"{seconds:.2f} s; torchvision reads it with root={str(args.out_root)!r}, "
@@ -532,8 +646,33 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=help, description=description, parents=[common])
+    remote = argparse.ArgumentParser(add_help=False)
+    group = remote.add_argument_group("packs at URLs (s3://, gs://, https://...)")
+    group.add_argument(
+        "--storage-options",
+        type=_storage_options,
+        metavar="JSON",
+        help='fsspec options as a JSON object, e.g. \'{"endpoint_url": "http://..."}\' '
+        "(default: the backend's usual configuration)",
+    )
+    group.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="local cache of remote packs (default: $TORCH_SERIALIZED_CACHE, else "
+        "~/.cache/torch_serialized)",
+    )
+    group.add_argument(
+        "--cache-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="bound the cache (e.g. 20GB); least recently used files no process reads go first",
+    )
+
+    def command(
+        name: str, help: str, description: str, *, url: bool = False
+    ) -> argparse.ArgumentParser:
+        parents = [common, remote] if url else [common]
+        return commands.add_parser(name, help=help, description=description, parents=parents)
 
     pack = command(
         "pack",
@@ -543,10 +682,13 @@ def _parser() -> argparse.ArgumentParser:
         "shards, a catalog and manifest.json. The output appears atomically when packing "
         "succeeds. An existing OUTPUT is replaced only with --overwrite (as export), and only "
         "if it is a pack torch_serialized wrote. With --append, OUTPUT is an existing pack "
-        "brought up to date with ROOT at the cost of what changed (README: Updating a pack).",
+        "brought up to date with ROOT at the cost of what changed (README: Updating a pack). "
+        "OUTPUT may be a URL (s3://bucket/prefix/voc): the pack is written to a temporary "
+        "folder, then uploaded with its manifest last.",
+        url=True,
     )
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")
-    pack.add_argument("output", help="the .tser file (or shard folder) to write")
+    pack.add_argument("output", help="the .tser file (or shard folder) to write, or a URL")
     pack.add_argument(
         "--year",
         help="VOC year, e.g. 2007 (default: the one VOC<year> folder under ROOT; "
@@ -625,8 +767,9 @@ def _parser() -> argparse.ArgumentParser:
         "describe a pack",
         "Show format version, packing options, samples per image set, class histogram, "
         "image size range, bytes on disk and shards of a pack.",
+        url=True,
     )
-    info.add_argument("path", help="a .tser file or shard folder")
+    info.add_argument("path", help="a .tser file or shard folder, or its URL")
     info.add_argument("--json", action="store_true", help="print one JSON object instead")
     info.set_defaults(run=_cmd_info)
 
@@ -635,9 +778,11 @@ def _parser() -> argparse.ArgumentParser:
         "check every checksum of a pack",
         "Check header, footer, metadata, index, arrays and the checksum of every field of "
         "every record. Exit status: 0 when all is well, 1 when records are damaged (each "
-        "is named), 2 when the file cannot be opened at all.",
+        "is named), 2 when the file cannot be opened at all. A URL is downloaded into the "
+        "cache (each file checked in full before it enters the cache).",
+        url=True,
     )
-    verify.add_argument("path", help="a .tser file or shard folder")
+    verify.add_argument("path", help="a .tser file or shard folder, or its URL")
     verify.set_defaults(run=_cmd_verify)
 
     export = command(
@@ -647,8 +792,9 @@ def _parser() -> argparse.ArgumentParser:
         "byte for byte as packed. Only packs with --image-storage original and no "
         "--max-size can be exported. Existing files are replaced only with --overwrite "
         "(as pack).",
+        url=True,
     )
-    export.add_argument("path", help="a .tser file or shard folder")
+    export.add_argument("path", help="a .tser file or shard folder, or its URL")
     export.add_argument("out_root", help="folder to write into (torchvision's root)")
     export.add_argument(
         "--overwrite", action="store_true", help="replace files that exist in OUT_ROOT"
@@ -656,7 +802,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export.set_defaults(run=_cmd_export)
 
-    from .tools.benchmark.core import SCENARIOS
+    from .tools.benchmark.core import OPTIONAL_SCENARIOS, SCENARIOS
 
     bench = command(
         "bench",
@@ -681,9 +827,40 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenarios",
         metavar="A,B",
-        help=f"comma-separated subset to run, of: {', '.join(SCENARIOS)} (default: all)",
+        help=f"comma-separated subset to run, of: {', '.join(SCENARIOS)} (default: all), "
+        f"or {', '.join(OPTIONAL_SCENARIOS)} (only when asked: a pack streamed from a "
+        "loopback S3 server through a 20 ms / 100 MB/s proxy)",
     )
     bench.set_defaults(run=_cmd_bench)
+
+    cache = command(
+        "cache",
+        "list or clear the local cache of remote packs",
+        "list: every pack in the cache (URL, identity, files, bytes, last use, files in use). "
+        "clear: delete cached packs (only those of --url if given); files some process reads "
+        "or downloads right now are left.",
+    )
+    cache.add_argument("action", choices=("list", "clear"))
+    cache.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="the cache folder (default: $TORCH_SERIALIZED_CACHE, else ~/.cache/torch_serialized)",
+    )
+    cache.add_argument("--url", help="clear: only the packs of this URL")
+    cache.add_argument("--json", action="store_true", help="list: print JSON instead")
+    cache.set_defaults(run=_cmd_cache)
+
+    prune = command(
+        "prune",
+        "delete the files earlier packs left at a URL",
+        "A pack written to a URL over an earlier one leaves the earlier shards and catalog in "
+        "place, so readers that opened it keep working. Delete the shard and catalog files "
+        "that the current manifest does not name, once no reader of an earlier pack is left.",
+        url=True,
+    )
+    prune.add_argument("url", help="the shard folder's URL")
+    prune.add_argument("--dry-run", action="store_true", help="list, delete nothing")
+    prune.set_defaults(run=_cmd_prune)
 
     demo = command(
         "demo",

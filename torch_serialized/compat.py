@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,20 @@ class SerializedDataset:
     (``target`` is ``{}`` for ids without an annotation).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.pack = VOCPackReader(path)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        self.pack = VOCPackReader(
+            path,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )
         self.decoder = SampleDecoder(self.pack)
         self.records = self.pack.live  # records an append retired are not samples
 

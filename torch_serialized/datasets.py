@@ -13,7 +13,7 @@ the iterable dataset, so both kinds open packs and apply transforms the same way
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,11 +44,20 @@ def open_split(
     checked: bool = False,
     zero_copy: bool = False,
     year: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
 ) -> tuple[VOCPackReader, np.ndarray, SampleDecoder]:
-    """Open the pack at ``path`` for ``image_set`` of ``task``: the pack, the image set's
-    record numbers (list-file order) and the decoder of its records. ``year``, if given,
-    must be the pack's."""
-    pack = VOCPackReader(path, checked=checked)
+    """Open the pack at ``path`` (local, or a URL read through the cache) for ``image_set``
+    of ``task``: the pack, the image set's record numbers (list-file order) and the decoder
+    of its records. ``year``, if given, must be the pack's."""
+    pack = VOCPackReader(
+        path,
+        checked=checked,
+        storage_options=storage_options,
+        cache_dir=cache_dir,
+        cache_limit_bytes=cache_limit_bytes,
+    )
     if year is not None and str(year) != pack.year:
         raise ValueError(
             f"{pack.path} holds VOC{pack.year}, not VOC{year}; pass that pack's "
@@ -109,11 +118,15 @@ class _PackedVOCBase:
         year: str | None,
         download: bool,
         zero_copy: bool,
+        storage_options: Mapping[str, Any] | None,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit_bytes: int | None,
     ) -> None:
         if download:
             raise ValueError(
-                "a pack is a local file: download with torchvision's VOCDetection(download=True) "
-                "once, pack it with torch_serialized.pack_voc, then pass the pack's path"
+                "a pack is not downloaded from torchvision's mirrors: download with "
+                "torchvision's VOCDetection(download=True) once, pack it with "
+                "torch_serialized.pack_voc, then pass the pack's path or URL"
             )
         self.pack, self.records, self.decoder = open_split(
             path,
@@ -125,6 +138,9 @@ class _PackedVOCBase:
             checked=checked,
             zero_copy=zero_copy,
             year=year,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
         self.year = self.pack.year
         self.image_set = image_set
@@ -247,6 +263,12 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
             keep the map alive and reading them pages the file in.
         year, download: accepted as keywords so ``VOCDetection(...)`` calls migrate by changing
             the first argument only; ``year`` must match the pack, ``download`` must be False.
+        storage_options, cache_dir, cache_limit_bytes: for a pack at a URL (``s3://``,
+            ``gs://``, ``https://``...): options passed to fsspec (credentials, endpoint), the
+            local cache folder (default ``$TORCH_SERIALIZED_CACHE``, else
+            ``~/.cache/torch_serialized``) and its bound in bytes (None: unbounded). Each shard
+            is downloaded on first touch: random access ends with the whole pack cached.
+            Ignored for a local path.
     """
 
     _TASK, _TARGET_DIR, _TARGET_EXT = "Main", "Annotations", ".xml"
@@ -266,10 +288,24 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         zero_copy: bool = False,
         year: str | None = None,
         download: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
         self._open(
-            path, image_set, decode, target_format, classes, checked, year, download, zero_copy
+            path,
+            image_set,
+            decode,
+            target_format,
+            classes,
+            checked,
+            year,
+            download,
+            zero_copy,
+            storage_options,
+            cache_dir,
+            cache_limit_bytes,
         )
 
     @property
@@ -313,9 +349,25 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
         zero_copy: bool = False,
         year: str | None = None,
         download: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
-        self._open(path, image_set, decode, "dict", None, checked, year, download, zero_copy)
+        self._open(
+            path,
+            image_set,
+            decode,
+            "dict",
+            None,
+            checked,
+            year,
+            download,
+            zero_copy,
+            storage_options,
+            cache_dir,
+            cache_limit_bytes,
+        )
 
     @property
     def masks(self) -> RecordNames:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -59,6 +59,10 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         drop_last: drop the tail so ranks get equal counts, instead of padding with repeats.
         block_size: positions per block (the unit of sequential reading).
         shuffle_buffer: samples held for mixing when ``shuffle`` (0 or 1: blocks only).
+        storage_options, cache_dir, cache_limit_bytes: for a pack at a URL, as
+            ``VOCSerializedDataset``.
+        prefetch: for a pack at a URL, shards each worker downloads ahead of the one it
+            reads, in background threads (0: download each shard when first read).
 
     **Work split.** Each epoch the image set's positions ``0..n-1`` are cut into blocks (see
     ``block_bounds``: runs of at most ``block_size`` consecutive positions, also cut at shard
@@ -86,6 +90,12 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
     (delays beyond that are geometrically rare). ``B < S`` mixes little beyond one block;
     ``B >= 4 S`` (the default 256 over 64) gives batches drawn from several blocks. Smaller
     blocks shuffle better and read less sequentially.
+
+    **Remote packs.** Each worker downloads only the shards its blocks touch, ``prefetch``
+    shards ahead, and releases each shard once it has read its last block there, so a bounded
+    cache (``cache_limit_bytes``) may evict it: streaming needs the working set cached, not the
+    pack. Workers and ranks on one machine sharing a cache download each shard once. The
+    samples and their order are those of the same pack read locally.
 
     **Epochs and resumption.** Call ``set_epoch`` before each epoch, as with
     ``DistributedSampler``. The epoch lives in a shared-memory integer handed to DataLoader
@@ -119,6 +129,10 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         block_size: int = 64,
         shuffle_buffer: int = 256,
         checked: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
+        prefetch: int = 2,
     ) -> None:
         super().__init__()
         if task not in TASKS:
@@ -129,6 +143,8 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.transforms = joint_transforms(transforms, transform, target_transform)
         self.transform = transform
         self.target_transform = target_transform
@@ -146,7 +162,11 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             target_format=target_format,
             classes=classes,
             checked=checked,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
+        self.prefetch = prefetch
         self.year = self.pack.year
         self.records = np.array(records, dtype=np.int64)
         target_field = schema.MASK if task == "Segmentation" else self.decoder.target_field
@@ -236,7 +256,13 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         reader = self.pack.reader
         in_flight = self.shuffle_buffer + (AHEAD + 1) * self.block_size
         items: Iterator[Item] = read_blocks(
-            blocks, self.records, reader, self._fields, gate, copy=not views_fit(reader, in_flight)
+            blocks,
+            self.records,
+            reader,
+            self._fields,
+            gate,
+            copy=not views_fit(reader, in_flight),
+            shards_ahead=self.prefetch,
         )
         if self.shuffle:
             rng = seeded_rng(self.seed, BUFFER, self.epoch, here.rank, here.worker)

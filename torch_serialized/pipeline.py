@@ -38,6 +38,7 @@ __all__ = [
     "Gate",
     "MAX_GAP",
     "AHEAD",
+    "ShardWindow",
     "record_runs",
     "read_block",
     "read_blocks",
@@ -236,6 +237,7 @@ def read_blocks(
     gate: Gate | None = None,
     *,
     copy: bool = False,
+    shards_ahead: int = 0,
 ) -> Iterator[Item]:
     """Items of each block in position order, their fields as views of the map.
 
@@ -246,26 +248,88 @@ def read_blocks(
     page cache (see benchmarks/README.md, "Measurements behind the code"). Nothing is held
     but views: no block buffers (with ``copy``, private arrays instead: see ``views_fit``).
     Items produced while ``gate`` is closed (a resume replay) carry no data.
+
+    A remote pack's shards are downloaded ``shards_ahead`` shards ahead of use and released
+    after their last block (``ShardWindow``); the kernel hints are then left out, since they
+    would open, and so wait for, shards still downloading.
     """
     gate = gate or Gate()
     runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
+    window = None
+    if reader.remote is not None and reader.num_shards > 1:
+        window = ShardWindow(reader, [records[block] for block in blocks], shards_ahead)
 
     def hint(b: int) -> None:
         runs[b] = record_runs(reader, records[blocks[b]])
-        for shard, local in runs[b]:
-            reader.shard(shard).prefetch(local)
+        if window is None:
+            for shard, local in runs[b]:
+                reader.shard(shard).prefetch(local)
 
     hinted = 0  # blocks hinted so far
     for b, block in enumerate(blocks):
         recs = records[block]
         data = None
         if gate.open:
+            if window is not None:
+                window.before(b)
             while hinted <= min(b + AHEAD, len(blocks) - 1):
                 hint(hinted)
                 hinted += 1
             data = read_block(reader, recs, fields, runs.pop(b, None), copy=copy)
+            if window is not None:
+                window.after(b)
         for position, record in zip(block.tolist(), recs.tolist()):
             yield Item(position, record, None if data is None else data[record])
+
+
+class ShardWindow:
+    """Which shards of a remote pack a stream holds, downloads ahead and releases.
+
+    The window at block ``b`` is the shards block ``b`` reads plus the next ``ahead`` distinct
+    shards later blocks read. ``before(b)`` asks the reader to prefetch the window's shards not
+    yet held; ``after(b)`` releases the held shards that are not in the next block's window, so
+    a bounded cache may evict them (a shard read again later, as a shuffled epoch does, is
+    fetched again: from the cache if still there). Only shards of these blocks are touched, so
+    each worker of each rank downloads only what it reads.
+    """
+
+    #: blocks looked ahead at most for the window (bounds the work per block)
+    SCAN = 4096
+
+    def __init__(self, reader: PackReader, block_records: Sequence[np.ndarray], ahead: int):
+        self.reader, self.ahead = reader, ahead
+        self.shards: list[list[int]] = [
+            np.unique(np.searchsorted(reader.starts, recs, side="right") - 1).tolist()
+            for recs in block_records
+        ]
+        self.held: set[int] = set()
+
+    def window(self, b: int) -> list[int]:
+        """Block ``b``'s shards, then the next ``ahead`` distinct shards, in order of use."""
+        if b >= len(self.shards):
+            return []
+        out = list(self.shards[b])
+        seen = set(out)
+        for c in range(b + 1, min(len(self.shards), b + 1 + self.SCAN)):
+            if len(out) - len(self.shards[b]) >= self.ahead:
+                break
+            for s in self.shards[c]:
+                if s not in seen and len(out) - len(self.shards[b]) < self.ahead:
+                    seen.add(s)
+                    out.append(s)
+        return out
+
+    def before(self, b: int) -> None:
+        wanted = [s for s in self.window(b) if s not in self.held]
+        if wanted:
+            self.reader.prefetch_shards(wanted)
+            self.held.update(wanted)
+
+    def after(self, b: int) -> None:
+        keep = set(self.window(b + 1))
+        for s in sorted(self.held - keep):
+            self.reader.release_shard(s)
+        self.held &= keep
 
 
 def shuffle_buffer(

@@ -26,10 +26,10 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .safeio import FileKindError, FileSizeError, open_regular, read_regular_file
+
+if TYPE_CHECKING:
+    from .remote_pack import RemotePack
 
 __all__ = ["ContainerReader", "PackReader", "open_pack", "default_max_open_shards"]
 
@@ -647,6 +650,13 @@ class PackReader:
     columns every shard holds, read once at open. Shards are opened on first use (``shard``),
     checked against their manifest entry and binding, and at most ``max_open_shards`` stay
     open (least recently used closed first); the catalog stays open.
+
+    ``path`` may be an fsspec URL (``s3://``, ``gs://``, ``https://``, ``file://``...): the
+    pack is then read through the local cache (``storage_options``, ``cache_dir`` and
+    ``cache_limit_bytes``: see ``remote_pack.resolve``; they are ignored for a local path).
+    Its manifest and catalog are downloaded at open, each shard on first use (or ahead of use,
+    ``prefetch_shards``), checked in full before it is renamed into the cache; ``path`` is then
+    the cache folder, ``url`` the URL.
     """
 
     def __init__(
@@ -655,12 +665,19 @@ class PackReader:
         *,
         checked: bool = False,
         max_open_shards: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         if max_open_shards is None:
             max_open_shards = default_max_open_shards()
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
-        location, manifest_path, data = _locate(Path(path))
+        location, manifest_path, data, self.remote = _locate(
+            path, storage_options, cache_dir, cache_limit_bytes
+        )
+        #: the pack's URL, None for a local pack
+        self.url: str | None = None if self.remote is None else self.remote.store.url_of()
         self.path = str(location)
         self.checked = checked
         self.max_open_shards = max_open_shards
@@ -724,7 +741,9 @@ class PackReader:
                 num_shards=len(manifest.shards),
             ),
         )
-        catalog = ContainerReader(Path(self.path) / entry.file, checked=self.checked, expect=expect)
+        catalog = ContainerReader(
+            self._local_file(entry.file, expect), checked=self.checked, expect=expect
+        )
         for name, array in catalog.arrays().items():
             if catalog.is_per_record(name):
                 raise expect.mismatch(catalog.path, f"the catalog holds per-record array {name!r}")
@@ -816,7 +835,8 @@ class PackReader:
         self._reset_open()
         for s, shard in known:
             shard.close()
-            self._closed[s] = shard
+            if self.remote is None:  # a remote shard is fetched (held) again by this process
+                self._closed[s] = shard
 
     @property
     def num_shards(self) -> int:
@@ -865,14 +885,72 @@ class PackReader:
         while len(self._open) > self.max_open_shards:
             old, closing = self._open.popitem(last=False)
             closing.close()  # the map goes once no view of it is left
+            if self.remote is not None:  # evictable now; fetched (and checked) again if needed
+                self.remote.release(self.entries[old].file)
+                continue
             self._closed[old] = closing
             while len(self._closed) > _MAX_CLOSED_SHARDS:
                 self._closed.popitem(last=False)
 
+    # -- remote packs: where the files come from -------------------------------------------
+    def _local_file(self, name: str, expect: Expected) -> Path:
+        """The local path of the pack's file ``name``: itself for a local pack; for a URL,
+        the cached copy, downloaded and checked in full (``intact``) unless cached."""
+        if self.remote is None:
+            return Path(self.path) / name
+        return self.remote.fetch_shard(name, expect.bytes, intact(expect))
+
+    def prefetch_shards(self, shards: Iterable[int]) -> None:
+        """Start downloading ``shards`` of a remote pack in the background (a no-op for a
+        local pack or shards already open here), so that reading them later does not wait."""
+        if self.remote is None or self.manifest_path is None:
+            return
+        from .remote_pack import ShardRequest
+
+        self._check_process()
+        requests = []
+        for s in shards:
+            expect = self._expected[s]
+            if expect is not None and s not in self._open:
+                requests.append(ShardRequest(self.entries[s].file, expect.bytes, intact(expect)))
+        self.remote.prefetch(requests)
+
+    def release_shard(self, s: int) -> None:
+        """Done with shard ``s`` for now: close its map and, for a remote pack, let the cache
+        evict it (it is fetched again if read again). Views handed out stay valid."""
+        if self.remote is None or self._expected[s] is None:
+            return
+        if self._catalog.path == self.shard_path(s):  # a version-1 pack's last shard
+            return
+        self._check_process()
+        with self._lock:
+            shard = self._open.pop(s, None)
+        if shard is not None:
+            shard.close()
+        self.remote.release(self.entries[s].file)
+
+    def close(self) -> None:
+        """Close every shard's map and, for a remote pack, stop prefetching and release the
+        shards this process holds in the cache (not the manifest and catalog, which stay in
+        use). The reader maps (and fetches) shards again on next use."""
+        self._check_process()
+        with self._lock:
+            opened = list(self._open.items())
+            self._open.clear()
+        for s, shard in opened:
+            shard.close()
+            if self.remote is None:
+                self._closed[s] = shard
+        if self.remote is not None:
+            keep = [fmt.MANIFEST_NAME, os.path.basename(self._catalog.path)]
+            self.remote.close(keep=keep)
+
     def _open_shard(self, s: int) -> ContainerReader:
-        path = self.shard_path(s)
         expect = self._expected[s]
         assert expect is not None
+        path = self.shard_path(s)
+        if self.remote is not None:
+            path = str(self._local_file(self.entries[s].file, expect))
         try:
             shard = ContainerReader(path, checked=self.checked, expect=expect)
         except (FileNotFoundError, FormatError) as exc:
@@ -1012,9 +1090,28 @@ def _describe_binding(value: Any) -> str:
     return f"pack {str(value.get('pack_id'))[:12]}... as " + ", ".join(parts)
 
 
-def _locate(path: Path) -> tuple[Path, Path | None, bytes | None]:
-    """Where the pack at ``path`` lives: its own path, and for a shard folder its manifest's
-    path and bytes (read as a regular file of bounded size)."""
+def _locate(
+    location: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
+) -> tuple[Path, Path | None, bytes | None, RemotePack | None]:
+    """Where the pack at ``location`` lives: its local path, for a shard folder its manifest's
+    path and bytes (read as a regular file of bounded size), and for a URL the ``RemotePack``
+    that fetches its files into the cache (the local path is then the cache's copy)."""
+    from .remote import is_url
+
+    remote = None
+    if is_url(location):
+        from .remote_pack import resolve
+
+        url = str(location)
+        if url.rstrip("/").endswith("/" + fmt.MANIFEST_NAME):
+            url = url.rstrip("/")[: -len(fmt.MANIFEST_NAME) - 1]
+        remote = resolve(url, storage_options, cache_dir, cache_limit_bytes, verify_file=intact())
+        path = remote.path
+    else:
+        path = Path(location)
     if path.name == fmt.MANIFEST_NAME and not path.is_dir() and os.path.lexists(path):
         path = path.parent
     manifest_path = path / fmt.MANIFEST_NAME
@@ -1023,13 +1120,30 @@ def _locate(path: Path) -> tuple[Path, Path | None, bytes | None]:
             data = read_regular_file(manifest_path, fmt.MAX_MANIFEST_BYTES, "the manifest")
         except (FileKindError, FileSizeError) as exc:
             raise CorruptFileError(f"{exc}; the pack is damaged, re-pack it") from None
-        return path, manifest_path, data
+        return path, manifest_path, data, remote
     if os.path.lexists(path):
-        return path, None, None
+        return path, None, None, remote
     raise FileNotFoundError(
         f"{path} does not exist; pack a VOC dataset first with torch_serialized.pack_voc "
         "or `torch-serialized pack`"
     )
+
+
+def intact(expect: Expected | None = None) -> Callable[[Path], bool]:
+    """A download check: the file at a path is a whole container (of ``expect``, a manifest
+    entry, when given) whose arrays and records all match their CRC32s."""
+
+    def check(path: Path) -> bool:
+        try:
+            container = ContainerReader(path, expect=expect)
+        except FormatError:
+            return False
+        try:
+            return not container.verify()
+        finally:
+            container.close()
+
+    return check
 
 
 def default_max_open_shards() -> int:
@@ -1052,7 +1166,19 @@ def open_pack(
     *,
     checked: bool = False,
     max_open_shards: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
 ) -> PackReader:
-    """Open a packed dataset (a ``.tser`` file or a shard folder). A shard folder keeps at most
-    ``max_open_shards`` shards mapped (default: ``default_max_open_shards()``)."""
-    return PackReader(path, checked=checked, max_open_shards=max_open_shards)
+    """Open a packed dataset (a ``.tser`` file or a shard folder, local or at a URL). A shard
+    folder keeps at most ``max_open_shards`` shards mapped (default:
+    ``default_max_open_shards()``). A URL is read through the local cache: see ``PackReader``.
+    """
+    return PackReader(
+        path,
+        checked=checked,
+        max_open_shards=max_open_shards,
+        storage_options=storage_options,
+        cache_dir=cache_dir,
+        cache_limit_bytes=cache_limit_bytes,
+    )

@@ -421,6 +421,10 @@ class RemoteStore:
         self.fs  # noqa: B018 - opens the filesystem and sets the root
         return f"{self._root}/{key}" if key else self._root
 
+    def fs_path(self, key: str = "") -> str:
+        """The path of ``key`` as ``fs`` names it (no scheme)."""
+        return self._path(key)
+
     # -- retries
 
     def call(self, what: str, key: str, fn: Callable[[], T]) -> T:

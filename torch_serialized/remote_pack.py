@@ -51,11 +51,13 @@ def resolve(
     prefetch_threads: int = 2,
     part_size: int = DEFAULT_PART_SIZE,
     max_concurrency: int = DEFAULT_CONCURRENCY,
+    verify_file: Callable[[Path], bool] | None = None,
 ) -> RemotePack:
     """Open the pack at ``url`` through the cache: a shard folder, or one ``.tser`` object.
 
-    A URL ending in ``.tser`` is a single-file pack, downloaded whole now; any other URL is a
-    shard folder whose ``manifest.json`` is read now and whose shards are downloaded when asked.
+    A URL ending in ``.tser`` is a single-file pack, downloaded whole now (``verify_file``, if
+    given, must pass on the download before it enters the cache); any other URL is a shard
+    folder whose ``manifest.json`` is read now and whose shards are downloaded when asked.
     """
     store = RemoteStore(
         url, storage_options, retry=retry, part_size=part_size, max_concurrency=max_concurrency
@@ -71,7 +73,9 @@ def resolve(
         def same_tail(path: Path) -> bool:  # the object was not replaced while we downloaded
             with open(path, "rb") as f:
                 f.seek(max(0, size - _TAIL))
-                return f.read() == tail
+                if f.read() != tail:
+                    return False
+            return verify_file is None or verify_file(path)
 
         path = pack_cache.fetch(
             name,
@@ -199,12 +203,19 @@ class RemotePack:
         self._check_fork()
         self.cache.release(name)
 
-    def close(self) -> None:
-        """Cancel pending prefetches, wait for running ones, release every held object."""
+    def close(self, keep: Iterable[str] = ()) -> None:
+        """Cancel pending prefetches, wait for running ones, release every held object (but
+        those named in ``keep``)."""
         self._check_fork()
         with self._mutex:
             pool, self._pool = self._pool, None
             self._pending.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        self.cache.close()
+        kept = set(keep)
+        if not kept:
+            self.cache.close()
+            return
+        for name in self.cache.held():
+            if name not in kept:
+                self.cache.release(name)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -47,15 +48,25 @@ def export_voc(
     *,
     overwrite: bool = False,
     progress: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
 ) -> Path:
-    """Rebuild ``out_root/<base_dir>/`` from the pack at ``path``; return that folder.
+    """Rebuild ``out_root/<base_dir>/`` from the pack at ``path`` (local, or a URL read
+    through the cache as ``VOCSerializedDataset`` reads it); return that folder.
 
     Raises ``ValueError`` for packs that do not hold the original files, ``FormatError`` for
     ids or stored paths that are unsafe (``..``, absolute, separators, NUL), ``ChecksumError``
     for a damaged record, and ``WriteError`` (``EEXIST``) when a file to write already exists
     and ``overwrite`` is false; that check happens before anything is written.
     """
-    pack = VOCPackReader(path, checked=True)
+    pack = VOCPackReader(
+        path,
+        checked=True,
+        storage_options=storage_options,
+        cache_dir=cache_dir,
+        cache_limit_bytes=cache_limit_bytes,
+    )
     if pack.image_storage != "original" or pack.meta.get("max_size") is not None:
         raise ValueError(
             f"{pack.path} was packed with image_storage={pack.image_storage!r} and "

@@ -16,6 +16,7 @@ token and time in its history: ``utc_now``). This module never imports torch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import itertools
@@ -33,7 +34,9 @@ from .._version import __version__
 from ..atomic import replace_file
 from ..errors import SourceDataError, WriteError
 from ..parallel import Record, Spilled, SpillPool, pays_off
+from ..remote import is_url
 from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
+from ..upload import write_then_upload
 from ..writer import PackWriter
 from . import schema
 from .images import ImageOptions
@@ -95,6 +98,10 @@ class PackResult:
     retired: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     bytes_written: int = 0
+    #: where the pack was uploaded (``pack_voc`` to a URL); ``path`` and ``report`` are then
+    #: the local staging copies, removed after the upload (the report went up beside the pack,
+    #: as ``url + ".skipped.json"``)
+    url: str | None = None
 
     @property
     def samples_per_second(self) -> float:
@@ -135,6 +142,7 @@ def pack_voc(
     on_error: Literal["raise", "skip"] = "raise",
     progress: bool = False,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> PackResult:
     """Pack a VOC dataset into ``output`` (a ``.tser`` file, or a shard folder with a limit).
 
@@ -155,7 +163,35 @@ def pack_voc(
     files beside the output, removed at the end); the output is byte-identical to one
     process (but for the random pack id and file names, and the time in its history).
     ``progress`` shows a progress bar.
+
+    ``output`` may be an fsspec URL (``s3://bucket/prefix/voc``; ``storage_options`` go to
+    fsspec): the pack is written to a temporary folder, then uploaded, its manifest last
+    (``upload.write_then_upload``), so readers never see a partial pack and readers of an
+    earlier pack at that URL keep working.
     """
+    if is_url(output):
+        local = functools.partial(
+            pack_voc,
+            root,
+            year=year,
+            max_samples_per_shard=max_samples_per_shard,
+            max_shard_bytes=max_shard_bytes,
+            workers=workers,
+            image_storage=image_storage,
+            max_size=max_size,
+            check_images=check_images,
+            on_error=on_error,
+            progress=progress,
+            max_file_bytes=max_file_bytes,
+        )
+        result = write_then_upload(
+            str(output),
+            storage_options,
+            local,
+            written=lambda r: r.path,
+            report=lambda r: r.report,
+        )
+        return dataclasses.replace(result, url=str(output))
     if image_storage not in ("original", "raw"):
         raise ValueError(f"image_storage must be 'original' or 'raw', got {image_storage!r}")
     if max_size is not None and max_size < 1:

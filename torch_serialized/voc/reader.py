@@ -32,8 +32,22 @@ __all__ = ["VOCPackReader"]
 class VOCPackReader:
     """Read access to a pack written by ``pack_voc``."""
 
-    def __init__(self, path: str | os.PathLike[str], *, checked: bool = False) -> None:
-        self.reader = PackReader(path, checked=checked)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        checked: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        self.reader = PackReader(
+            path,
+            checked=checked,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )
         meta = self.reader.user
         if meta.get("schema") != schema.SCHEMA:
             raise FormatError(

@@ -22,6 +22,8 @@ SCENARIOS: tuple[str, ...] = (
     "gpu",
     "memory",
 )
+#: Scenarios run only when asked for (``--scenarios remote``): they need extra packages.
+OPTIONAL_SCENARIOS: tuple[str, ...] = ("remote",)
 
 
 #: The second reference beside torchvision, measured in the same run (``lmdb_store``).

@@ -22,12 +22,13 @@ from .appending import scenario_append
 from .attributes import scenario_attributes
 from .cold import scenario_cold
 from .context import Bench
-from .core import IMAGE_SET, SCENARIOS, SEED, Row
+from .core import IMAGE_SET, OPTIONAL_SCENARIOS, SCENARIOS, SEED, Row
 from .decoded import scenario_decoded, scenario_tensor
 from .gpu import scenario_gpu
 from .loader import scenario_dataloader
 from .memory import scenario_memory
 from .packing import scenario_pack
+from .remote import scenario_remote
 from .report import json_default, miss_text, plot_chart, render_markdown, row_from_dict
 from .system import environment, files_under, read_all
 
@@ -42,6 +43,7 @@ _RUNNERS: dict[str, Callable[[Bench], list[Row]]] = {
     "dataloader": scenario_dataloader,
     "gpu": scenario_gpu,
     "memory": scenario_memory,
+    "remote": scenario_remote,
 }
 
 
@@ -70,10 +72,11 @@ def run_benchmark(
     table at the end. Returns what ``results.json`` holds (plus ``chart``, the PNG or None).
     """
     chosen = list(SCENARIOS if scenarios is None else scenarios)
-    unknown = [s for s in chosen if s not in SCENARIOS]
+    known = SCENARIOS + OPTIONAL_SCENARIOS
+    unknown = [s for s in chosen if s not in known]
     if unknown:
-        raise ValueError(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
-    chosen = [s for s in SCENARIOS if s in chosen]
+        raise ValueError(f"unknown scenarios {unknown}; choose from {', '.join(known)}")
+    chosen = [s for s in known if s in chosen]
     if quick:
         num_images, repeats = min(num_images, 64), 1
     if repeats < 1 or num_images < 1 or workers < 0:
@@ -172,7 +175,8 @@ def main(
     parser.add_argument(
         "--scenarios",
         default=",".join(SCENARIOS),
-        help=f"comma-separated subset of {','.join(SCENARIOS)}",
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all), or "
+        f"{','.join(OPTIONAL_SCENARIOS)} (only when asked)",
     )
     parser.add_argument("--workers", type=int, default=2, help="pack and DataLoader processes")
     parser.add_argument("--work-dir", help="keep generated data and packs here")

@@ -1,0 +1,97 @@
+"""The command line over packs at URLs: info, verify, export, pack, prune and cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from torch_serialized import pack_voc
+from torch_serialized.cli import main
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse: usage errors
+        status = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.slow
+def test_pack_info_verify_export_prune_and_cache_over_s3(
+    s3_remote: Remote, voc8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = s3_remote.url + "/voc"
+    options = json.dumps(s3_remote.storage_options)
+    cache = tmp_path / "cache"
+    remote = ["--storage-options", options, "--cache-dir", cache]
+    status, out, _ = run(capsys, "pack", voc8, url, "--samples-per-shard", 3, "-q", *remote)
+    assert status == 0 and f"{url} (uploaded, manifest last)" in out
+    status, _, err = run(capsys, "pack", voc8, url, "--samples-per-shard", 3, "-q", *remote)
+    assert status == 2 and "--overwrite" in err
+    status, out, _ = run(capsys, "info", url, "--json", *remote)
+    info = json.loads(out)
+    assert status == 0 and info["path"] == url and info["num_samples"] == 8
+    assert Path(info["cached_in"]).is_relative_to(cache)
+    status, out, _ = run(capsys, "verify", url, *remote, "--cache-limit", "1GB")
+    assert status == 0 and out.startswith(f"OK {url}")
+    status, out, _ = run(capsys, "export", url, tmp_path / "out", "-q", *remote)
+    assert status == 0
+    exported = sorted(p.name for p in (tmp_path / "out").rglob("*.xml"))
+    assert exported == sorted(p.name for p in voc8.rglob("*.xml"))
+    status, _, _ = run(capsys, "pack", voc8, url, "--shards", 2, "-q", "--overwrite", *remote)
+    assert status == 0
+    status, out, _ = run(capsys, "prune", url, "--dry-run", *remote)
+    assert status == 0 and "would delete 4 file(s)" in out  # 3 shards and a catalog
+    status, out, _ = run(capsys, "prune", url, *remote)
+    assert status == 0 and "deleted 4 file(s)" in out
+    status, out, _ = run(capsys, "verify", url, *remote)
+    assert status == 0 and "in 2 shards" in out
+
+    status, out, _ = run(capsys, "cache", "list", "--cache-dir", cache, "--json")
+    listed = json.loads(out)
+    assert status == 0 and len(listed) == 2 and {p["url"] for p in listed} == {url}
+    status, out, _ = run(capsys, "cache", "list", "--cache-dir", cache)
+    assert status == 0 and "2 pack(s)" in out and url in out
+    status, out, _ = run(capsys, "cache", "clear", "--cache-dir", cache)
+    assert status == 0 and "removed 2 pack(s)" in out
+    status, out, _ = run(capsys, "cache", "list", "--cache-dir", cache)
+    assert "0 pack(s)" in out
+
+
+def test_a_missing_url_is_one_line_naming_it(
+    remote: Remote, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = remote.url + "/nothing"
+    options = json.dumps(remote.storage_options)
+    status, _, err = run(capsys, "info", url, "--storage-options", options, "--cache-dir", tmp_path)
+    assert status == 2 and "nothing" in err and "not found" in err
+    status, _, err = run(capsys, "info", url, "--storage-options", "[1]")
+    assert status == 2 and "JSON object" in err
+
+
+def test_verify_names_a_damaged_shard_at_a_url(
+    remote: Remote, voc8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pack = pack_voc(voc8, tmp_path / "p", max_samples_per_shard=3).path
+    files = sorted(pack.iterdir(), key=lambda f: f.name == "manifest.json")
+    shard = next(f for f in files if f.name.startswith("shard-"))
+    for f in files:
+        data = bytearray(f.read_bytes())
+        if f == shard:
+            data[4096] ^= 1
+        remote.put(f.name, bytes(data))
+    options = json.dumps(remote.storage_options)
+    status, out, _ = run(
+        capsys, "verify", remote.url, "--storage-options", options, "--cache-dir", tmp_path / "c"
+    )
+    assert status == 1 and "1 damaged shard" in out and shard.name in out

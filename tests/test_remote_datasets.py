@@ -1,0 +1,407 @@
+"""Packs at URLs read end to end through real loopback servers (HTTP with Range, moto S3)
+and the fault proxy: every reader gives what the same pack gives locally."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torch_serialized as ts
+from torch_serialized.errors import ChecksumError, RemoteNotFoundError
+from torch_serialized.reader import open_pack
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+
+HERE = Path(__file__).parent
+#: for tests of our own logic above the transfer layer, which both servers exercise alike
+ONE_SERVER = pytest.mark.parametrize("remote", ["http"], indirect=True)
+REPO = HERE.parent
+
+
+def upload(remote: Remote, pack: Path) -> None:
+    """Put a local pack (a shard folder's files, or one file) under ``remote``'s folder."""
+    files = sorted(pack.iterdir()) if pack.is_dir() else [pack]
+    files.sort(key=lambda f: f.name == "manifest.json")  # manifest last
+    if remote.kind == "s3":  # one filesystem for all the files (a session costs ~0.5 s)
+        from remote_fixtures import BUCKET, direct_s3  # the plugin, loaded by then
+
+        fs = direct_s3(remote.served.server.url)
+        for f in files:
+            fs.put_file(str(f), f"{BUCKET}/{remote.prefix}/{f.name}")
+        return
+    for f in files:
+        remote.put(f.name, f.read_bytes())
+
+
+def cached_bytes(folder: Path) -> int:
+    """Bytes of the pack files in a cache folder; a file evicted (by a prefetch thread) between
+    the listing and its ``stat`` counts nothing."""
+    total = 0
+    for path in folder.glob("*.tser"):
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+    return total
+
+
+def shard_names(pack: Path) -> list[str]:
+    return [s["file"] for s in json.loads((pack / "manifest.json").read_bytes())["shards"]]
+
+
+def digest(image: torch.Tensor) -> str:
+    return hashlib.blake2b(image.numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def drop(target: object) -> int:
+    return 0
+
+
+def stream(
+    path: str | Path, loader_workers: int = 2, **kwargs: Any
+) -> tuple[ts.VOCSerializedIterableDataset, Iterator[Any]]:
+    ds = ts.VOCSerializedIterableDataset(
+        path,
+        "trainval",
+        shuffle=True,
+        seed=3,
+        block_size=4,
+        shuffle_buffer=8,
+        decode="none",
+        transform=digest,
+        target_transform=drop,
+        **kwargs,
+    )
+    return ds, iter(DataLoader(ds, batch_size=None, num_workers=loader_workers))
+
+
+#: the prefix holding ``stream_packs["shards"]`` on each server, uploaded once per session
+_UPLOADED: dict[str, str] = {}
+
+
+@pytest.fixture
+def served(remote: Remote, stream_packs: dict[str, Path]) -> Remote:
+    """``stream_packs["shards"]`` on the server (shared by the tests that only read it)."""
+    if remote.kind not in _UPLOADED:
+        upload(remote, stream_packs["shards"])
+        _UPLOADED[remote.kind] = remote.prefix
+    return dataclasses.replace(remote, prefix=_UPLOADED[remote.kind])
+
+
+@pytest.fixture
+def own_copy(remote: Remote, stream_packs: dict[str, Path]) -> Remote:
+    """``stream_packs["shards"]`` in this test's own folder, for a test that changes it."""
+    upload(remote, stream_packs["shards"])
+    return remote
+
+
+def test_map_style_dataset_from_a_url_equals_the_local_pack(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    local = ts.VOCSerializedDataset(stream_packs["shards"], "trainval")
+    ours = ts.VOCSerializedDataset(
+        served.url, "trainval", storage_options=served.storage_options, cache_dir=tmp_path
+    )
+    assert ours.root == served.url
+    names = shard_names(stream_packs["shards"])
+    # the manifest and catalog at open, no shard yet
+    assert served.proxy.count("GET", served.path("manifest.json")) == 1
+    assert served.proxy.count("GET", "catalog-") == 1
+    assert all(served.proxy.count("GET", served.path(n)) == 0 for n in names)
+    assert len(ours) == len(local)
+    ours[len(ours) - 1]  # first touch of the last shard downloads it, and only it
+    touched = [n for n in names if served.proxy.count("GET", served.path(n))]
+    assert len(touched) == 1
+    for i in range(len(local)):
+        (a, ta), (b, tb) = ours[i], local[i]
+        assert ta == tb
+        assert a.tobytes() == b.tobytes()
+    assert all(served.proxy.count("GET", served.path(n)) <= 1 for n in names)  # downloaded once
+
+
+def test_a_single_file_pack_at_a_url(
+    remote: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    single = stream_packs["single"]
+    upload(remote, single)
+    url = f"{remote.url}/{single.name}"
+    with pytest.raises(RemoteNotFoundError, match="manifest.json"):
+        open_pack(
+            remote.url + "/missing", storage_options=remote.storage_options, cache_dir=tmp_path
+        )
+    ours = ts.SerializedDataset(url, storage_options=remote.storage_options, cache_dir=tmp_path)
+    local = ts.SerializedDataset(single)
+    assert len(ours) == len(local)
+    for i in (0, len(local) // 2, len(local) - 1):
+        a, b = ours[i], local[i]
+        assert a["id"] == b["id"] and a["target"] == b["target"]
+        assert np.array_equal(a["image"], b["image"])
+
+
+def test_iterable_from_a_url_equals_the_local_pack(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    _, it = stream(stream_packs["shards"])
+    want = [d for d, _ in it]
+    _, it = stream(served.url, storage_options=served.storage_options, cache_dir=tmp_path)
+    assert [d for d, _ in it] == want
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11
+def test_resume_works_across_a_url_and_a_local_copy(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    local = stream_packs["shards"]
+    remote_kw = {"storage_options": served.storage_options, "cache_dir": tmp_path}
+    _, it = stream(local)
+    want = [d for d, _ in it]
+    for first, second in ((served.url, local), (local, served.url)):
+        a, _ = stream(first, **(remote_kw if first == served.url else {}))
+        loader = stateful.StatefulDataLoader(a, batch_size=None, num_workers=2)
+        got = []
+        for d, _ in loader:
+            got.append(d)
+            if len(got) == 13:
+                state = loader.state_dict()
+                break
+        b, _ = stream(second, **(remote_kw if second == served.url else {}))
+        loader = stateful.StatefulDataLoader(b, batch_size=None, num_workers=2)
+        loader.load_state_dict(state)
+        got.extend(d for d, _ in loader)
+        assert got == want
+
+
+@ONE_SERVER
+def test_every_reader_of_the_issue_takes_a_url(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    kw = {"storage_options": served.storage_options, "cache_dir": tmp_path}
+    seg = ts.VOCSerializedSegmentation(served.url, "trainval", **kw)
+    local = ts.VOCSerializedSegmentation(stream_packs["shards"], "trainval")
+    assert len(seg) == len(local)
+    assert np.array_equal(np.asarray(seg[0][1]), np.asarray(local[0][1]))
+    reader = ts.open_pack(served.url, **kw)
+    assert (
+        reader.url == served.url
+        and reader.num_records == open_pack(stream_packs["shards"]).num_records
+    )
+    assert reader.verify() == []
+
+
+def test_a_damaged_shard_on_the_server_downloads_twice_then_raises(
+    own_copy: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    served = own_copy
+    name = shard_names(stream_packs["shards"])[0]
+    data = bytearray((stream_packs["shards"] / name).read_bytes())
+    data[4096] ^= 0xFF  # a record's byte: size and metadata checksum still match
+    served.put(name, bytes(data))
+    ds = ts.VOCSerializedDataset(
+        served.url, "trainval", storage_options=served.storage_options, cache_dir=tmp_path
+    )
+    first = int(np.flatnonzero(ds.records == 0)[0])
+    with pytest.raises(ChecksumError) as info:
+        ds[first]
+    assert served.url in str(info.value) and name in str(info.value)
+    assert served.proxy.count("GET", served.path(name)) == 2
+    assert not [p for p in Path(ds.pack.path).iterdir() if p.name == name or "partial" in p.name]
+
+
+def test_a_missing_pack_names_the_url_and_what_to_check(remote: Remote, tmp_path: Path) -> None:
+    with pytest.raises(RemoteNotFoundError) as info:
+        ts.VOCSerializedDataset(
+            remote.url + "/nothing-here",
+            storage_options=remote.storage_options,
+            cache_dir=tmp_path,
+        )
+    assert "nothing-here" in str(info.value) and "Check" in str(info.value)
+
+
+def test_an_epoch_through_faults_equals_the_local_pack(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    _, it = stream(stream_packs["shards"])
+    want = [d for d, _ in it]
+    names = shard_names(stream_packs["shards"])
+    proxy = served.proxy
+    proxy.configure(latency=0.005)
+    proxy.add_fault("drop", count=1, path=names[1])
+    proxy.add_fault("status", status=503, count=2, path=names[2])
+    proxy.add_fault("truncate", count=1, path=names[3], after_bytes=100)
+    proxy.add_fault("status", status=429, count=1, path=names[4])
+    _, it = stream(served.url, storage_options=served.storage_options, cache_dir=tmp_path)
+    assert [d for d, _ in it] == want
+    faults = proxy.stats()["faults"]
+    assert faults.get("drop") == 1 and faults.get("truncate") == 1 and faults.get("status") == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_two_ranks_with_two_workers_share_one_cache_and_download_each_shard_once(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path, start: str
+) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    procs = []
+    for rank in (0, 1):
+        spec = {
+            "url": served.url,
+            "storage_options": served.storage_options,
+            "cache_dir": str(tmp_path),
+            "rank": rank,
+            "world_size": 2,
+            "start": start,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE / "_remote_rank.py"), json.dumps(spec)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    seen = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        seen.extend(json.loads(out))
+    local = ts.VOCSerializedDataset(stream_packs["shards"], "trainval", decode="none")
+    assert set(seen) == {digest(local[i][0]) for i in range(len(local))}
+    for name in shard_names(stream_packs["shards"]):
+        assert served.proxy.count("GET", served.path(name)) <= 1, name
+    assert served.proxy.count("GET", "catalog-") == 1
+
+
+@ONE_SERVER
+def test_a_bounded_cache_keeps_a_stream_within_its_limit(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    pack = stream_packs["shards"]
+    sizes = [(pack / n).stat().st_size for n in shard_names(pack)]
+    fixed = sum(f.stat().st_size for f in pack.iterdir() if f.name not in shard_names(pack))
+    limit = fixed + 4 * max(sizes)
+    _, it = stream(pack, loader_workers=0)
+    want = [d for d, _ in it]
+    ds, it = stream(
+        served.url,
+        loader_workers=0,
+        storage_options=served.storage_options,
+        cache_dir=tmp_path,
+        cache_limit_bytes=limit,
+        prefetch=1,
+    )
+    got = []
+    for d, _ in it:
+        got.append(d)
+        cached = cached_bytes(Path(ds.pack.path))
+        assert cached <= limit
+    assert got == want
+    assert len(list(Path(ds.pack.path).glob("shard-*.tser"))) < len(sizes)
+
+
+@pytest.mark.slow
+def test_pack_voc_to_a_url_then_a_repack_keeps_an_open_reader_working(
+    s3_remote: Remote, voc40: Path, voc8: Path, tmp_path: Path
+) -> None:
+    url, options = s3_remote.url + "/voc", s3_remote.storage_options
+    result = ts.pack_voc(voc40, url, max_samples_per_shard=9, storage_options=options)
+    assert result.url == url and not Path(result.path).exists()  # staging removed
+    log = [line for line in s3_remote.proxy.stats()["log"] if line.startswith("PUT")]
+    assert log and "manifest.json" in log[-1]  # uploaded last
+    local = ts.pack_voc(voc40, tmp_path / "local", max_samples_per_shard=9).path
+    old = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    want = ts.VOCSerializedDataset(local, "trainval")
+    old[0]  # one shard cached, the others not yet
+    ts.pack_voc(voc8, url, max_samples_per_shard=3, storage_options=options)
+    assert len(old) == len(want)
+    for i in range(len(want)):  # the old pack's shards are still there
+        assert old[i][1] == want[i][1]
+    new = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    v8 = ts.VOCSerializedDataset(ts.pack_voc(voc8, tmp_path / "v8").path, "trainval")
+    assert [new[i][1] for i in range(len(new))] == [v8[i][1] for i in range(len(v8))]
+    assert new.pack.reader.manifest_sha256 != old.pack.reader.manifest_sha256
+    assert new.pack.path != old.pack.path  # a fresh cache folder: no stale shards mix in
+    stale = ts.prune_remote(url, options, dry_run=True)
+    assert len(stale) == len(shard_names(local)) + 1  # the old shards and catalog
+    assert ts.prune_remote(url, options) == stale
+    assert ts.prune_remote(url, options) == []
+    fresh = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    assert [fresh[i][1] for i in range(len(fresh))] == [new[i][1] for i in range(len(new))]
+
+
+def test_a_single_file_pack_written_to_a_url(s3_remote: Remote, voc8: Path, tmp_path: Path) -> None:
+    url, options = s3_remote.url + "/voc8.tser", s3_remote.storage_options
+    ts.pack_voc(voc8, url, storage_options=options)
+    ours = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    want = ts.VOCSerializedDataset(ts.pack_voc(voc8, tmp_path / "v8.tser").path, "trainval")
+    assert [ours[i][1] for i in range(len(ours))] == [want[i][1] for i in range(len(want))]
+
+
+@ONE_SERVER
+def test_each_rank_downloads_only_the_shards_it_reads(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    pack = stream_packs["shards"]
+    names = shard_names(pack)
+    reader = open_pack(pack)
+    for rank in (0, 1):
+        ds = ts.VOCSerializedIterableDataset(
+            served.url,
+            "trainval",
+            rank=rank,
+            world_size=2,
+            decode="none",
+            storage_options=served.storage_options,
+            cache_dir=tmp_path / f"rank{rank}",
+        )
+        read = {int(r) for block in ds.blocks() for r in ds.records[block]}
+        needed = {names[int(np.searchsorted(reader.starts, r, side="right")) - 1] for r in read}
+        served.proxy.reset()
+        assert len(list(ds)) == len(read)
+        fetched = {n for n in names if served.proxy.count("GET", served.path(n))}
+        assert fetched == needed and len(needed) < len(names)
+
+
+def test_access_denied_names_the_url_and_what_to_check(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    served.proxy.add_fault("status", status=403, count=None)
+    with pytest.raises(ts.RemoteAccessError) as info:
+        ts.VOCSerializedDataset(
+            served.url, storage_options=served.storage_options, cache_dir=tmp_path
+        )
+    assert "manifest.json" in str(info.value) and "credentials" in str(info.value)
+    assert served.proxy.stats()["faults"]["status"] == 1  # not retried
+
+
+@ONE_SERVER
+def test_close_releases_the_shards_but_not_the_catalog(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    reader = open_pack(served.url, storage_options=served.storage_options, cache_dir=tmp_path)
+    assert reader.verify() == []  # every shard fetched and held
+    assert reader.remote is not None and reader.manifest is not None
+    catalog = reader.manifest.catalog
+    assert catalog is not None
+    assert len(reader.remote.cache.held()) == reader.num_shards + 2
+    reader.close()
+    assert reader.remote.cache.held() == sorted(["manifest.json", catalog.file])
+    assert reader.verify() == []  # fetched again (from the cache: no new download)
+    assert served.proxy.count("GET", "shard-") == reader.num_shards

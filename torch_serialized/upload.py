@@ -1,0 +1,95 @@
+"""Packs written to a URL: written locally first, then uploaded, the manifest last.
+
+``write_then_upload`` wraps a local write (``pack_voc`` to a path) so that the pack goes up
+only once it is whole and checked: the shards and the catalog first (in parallel), then the
+manifest, which is what makes a reader see the new pack. Every write names its shards and
+catalog with a fresh token (docs/FORMAT.md, "Shard folders"), so a re-pack at the same URL
+never overwrites a file that the previous manifest names: a reader that opened the previous
+pack keeps reading it. Those older files stay behind as garbage until ``prune_remote``
+removes them. A single-file pack is one object, uploaded the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from . import format as fmt
+from .remote import RemoteStore
+
+__all__ = ["prune_remote", "write_then_upload"]
+
+#: What a file of a pack written by torch_serialized is called (shards and catalogs), the only
+#: names ``prune_remote`` ever deletes.
+_PACK_FILE = re.compile(r"^(shard-\d+|catalog)(-[0-9a-f]+)?\.tser$")
+#: The suffix of the skipped-samples report (``voc.pack.REPORT_SUFFIX``).
+REPORT_SUFFIX = ".skipped.json"
+
+R = TypeVar("R")
+
+
+def write_then_upload(
+    url: str,
+    storage_options: Mapping[str, Any] | None,
+    write: Callable[[Path], R],
+    *,
+    written: Callable[[R], Path],
+    report: Callable[[R], Path | None] = lambda _result: None,
+) -> R:
+    """Run ``write(local_path)`` into a temporary folder (under ``$TMPDIR``), upload what
+    it wrote to ``url`` (a shard folder with its manifest last, or one file) and return its
+    result. ``written(result)`` is the local output; ``report(result)``, if any, goes up as
+    ``url + ".skipped.json"``. Nothing is uploaded if ``write`` fails."""
+    store = RemoteStore(url, storage_options)
+    name = store.url.rsplit("/", 1)[-1] or "pack"
+    with tempfile.TemporaryDirectory(prefix="torch_serialized-upload-") as tmp:
+        result = write(Path(tmp) / name)
+        local = written(result)
+        if local.is_dir():
+            store.upload_folder(local, last=[fmt.MANIFEST_NAME])
+        else:
+            store.upload_file(local)
+        skipped = report(result)
+        if skipped is not None:
+            RemoteStore(store.url + REPORT_SUFFIX, storage_options).upload_file(skipped)
+    return result
+
+
+def prune_remote(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, dry_run: bool = False
+) -> list[str]:
+    """Delete the shards and catalogs under the shard folder at ``url`` that its current
+    manifest does not name (left by earlier packs at the same URL); return their names.
+
+    Run it when no reader of an earlier pack is still reading: such a reader fetches shards
+    of the manifest it opened, and would fail on one that was pruned. Only files named like
+    a pack's files are considered; ``dry_run`` lists without deleting.
+    """
+    store = RemoteStore(url, storage_options)
+    manifest = fmt.parse_manifest(
+        store.read_bytes(fmt.MANIFEST_NAME), store.url_of(fmt.MANIFEST_NAME)
+    )
+    keep = {entry.file for entry in manifest.shards}
+    if manifest.catalog is not None:
+        keep.add(manifest.catalog.file)
+    root = store.fs_path("")
+    names = store.call("list", "", lambda: store.fs.ls(root, detail=False))
+    stale = sorted(
+        base
+        for base in (os.path.basename(str(n).rstrip("/")) for n in names)
+        if _PACK_FILE.match(base) and base not in keep
+    )
+    if not dry_run:
+        for base in stale:
+            _delete(store, base)
+        store.fs.invalidate_cache()
+    return stale
+
+
+def _delete(store: RemoteStore, key: str) -> None:
+    path = store.fs_path(key)
+    store.call("delete", key, lambda: store.fs.rm_file(path))

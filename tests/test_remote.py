@@ -513,3 +513,38 @@ def test_upload_folder_needs_its_manifest(tmp_path: Path) -> None:
     (tmp_path / "shard.tser").write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         RemoteStore((tmp_path / "out").as_uri()).upload_folder(tmp_path)
+
+
+def test_retry_policy_from_the_environment() -> None:
+    """Retries are configurable without code (every worker and rank reads the same
+    variables): attempts and the longest wait; bad values name the variable."""
+    from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
+
+    assert RetryPolicy.from_env({}) == RetryPolicy()
+    policy = RetryPolicy.from_env({RETRY_ATTEMPTS_ENV: "9", RETRY_MAX_DELAY_ENV: "0.2"})
+    assert (policy.attempts, policy.max_delay, policy.base_delay) == (9, 0.2, 0.2)
+    assert RetryPolicy.from_env({RETRY_ATTEMPTS_ENV: " "}) == RetryPolicy()
+    with pytest.raises(ValueError, match=RETRY_ATTEMPTS_ENV):
+        RetryPolicy.from_env({RETRY_ATTEMPTS_ENV: "many"})
+    with pytest.raises(ValueError, match="attempts"):
+        RetryPolicy.from_env({RETRY_ATTEMPTS_ENV: "0"})
+
+
+def test_a_store_without_a_policy_follows_the_environment(
+    monkeypatch: pytest.MonkeyPatch, http_server: Any, tmp_path: Path
+) -> None:
+    """A dataset's store (no policy passed) makes as many attempts as the environment says,
+    and the error names the variable that allows more."""
+    from remote_fixtures import Remote
+
+    from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
+
+    remote = Remote("http", http_server, "retry-env")
+    http_server.proxy.reset()
+    remote.put("obj.bin", payload(100))
+    remote.proxy.add_fault(count=None, method="GET", **FAULTS["503"])
+    monkeypatch.setenv(RETRY_ATTEMPTS_ENV, "2")
+    monkeypatch.setenv(RETRY_MAX_DELAY_ENV, "0.01")
+    with pytest.raises(RemoteError, match=f"failed 2 times.*{RETRY_ATTEMPTS_ENV}, now 2"):
+        RemoteStore(remote.url).download("obj.bin", tmp_path / "obj.bin", expected_size=100)
+    assert remote.proxy.count("GET", remote.path("obj.bin")) == 2

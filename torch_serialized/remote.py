@@ -275,6 +275,11 @@ def classify_error(exc: BaseException) -> Fault:
     return Fault.FATAL
 
 
+#: Environment variables that change the default ``RetryPolicy`` (``RetryPolicy.from_env``).
+RETRY_ATTEMPTS_ENV = "TORCH_SERIALIZED_RETRY_ATTEMPTS"
+RETRY_MAX_DELAY_ENV = "TORCH_SERIALIZED_RETRY_MAX_DELAY"
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How transient faults are retried: ``attempts`` tries in all, exponential backoff.
@@ -297,6 +302,34 @@ class RetryPolicy:
                 "RetryPolicy needs 0 <= base_delay <= max_delay, got "
                 f"base_delay={self.base_delay!r}, max_delay={self.max_delay!r}"
             )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RetryPolicy:
+        """The default policy, with ``TORCH_SERIALIZED_RETRY_ATTEMPTS`` (tries in all) and
+        ``TORCH_SERIALIZED_RETRY_MAX_DELAY`` (seconds) applied when set: how a training job
+        changes retries without code, in every DataLoader worker and rank alike."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for variable, key, kind in (
+            (RETRY_ATTEMPTS_ENV, "attempts", int),
+            (RETRY_MAX_DELAY_ENV, "max_delay", float),
+        ):
+            text = environ.get(variable)
+            if text is None or not text.strip():
+                continue
+            try:
+                values[key] = kind(text)
+            except ValueError:
+                raise ValueError(
+                    f"{variable}={text!r} is not a number; unset it or give e.g. "
+                    f"{variable}={cls.attempts if key == 'attempts' else cls.max_delay}"
+                ) from None
+        if "max_delay" in values:
+            values["base_delay"] = min(cls.base_delay, values["max_delay"])
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (from the environment: {sorted(values)})") from None
 
     def delay(self, retry: int, rng: random.Random) -> float:
         """Seconds to wait before retry number ``retry`` (1 for the first retry)."""
@@ -356,7 +389,7 @@ class RemoteStore:
         self.url = url.rstrip("/") if not url.endswith("://") else url
         self.protocol = url.split("://", 1)[0].lower()
         self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or RetryPolicy.from_env()
         self.part_size = part_size
         self.max_concurrency = max_concurrency
         self._reset()
@@ -472,7 +505,8 @@ class RemoteStore:
         if fault is Fault.TRANSIENT:
             return RemoteError(
                 f"{url}: {what} failed {attempt} times, the last with {_describe(exc)}. Check "
-                "the network and the endpoint, or allow more attempts (RetryPolicy)"
+                "the network and the endpoint, or allow more attempts (environment variable "
+                f"{RETRY_ATTEMPTS_ENV}, now {self.retry.attempts})"
             )
         if any(_http_status(e) == 416 for e in _causes(exc)):
             return RemoteError(

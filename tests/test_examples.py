@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -98,14 +100,59 @@ def run_example(script: str, args: list[str], tmp_path: Path) -> subprocess.Comp
     )
 
 
+#: Example runs at a time: each is one process, mostly waiting on torch's import or on
+#: DataLoader workers, so two overlap well on a 2-core CI machine (the runs took ~100 s of
+#: CI's 15 minutes one after the other).
+PARALLEL_RUNS = 2
+
+Run = tuple[subprocess.CompletedProcess, Path]
+
+
+@pytest.fixture(scope="module")
+def example_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str, str, list[str]], Run]:
+    """Every example run the session selected, started together ``PARALLEL_RUNS`` at a time
+    on first use; ``get(kind, script, args)`` waits for one and returns it with its folder."""
+    selected = {
+        (item.originalname, item.callspec.id)
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    pool = ThreadPoolExecutor(PARALLEL_RUNS, thread_name_prefix="example")
+    request.addfinalizer(pool.shutdown)
+    futures: dict[tuple[str, str], Future[Run]] = {}
+
+    def start(kind: str, script: str, args: list[str]) -> None:
+        folder = tmp_path_factory.mktemp(f"{kind}-{script}")
+        futures[kind, script] = pool.submit(lambda: (run_example(script, args, folder), folder))
+
+    for script, args, _ in CASES:
+        if ("test_example_runs", script) in selected:
+            start("sample", script, args)
+    for script, args, _ in SMALL_CASES:
+        if ("test_example_finishes_on_a_set_smaller_than_a_batch", script) in selected:
+            root = request.getfixturevalue("small_custom_root")
+            start("small", script, [str(root), *args])
+
+    def get(kind: str, script: str, args: list[str]) -> Run:
+        if (kind, script) not in futures:
+            start(kind, script, args)
+        return futures[kind, script].result()
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("script", "args", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_example_runs(script: str, args: list[str], expected: list[str], tmp_path: Path) -> None:
-    done = run_example(script, args, tmp_path)
+def test_example_runs(
+    script: str, args: list[str], expected: list[str], example_runs: Callable[..., Run]
+) -> None:
+    done, folder = example_runs("sample", script, args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     for line in expected:
         assert line in done.stdout, done.stdout
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tser-")], "temp data left"
+    assert not [p for p in folder.iterdir() if p.name.startswith("tser-")], "temp data left"
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +183,17 @@ def small_custom_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("script", "args", "expected"), SMALL_CASES, ids=[c[0] for c in SMALL_CASES]
 )
 def test_example_finishes_on_a_set_smaller_than_a_batch(
-    script: str, args: list[str], expected: list[str], small_custom_root: Path, tmp_path: Path
+    script: str,
+    args: list[str],
+    expected: list[str],
+    small_custom_root: Path,
+    example_runs: Callable[..., Run],
 ) -> None:
-    done = run_example(script, [str(small_custom_root), *args], tmp_path)
+    done, folder = example_runs("small", script, [str(small_custom_root), *args])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     for line in expected:
         assert line in done.stdout, done.stdout
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tser-")], "temp data left"
+    assert not [p for p in folder.iterdir() if p.name.startswith("tser-")], "temp data left"
 
 
 @pytest.mark.slow

@@ -252,7 +252,9 @@ def test_an_epoch_through_faults_equals_the_local_pack(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize(
+    ("remote", "start"), [("s3", "spawn"), ("http", "fork")], indirect=["remote"]
+)  # each server and each start method once (the four pairs took 45 s of CI's 15 minutes)
 def test_two_ranks_with_two_workers_share_one_cache_and_download_each_shard_once(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path, start: str
 ) -> None:

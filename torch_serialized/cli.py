@@ -33,7 +33,7 @@ import numpy as np
 from . import format as fmt
 from ._version import __version__
 from .errors import ChecksumError, TorchSerializedError
-from .safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
+from .safeio import DEFAULT_MAX_FILE_BYTES
 
 __all__ = ["main", "parse_size"]
 
@@ -386,8 +386,9 @@ def _shard_of(path: str) -> tuple[Path, int, int] | None:
     if not file.is_file() or not manifest.is_file():
         return None
     try:
-        data = read_regular_file(manifest, fmt.MAX_MANIFEST_BYTES, "manifest")
-        shards = fmt.parse_manifest(data, str(manifest)).shards
+        from .reader import read_manifest
+
+        shards = read_manifest(manifest).shards
     except (TorchSerializedError, OSError):
         return None
     names = [entry.file for entry in shards]

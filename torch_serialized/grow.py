@@ -27,6 +27,7 @@ import numpy as np
 from . import format as fmt
 from .atomic import clean_stale, remove, temp_sibling
 from .errors import WriteError
+from .reader import read_manifest
 from .safeio import read_regular_file
 from .writer import PackWriter
 
@@ -163,9 +164,7 @@ class GrowWriter(PackWriter):
         self._remove_scratch()
         keep = [self._manifest_before.catalog.file] if self._manifest_before.catalog else []
         try:
-            manifest = fmt.parse_manifest(
-                (self.output / fmt.MANIFEST_NAME).read_bytes(), str(self.output)
-            )
+            manifest = read_manifest(self.output / fmt.MANIFEST_NAME)
             for path in strays(self.output, manifest, keep):  # the generation before the last
                 remove(path)
         finally:

@@ -48,7 +48,13 @@ from .safeio import FileKindError, FileSizeError, open_regular, read_regular_fil
 if TYPE_CHECKING:
     from .remote_pack import RemotePack
 
-__all__ = ["ContainerReader", "PackReader", "open_pack", "default_max_open_shards"]
+__all__ = [
+    "ContainerReader",
+    "PackReader",
+    "open_pack",
+    "default_max_open_shards",
+    "read_manifest",
+]
 
 #: Shards whose checked metadata a ``PackReader`` keeps after closing their maps, so opening
 #: one again costs a map, not a validation (a few KB each).
@@ -1144,6 +1150,13 @@ def intact(expect: Expected | None = None) -> Callable[[Path], bool]:
             container.close()
 
     return check
+
+
+def read_manifest(path: str | os.PathLike[str]) -> fmt.Manifest:
+    """The parsed and checked manifest at ``path`` (a local ``manifest.json``), read as every
+    pack file is: a regular file only, at most ``MAX_MANIFEST_BYTES``."""
+    data = read_regular_file(path, fmt.MAX_MANIFEST_BYTES, "the manifest")
+    return fmt.parse_manifest(data, os.fspath(path))
 
 
 def default_max_open_shards() -> int:

@@ -73,9 +73,7 @@ def prune_remote(
     manifest = fmt.parse_manifest(
         store.read_bytes(fmt.MANIFEST_NAME), store.url_of(fmt.MANIFEST_NAME)
     )
-    keep = {entry.file for entry in manifest.shards}
-    if manifest.catalog is not None:
-        keep.add(manifest.catalog.file)
+    keep = set(manifest.files())
     root = store.fs_path("")
     names = store.call("list", "", lambda: store.fs.ls(root, detail=False))
     stale = sorted(

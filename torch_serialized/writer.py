@@ -23,6 +23,7 @@ from . import format as fmt
 from ._version import __version__
 from .atomic import AtomicOutput, is_temporary
 from .errors import WriteError
+from .reader import read_manifest
 from .safeio import read_regular_file
 
 __all__ = ["ContainerWriter", "PackWriter", "Payload", "CREATED_BY", "is_pack", "replace_refusal"]
@@ -227,8 +228,7 @@ def replace_refusal(path: Path) -> str | None:
         if not os.path.lexists(manifest_path):
             return f"is a folder without {fmt.MANIFEST_NAME}"
         try:
-            data = read_regular_file(manifest_path, fmt.MAX_MANIFEST_BYTES, "the manifest")
-            manifest = fmt.parse_manifest(data, str(manifest_path))
+            manifest = read_manifest(manifest_path)
         except (OSError, ValueError) as exc:
             return f"has a {fmt.MANIFEST_NAME} that is not a valid manifest ({exc})"
         ours = {fmt.MANIFEST_NAME, *manifest.files()}

@@ -1,8 +1,8 @@
 """One rank of the shared-cache test: ``python _remote_rank.py SPEC_JSON`` (test_remote_datasets).
 
-Streams a remote pack as rank ``rank`` of ``world_size`` through a DataLoader with two workers
-(``start``: fork or spawn), sharing ``cache_dir`` with the other rank, and prints the digests of
-the image bytes it received, in order, as JSON.
+Streams a remote pack as rank ``rank`` of ``world_size`` through a DataLoader with ``workers``
+workers (default 2; ``start``: fork or spawn), sharing ``cache_dir`` with the other rank, and
+prints the digests of the image bytes it received, in order, as JSON.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ def main(spec: dict) -> None:
         cache_dir=spec["cache_dir"],
     )
     loader = DataLoader(
-        ds, batch_size=None, num_workers=2, multiprocessing_context=spec.get("start", "fork")
+        ds,
+        batch_size=None,
+        num_workers=spec.get("workers", 2),
+        multiprocessing_context=spec.get("start", "fork"),
     )
     print(json.dumps([d for d, _ in loader]))
 

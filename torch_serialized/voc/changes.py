@@ -1,12 +1,13 @@
 """Which packed ids changed in the source: the quick check of ``append_voc``.
 
-``classify`` sorts every listed id (``source.plan``) against a pack: new ids, ids left alone,
-ids whose files changed, ids no longer listed. Like rsync's quick check, a packed id's source
-files are compared by size and modification time with the statistics the pack recorded
-(``schema``, "Source statistics"); a file whose statistics differ, every file with
+``classify`` sorts every listed id (``source.survey``) against a pack: new ids, ids left
+alone, ids whose files changed, ids no longer listed. Like rsync's quick check, a packed id's
+source files are compared by size and modification time with the statistics the pack
+recorded (``schema``, "Source statistics"): one ``stat`` per file, relative to its folder, all
+compared at once as arrays, no per-id object. A file whose statistics differ, every file with
 ``checksum``, and every file of a pack that recorded none is read and compared by content
-with the stored bytes (or the stored SHA-256 of a transformed image). This module never
-imports torch.
+with the stored bytes (or the stored SHA-256 of a transformed image); only those ids and the
+new ones get a ``Job``. This module never imports torch.
 """
 
 from __future__ import annotations

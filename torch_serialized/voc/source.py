@@ -1,10 +1,11 @@
 """The source side of a pack: which ids to store, in which order, and loading one id.
 
 ``plan`` turns a devkit's image sets into one ``Job`` per distinct id, in the order a pack
-lays them out; ``load`` reads and parses everything about one id into a ``LoadedSample`` (its
-payloads in ``schema.FIELDS`` order, objects still as names: class ids are assigned by the
-writing process). Jobs and loaded samples are plain picklable values, because pack processes
-load them too. This module never imports torch.
+lays them out (``survey``: the same ids and what their jobs would be, without making them,
+for an append that loads only a few); ``load`` reads and parses everything about one id
+into a ``LoadedSample`` (its payloads in ``schema.FIELDS`` order, objects still as names:
+class ids are assigned by the writing process). Jobs and loaded samples are plain
+picklable values, because pack processes load them too. This module never imports torch.
 """
 
 from __future__ import annotations

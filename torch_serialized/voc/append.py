@@ -189,7 +189,7 @@ def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
     lengths: list[np.ndarray] = []
     for s in range(old.reader.num_shards):
         shard = old.reader.shard(s)
-        everything = range(len(shard))
+        everything = np.arange(len(shard))
         lengths.append(shard.index_rows(everything)["length"][:, schema.OBJECTS])
         parts.append(b"".join([v[0] for v in shard.views(everything, [schema.OBJECTS])]))
     size = schema.OBJECT_DTYPE.itemsize

@@ -114,8 +114,10 @@ def classify(old: VOCPackReader, planned: Planned, replace: bool, checksum: bool
     new = np.flatnonzero(records < 0).tolist()  # positions in planned
     changed: list[tuple[int, Job, Verdict]] = []
     read = 0
+    made: dict[int, Job] = {}  # position -> the job made to compare it
     for position in packed[~passed].tolist():  # compared file by file, by content if need be
-        record, job = int(records[position]), planned.job(position)
+        record = int(records[position])
+        job = made[position] = planned.job(position)
         digest = bytes(stored_digests[record]) if stored_digests is not None else b""
         before = None if pairs is None else tuple(pairs[record].ravel().tolist())
         verdict = compare(old, record, job, before, digest)
@@ -142,7 +144,7 @@ def classify(old: VOCPackReader, planned: Planned, replace: bool, checksum: bool
             "append compares sizes and times only"
         )
     loads = sorted([*new, *(p for p, _, _ in changed)])
-    jobs = [planned.job(p) for p in loads]
+    jobs = [made[p] if p in made else planned.job(p) for p in loads]
     job_at = dict(zip(loads, jobs))
     return Plan(
         kept=np.array(sorted(kept), dtype=np.int64),

@@ -288,6 +288,66 @@ def test_replace_changed_stores_the_new_version_and_retires_the_old(
     assert main(["verify", str(path)]) == 0
 
 
+def test_the_quick_path_stats_each_packed_file_once_and_opens_only_new_and_touched_ids(
+    tmp_path, source, monkeypatch
+):
+    """An append makes jobs for, and reads the files of, only the new ids and the ids whose
+    statistics differ; the files of the other packed ids are stat-ed once each, relative to
+    their folder, and never opened."""
+    from torch_serialized.voc import changes
+    from torch_serialized.voc import pack as pack_module
+    from torch_serialized.voc.images import ImageOptions
+    from torch_serialized.voc.layout import read_image_sets
+    from torch_serialized.voc.source import Planned, plan, reads
+
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    packed = {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
+    source.grow()
+    new = [i for i in source.listed() if i not in packed]
+    touched = sorted(packed)[1]
+    xml = source.file("Annotations", touched)
+    os.utime(xml, ns=(xml.stat().st_atime_ns, xml.stat().st_mtime_ns + 10**9))
+    jobs = plan(source.voc, read_image_sets(source.voc), ImageOptions("original", None, False))
+    files = sum(sum(reads(job)) for job in jobs if job.id in packed)
+
+    made, loaded, read, stats = [], [], [], []
+    real_job, real_load, real_read = Planned.job, pack_module.load, changes.read_regular_file
+    real_stat = os.stat
+
+    def job(self: Planned, i: int) -> Any:
+        made.append(self.ids[i])
+        return real_job(self, i)
+
+    def load(job: Any) -> Any:
+        loaded.append(job.id)
+        return real_load(job)
+
+    def read_file(path: Any, *args: Any) -> Any:
+        read.append(Path(path).stem)
+        return real_read(path, *args)
+
+    def counted_stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+        stats.append((str(path), kwargs.get("dir_fd")))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(Planned, "job", job)
+    monkeypatch.setattr(pack_module, "load", load)
+    monkeypatch.setattr(changes, "read_regular_file", read_file)
+    monkeypatch.setattr(changes.os, "stat", counted_stat)
+    result = append_voc(source.root, path)
+    monkeypatch.undo()
+    assert result.added == len(new) and result.replaced == []
+    assert sorted(made) == sorted([*new, touched])  # no job for an unchanged id
+    assert sorted(loaded) == sorted(new)  # only new ids are loaded
+    assert read == [touched]  # the touched annotation alone, compared by content
+    quick = [name for name, folder in stats if folder is not None]
+    assert len(quick) == files  # one stat per file a load would read, relative to its folder
+    assert all(os.sep not in name for name in quick)
+    by_path = {Path(name).stem for name, folder in stats if folder is None}
+    assert by_path & packed <= {touched}  # only the touched id is looked at again, by path
+
+
 def test_a_touched_file_is_not_a_change_and_its_time_is_recorded(tmp_path, source):
     path = pack(source, tmp_path / "pack", "shards")
     victim = source.listed()[2]

@@ -130,9 +130,12 @@ class ContainerWriter:
             raise ValueError(f"expected {len(self.fields)} entries, got {len(entries)}")
         if (row is None) != (self._columns is None):
             raise ValueError("pass a row exactly when the writer was given columns")
-        offsets = entries["offset"].astype(np.int64)
-        ends = offsets + entries["length"].astype(np.int64)
-        if (offsets % self.alignment).any() or (offsets[1:] < ends[:-1]).any():
+        # Python ints, not numpy: an append reserves every kept record, one call each
+        offsets, lengths = entries["offset"].tolist(), entries["length"].tolist()
+        ends = [o + n for o, n in zip(offsets, lengths)]
+        if any(o % self.alignment for o in offsets) or any(
+            o < e for o, e in zip(offsets[1:], ends)
+        ):
             raise ValueError(
                 "entries are not a record laid out by a writer with this alignment and fields"
             )
@@ -141,8 +144,8 @@ class ContainerWriter:
         start = self.position
         reserved = self._index[i]
         reserved[:] = entries
-        reserved["offset"] = offsets - offsets[0] + start
-        span = int(ends[-1] - offsets[0])
+        reserved["offset"] = [o - offsets[0] + start for o in offsets]
+        span = ends[-1] - offsets[0]
         self.position += span
         self._hole += span
         if self._rows is not None:
@@ -358,7 +361,7 @@ class PackWriter:
         """Leave room for a record laid out elsewhere (see ``ContainerWriter.reserve``);
         return its global index, and the file and offset its bytes must be copied to before
         that file is finished (``before_finish``)."""
-        sizes = [int(n) for n in entries["length"]]
+        sizes = entries["length"].tolist()
         placed: list[int] = []
         index = self._append(sizes, lambda writer: placed.append(writer.reserve(entries, row)[1]))
         assert self._path is not None

@@ -57,8 +57,7 @@ from .pack import (
     write_report,
 )
 from .reader import VOCPackReader
-from .source import Job
-from .source import plan as plan_jobs
+from .source import Job, survey
 
 __all__ = ["append_voc"]
 
@@ -113,8 +112,8 @@ def append_voc(
     checks = bool(old.meta.get("options", {}).get("check_images"))
     options = ImageOptions(old.image_storage, old.meta.get("max_size"), checks)
     image_sets = read_image_sets(voc_root, max_file_bytes)
-    jobs = plan_jobs(voc_root, image_sets, options, max_file_bytes)
-    plan_ = classify(old, jobs, replace_changed, checksum)
+    planned = survey(voc_root, image_sets, options, max_file_bytes)
+    plan_ = classify(old, planned, replace_changed, checksum)
     if plan_.current and old.files() == dict(image_set_files(voc_root, max_file_bytes)):
         plan_.notes.append(f"{path} is up to date with {voc_root}: nothing was written")
         return _up_to_date(old, plan_, voc_root, started)
@@ -175,13 +174,11 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     chosen = np.asarray(records, dtype=np.int64)
     books.base_classes = classes[np.repeat(np.isin(np.arange(len(counts)), chosen), counts)]
     books.base_counts = counts[chosen]
-    absent = (schema.ABSENT, 0) * len(schema.SOURCE_FILES)
-    kept = plan.kept
-    books.ids = [names[r] for r in records]
-    books.stats = [kept[r].stats if r in kept else absent for r in records]  # retired: unused
-    books.digests = [kept[r].digest if r in kept else b"" for r in records]
-    sizes = np.array([kept[r].stats[0::2] for r in records if r in kept], dtype=np.int64)
-    books.source_bytes = int(sizes[sizes > 0].sum()) if sizes.size else 0
+    books.ids = [names[r] for r in chosen.tolist()]
+    books.base_stats = plan.stats[chosen]  # retired records: (ABSENT, 0), unused
+    books.base_digests = None if plan.digests is None else plan.digests[chosen]
+    sizes = plan.stats[plan.kept, :, 0]
+    books.source_bytes = int(sizes[sizes > 0].sum())
     return books
 
 
@@ -189,13 +186,17 @@ def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
     """The class id of every stored object of every record, in record order, and how many
     objects each record has: read shard by shard in one pass (the objects field only)."""
     parts: list[bytes] = []
+    lengths: list[np.ndarray] = []
     for s in range(old.reader.num_shards):
         shard = old.reader.shard(s)
-        parts += [bytes(v[0]) for v in shard.views(range(len(shard)), [schema.OBJECTS])]
+        everything = np.arange(len(shard))
+        lengths.append(shard.index_rows(everything)["length"][:, schema.OBJECTS])
+        parts.append(b"".join([v[0] for v in shard.views(everything, [schema.OBJECTS])]))
     size = schema.OBJECT_DTYPE.itemsize
-    if any(len(p) % size for p in parts):
+    sizes = np.concatenate(lengths).astype(np.int64) if lengths else np.empty(0, np.int64)
+    if np.any(sizes % size):
         raise FormatError(f"{old.path}: a record's stored objects are not whole rows; re-pack it")
-    counts = np.array([len(p) // size for p in parts], dtype=np.int64)
+    counts = sizes // size
     rows = np.frombuffer(b"".join(parts), dtype=schema.OBJECT_DTYPE)
     classes = rows["class_id"].astype(np.int64)
     if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= len(old.classes)):
@@ -268,8 +269,10 @@ def _grow_shards(
     assert manifest is not None
     everything = range(len(old))
     books = _old_books(old, plan, everything)
-    books.record_of = {books.ids[r]: r for r in plan.kept}
-    books.retired = sorted(set(everything) - set(plan.kept))
+    books.record_of = {books.ids[r]: r for r in plan.kept.tolist()}
+    retired = np.ones(len(old), dtype=bool)
+    retired[plan.kept] = False
+    books.retired = np.flatnonzero(retired).tolist()
     kept_catalog, jobs = old.meta.get("previous_catalog"), plan.jobs
     pool = _pool(jobs, skip, workers)
     opts = old.meta.get("options", {})
@@ -328,7 +331,7 @@ def _rewrite_file(
 ) -> tuple[Books, int, dict[str, Any]]:
     """Rewrite a single file: kept records copied from the old file, new ones after them;
     return the books, the bytes written (the whole new file) and the metadata."""
-    kept = sorted(plan.kept)
+    kept = plan.kept.tolist()  # ascending
     books = _old_books(old, plan, kept)
     books.record_of = {books.ids[i]: i for i in range(len(kept))}
     jobs = plan.jobs

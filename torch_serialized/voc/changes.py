@@ -1,12 +1,13 @@
 """Which packed ids changed in the source: the quick check of ``append_voc``.
 
-``classify`` sorts every listed id (``source.plan``) against a pack: new ids, ids left alone,
-ids whose files changed, ids no longer listed. Like rsync's quick check, a packed id's source
-files are compared by size and modification time with the statistics the pack recorded
-(``schema``, "Source statistics"); a file whose statistics differ, every file with
+``classify`` sorts every listed id (``source.survey``) against a pack: new ids, ids left
+alone, ids whose files changed, ids no longer listed. Like rsync's quick check, a packed id's
+source files are compared by size and modification time with the statistics the pack
+recorded (``schema``, "Source statistics"): one ``stat`` per file, relative to its folder, all
+compared at once as arrays, no per-id object. A file whose statistics differ, every file with
 ``checksum``, and every file of a pack that recorded none is read and compared by content
-with the stored bytes (or the stored SHA-256 of a transformed image). This module never
-imports torch.
+with the stored bytes (or the stored SHA-256 of a transformed image); only those ids and the
+new ones get a ``Job``. This module never imports torch.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from ..errors import SourceDataError
 from ..safeio import read_regular_file
 from . import schema
 from .reader import VOCPackReader
-from .source import Job, load, reads, source_paths, stores_digest
+from .source import Job, Planned, load, reads, source_paths, stores_digest
 
 __all__ = ["Verdict", "Plan", "classify", "compare"]
 
 _FOLDERS = ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject")
+_EXTENSIONS = (".jpg", ".xml", ".png", ".png")
 _FLAGS = (0, schema.HAS_ANNOTATION, schema.HAS_MASK, schema.HAS_OBJECT_MASK)
 #: How many changed ids an error message names before it counts the rest.
 _NAMED = 10
@@ -51,68 +53,89 @@ class Verdict:
 
 @dataclass
 class Plan:
-    """Every listed id sorted out: records kept (record -> verdict), jobs to load (new ids,
-    then changed ones to replace), ids dropped from the lists, and notes for the user."""
+    """Every listed id sorted out: records kept (their numbers, and the statistics and
+    digests to record for them), jobs to load (new ids, then changed ones to replace), ids
+    dropped from the lists, and notes for the user."""
 
-    kept: dict[int, Verdict]
+    kept: np.ndarray  # record numbers of the old pack left alone, ascending
+    #: int64 ``[len(pack), 4, 2]``: size and mtime_ns of each source file of each kept record
+    #: now (``ABSENT, 0`` for the other records)
+    stats: np.ndarray
+    #: uint8 ``[len(pack), 32]``: each kept record's source image digest (zeros: not known),
+    #: or ``None`` where the pack keeps none and none was learnt
+    digests: np.ndarray | None
     new: list[Job]
     replaced: list[Job]
     dropped: list[str]
     notes: list[str]
-    order: Sequence[Job]  # every listed id's job, in layout order
+    jobs: list[Job]  # jobs to load, in layout order (as a full pack would write them)
     #: every listed id is packed and passed the quick check: no record or statistic to write
     current: bool = False
 
-    @property
-    def jobs(self) -> list[Job]:
-        """Jobs to load, in layout order (as a full pack would write them)."""
-        wanted = {job.id for job in (*self.new, *self.replaced)}
-        return [job for job in self.order if job.id in wanted]
 
+def classify(old: VOCPackReader, planned: Planned, replace: bool, checksum: bool) -> Plan:
+    """Sort the ids of ``planned`` (every listed id) against the pack ``old``; raise
+    ``SourceDataError`` naming the changed ids unless ``replace``.
 
-def classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: bool) -> Plan:
-    """Sort ``jobs`` (every listed id) against the pack ``old``; raise ``SourceDataError``
-    naming the changed ids unless ``replace``."""
+    Jobs are made only for ids that are new or fail the quick check; the quick check stats
+    each file an id's load would read, relative to its folder, once, and compares them all
+    with the pack's statistics at once."""
     arrays = old.reader.arrays()
     names = schema.decode_ids(*old.id_table())
-    record_of = {names[r]: r for r in old.live.tolist()}
+    live = old.live.tolist()
+    record_of = {names[r]: r for r in live}
     has_stats = old.meta.get("source_stats") == schema.SOURCE_STATS_VERSION
     sizes, mtimes = arrays.get(schema.SIZE_ARRAY), arrays.get(schema.MTIME_ARRAY)
-    digests = arrays.get(schema.DIGEST_ARRAY)
+    stored_digests = arrays.get(schema.DIGEST_ARRAY)
     quick = has_stats and not checksum and sizes is not None and mtimes is not None
-    stored_rows: list[Stats] = []
-    if quick and sizes is not None and mtimes is not None:  # one pass, not one per id
-        pairs = np.stack([sizes, mtimes], axis=2).reshape(len(sizes), -1)
-        stored_rows = list(map(tuple, pairs.tolist()))
-    kept: dict[int, Verdict] = {}
-    new: list[Job] = []
-    changed: list[tuple[Job, Verdict]] = []
-    read = quick_kept = 0
-    for job in jobs:
-        record = record_of.get(job.id)
-        if record is None:
-            new.append(job)
-            continue
-        digest = bytes(digests[record]) if digests is not None else b""
-        stored: Stats | None = None
-        if quick:  # rsync's quick check, inline: most ids stop here
-            stored = stored_rows[record]
-            now = _quick_stats(job)
-            if now == stored and now[0] >= 0 and not _lacks_required(job, now):
-                kept[record] = Verdict([], now, digest)
-                quick_kept += 1
-                continue
-        verdict = compare(old, record, job, stored, digest)
+    records = np.fromiter(
+        (record_of.get(i, -1) for i in planned.ids), dtype=np.int64, count=len(planned)
+    )
+    packed = np.flatnonzero(records >= 0)
+    stats = np.zeros((len(old), len(schema.SOURCE_FILES), 2), dtype=np.int64)
+    stats[:, :, 0] = schema.ABSENT
+    digests = None if stored_digests is None else np.zeros((len(old), 32), dtype=np.uint8)
+    passed = np.zeros(len(packed), dtype=bool)
+    pairs = None  # the pack's statistics, [len(pack), 4, 2]
+    if quick and sizes is not None and mtimes is not None:  # rsync's quick check
+        pairs = np.stack([sizes, mtimes], axis=2).astype(np.int64, copy=False)
+        files, needs = planned.reads(packed.tolist())
+        now = _quick_stats(planned, packed, files)
+        chosen = records[packed]
+        stored = pairs[chosen]
+        lacks = (needs[:, 0] & (now[:, 1, 0] == schema.ABSENT)) | (
+            needs[:, 1] & (now[:, 2, 0] == schema.ABSENT)
+        )  # a file the lists require is missing: load must say so, as a full pack would
+        passed = (now == stored).all(axis=(1, 2)) & (now[:, 0, 0] >= 0) & ~lacks
+        stats[chosen[passed]] = now[passed]
+        if digests is not None and stored_digests is not None:
+            digests[chosen[passed]] = stored_digests[chosen[passed]]
+    kept = records[packed[passed]].tolist()
+    new = np.flatnonzero(records < 0).tolist()  # positions in planned
+    changed: list[tuple[int, Job, Verdict]] = []
+    read = 0
+    made: dict[int, Job] = {}  # position -> the job made to compare it
+    for position in packed[~passed].tolist():  # compared file by file, by content if need be
+        record = int(records[position])
+        job = made[position] = planned.job(position)
+        digest = bytes(stored_digests[record]) if stored_digests is not None else b""
+        before = None if pairs is None else tuple(pairs[record].ravel().tolist())
+        verdict = compare(old, record, job, before, digest)
         read += verdict.files_read
         if verdict.changes is None:  # a required file is missing: load says it as a pack would
-            new.append(job)
+            new.append(position)
         elif verdict.changes:
-            changed.append((job, verdict))
+            changed.append((position, job, verdict))
         else:
-            kept[record] = verdict
+            kept.append(record)
+            stats[record] = np.array(verdict.stats, dtype=np.int64).reshape(-1, 2)
+            if any(verdict.digest):
+                if digests is None:
+                    digests = np.zeros((len(old), 32), dtype=np.uint8)
+                digests[record] = np.frombuffer(verdict.digest, dtype=np.uint8)
     if changed and not replace:
-        raise SourceDataError(_changed_message(old.path, changed))
-    listed = {job.id for job in jobs}
+        raise SourceDataError(_changed_message(old.path, [(j, v) for _, j, v in changed]))
+    listed = set(planned.ids)
     notes = []
     if not has_stats:
         notes.append(
@@ -120,14 +143,19 @@ def classify(old: VOCPackReader, jobs: Sequence[Job], replace: bool, checksum: b
             f"compared by content ({read} files read); they are recorded now, so the next "
             "append compares sizes and times only"
         )
+    loads = sorted([*new, *(p for p, _, _ in changed)])
+    jobs = [made[p] if p in made else planned.job(p) for p in loads]
+    job_at = dict(zip(loads, jobs))
     return Plan(
-        kept=kept,
-        new=new,
-        replaced=[job for job, _ in changed],
+        kept=np.array(sorted(kept), dtype=np.int64),
+        stats=stats,
+        digests=digests,
+        new=[job_at[p] for p in sorted(new)],
+        replaced=[job_at[p] for p, _, _ in changed],
         dropped=[i for i in record_of if i not in listed],
         notes=notes,
-        order=jobs,
-        current=quick_kept == len(record_of) == len(listed),
+        jobs=jobs,
+        current=int(passed.sum()) == len(record_of) == len(planned),
     )
 
 
@@ -193,44 +221,43 @@ def _same_content(
     return same
 
 
-def _quick_stats(job: Job) -> Stats:
-    """``_stat`` of each file ``load`` would read for ``job`` (``reads``), ``(ABSENT, 0)``
-    for the others, flat: the quick check's only system calls."""
-    voc, name, listed = job.voc_root, job.id, job.listed_in_folders
-    sep = os.sep
-    return (
-        *_stat(f"{voc}{sep}JPEGImages{sep}{name}.jpg"),
-        *(
-            _stat(f"{voc}{sep}Annotations{sep}{name}.xml")
-            if job.needs_annotation or "Annotations" in listed
-            else _ABSENT
-        ),
-        *(
-            _stat(f"{voc}{sep}SegmentationClass{sep}{name}.png")
-            if job.needs_mask or "SegmentationClass" in listed
-            else _ABSENT
-        ),
-        *(
-            _stat(f"{voc}{sep}SegmentationObject{sep}{name}.png")
-            if "SegmentationObject" in listed
-            else _ABSENT
-        ),
-    )
+def _quick_stats(planned: Planned, positions: np.ndarray, files: np.ndarray) -> np.ndarray:
+    """``_stat`` of each file ``load`` would read (``files``: ``Planned.reads``) for the ids
+    at ``positions``, ``(ABSENT, 0)`` for the others: int64 ``[len(positions), 4, 2]``. The
+    quick check's only system calls: one ``stat`` per file, relative to its folder opened
+    once (no path walk per file)."""
+    out = np.zeros((len(positions), len(schema.SOURCE_FILES), 2), dtype=np.int64)
+    out[:, :, 0] = schema.ABSENT
+    ids = planned.ids
+    for k, (folder, ext) in enumerate(zip(_FOLDERS, _EXTENSIONS)):
+        rows = np.flatnonzero(files[:, k])
+        if rows.size:
+            wanted = [ids[p] + ext for p in positions[rows].tolist()]
+            out[rows, k] = _stat_in(os.path.join(planned.voc_root, folder), wanted)
+    return out
 
 
-def _lacks_required(job: Job, now: Stats) -> bool:
-    """Whether a file ``job``'s lists require (annotation for Main, mask for Segmentation) is
-    missing: then ``load`` must say so, as a full pack would."""
-    return (job.needs_annotation and now[2] == schema.ABSENT) or (
-        job.needs_mask and now[4] == schema.ABSENT
-    )
-
-
-def _stat(path: str) -> Stat:
-    """``(size, mtime_ns)`` of a regular file, ``(ABSENT, 0)`` when it is not there; anything
-    that is not a regular file counts as changed (``load`` then says what it is)."""
+def _stat_in(folder: str, names: Sequence[str]) -> np.ndarray:
+    """``_stat`` of each of ``names`` in ``folder``: int64 ``[len(names), 2]``."""
+    out = np.zeros((len(names), 2), dtype=np.int64)
+    out[:, 0] = schema.ABSENT
     try:
-        st = os.stat(path)
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return out  # no folder: no file
+    try:
+        out[:] = [_stat(name, fd) for name in names]
+    finally:
+        os.close(fd)
+    return out
+
+
+def _stat(path: str, folder: int | None = None) -> Stat:
+    """``(size, mtime_ns)`` of a regular file (``path`` relative to the open folder ``folder``
+    if given), ``(ABSENT, 0)`` when it is not there; anything that is not a regular file counts
+    as changed (``load`` then says what it is)."""
+    try:
+        st = os.stat(path, dir_fd=folder)
     except (FileNotFoundError, NotADirectoryError):
         return _ABSENT
     if st.st_mode & 0o170000 != stat.S_IFREG:

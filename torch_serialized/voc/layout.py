@@ -189,6 +189,10 @@ def _ids(path: Path, lines: list[str]) -> list[str]:
             f"{path}, line 1: starts with a byte order mark, which torchvision would keep in the "
             "first id; save the file as UTF-8 without BOM."
         )
+    if "" not in lines and "." not in lines and ".." not in lines:
+        joined = "".join(lines)
+        if "/" not in joined and "\\" not in joined and "\0" not in joined:
+            return lines  # the common case, checked without a loop over the lines
     for number, line in enumerate(lines, start=1):
         if not line:
             raise SourceDataError(

@@ -122,9 +122,17 @@ class Books:
     record_classes: list[list[int]] = field(default_factory=list)  # class ids per later record
     skipped: list[SkippedSample] = field(default_factory=list)
     source_bytes: int = 0
-    #: per record: size and mtime_ns of each ``schema.SOURCE_FILES`` file when read, flat
+    #: per later record: size and mtime_ns of each ``schema.SOURCE_FILES`` file when read, flat
     stats: list[tuple[int, ...]] = field(default_factory=list)
-    digests: list[bytes] = field(default_factory=list)  # per record, when images are transformed
+    digests: list[bytes] = field(
+        default_factory=list
+    )  # per later record, when images are transformed
+    #: the same of the first records, those an append copied: int64 ``[n, 4, 2]``, and uint8
+    #: ``[n, 32]`` (``None``: no digest known)
+    base_stats: np.ndarray = field(
+        default_factory=lambda: np.empty((0, len(schema.SOURCE_FILES), 2), np.int64)
+    )
+    base_digests: np.ndarray | None = None
     retired: list[int] = field(default_factory=list)  # records no longer live (shard folders)
 
 
@@ -413,13 +421,18 @@ def write_dataset_arrays(
     blob, offsets = schema.encode_ids(books.ids)
     writer.add_array("ids", blob)
     writer.add_array("id_offsets", offsets)
-    stats = np.array(books.stats, dtype="<i8").reshape(len(books.ids), len(schema.SOURCE_FILES), 2)
+    files = len(schema.SOURCE_FILES)
+    written = np.array(books.stats, dtype="<i8").reshape(len(books.stats), files, 2)
+    stats = np.concatenate([books.base_stats.astype("<i8", copy=False), written])
     writer.add_array(schema.SIZE_ARRAY, np.ascontiguousarray(stats[:, :, 0]))
     writer.add_array(schema.MTIME_ARRAY, np.ascontiguousarray(stats[:, :, 1]))
-    if any(books.digests):
+    if books.base_digests is not None or any(books.digests):
         known = b"".join(d or bytes(32) for d in books.digests)  # zeros: not known
-        digests = np.frombuffer(known, dtype=np.uint8)
-        writer.add_array(schema.DIGEST_ARRAY, digests.reshape(len(books.ids), 32))
+        base = books.base_digests
+        if base is None:
+            base = np.zeros((len(books.base_stats), 32), dtype=np.uint8)
+        digests = np.concatenate([base, np.frombuffer(known, np.uint8).reshape(-1, 32)])
+        writer.add_array(schema.DIGEST_ARRAY, digests)
     if books.retired:
         writer.add_array(schema.RETIRED_ARRAY, np.array(sorted(books.retired), dtype="<i8"))
     splits: dict[str, dict[str, int]] = {}

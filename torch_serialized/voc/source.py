@@ -1,20 +1,24 @@
 """The source side of a pack: which ids to store, in which order, and loading one id.
 
 ``plan`` turns a devkit's image sets into one ``Job`` per distinct id, in the order a pack
-lays them out; ``load`` reads and parses everything about one id into a ``LoadedSample`` (its
-payloads in ``schema.FIELDS`` order, objects still as names: class ids are assigned by the
-writing process). Jobs and loaded samples are plain picklable values, because pack processes
-load them too. This module never imports torch.
+lays them out (``survey``: the same ids and what their jobs would be, without making them,
+for an append that loads only a few); ``load`` reads and parses everything about one id
+into a ``LoadedSample`` (its payloads in ``schema.FIELDS`` order, objects still as names:
+class ids are assigned by the writing process). Jobs and loaded samples are plain
+picklable values, because pack processes load them too. This module never imports torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..errors import SourceDataError, SourceNotFoundError
 from ..safeio import DEFAULT_MAX_FILE_BYTES, FileKindError, FileSizeError, read_regular_file_stat
@@ -30,7 +34,17 @@ from .images import (
 from .layout import TASKS
 from .xml import VOCObjects, extract_objects, parse_annotation
 
-__all__ = ["Job", "LoadedSample", "plan", "load", "source_paths", "reads", "stores_digest"]
+__all__ = [
+    "Job",
+    "LoadedSample",
+    "Planned",
+    "plan",
+    "survey",
+    "load",
+    "source_paths",
+    "reads",
+    "stores_digest",
+]
 
 #: Per-id files that may be absent, by folder: the extension after the id.
 _OPTIONAL_FILES = {"Annotations": ".xml", "SegmentationClass": ".png", "SegmentationObject": ".png"}
@@ -81,53 +95,121 @@ def plan(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> list[Job]:
     """One job per distinct id, in layout order: train ids first, then val, test, the rest."""
-    first: dict[str, str] = {}
-    needs: dict[str, set[str]] = {}
-    for task in TASKS:
-        sets = image_sets.get(task, {})
-        for name in sorted(sets, key=lambda n: (_LAYOUT_ORDER.get(n, 4), n)):
-            for line, image_id in enumerate(sets[name], start=1):
-                if image_id not in first:  # the message is made once per id, not per line
-                    first[image_id] = f"ImageSets/{task}/{name}.txt line {line}"
-                    needs[image_id] = set()
-                needs[image_id].add(task)
-    # per folder, the case-folded stems of its files with the id's extension (casefold maps
-    # character by character, so the stem of a folded name is the folded id)
-    stems = [
-        {n[: -len(ext)] for n in _listing(voc_root / folder) if n.endswith(ext)}
-        for folder, ext in _OPTIONAL_FILES.items()
-    ]
-    kinds: dict[tuple[bool, ...], frozenset[str]] = {}  # a few distinct sets, shared by all jobs
-    folders = tuple(_OPTIONAL_FILES)
-    root = str(voc_root)
-    jobs = []
-    for image_id, listed_in in first.items():
+    planned = survey(voc_root, image_sets, options, max_file_bytes)
+    return [planned.job(i) for i in range(len(planned))]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The distinct ids of a devkit's lists in layout order, and what ``Job`` each would get,
+    before any job is made: an append makes jobs only for the ids it loads or compares."""
+
+    voc_root: str
+    options: ImageOptions
+    max_file_bytes: int
+    ids: list[str]
+    main: frozenset[str]  # ids listed in ImageSets/Main
+    segmentation: frozenset[str]  # ids listed in ImageSets/Segmentation
+    #: per ``_OPTIONAL_FILES`` folder, the case-folded names of its files (casefold maps
+    #: character by character, so an id's file is listed when its folded name is)
+    names: tuple[frozenset[str], ...]
+    #: id -> where it is first listed: ``lists`` number << 32 | line number
+    first: Mapping[str, int]
+    lists: tuple[str, ...]  # "ImageSets/Main/train.txt", in layout order
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def job(self, i: int) -> Job:
+        """The job of ``ids[i]``, the same a full pack makes."""
+        image_id = self.ids[i]
+        where = self.first[image_id]
         folded = image_id.casefold()
-        key = (folded in stems[0], folded in stems[1], folded in stems[2])
-        found = kinds.get(key)
-        if found is None:
-            found = kinds[key] = frozenset(f for f, has in zip(folders, key) if has)
-        tasks = needs[image_id]
-        jobs.append(
-            Job(
-                root,
-                image_id,
-                listed_in,
-                "Main" in tasks,
-                "Segmentation" in tasks,
-                options,
-                found,
-                max_file_bytes,
-            )
+        return Job(
+            self.voc_root,
+            image_id,
+            f"{self.lists[where >> 32]} line {where & 0xFFFFFFFF}",
+            image_id in self.main,
+            image_id in self.segmentation,
+            self.options,
+            _KINDS[tuple(folded + ext in names for ext, names in zip(_EXTENSIONS, self.names))],
+            self.max_file_bytes,
         )
-    return jobs
+
+    def reads(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``reads(job(i))`` for each ``i`` of ``positions``, without making the jobs: a bool
+        array ``[len(positions), 4]``, then whether each id's lists need its annotation and
+        its mask, ``[len(positions), 2]``."""
+        ids = [self.ids[i] for i in positions]
+        folded = [i.casefold() for i in ids]
+        main = [i in self.main for i in ids]
+        seg = [i in self.segmentation for i in ids]
+        files = np.ones((len(ids), len(_FOLDERS) + 1), dtype=bool)
+        for k, (ext, names) in enumerate(zip(_EXTENSIONS, self.names), start=1):
+            files[:, k] = [f + ext in names for f in folded]
+        needs = np.array([main, seg], dtype=bool).T.reshape(len(ids), 2)
+        files[:, 1] |= needs[:, 0]
+        files[:, 2] |= needs[:, 1]
+        return files, needs
+
+
+#: ``_OPTIONAL_FILES``'s folders, in ``SOURCE_FILES`` order after the image
+_FOLDERS = tuple(_OPTIONAL_FILES)
+_EXTENSIONS = tuple(_OPTIONAL_FILES.values())
+#: whether each folder lists an id's file -> ``Job.listed_in_folders``: the few distinct
+#: sets, shared by every job
+_KINDS = {
+    found: frozenset(f for f, has in zip(_FOLDERS, found) if has)
+    for found in itertools.product((False, True), repeat=len(_FOLDERS))
+}
+
+
+def survey(
+    voc_root: Path,
+    image_sets: Mapping[str, Mapping[str, Sequence[str]]],
+    options: ImageOptions,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> Planned:
+    """What ``plan`` plans, without making a job per id (list and set work only, no
+    per-id Python object)."""
+    ordered = [
+        (task, name, image_sets[task][name])
+        for task in TASKS
+        for name in sorted(image_sets.get(task, {}), key=lambda n: (_LAYOUT_ORDER.get(n, 4), n))
+    ]
+    ids = list(dict.fromkeys(itertools.chain.from_iterable(listed for *_, listed in ordered)))
+    # first listing of each id: the lists walked backwards, each list's lines backwards, so the
+    # value left for an id is its first line in its first list
+    first: dict[str, int] = {}
+    for number in range(len(ordered) - 1, -1, -1):
+        listed = ordered[number][2]
+        base = number << 32
+        first.update(zip(reversed(listed), range(base + len(listed), base, -1)))
+    by_task = {
+        task: frozenset(
+            itertools.chain.from_iterable(listed for t, _, listed in ordered if t == task)
+        )
+        for task in TASKS
+    }
+    names = tuple(_listing(voc_root / folder) for folder in _FOLDERS)
+    return Planned(
+        str(voc_root),
+        options,
+        max_file_bytes,
+        ids,
+        by_task["Main"],
+        by_task["Segmentation"],
+        names,
+        first,
+        tuple(f"ImageSets/{task}/{name}.txt" for task, name, _ in ordered),
+    )
 
 
 def _listing(folder: Path) -> frozenset[str]:
     """The case-folded names in ``folder`` (none if it is missing): case-blind, so a file a
     case-insensitive file system would open is never skipped."""
     try:
-        return frozenset(name.casefold() for name in os.listdir(folder))
+        return frozenset(map(str.casefold, os.listdir(folder)))
     except (FileNotFoundError, NotADirectoryError):
         return frozenset()
 

@@ -1,0 +1,337 @@
+"""append_voc on a pack at a URL (the loopback S3 server behind its fault proxy): the pack there
+reads as a full re-pack and as torchvision on the grown folder; only new files go up, the
+manifest last, and no existing object is written; a reader that opened the URL before keeps
+working; a second appender is refused; a failed upload leaves the previous pack, a rerun
+completes and ``prune`` removes what the failed one left."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from _reliability_helpers import PACK_FORMS, out_name
+from test_voc_append import (
+    YEAR,
+    Source,
+    as_bytes,
+    assert_same_as_repack,
+    assert_same_as_torchvision,
+    edit_annotation,
+)
+
+from torch_serialized import SourceDataError, VOCSerializedDataset, append_voc, pack_voc
+from torch_serialized.cli import main
+from torch_serialized.errors import RemoteError, WriteError
+from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
+from torch_serialized.upload import prune_remote
+from torch_serialized.voc.append_remote import append_to_url
+from torch_serialized.voc.reader import VOCPackReader
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from torch_serialized.tools import make_synthetic_voc
+
+    return make_synthetic_voc(tmp_path_factory.mktemp("append-remote-src"), 24, year=YEAR)
+
+
+@pytest.fixture
+def source(tmp_path: Path, pristine: Path) -> Source:
+    return Source(tmp_path / "src", copy_of=pristine)
+
+
+@pytest.fixture
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tries, a few milliseconds apart: a fault that persists fails the call quickly."""
+    monkeypatch.setenv(RETRY_ATTEMPTS_ENV, "2")
+    monkeypatch.setenv(RETRY_MAX_DELAY_ENV, "0.01")
+
+
+def pack_at(source: Source, remote: Remote, form: str) -> str:
+    url = f"{remote.url}/{out_name(form)}"
+    pack_voc(
+        source.root, url, year=YEAR, storage_options=remote.storage_options, **PACK_FORMS[form]
+    )
+    return url
+
+
+def key_of(remote: Remote, url: str, name: str = "") -> str:
+    """The key of ``name`` under ``url`` (the URL itself for ''), relative to the test folder."""
+    rest = url[len(remote.url) + 1 :]
+    return f"{rest}/{name}" if name else rest
+
+
+def objects(remote: Remote, url: str) -> dict[str, tuple[str, str]]:
+    """Every object under ``url`` (or the object itself): name -> (ETag, sha256 of its bytes),
+    read straight from the server."""
+    from remote_fixtures import BUCKET, direct_s3
+
+    fs = direct_s3(remote.served.server.url)
+    base = f"{BUCKET}/{remote.prefix}/{key_of(remote, url)}"
+    infos = fs.ls(base, detail=True) if not url.endswith(".tser") else [fs.info(base)]
+    out = {}
+    for info in infos:
+        name = info["name"].rsplit("/", 1)[-1] if not url.endswith(".tser") else ""
+        data = bytes(fs.cat_file(info["name"]))
+        out[name] = (info.get("ETag", ""), hashlib.sha256(data).hexdigest())
+    return out
+
+
+def download(remote: Remote, url: str, to: Path) -> Path:
+    """The pack at ``url`` as a local copy, fetched straight from the server."""
+    to.mkdir(parents=True)
+    if url.endswith(".tser"):
+        target = to / "voc.tser"
+        target.write_bytes(remote.get(key_of(remote, url)))
+        return target
+    target = to / "voc"
+    target.mkdir()
+    for name in objects(remote, url):
+        (target / name).write_bytes(remote.get(key_of(remote, url, name)))
+    return target
+
+
+def puts(remote: Remote) -> list[str]:
+    """The names of the objects PUT through the proxy, in order."""
+    return [
+        line.split(" ", 1)[1].rsplit("/", 1)[-1]
+        for line in remote.proxy.stats()["log"]
+        if line.startswith("PUT ")
+    ]
+
+
+def manifest_files(data: bytes) -> set[str]:
+    manifest = json.loads(data)
+    return {entry["file"] for entry in manifest["shards"]} | {manifest["catalog"]["file"]}
+
+
+# -- growing -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_append_to_a_url_reads_as_a_full_repack_and_uploads_only_new_files(
+    s3_remote: Remote, source: Source, tmp_path: Path, form: str
+) -> None:
+    source.cut()
+    url = pack_at(source, s3_remote, form)
+    before = objects(s3_remote, url)
+    packed = len(VOCPackReader(download(s3_remote, url, tmp_path / "before")))
+    source.grow()
+    s3_remote.proxy.reset()
+
+    result = append_voc(
+        source.root, url, storage_options=s3_remote.storage_options, cache_dir=tmp_path / "cache"
+    )
+
+    assert result.url == url and result.added == len(source.listed()) - packed > 0
+    assert result.num_samples == len(source.listed())
+    grown = download(s3_remote, url, tmp_path / "after")
+    assert_same_as_repack(grown, source, tmp_path, form)
+    assert_same_as_torchvision(grown, source)
+    after = objects(s3_remote, url)
+    sent = puts(s3_remote)
+    if form == "shards":
+        # existing objects untouched (same ETag, same bytes); each new file PUT once, the
+        # manifest last; the previous catalog kept for readers of the previous manifest
+        assert all(
+            after[name] == value for name, value in before.items() if name != "manifest.json"
+        )
+        manifest = (grown / "manifest.json").read_bytes()
+        new = manifest_files(manifest) - set(before)
+        assert sorted(sent) == sorted([*new, "manifest.json"]) and sent[-1] == "manifest.json"
+        assert set(after) == set(before) | new
+        assert any(n.startswith("catalog") for n in new)
+        assert result.bytes_written == sum(
+            (grown / n).stat().st_size for n in [*new, "manifest.json"]
+        )
+    else:
+        assert sent == [key_of(s3_remote, url)] and after[""] != before[""]
+    # the URL reads as the local copy, and nothing already on this machine is downloaded again
+    s3_remote.proxy.reset()
+    at_url = VOCSerializedDataset(
+        url,
+        "train",
+        decode="none",
+        storage_options=s3_remote.storage_options,
+        cache_dir=tmp_path / "cache",
+    )
+    local = VOCSerializedDataset(grown, "train", decode="none")
+    assert len(at_url) == len(local) > 0
+    assert all(as_bytes(at_url[i][0]) == as_bytes(local[i][0]) for i in range(len(local)))
+    # (a shard folder's manifest, a single file's size and footer: never a shard's bytes)
+    assert s3_remote.proxy.stats()["bytes_sent"] < 4096
+
+
+def test_a_reader_that_opened_the_url_before_keeps_working(
+    s3_remote: Remote, source: Source, tmp_path: Path
+) -> None:
+    source.cut()
+    url = pack_at(source, s3_remote, "shards")
+    options = s3_remote.storage_options
+    old = VOCSerializedDataset(
+        url, "trainval", decode="none", storage_options=options, cache_dir=tmp_path / "reader"
+    )
+    first = as_bytes(old[0][0])
+    source.grow()
+    append_voc(source.root, url, storage_options=options, cache_dir=tmp_path / "appender")
+    assert as_bytes(old[0][0]) == first
+    before = [as_bytes(old[i][0]) for i in range(len(old))]  # every old shard still there
+    new = VOCSerializedDataset(
+        url, "trainval", decode="none", storage_options=options, cache_dir=tmp_path / "reader"
+    )
+    assert len(new) > len(old) == len(before)
+    assert [as_bytes(new[i][0]) for i in range(len(old))] == before
+
+
+def test_nothing_new_uploads_nothing(s3_remote: Remote, source: Source, tmp_path: Path) -> None:
+    url = pack_at(source, s3_remote, "shards")
+    s3_remote.proxy.reset()
+    result = append_voc(
+        source.root, url, storage_options=s3_remote.storage_options, cache_dir=tmp_path / "c"
+    )
+    assert result.bytes_written == 0 and "up to date" in result.notes[0] and url in result.notes[0]
+    assert puts(s3_remote) == []
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_replace_changed_through_a_url(
+    s3_remote: Remote, source: Source, tmp_path: Path, form: str
+) -> None:
+    source.cut()
+    url = pack_at(source, s3_remote, form)
+    before = objects(s3_remote, url)
+    victim = VOCPackReader(download(s3_remote, url, tmp_path / "before")).id(1)
+    edit_annotation(source, victim)
+    source.grow()
+    options = {"storage_options": s3_remote.storage_options, "cache_dir": tmp_path / "cache"}
+    s3_remote.proxy.reset()
+    with pytest.raises(SourceDataError, match=rf"{url}: 1 packed ids changed.*{victim}") as err:
+        append_voc(source.root, url, **options)
+    assert ".append-" not in str(err.value)  # the URL is named, not the staged copy
+    assert puts(s3_remote) == [] and objects(s3_remote, url) == before
+
+    result = append_voc(source.root, url, replace_changed=True, **options)
+
+    assert result.replaced == [victim]
+    grown = download(s3_remote, url, tmp_path / "after")
+    assert_same_as_repack(grown, source, tmp_path, form)
+    assert_same_as_torchvision(grown, source, decode_set=None)
+
+
+def test_a_url_over_http_is_read_only(source: Source) -> None:
+    with pytest.raises(ValueError, match=r"https://127\.0\.0\.1:9/voc: .*read-only"):
+        append_voc(source.root, "https://127.0.0.1:9/voc")
+
+
+# -- concurrency and failures --------------------------------------------------------------------
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_a_second_appender_that_finished_first_wins_and_this_one_is_refused(
+    s3_remote: Remote, source: Source, tmp_path: Path, form: str
+) -> None:
+    source.cut(0.5)
+    url = pack_at(source, s3_remote, form)
+    options = s3_remote.storage_options
+    source.cut(0.75)
+
+    def racing(local: Path) -> Any:
+        grown = append_voc(source.root, local)  # this append, on its staged copy...
+        source.grow()  # ...while another one, started later, finishes first
+        append_voc(source.root, url, storage_options=options, cache_dir=tmp_path / "other")
+        return grown
+
+    with pytest.raises(WriteError, match=rf"{url} changed since this append read it"):
+        append_to_url(url, racing, storage_options=options, cache_dir=tmp_path / "cache")
+
+    winner = download(s3_remote, url, tmp_path / "after")
+    assert_same_as_repack(winner, source, tmp_path, form)
+    if form == "shards":  # what the loser uploaded is named by no manifest: prune finds it
+        stale = prune_remote(url, options, dry_run=True)
+        loser = [n for n in stale if not n.startswith("catalog")]
+        assert loser and all(n.startswith("shard-") for n in loser)
+
+
+@pytest.mark.parametrize(
+    ("fault", "where"),
+    [("status", "catalog"), ("drop", "shard-"), ("status", "manifest.json")],
+)
+def test_a_failed_upload_leaves_the_previous_pack_and_a_rerun_completes(
+    s3_remote: Remote,
+    source: Source,
+    tmp_path: Path,
+    fast_retries: None,
+    fault: str,
+    where: str,
+) -> None:
+    source.cut()
+    url = pack_at(source, s3_remote, "shards")
+    options = {"storage_options": s3_remote.storage_options, "cache_dir": tmp_path / "cache"}
+    before = objects(s3_remote, url)
+    source.grow()
+    s3_remote.proxy.add_fault(fault, method="PUT", path=where, count=None)
+
+    with pytest.raises(RemoteError, match="upload failed 2 times"):
+        append_voc(source.root, url, **options)
+
+    after = objects(s3_remote, url)
+    assert after["manifest.json"] == before["manifest.json"]  # the previous pack, exactly
+    previous = download(s3_remote, url, tmp_path / "previous")
+    assert len(VOCPackReader(previous).live) < len(source.listed())
+    assert all(after[n] == v for n, v in before.items())
+    s3_remote.proxy.clear_faults()
+
+    result = append_voc(source.root, url, **options)
+
+    assert result.num_samples == len(source.listed())
+    assert_same_as_repack(download(s3_remote, url, tmp_path / "grown"), source, tmp_path, "shards")
+    strays = set(after) - set(before)  # what the failed append uploaded: prune removes it
+    stale = prune_remote(url, s3_remote.storage_options)
+    assert strays <= set(stale)
+    assert_same_as_repack(download(s3_remote, url, tmp_path / "pruned"), source, tmp_path, "shards")
+
+
+def test_truncated_downloads_of_the_old_shards_leave_the_pack_and_a_rerun_completes(
+    s3_remote: Remote, source: Source, tmp_path: Path, fast_retries: None
+) -> None:
+    """Staging reads every old shard through the cache: bodies cut short every time fail the
+    append before anything goes up; once, they are retried and the append completes."""
+    source.cut()
+    url = pack_at(source, s3_remote, "shards")
+    options = {"storage_options": s3_remote.storage_options, "cache_dir": tmp_path / "cache"}
+    before = objects(s3_remote, url)
+    source.grow()
+    s3_remote.proxy.reset()
+    s3_remote.proxy.add_fault("truncate", method="GET", path="shard-", count=None)
+    with pytest.raises(RemoteError, match="shard-"):
+        append_voc(source.root, url, **options)
+    assert puts(s3_remote) == [] and objects(s3_remote, url) == before
+    s3_remote.proxy.reset()
+    s3_remote.proxy.add_fault("truncate", method="GET", path="shard-", count=1)
+    result = append_voc(source.root, url, **options)
+    assert s3_remote.proxy.stats()["faults"] == {"truncate": 1}
+    assert result.num_samples == len(source.listed())
+    assert_same_as_repack(download(s3_remote, url, tmp_path / "grown"), source, tmp_path, "shards")
+
+
+# -- command line --------------------------------------------------------------------------------
+def test_cli_append_to_a_url(
+    s3_remote: Remote, source: Source, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source.cut()
+    url = pack_at(source, s3_remote, "shards")
+    source.grow()
+    argv = ["--storage-options", json.dumps(s3_remote.storage_options)]
+    argv += ["--cache-dir", str(tmp_path / "cache")]
+    assert main(["pack", str(source.root), url, "--append", "--quiet", *argv]) == 0
+    out = capsys.readouterr().out
+    assert f"appended to {url} (new files uploaded, manifest last)" in out
+    assert f"{len(source.listed())} samples" in out
+    assert main(["info", url, *argv]) == 0
+    assert "append" in capsys.readouterr().out
+    grown = download(s3_remote, url, tmp_path / "grown")
+    assert_same_as_repack(grown, source, tmp_path, "shards")

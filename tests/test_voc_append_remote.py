@@ -207,6 +207,24 @@ def test_a_reader_that_opened_the_url_before_keeps_working(
     assert [as_bytes(new[i][0]) for i in range(len(old))] == before
 
 
+def test_the_next_append_on_the_same_machine_downloads_no_shard(
+    s3_remote: Remote, source: Source, tmp_path: Path
+) -> None:
+    """The first append downloads every old shard once (class counts need their objects); it
+    leaves the grown pack in the cache, so the next one downloads only the manifest."""
+    source.cut(0.5)
+    url = pack_at(source, s3_remote, "shards")
+    options = {"storage_options": s3_remote.storage_options, "cache_dir": tmp_path / "cache"}
+    source.cut(0.75)
+    append_voc(source.root, url, **options)
+    source.grow()
+    s3_remote.proxy.reset()
+    result = append_voc(source.root, url, **options)
+    assert result.num_samples == len(source.listed())
+    assert s3_remote.proxy.count("GET", ".tser") == 0
+    assert_same_as_repack(download(s3_remote, url, tmp_path / "grown"), source, tmp_path, "shards")
+
+
 def test_nothing_new_uploads_nothing(s3_remote: Remote, source: Source, tmp_path: Path) -> None:
     url = pack_at(source, s3_remote, "shards")
     s3_remote.proxy.reset()
@@ -338,14 +356,21 @@ def test_cli_append_to_a_url(
 ) -> None:
     source.cut()
     url = pack_at(source, s3_remote, "shards")
+    before = VOCPackReader(download(s3_remote, url, tmp_path / "before"))
+    packed = {before.id(r) for r in range(len(before))}
     source.grow()
+    bad = next(i for i in source.listed() if i not in packed)
+    source.file("JPEGImages", bad).write_bytes(b"not an image")
     argv = ["--storage-options", json.dumps(s3_remote.storage_options)]
     argv += ["--cache-dir", str(tmp_path / "cache")]
-    assert main(["pack", str(source.root), url, "--append", "--quiet", *argv]) == 0
+    assert main(["pack", str(source.root), url, "--append", "--quiet", "--skip-bad", *argv]) == 0
     out = capsys.readouterr().out
     assert f"appended to {url} (new files uploaded, manifest last)" in out
-    assert f"{len(source.listed())} samples" in out
+    assert f"{len(source.listed()) - 1} samples" in out
+    assert f"reasons in {url}.skipped.json" in out
+    assert bad in s3_remote.get(key_of(s3_remote, url) + ".skipped.json").decode()
     assert main(["info", url, *argv]) == 0
     assert "append" in capsys.readouterr().out
-    grown = download(s3_remote, url, tmp_path / "grown")
-    assert_same_as_repack(grown, source, tmp_path, "shards")
+    fresh = pack_voc(source.root, tmp_path / "fresh", year=YEAR, on_error="skip")
+    grown = VOCPackReader(download(s3_remote, url, tmp_path / "grown"))
+    assert grown.meta["splits"] == VOCPackReader(fresh.path).meta["splits"]

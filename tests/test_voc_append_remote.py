@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from _reliability_helpers import PACK_FORMS, out_name
+from _reliability_helpers import PACK_FORMS, dead_pid, out_name
 from test_voc_append import (
     YEAR,
     Source,
@@ -225,14 +225,19 @@ def test_the_next_append_on_the_same_machine_downloads_no_shard(
     assert_same_as_repack(download(s3_remote, url, tmp_path / "grown"), source, tmp_path, "shards")
 
 
-def test_nothing_new_uploads_nothing(s3_remote: Remote, source: Source, tmp_path: Path) -> None:
+def test_nothing_new_uploads_nothing_and_killed_stagings_are_removed(
+    s3_remote: Remote, source: Source, tmp_path: Path
+) -> None:
     url = pack_at(source, s3_remote, "shards")
+    killed = tmp_path / "c" / f".append-staging.tmp-{dead_pid()}-0badcafe"
+    (killed / "voc").mkdir(parents=True)  # what an append killed while staging left
     s3_remote.proxy.reset()
     result = append_voc(
         source.root, url, storage_options=s3_remote.storage_options, cache_dir=tmp_path / "c"
     )
     assert result.bytes_written == 0 and "up to date" in result.notes[0] and url in result.notes[0]
     assert puts(s3_remote) == []
+    assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".append")]
 
 
 @pytest.mark.parametrize("form", ["shards"])

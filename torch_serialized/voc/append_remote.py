@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import format as fmt
+from ..atomic import clean_stale, temp_sibling
 from ..cache import Cache
 from ..errors import WriteError
 from ..reader import PackReader, read_manifest
@@ -53,6 +54,8 @@ __all__ = ["append_to_url", "READ_ONLY_PROTOCOLS"]
 #: URL schemes packs are read from but never written to.
 READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
 _UPLOAD_THREADS = 4
+#: The name staging folders in the cache folder are temporaries of (``atomic.temp_sibling``).
+_STAGING = "append-staging"
 
 
 def append_to_url(
@@ -116,9 +119,11 @@ def _pack_url(url: str) -> str:
 @contextlib.contextmanager
 def _staging(cache_dir: Path) -> Iterator[Path]:
     """A private folder inside the cache folder (same file system: hard links work), removed
-    afterwards; its leading dot keeps it out of ``cache list`` and ``cache clear``."""
+    afterwards; its leading dot keeps it out of ``cache list`` and ``cache clear``. Folders of
+    appends that were killed (their process is gone) are removed first."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    folder = cache_dir / f".append-{uuid.uuid4().hex[:12]}"
+    clean_stale(cache_dir / _STAGING)
+    folder = temp_sibling(cache_dir / _STAGING)
     folder.mkdir()
     try:
         yield folder

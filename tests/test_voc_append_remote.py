@@ -265,6 +265,23 @@ def test_replace_changed_through_a_url(
     assert_same_as_torchvision(grown, source, decode_set=None)
 
 
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_append_to_a_file_url(source: Source, tmp_path: Path, form: str) -> None:
+    """Any writable fsspec URL, not only S3: ``file://`` (uploads are a copy and a rename)."""
+    source.cut()
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "out" / out_name(form)
+    url = f"file://{path}"
+    pack_voc(source.root, url, year=YEAR, **PACK_FORMS[form])
+    before = {p.name: p.stat().st_ino for p in path.iterdir()} if form == "shards" else {}
+    source.grow()
+    result = append_voc(source.root, url, cache_dir=tmp_path / "cache")
+    assert result.url == url and result.num_samples == len(source.listed())
+    assert_same_as_repack(path, source, tmp_path, form)
+    after = {p.name: p.stat().st_ino for p in path.iterdir()} if form == "shards" else {}
+    assert all(after[n] == i for n, i in before.items() if n != "manifest.json")
+
+
 def test_a_url_over_http_is_read_only(source: Source) -> None:
     with pytest.raises(ValueError, match=r"https://127\.0\.0\.1:9/voc: .*read-only"):
         append_voc(source.root, "https://127.0.0.1:9/voc")

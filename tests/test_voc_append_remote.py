@@ -186,17 +186,21 @@ def test_append_to_a_url_reads_as_a_full_repack_and_uploads_only_new_files(
     assert s3_remote.proxy.stats()["bytes_sent"] < 4096
 
 
-def test_a_reader_that_opened_the_url_before_keeps_working(
+def test_a_reader_that_opened_before_keeps_working_and_the_next_append_downloads_no_shard(
     s3_remote: Remote, source: Source, tmp_path: Path
 ) -> None:
-    source.cut()
+    """A reader of the URL opened before an append reads the pack it opened after it; one
+    opened after sees the grown pack. The first append downloads every old shard once (class
+    counts need their objects) and leaves the grown pack in the cache, so the next append on
+    the machine downloads no shard."""
+    source.cut(0.5)
     url = pack_at(source, s3_remote, "shards")
     options = s3_remote.storage_options
     old = VOCSerializedDataset(
         url, "trainval", decode="none", storage_options=options, cache_dir=tmp_path / "reader"
     )
     first = as_bytes(old[0][0])
-    source.grow()
+    source.cut(0.75)
     append_voc(source.root, url, storage_options=options, cache_dir=tmp_path / "appender")
     assert as_bytes(old[0][0]) == first
     before = [as_bytes(old[i][0]) for i in range(len(old))]  # every old shard still there
@@ -206,20 +210,9 @@ def test_a_reader_that_opened_the_url_before_keeps_working(
     assert len(new) > len(old) == len(before)
     assert [as_bytes(new[i][0]) for i in range(len(old))] == before
 
-
-def test_the_next_append_on_the_same_machine_downloads_no_shard(
-    s3_remote: Remote, source: Source, tmp_path: Path
-) -> None:
-    """The first append downloads every old shard once (class counts need their objects); it
-    leaves the grown pack in the cache, so the next one downloads only the manifest."""
-    source.cut(0.5)
-    url = pack_at(source, s3_remote, "shards")
-    options = {"storage_options": s3_remote.storage_options, "cache_dir": tmp_path / "cache"}
-    source.cut(0.75)
-    append_voc(source.root, url, **options)
     source.grow()
     s3_remote.proxy.reset()
-    result = append_voc(source.root, url, **options)
+    result = append_voc(source.root, url, storage_options=options, cache_dir=tmp_path / "appender")
     assert result.num_samples == len(source.listed())
     assert s3_remote.proxy.count("GET", ".tser") == 0
     assert_same_as_repack(download(s3_remote, url, tmp_path / "grown"), source, tmp_path, "shards")

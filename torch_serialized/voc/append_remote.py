@@ -1,7 +1,7 @@
 """``append_voc`` on a pack at a URL: stage it locally, append there, upload what is new.
 
 The pack at the URL is opened through the cache (``remote_pack``; every file checked against
-its manifest) and staged in a private folder beside the cache: the manifest's bytes, the
+its manifest) and staged in a private folder inside the cache folder: the manifest's bytes, the
 catalog and the shards (hard links to the cached copies where the file system allows, else
 copies), or a copy of a single ``.tser`` file. The local ``append_voc`` then grows the staged
 pack with exactly its own rules, so the URL ends up holding what a local append, and a full

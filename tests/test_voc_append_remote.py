@@ -389,3 +389,61 @@ def test_cli_append_to_a_url(
     fresh = pack_voc(source.root, tmp_path / "fresh", year=YEAR, on_error="skip")
     grown = VOCPackReader(download(s3_remote, url, tmp_path / "grown"))
     assert grown.meta["splits"] == VOCPackReader(fresh.path).meta["splits"]
+
+
+# -- killed --------------------------------------------------------------------------------------
+_CHILD = """
+import json, sys
+sys.path[:0] = [sys.argv[1]]
+from _reliability_helpers import light_import
+light_import()
+from torch_serialized.voc.append import append_voc
+append_voc(sys.argv[2], sys.argv[3], storage_options=json.loads(sys.argv[4]), cache_dir=sys.argv[5])
+"""
+
+
+@pytest.mark.slow  # spawns the appender it kills
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_an_append_killed_while_uploading_leaves_the_previous_pack_and_a_rerun_completes(
+    s3_remote: Remote, source: Source, tmp_path: Path, form: str
+) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from remote_fixtures import S3_ENVIRONMENT
+
+    source.cut()
+    url = pack_at(source, s3_remote, form)
+    before = objects(s3_remote, url)
+    source.grow()
+    name = "shard-" if form == "shards" else out_name(form)
+    s3_remote.proxy.reset()
+    s3_remote.proxy.add_fault("delay", method="PUT", path=name, delay=60, count=None)
+    tests = str(Path(__file__).parent)
+    options = json.dumps(s3_remote.storage_options)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, tests, str(source.root), url, options, str(tmp_path / "c")],
+        env={**os.environ, **S3_ENVIRONMENT, "PYTHONPATH": str(Path(tests).parent)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("PUT ") for line in s3_remote.proxy.stats()["log"]):
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    s3_remote.proxy.clear_faults()
+    after = objects(s3_remote, url)  # nothing replaced: the previous pack, exactly
+    assert all(after[n] == v for n, v in before.items())
+    previous = download(s3_remote, url, tmp_path / "previous")
+    assert len(VOCPackReader(previous).live) < len(source.listed())
+
+    result = append_voc(
+        source.root, url, storage_options=s3_remote.storage_options, cache_dir=tmp_path / "c"
+    )
+
+    assert result.num_samples == len(source.listed())
+    assert_same_as_repack(download(s3_remote, url, tmp_path / "grown"), source, tmp_path, form)

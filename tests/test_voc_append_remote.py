@@ -275,6 +275,20 @@ def test_append_to_a_file_url(source: Source, tmp_path: Path, form: str) -> None
     assert all(after[n] == i for n, i in before.items() if n != "manifest.json")
 
 
+def test_errors_of_the_staged_append_name_the_url(tmp_path: Path) -> None:
+    from torch_serialized.voc.append_remote import _naming
+
+    local, url = tmp_path / "stage" / "voc", "s3://bucket/prefix/voc"
+    for exc in (
+        WriteError(16, f"{local} is being written"),
+        FileNotFoundError(2, "No such file", str(local / "shard-00001.tser")),
+        SourceDataError(f"{local}: 1 packed ids changed"),
+    ):
+        with pytest.raises(type(exc)) as err, _naming(local, url):
+            raise exc
+        assert url in str(err.value) and str(local) not in str(err.value)
+
+
 def test_a_url_over_http_is_read_only(source: Source) -> None:
     with pytest.raises(ValueError, match=r"https://127\.0\.0\.1:9/voc: .*read-only"):
         append_voc(source.root, "https://127.0.0.1:9/voc")

@@ -167,8 +167,11 @@ def _naming(local: Path, url: str) -> Iterator[None]:
         yield
     except Exception as exc:
         here, there = str(local), redact_url(url)
-        if isinstance(exc, OSError) and isinstance(exc.strerror, str):
-            exc.strerror = exc.strerror.replace(here, there)
+        if isinstance(exc, OSError):
+            if isinstance(exc.strerror, str):
+                exc.strerror = exc.strerror.replace(here, there)
+            if isinstance(exc.filename, str):
+                exc.filename = exc.filename.replace(here, there)
         exc.args = tuple(a.replace(here, there) if isinstance(a, str) else a for a in exc.args)
         raise
 

@@ -690,7 +690,8 @@ def _parser() -> argparse.ArgumentParser:
         "if it is a pack torch_serialized wrote. With --append, OUTPUT is an existing pack "
         "brought up to date with ROOT at the cost of what changed (README: Updating a pack). "
         "OUTPUT may be a URL (s3://bucket/prefix/voc): the pack is written to a temporary "
-        "folder, then uploaded with its manifest last.",
+        "folder, then uploaded with its manifest last; with --append only its new files go "
+        "up, then the manifest (https:// URLs are read-only).",
         url=True,
     )
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")

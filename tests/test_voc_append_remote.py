@@ -25,7 +25,7 @@ from test_voc_append import (
 from torch_serialized import SourceDataError, VOCSerializedDataset, append_voc, pack_voc
 from torch_serialized.cli import main
 from torch_serialized.errors import RemoteError, WriteError
-from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
+from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV, RemoteStore
 from torch_serialized.upload import prune_remote
 from torch_serialized.voc.append_remote import append_to_url
 from torch_serialized.voc.reader import VOCPackReader
@@ -295,20 +295,45 @@ def test_a_url_over_http_is_read_only(source: Source) -> None:
 
 
 # -- concurrency and failures --------------------------------------------------------------------
-@pytest.mark.parametrize("form", PACK_FORMS)
+@pytest.mark.parametrize(
+    ("form", "when"), [("single", "staged"), ("shards", "staged"), ("shards", "uploading")]
+)
 def test_a_second_appender_that_finished_first_wins_and_this_one_is_refused(
-    s3_remote: Remote, source: Source, tmp_path: Path, form: str
+    s3_remote: Remote,
+    source: Source,
+    tmp_path: Path,
+    form: str,
+    when: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Another append, started later, commits while this one grows its staged copy (then this
+    one uploads nothing) or while it uploads (then its uploads are strays for ``prune``)."""
     source.cut(0.5)
     url = pack_at(source, s3_remote, form)
     options = s3_remote.storage_options
     source.cut(0.75)
+    first = prune_remote(url, options, dry_run=True) if form == "shards" else []
+
+    def other_append() -> None:
+        source.grow()
+        append_voc(source.root, url, storage_options=options, cache_dir=tmp_path / "other")
 
     def racing(local: Path) -> Any:
-        grown = append_voc(source.root, local)  # this append, on its staged copy...
-        source.grow()  # ...while another one, started later, finishes first
-        append_voc(source.root, url, storage_options=options, cache_dir=tmp_path / "other")
+        grown = append_voc(source.root, local)  # this append, on its staged copy
+        if when == "staged":
+            other_append()
         return grown
+
+    if when == "uploading":
+        upload = RemoteStore.upload_file
+
+        def upload_then_race(self: RemoteStore, local: Any, key: str = "") -> None:
+            upload(self, local, key)
+            if key.startswith("shard-") and not getattr(racing, "raced", False):
+                racing.raced = True  # type: ignore[attr-defined]
+                other_append()
+
+        monkeypatch.setattr(RemoteStore, "upload_file", upload_then_race)
 
     with pytest.raises(WriteError, match=rf"{url} changed since this append read it"):
         append_to_url(url, racing, storage_options=options, cache_dir=tmp_path / "cache")
@@ -316,9 +341,9 @@ def test_a_second_appender_that_finished_first_wins_and_this_one_is_refused(
     winner = download(s3_remote, url, tmp_path / "after")
     assert_same_as_repack(winner, source, tmp_path, form)
     if form == "shards":  # what the loser uploaded is named by no manifest: prune finds it
-        stale = prune_remote(url, options, dry_run=True)
-        loser = [n for n in stale if not n.startswith("catalog")]
-        assert loser and all(n.startswith("shard-") for n in loser)
+        stale = [n for n in prune_remote(url, options, dry_run=True) if n not in first]
+        loser = [n for n in stale if n.startswith("shard-")]
+        assert bool(loser) == (when == "uploading")
 
 
 #: upload faults, each failing an append at another step: a new catalog answered 503, the

@@ -180,10 +180,12 @@ def _upload_growth(
     store: RemoteStore, before: fmt.Manifest | None, local: Path, started_from: str
 ) -> None:
     """Upload the files of the grown folder ``local`` that the manifest ``before`` did not
-    name, then, if the URL's manifest is still ``started_from``, the new manifest."""
+    name, then, if the URL's manifest is still ``started_from`` (checked before the uploads,
+    to waste none, and again just before the manifest goes up), the new manifest."""
     assert before is not None
     after = read_manifest(local / fmt.MANIFEST_NAME)
     new = [name for name in after.files() if name not in set(before.files())]
+    _check_unchanged(store, started_from, single=False)  # lost already: upload nothing
     with ThreadPoolExecutor(_UPLOAD_THREADS) as pool:
         for future in [pool.submit(store.upload_file, local / n, n) for n in new]:
             future.result()

@@ -282,19 +282,24 @@ def _cmd_append(args: argparse.Namespace) -> int:
         replace_changed=args.replace_changed,
         checksum=args.checksum,
         max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
+        storage_options=args.storage_options,
+        cache_dir=args.cache_dir,
     )
     new = result.added - len(result.replaced)
     dropped = len(result.retired)
-    print(f"appended to {result.path} from {result.voc_root}")
+    where = f"{result.url} (new files uploaded, manifest last)" if result.url else result.path
+    print(f"appended to {where} from {result.voc_root}")
     print(f"  added    {new} new samples, {len(result.replaced)} changed samples replaced")
     print(f"  retired  {dropped} samples no longer listed in the source")
     print(
-        f"  pack     {result.num_samples} samples, {_mb(result.num_bytes)} on disk "
+        f"  pack     {result.num_samples} samples, {_mb(result.num_bytes)} "
+        f"{'at the URL' if result.url else 'on disk'} "
         f"({_mb(result.bytes_written)} written)"
     )
     print(f"  time     {result.seconds:.2f} s")
     if result.skipped:
-        print(f"  skipped  {len(result.skipped)} samples; reasons in {result.report}")
+        report = f"{result.url}.skipped.json" if result.url else result.report
+        print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
     for note in result.notes:
         print(f"  note     {note}")
     return EXIT_OK
@@ -685,7 +690,8 @@ def _parser() -> argparse.ArgumentParser:
         "if it is a pack torch_serialized wrote. With --append, OUTPUT is an existing pack "
         "brought up to date with ROOT at the cost of what changed (README: Updating a pack). "
         "OUTPUT may be a URL (s3://bucket/prefix/voc): the pack is written to a temporary "
-        "folder, then uploaded with its manifest last.",
+        "folder, then uploaded with its manifest last; with --append only its new files go "
+        "up, then the manifest (https:// URLs are read-only).",
         url=True,
     )
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")

@@ -27,7 +27,14 @@ from .errors import RemoteNotFoundError
 from .format import FILE_SUFFIX, MANIFEST_NAME
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, RemoteStore, RetryPolicy
 
-__all__ = ["RemotePack", "ShardRequest", "resolve"]
+__all__ = [
+    "RemotePack",
+    "ShardRequest",
+    "file_identity",
+    "file_tail",
+    "local_file_identity",
+    "resolve",
+]
 
 _TAIL = 64  # a container's footer: its identity, as a manifest is a shard folder's
 
@@ -64,9 +71,8 @@ def resolve(
     )
     cache = Cache(cache_dir, cache_limit_bytes)
     if store.url.endswith(FILE_SUFFIX):
-        size = store.size()
-        tail = store.read_bytes("", max(0, size - _TAIL), size) if size else b""
-        identity = hashlib.sha256(f"{size}\n".encode() + tail).hexdigest()
+        size, tail = file_tail(store)
+        identity = file_identity(size, tail)
         pack_cache = cache.pack(store.url, identity)
         name = store.url.rsplit("/", 1)[-1]
 
@@ -93,6 +99,26 @@ def resolve(
     pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
     manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
     return RemotePack(store, pack_cache, pack_cache.directory, manifest_path, prefetch_threads)
+
+
+def file_tail(store: RemoteStore) -> tuple[int, bytes]:
+    """The size of the single-file pack at ``store`` and its footer's bytes (two requests)."""
+    size = store.size()
+    return size, store.read_bytes("", max(0, size - _TAIL), size) if size else b""
+
+
+def file_identity(size: int, tail: bytes) -> str:
+    """A single-file pack's identity (its cache key and what an append checks has not
+    changed): the sha256 of its size and footer, which holds the pack id and checksums."""
+    return hashlib.sha256(f"{size}\n".encode() + tail).hexdigest()
+
+
+def local_file_identity(path: str | os.PathLike[str]) -> str:
+    """``file_identity`` of a local file: what the object holds once ``path`` is uploaded."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - _TAIL))
+        return file_identity(size, f.read())
 
 
 class RemotePack:

@@ -24,7 +24,7 @@ import fcntl
 import functools
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +35,7 @@ from ..errors import FormatError, WriteError
 from ..grow import GrowWriter
 from ..parallel import SpillPool, copy_range, pays_off
 from ..reader import ContainerReader
+from ..remote import is_url
 from ..safeio import DEFAULT_MAX_FILE_BYTES, open_regular
 from ..writer import PackWriter
 from . import schema
@@ -73,6 +74,8 @@ def append_voc(
     replace_changed: bool = False,
     checksum: bool = False,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> PackResult:
     """Bring the pack at ``pack`` up to date with the VOC source at ``root``; return what
     was done (``added``, ``replaced``, ``retired``, ``notes``, ``bytes_written``).
@@ -87,6 +90,11 @@ def append_voc(
     content. The pack's own options (image storage, ``max_size``, shard limits) are used.
     ``on_error``, ``progress``, ``workers`` and ``max_file_bytes`` are ``pack_voc``'s. An
     interrupted append leaves the pack as it was.
+
+    ``pack`` may be a writable URL (``s3://bucket/prefix/voc``; ``storage_options`` and
+    ``cache_dir`` as the readers take them): the pack is staged through the cache, grown
+    locally by these same rules, and only its new files are uploaded, the manifest last
+    (``append_remote``).
     """
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -94,11 +102,21 @@ def append_voc(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if max_file_bytes < 1:
         raise ValueError(f"max_file_bytes must be a positive number, got {max_file_bytes}")
-    if "://" in os.fspath(pack):
-        raise ValueError(
-            f"{os.fspath(pack)}: append_voc grows a local pack; appending to a pack at a URL "
-            "is not supported yet: append to a local copy and upload it"
+    if is_url(pack):  # staged locally, grown by this function, the growth uploaded
+        from .append_remote import append_to_url
+
+        local = functools.partial(
+            append_voc,
+            root,
+            year=year,
+            on_error=on_error,
+            progress=progress,
+            workers=workers,
+            replace_changed=replace_changed,
+            checksum=checksum,
+            max_file_bytes=max_file_bytes,
         )
+        return append_to_url(str(pack), local, storage_options=storage_options, cache_dir=cache_dir)
     started = time.perf_counter()
     old = VOCPackReader(pack)
     path = Path(old.path)

@@ -98,9 +98,9 @@ class PackResult:
     retired: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     bytes_written: int = 0
-    #: where the pack was uploaded (``pack_voc`` to a URL); ``path`` and ``report`` are then
-    #: the local staging copies, removed after the upload (the report went up beside the pack,
-    #: as ``url + ".skipped.json"``)
+    #: where the pack was uploaded (``pack_voc`` or ``append_voc`` to a URL); ``path`` and
+    #: ``report`` are then the local staging copies, removed after the upload (the report went
+    #: up beside the pack, as ``url + ".skipped.json"``)
     url: str | None = None
 
     @property

@@ -123,6 +123,7 @@ def assert_same_as_repack(grown: Path, source: Source, tmp: Path, form: str) -> 
                 assert as_bytes(ya) == as_bytes(yb), (task, image_set, i)
     assert ours.files() == theirs.files()
     assert ours.meta["splits"] == theirs.meta["splits"]
+    assert ours.meta["class_counts"] == theirs.meta["class_counts"]
     assert len(SerializedDataset(grown)) == len(SerializedDataset(fresh))
     assert sorted(
         SerializedDataset(grown)[i]["id"] for i in range(len(SerializedDataset(grown)))
@@ -190,6 +191,51 @@ def test_append_new_ids_reads_as_a_full_repack_and_as_torchvision(tmp_path, sour
             )["pack_id"]
         )
     assert open_pack(path).verify() == []
+
+
+def test_a_shard_folder_grows_without_reading_its_shards(tmp_path, source):
+    # The image sets' class counts come from the catalog's object classes: the old shards are
+    # not needed at all (at a URL, none is downloaded), only the new ids' files are read.
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    away = tmp_path / "away"
+    away.mkdir()
+    old_shards = [p for p in path.iterdir() if p.name.startswith("shard-")]
+    for shard in old_shards:
+        shard.rename(away / shard.name)
+    source.grow()
+
+    result = append_voc(source.root, path)
+
+    assert result.added > 0
+    for shard in old_shards:
+        (away / shard.name).rename(shard)
+    assert_same_as_repack(path, source, tmp_path, "shards")
+    assert open_pack(path).verify() == []
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_a_pack_without_object_classes_recounts_them_from_its_shards(
+    tmp_path, source, form, monkeypatch
+):
+    # Packs written before the catalog kept every object's class: read from the shards.
+    from torch_serialized.voc import append as append_module
+
+    source.cut()
+    with monkeypatch.context() as m:  # written under another name: as if not written at all
+        m.setattr(schema, "OBJECT_CLASSES_ARRAY", "objects/not-this-one")
+        path = pack(source, tmp_path / "pack", form)
+    assert schema.OBJECT_CLASSES_ARRAY not in VOCPackReader(path).reader.arrays()
+    calls = []
+    read = append_module._object_classes_from_shards
+    monkeypatch.setattr(
+        append_module, "_object_classes_from_shards", lambda old: calls.append(1) or read(old)
+    )
+    source.grow()
+    append_voc(source.root, path)
+    assert calls == [1]
+    assert_same_as_repack(path, source, tmp_path, form)
+    assert schema.OBJECT_CLASSES_ARRAY in VOCPackReader(path).reader.arrays()  # written now
 
 
 @pytest.mark.parametrize("form", PACK_FORMS)

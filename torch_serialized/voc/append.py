@@ -202,7 +202,21 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
 
 def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
     """The class id of every stored object of every record, in record order, and how many
-    objects each record has: read shard by shard in one pass (the objects field only)."""
+    objects each record has: from the catalog's ``objects/class_id`` (no shard is read), or,
+    in packs written before it, read shard by shard in one pass (the objects field only)."""
+    stored = old.reader.arrays().get(schema.OBJECT_CLASSES_ARRAY)
+    if stored is None:
+        return _object_classes_from_shards(old)
+    counts = old.columns["num_objects"].astype(np.int64)
+    if stored.ndim != 1 or int(counts.sum()) != len(stored):
+        raise FormatError(
+            f"{old.path}: {schema.OBJECT_CLASSES_ARRAY} holds {len(stored)} class ids but the "
+            f"records count {int(counts.sum())} objects; re-pack it"
+        )
+    return _checked_classes(old, stored.astype(np.int64)), counts
+
+
+def _object_classes_from_shards(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
     parts: list[bytes] = []
     lengths: list[np.ndarray] = []
     for s in range(old.reader.num_shards):
@@ -216,12 +230,15 @@ def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
         raise FormatError(f"{old.path}: a record's stored objects are not whole rows; re-pack it")
     counts = sizes // size
     rows = np.frombuffer(b"".join(parts), dtype=schema.OBJECT_DTYPE)
-    classes = rows["class_id"].astype(np.int64)
+    return _checked_classes(old, rows["class_id"].astype(np.int64)), counts
+
+
+def _checked_classes(old: VOCPackReader, classes: np.ndarray) -> np.ndarray:
     if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= len(old.classes)):
         raise FormatError(
             f"{old.path}: a stored object names a class the pack does not have; re-pack it"
         )
-    return classes, counts
+    return classes
 
 
 def _metadata(

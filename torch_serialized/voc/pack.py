@@ -443,6 +443,7 @@ def write_dataset_arrays(
     )
     later = itertools.chain.from_iterable(books.record_classes)
     classes = np.concatenate([books.base_classes, np.fromiter(later, dtype=np.int64)])
+    writer.add_array(schema.OBJECT_CLASSES_ARRAY, classes.astype("<i4"))
     owner = np.repeat(np.arange(len(per_record)), per_record)
     for task, sets in image_sets.items():
         for name, listed in sets.items():

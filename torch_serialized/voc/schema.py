@@ -26,6 +26,12 @@ is ``image`` when stored as is; when images are stored transformed (``image_stor
 content comparison needs no re-encoding (a row of zeros: not known, the record came from a
 pack written before).
 
+Object classes (``objects/class_id``, int32; absent in packs written before it): the class id
+of every stored object, records in record order (retired ones included), each record's objects
+in stored order; ``num_objects`` of ``records`` says how many are each record's. The same ids
+as the shards' ``objects`` fields, kept beside the other dataset arrays so that ``append_voc``
+recounts the image sets' classes without reading a shard (at a URL: without downloading one).
+
 Retired records (schema version 2, only in shard folders): a record replaced or dropped by an
 append stays in its shard (shards are never rewritten) and is listed in the dataset-level
 array ``retired`` (int64 record numbers, ascending). No image set refers to it; readers that
@@ -65,6 +71,7 @@ __all__ = [
     "MTIME_ARRAY",
     "DIGEST_ARRAY",
     "RETIRED_ARRAY",
+    "OBJECT_CLASSES_ARRAY",
     "RETIRED_SCHEMA_VERSION",
     "BASE_SCHEMA_VERSION",
 ]
@@ -84,6 +91,7 @@ SIZE_ARRAY = "source/size"
 MTIME_ARRAY = "source/mtime_ns"
 DIGEST_ARRAY = "source/sha256"
 RETIRED_ARRAY = "retired"
+OBJECT_CLASSES_ARRAY = "objects/class_id"
 
 FIELDS = ("image", "annotation", "mask", "object_mask", "target", "objects")
 IMAGE, ANNOTATION, MASK, OBJECT_MASK, TARGET, OBJECTS = range(len(FIELDS))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -149,6 +150,8 @@ def test_append_to_a_url_reads_as_a_full_repack_and_uploads_only_new_files(
 
     assert result.url == url and result.added == len(source.listed()) - packed > 0
     assert result.num_samples == len(source.listed())
+    # a shard folder's old shards are not downloaded (every id passed the quick check)
+    assert s3_remote.proxy.count("GET", "shard-") == 0 or form == "single"
     grown = download(s3_remote, url, tmp_path / "after")
     assert_same_as_repack(grown, source, tmp_path, form)
     assert_same_as_torchvision(grown, source)
@@ -182,17 +185,24 @@ def test_append_to_a_url_reads_as_a_full_repack_and_uploads_only_new_files(
     local = VOCSerializedDataset(grown, "train", decode="none")
     assert len(at_url) == len(local) > 0
     assert all(as_bytes(at_url[i][0]) == as_bytes(local[i][0]) for i in range(len(local)))
-    # (a shard folder's manifest, a single file's size and footer: never a shard's bytes)
-    assert s3_remote.proxy.stats()["bytes_sent"] < 4096
+    if form == "shards":  # the old shards it reads, never a file the append uploaded
+        fetched = {
+            line.split(" ", 1)[1].rsplit("/", 1)[-1]
+            for line in s3_remote.proxy.stats()["log"]
+            if line.startswith("GET ")
+        }
+        assert not fetched & new
+        assert all(n.startswith("shard-") for n in fetched - {"", "manifest.json"})
+    else:  # its size and footer: never the file's bytes
+        assert s3_remote.proxy.stats()["bytes_sent"] < 4096
 
 
 def test_a_reader_that_opened_before_keeps_working_and_the_next_append_downloads_no_shard(
     s3_remote: Remote, source: Source, tmp_path: Path
 ) -> None:
     """A reader of the URL opened before an append reads the pack it opened after it; one
-    opened after sees the grown pack. The first append downloads every old shard once (class
-    counts need their objects) and leaves the grown pack in the cache, so the next append on
-    the machine downloads no shard."""
+    opened after sees the grown pack. The first append leaves the grown pack's new files in
+    the cache, so the next append on the machine downloads no shard and no catalog."""
     source.cut(0.5)
     url = pack_at(source, s3_remote, "shards")
     options = s3_remote.storage_options
@@ -336,7 +346,9 @@ def test_a_second_appender_that_finished_first_wins_and_this_one_is_refused(
         monkeypatch.setattr(RemoteStore, "upload_file", upload_then_race)
 
     with pytest.raises(WriteError, match=rf"{url} changed since this append read it"):
-        append_to_url(url, racing, storage_options=options, cache_dir=tmp_path / "cache")
+        append_to_url(
+            url, racing, lambda reader: None, storage_options=options, cache_dir=tmp_path / "cache"
+        )
 
     winner = download(s3_remote, url, tmp_path / "after")
     assert_same_as_repack(winner, source, tmp_path, form)
@@ -384,13 +396,16 @@ def test_failed_uploads_leave_the_previous_pack_and_a_rerun_completes(
 def test_truncated_downloads_of_the_old_shards_leave_the_pack_and_a_rerun_completes(
     s3_remote: Remote, source: Source, tmp_path: Path, fast_retries: None
 ) -> None:
-    """Staging reads every old shard through the cache: bodies cut short every time fail the
-    append before anything goes up; once, they are retried and the append completes."""
+    """An id whose file's time changed is compared by content: its shard is downloaded
+    through the cache. Bodies cut short every time fail the append before anything goes up;
+    once, they are retried and the append completes."""
     source.cut()
     url = pack_at(source, s3_remote, "shards")
     options = {"storage_options": s3_remote.storage_options, "cache_dir": tmp_path / "cache"}
     before = objects(s3_remote, url)
     source.grow()
+    touched = source.file("Annotations", source.listed()[0])
+    os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 10**9))
     s3_remote.proxy.reset()
     s3_remote.proxy.add_fault("truncate", method="GET", path="shard-", count=None)
     with pytest.raises(RemoteError, match="shard-"):

@@ -116,22 +116,24 @@ def append_voc(
             checksum=checksum,
             max_file_bytes=max_file_bytes,
         )
-        return append_to_url(str(pack), local, storage_options=storage_options, cache_dir=cache_dir)
+        compare = functools.partial(
+            _sort_source, root, year=year, checksum=checksum, max_file_bytes=max_file_bytes
+        )
+        return append_to_url(
+            str(pack), local, compare, storage_options=storage_options, cache_dir=cache_dir
+        )
     started = time.perf_counter()
     old = VOCPackReader(pack)
     path = Path(old.path)
-    voc_root, found_year = find_voc_root(root, year if year is not None else old.year)
-    if found_year != old.year:
-        raise ValueError(
-            f"{voc_root} is VOC{found_year} but {path} holds VOC{old.year}; append the same "
-            "year's devkit (or pack it into another pack)"
-        )
     check_report_path(report := path.with_name(path.name + REPORT_SUFFIX))
-    checks = bool(old.meta.get("options", {}).get("check_images"))
-    options = ImageOptions(old.image_storage, old.meta.get("max_size"), checks)
-    image_sets = read_image_sets(voc_root, max_file_bytes)
-    planned = survey(voc_root, image_sets, options, max_file_bytes)
-    plan_ = classify(old, planned, replace_changed, checksum)
+    voc_root, image_sets, plan_ = _sort_source(
+        root,
+        old,
+        year=year,
+        replace_changed=replace_changed,
+        checksum=checksum,
+        max_file_bytes=max_file_bytes,
+    )
     if plan_.current and old.files() == dict(image_set_files(voc_root, max_file_bytes)):
         plan_.notes.append(f"{path} is up to date with {voc_root}: nothing was written")
         return _up_to_date(old, plan_, voc_root, started)
@@ -180,6 +182,30 @@ def _up_to_date(old: VOCPackReader, plan: Plan, voc_root: Path, started: float) 
         voc_root=voc_root,
         notes=plan.notes,
     )
+
+
+def _sort_source(
+    root: str | os.PathLike[str],
+    old: VOCPackReader,
+    *,
+    year: str | None,
+    replace_changed: bool = True,
+    checksum: bool,
+    max_file_bytes: int,
+) -> tuple[Path, dict[str, dict[str, list[str]]], Plan]:
+    """The VOC root at ``root``, its image sets and every listed id sorted against ``old``
+    (``changes.classify``; records whose quick check fails are read from ``old``)."""
+    voc_root, found_year = find_voc_root(root, year if year is not None else old.year)
+    if found_year != old.year:
+        raise ValueError(
+            f"{voc_root} is VOC{found_year} but {old.path} holds VOC{old.year}; append the "
+            "same year's devkit (or pack it into another pack)"
+        )
+    checks = bool(old.meta.get("options", {}).get("check_images"))
+    options = ImageOptions(old.image_storage, old.meta.get("max_size"), checks)
+    image_sets = read_image_sets(voc_root, max_file_bytes)
+    planned = survey(voc_root, image_sets, options, max_file_bytes)
+    return voc_root, image_sets, classify(old, planned, replace_changed, checksum)
 
 
 # -- writing -------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The pack at the URL is opened through the cache (``remote_pack``; every file checked against
 its manifest) and staged in a private folder inside the cache folder: the manifest's bytes, the
-catalog and the shards (hard links to the cached copies where the file system allows, else
-copies), or a copy of a single ``.tser`` file. The local ``append_voc`` then grows the staged
+catalog and the shards the append reads, those holding ids whose quick check failed (hard
+links to the cached copies where the file system allows, else copies), or a copy of a single
+``.tser`` file. The local ``append_voc`` then grows the staged
 pack with exactly its own rules, so the URL ends up holding what a local append, and a full
 re-pack, would give. Then:
 
@@ -48,6 +49,7 @@ from ..reader import PackReader, read_manifest
 from ..remote import RemoteStore, is_url, redact_url
 from ..remote_pack import file_identity, file_tail, local_file_identity
 from .pack import REPORT_SUFFIX, PackResult
+from .reader import VOCPackReader
 
 __all__ = ["append_to_url", "READ_ONLY_PROTOCOLS"]
 
@@ -61,13 +63,16 @@ _STAGING = "append-staging"
 def append_to_url(
     url: str,
     append: Callable[[Path], PackResult],
+    compare: Callable[[VOCPackReader], object],
     *,
     storage_options: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> PackResult:
     """Grow the pack at ``url`` with ``append(local_pack)`` (the local ``append_voc``, bound to
     its source and options) and upload the result; return its ``PackResult`` with ``url`` set
-    (``path`` and ``report`` are the staged copies, removed by then)."""
+    (``path`` and ``report`` are the staged copies, removed by then). ``compare(reader)`` sorts
+    the source against the pack at the URL as ``append`` will (the quick check): the shards it
+    reads to compare contents are the only ones downloaded and staged."""
     if not is_url(url):
         raise ValueError(f"{url!r} is not a URL")
     url = _pack_url(url)
@@ -81,7 +86,8 @@ def append_to_url(
     store = RemoteStore(url, storage_options)
     cache = Cache(cache_dir)
     with _staging(cache.directory) as folder:
-        reader = PackReader(url, storage_options=storage_options, cache_dir=cache_dir)
+        voc = VOCPackReader(url, storage_options=storage_options, cache_dir=cache_dir)
+        reader = voc.reader
         try:
             local = folder / (store.url.rsplit("/", 1)[-1] or "pack")
             if reader.manifest is None:
@@ -89,6 +95,7 @@ def append_to_url(
                 shutil.copyfile(reader.path, local)  # a copy: the cache's file stays as it is
             else:
                 started_from = reader.manifest_sha256 or ""
+                compare(voc)  # downloads the shards whose records are compared by content
                 _stage_folder(reader, local)
         finally:
             reader.close()
@@ -133,18 +140,18 @@ def _staging(cache_dir: Path) -> Iterator[Path]:
 
 def _stage_folder(reader: PackReader, local: Path) -> None:
     """The shard folder ``reader`` opened at a URL, as a local folder: its manifest's bytes,
-    its catalog and every shard (fetched through the cache and checked)."""
+    its catalog, and the shards already in the cache (each checked when it entered it). The
+    others are not needed: an append reads old shards only to compare contents (``compare``
+    fetched those), and never writes to them."""
     assert reader.manifest is not None and reader.manifest_path is not None
     local.mkdir()
     (local / fmt.MANIFEST_NAME).write_bytes(Path(reader.manifest_path).read_bytes())
     cached = Path(reader.path)
     if reader.manifest.catalog is not None:
         _link_or_copy(cached / reader.manifest.catalog.file, local / reader.manifest.catalog.file)
-    reader.prefetch_shards(range(reader.num_shards))
-    for s, entry in enumerate(reader.manifest.shards):
-        reader.shard(s)  # downloaded (or found in the cache) and checked
-        _link_or_copy(cached / entry.file, local / entry.file)
-        reader.release_shard(s)
+    for entry in reader.manifest.shards:
+        if (cached / entry.file).is_file():
+            _link_or_copy(cached / entry.file, local / entry.file)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -225,6 +232,8 @@ def _seed_cache(cache: Cache, store: RemoteStore, local: Path) -> None:
             files = {local.name: local}
         try:
             for name, path in files.items():
+                if not path.is_file():  # an old shard never downloaded here
+                    continue
                 size = path.stat().st_size
                 pack.fetch(name, size, functools.partial(_link_or_copy, path))
         finally:

@@ -259,7 +259,7 @@ def read_blocks(
                 reader.shard(shard).prefetch(local)
 
     # one file read through views: a block is one index lookup in block order, no runs
-    single = reader.shard(0) if len(reader.starts) == 2 and not copy else None
+    single = reader.shard(0) if len(blocks) and len(reader.starts) == 2 and not copy else None
     hinted = 0  # blocks hinted so far
     for b, block in enumerate(blocks):
         recs = records[block]

@@ -60,8 +60,8 @@ Classes = Literal["packed"] | Sequence[str] | None
 Buffer = memoryview | np.ndarray | bytes
 
 _JPEG_SOI = b"\xff\xd8"
-#: the per-sample calls of the bytes paths, bound once (module attribute lookups add up there)
-_from_numpy, _frombuffer, _UINT8 = torch.from_numpy, np.frombuffer, np.uint8
+#: the per-sample calls of the bytes path, bound once (module attribute lookups add up there)
+_tensor_over, _TORCH_UINT8 = torch.frombuffer, torch.uint8
 #: ``schema.decode_target``'s parser itself, saving a call per sample (tests pin the two equal)
 _parse_target = orjson.loads
 _XYXY = tv_tensors.BoundingBoxFormat.XYXY
@@ -330,9 +330,9 @@ def _undecodable(where: str, what: str, exc: BaseException) -> FormatError:
 def _bytes_image(record: int, data: Buffer) -> torch.Tensor:
     """``SampleDecoder.image`` for ``decode="none"`` without ``zero_copy``: a copy it owns
     (``_owned_tensor``, its map-view case inlined: this is the per-sample path)."""
-    if isinstance(data, np.ndarray):
+    if isinstance(data, np.ndarray) or not len(data):
         return _owned_tensor(data)
-    return _from_numpy(_frombuffer(data, _UINT8).copy())
+    return _tensor_over(bytearray(data), dtype=_TORCH_UINT8)
 
 
 def _boxes(tensor: torch.Tensor, canvas_size: tuple[int, int]) -> tv_tensors.BoundingBoxes:
@@ -359,8 +359,10 @@ def _stream(data: Buffer) -> io.BytesIO:
 def _owned_tensor(data: Buffer) -> torch.Tensor:
     """A 1-D uint8 tensor of ``data`` that owns its memory (no copy if ``data`` is already a
     private writable array, as the iterable's reads are; a copy of a read-only map view)."""
-    if isinstance(data, np.ndarray):
-        return _from_numpy(data if data.flags.writeable else data.copy())
-    # numpy's copy wrapped by from_numpy: ~2 µs less than a bytearray copy wrapped by
-    # torch.frombuffer (torch 2.14; benchmarks/README.md, "Measurements behind the code")
-    return _from_numpy(_frombuffer(data, _UINT8).copy())
+    if isinstance(data, np.ndarray) and data.flags.writeable:
+        return torch.from_numpy(data)
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    # a bytearray copy and a tensor over it: less than numpy's copy + from_numpy
+    # (benchmarks/README.md, "Measurements behind the code")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

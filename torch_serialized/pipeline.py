@@ -237,8 +237,9 @@ def read_blocks(
     Before a block is used, the runs of the ``AHEAD`` blocks after it are hinted to the
     kernel (``ContainerReader.prefetch``: asynchronous read-ahead, skipped when cached), so
     on a cold cache the disk reads ahead while this block is decoded, with no thread; on a
-    warm cache a block costs one index lookup per run and its samples copy straight from the
-    page cache (see benchmarks/README.md, "Measurements behind the code"). Nothing is held
+    warm cache a block costs one index lookup (per run of a shard folder; for one file, one
+    in block order) and its samples copy straight from the page cache (see
+    benchmarks/README.md, "Measurements behind the code"). Nothing is held
     but views: no block buffers (with ``copy``, private arrays instead: see ``views_fit``).
     Items produced while ``gate`` is closed (a resume replay) carry no data.
 

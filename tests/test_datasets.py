@@ -10,6 +10,7 @@ CMYK, grayscale, progressive, PNG-behind-.jpg and real photos included, so it is
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -791,6 +792,56 @@ def test_dataloader_calls_getitems_once_per_batch(synthetic_packs: Packed, monke
     got = [sample for batch_ in loader for sample in batch_]
     n = len(ours)
     assert calls == [5] * (n // 5) + [n % 5] * (n % 5 > 0) and len(got) == n
+
+
+def _owned_and_fresh(first: Any, second: Any) -> None:
+    """Two reads of one sample are separate objects: mutating the first (its image bytes,
+    its target) leaves the second as read."""
+    image, target = first
+    again_image, again_target = second
+    assert again_image is not image and again_target is not target
+    snapshot = copy.deepcopy(second)
+    image.add_(1)  # owned, writable memory: a copy, never the map nor a shared buffer
+    if "annotation" in target:
+        target["annotation"]["object"].clear()
+        target["annotation"]["filename"] = "changed"
+    else:
+        target["boxes"].add_(1)
+        target["labels"].add_(1)
+        target.clear()
+    assert_same_value(snapshot, second)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("target_format", ["dict", "tv_tensors"])
+def test_each_read_returns_fresh_samples(
+    corner_packs: Packed, layout: str, target_format: str
+) -> None:
+    """The fast read paths share nothing mutable between calls: per index and in a batch
+    that names one index twice."""
+    kw: dict[str, Any] = {"decode": "none", "target_format": target_format, "classes": "packed"}
+    ours = VOCSerializedDataset(corner_packs.path(layout), "trainval", **kw)
+    plain = VOCSerializedDataset(corner_packs.path(layout), "trainval", decode="none")
+    with_objects = next(i for i in range(len(plain)) if plain[i][1]["annotation"].get("object"))
+    _owned_and_fresh(ours[with_objects], ours[with_objects])
+    first, second = ours.__getitems__([with_objects, with_objects])
+    _owned_and_fresh(first, second)
+    _owned_and_fresh(ours.__getitems__([with_objects])[0], ours[with_objects])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_index_lookup_survives_pickle_and_copy(corner_packs: Packed, layout: str) -> None:
+    """The record index (a memoryview, rebuilt after unpickling) indexes as a list does."""
+    ours = VOCSerializedDataset(corner_packs.path(layout), "trainval", decode="none")
+    n = len(ours)
+    for clone in (pickle.loads(pickle.dumps(ours)), copy.deepcopy(ours), copy.copy(ours)):
+        for i in (0, n - 1, -1, -n, np.int64(1)):
+            assert_same_value(ours[i], clone[i])
+        for bad in (n, -n - 1):
+            with pytest.raises(IndexError):
+                clone[bad]
+        with pytest.raises(TypeError):
+            clone["0"]
 
 
 class PerIndex(VOCSerializedDataset):

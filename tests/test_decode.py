@@ -270,3 +270,16 @@ def test_the_limit_is_pillows_read_at_call_time(
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
     for read in readers.values():
         read()
+
+
+def test_hot_path_target_parser_is_the_schema_one() -> None:
+    """``decode`` calls ``schema.decode_target``'s parser directly (a call less per sample):
+    both read every stored target alike, and give a fresh dict per call."""
+    from torch_serialized import decode as decode_module
+
+    target = {"annotation": {"filename": "a.jpg", "object": [{"name": "cat"}], "é": "ü"}}
+    data = schema.encode_target(target)
+    for buffer in (data, memoryview(data)):
+        parsed = decode_module._parse_target(buffer)
+        assert parsed == schema.decode_target(buffer) == target
+        assert parsed is not decode_module._parse_target(buffer)

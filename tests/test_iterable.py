@@ -420,3 +420,30 @@ def test_copied_reads_yield_what_views_yield(stream_packs, monkeypatch) -> None:
     views = samples()
     monkeypatch.setattr(iterable_module, "views_fit", lambda reader, in_flight: False)
     assert samples() == views
+
+
+@pytest.mark.parametrize("kind", ["single", "shards"])
+@pytest.mark.parametrize("copy", [False, True])
+def test_read_blocks_yields_each_records_fields_in_block_order(
+    stream_packs: dict[str, Path], kind: str, copy: bool
+) -> None:
+    """``read_blocks`` items are ``(record, fields)`` in block order, repeats included (the
+    one-file view path looks a block up at once; the others run by run), with the bytes
+    ``read_block`` gives; a closed gate yields the records without reading."""
+    from torch_serialized.pipeline import Gate, read_block, read_blocks
+    from torch_serialized.voc import schema
+
+    ds = VOCSerializedIterableDataset(stream_packs[kind], "trainval", decode="none")
+    reader, records = ds.pack.reader, ds.records
+    fields = (schema.IMAGE, schema.TARGET)
+    n = len(records)
+    blocks = [np.array([5, 1, 1, 3]), np.arange(n - 6, n), np.array([0])]  # unsorted, repeats
+    items = list(read_blocks(blocks, records, reader, fields, copy=copy))
+    expected = records[np.concatenate(blocks)].tolist()
+    assert [record for record, _ in items] == expected
+    for record, data in items:
+        assert type(data) is list and len(data) == 2
+        alone = read_block(reader, np.array([record]), fields)[record]
+        assert [bytes(d) for d in data] == [bytes(d) for d in alone]
+    closed = list(read_blocks(blocks, records, reader, fields, Gate(open=False), copy=copy))
+    assert closed == [(record, None) for record in expected]

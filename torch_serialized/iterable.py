@@ -271,37 +271,40 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         for _ in itertools.islice(items, skip):
             pass
         gate.open = True
-        decode = self._decoding()
-        for item in items:
-            sample = decode(item)
+        # ``decode`` inlined: the per-sample loop of every stream
+        image, target, transforms = self._decoders()
+        reader, fields = self.pack.reader, self._fields
+        for record, data in items:
+            if data is None:  # planned during a resume replay: read it now
+                data = read_block(reader, np.array([record]), fields)[record]
+            img, tgt = image(record, data[0]), target(record, data[1])
             self._yielded += 1
-            yield sample
+            yield (img, tgt) if transforms is None else transforms(img, tgt)
 
     def decode(self, item: Item) -> tuple[Any, Any]:
         """The sample for one read item, as the map-style dataset returns it."""
         return self._decoding()(item)
 
     def _decoding(self) -> Callable[[Item], tuple[Any, Any]]:
-        """``decode`` with everything it looks up per sample bound once (the per-sample cost
-        of the stream is a copy and a parse; attribute lookups were a tenth of it)."""
-        image, transforms, reader, fields = (
-            self.decoder.image_reader(),
-            self.transforms,
-            self.pack.reader,
-            self._fields,
-        )
-        target: Callable[[int, Any], Any] = (
-            self.decoder.mask if self.task == "Segmentation" else self.decoder.target_reader()
-        )
+        """``decode`` with everything it looks up per sample bound once."""
+        image, target, transforms = self._decoders()
+        reader, fields = self.pack.reader, self._fields
 
         def decode(item: Item) -> tuple[Any, Any]:
-            record, data = item.record, item.data
+            record, data = item
             if data is None:  # planned during a resume replay: read it now
                 data = read_block(reader, np.array([record]), fields)[record]
             img, tgt = image(record, data[0]), target(record, data[1])
             return (img, tgt) if transforms is None else transforms(img, tgt)
 
         return decode
+
+    def _decoders(self) -> tuple[Callable[[int, Any], Any], Callable[[int, Any], Any], Any]:
+        """The image and target decoders (dispatched once) and the joint transform."""
+        target: Callable[[int, Any], Any] = (
+            self.decoder.mask if self.task == "Segmentation" else self.decoder.target_reader()
+        )
+        return self.decoder.image_reader(), target, self.transforms
 
     # -- resumption (``state``: torchdata's Stateful protocol) --------------------------------
     def _settings(self) -> dict[str, Any]:

@@ -412,7 +412,9 @@ class ContainerReader:
         per-sample lookup of map-style ``__getitem__``. No hint: for one record at a time the
         kernel's own read-around on the page fault reads at least as much (measured:
         benchmarks/README.md, "Measurements behind the code")."""
-        local = self._mapped()
+        local = self._local  # ``_mapped`` inlined: this is the per-sample path
+        if local is None or local.pid != os.getpid():
+            local = self._mapped()
         where = local.where
         if where is None or self.checked or not 0 <= i < self.num_records:
             return [self.field(i, k) for k in fields]

@@ -411,16 +411,15 @@ def test_reading_every_record_does_not_grow_private_memory(tmp_path, form, leak)
     if leak:
         assert held > margin, (held, margin)
         return
-    # The heap's own figure, exact whatever the allocator recycles; the process's pages as an
-    # upper bound (arenas reused from earlier tests can hide growth there, never invent it).
+    # The heap's own figure, exact whatever the allocator recycles; the process's anonymous and
+    # dirty pages as an upper bound (arenas reused from earlier tests can hide growth there,
+    # never invent it). Not Private_Clean: those are the pack's own file pages, which the
+    # kernel may drop and map again between passes (it did under CI's side-by-side runs:
+    # +1.4 MB), never a copy.
     grown = {
         "traced": held,
         "Anonymous": after["Anonymous"] - before["Anonymous"],
         "Private_Dirty": after["Private_Dirty"] - before["Private_Dirty"],
-        "USS": after["Private_Clean"]
-        + after["Private_Dirty"]
-        - before["Private_Clean"]
-        - before["Private_Dirty"],
     }
     assert all(value < margin for value in grown.values()), (grown, margin)
 

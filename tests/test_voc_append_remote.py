@@ -461,7 +461,6 @@ append_voc(sys.argv[2], sys.argv[3], storage_options=json.loads(sys.argv[4]), ca
 def test_an_append_killed_while_uploading_leaves_the_previous_pack_and_a_rerun_completes(
     s3_remote: Remote, source: Source, tmp_path: Path, form: str
 ) -> None:
-    import os
     import subprocess
     import sys
     import time

@@ -151,3 +151,31 @@ def test_missing_source_data_is_a_file_not_found_error(tmp_path: Path, missing: 
     assert isinstance(info.value, ts.SourceNotFoundError)
     assert isinstance(info.value, ts.SourceDataError) and isinstance(info.value, ValueError)
     no_pack_output(tmp_path)
+
+
+@pytest.mark.parametrize("devkit", ["corner_devkit", "synthetic_devkit", "gaps"])
+def test_the_survey_gives_the_jobs_and_reads_a_full_pack_plans(
+    devkit: str, request, tmp_path: Path
+) -> None:
+    # ``Planned.reads`` restates ``reads(job)`` as arrays for the append's quick check: the two
+    # must agree id for id, on odd devkits too (ids in both tasks; "gaps": a listed id whose
+    # annotation and one whose mask are missing, which load must still try to read).
+    from torch_serialized.voc.images import ImageOptions
+    from torch_serialized.voc.layout import find_voc_root, read_image_sets
+    from torch_serialized.voc.source import plan, reads, survey
+
+    if devkit == "gaps":
+        root = shutil.copytree(request.getfixturevalue("synthetic_devkit"), tmp_path / "gaps")
+        voc_root, _ = find_voc_root(root, None)
+        next((voc_root / "Annotations").iterdir()).unlink()
+        next((voc_root / "SegmentationClass").iterdir()).unlink()
+    else:
+        voc_root, _ = find_voc_root(request.getfixturevalue(devkit), None)
+    sets = read_image_sets(voc_root)
+    options = ImageOptions()
+    planned = survey(voc_root, sets, options)
+    jobs = plan(voc_root, sets, options)
+    assert [planned.job(i) for i in range(len(planned))] == jobs
+    files, needs = planned.reads(range(len(planned)))
+    assert files.tolist() == [list(reads(job)) for job in jobs]
+    assert needs.tolist() == [[job.needs_annotation, job.needs_mask] for job in jobs]

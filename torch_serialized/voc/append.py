@@ -116,8 +116,13 @@ def append_voc(
             checksum=checksum,
             max_file_bytes=max_file_bytes,
         )
-        compare = functools.partial(
-            _sort_source, root, year=year, checksum=checksum, max_file_bytes=max_file_bytes
+        compare = functools.partial(  # replace_changed: the sort must not raise, the append will
+            _sort_source,
+            root,
+            year=year,
+            replace_changed=True,
+            checksum=checksum,
+            max_file_bytes=max_file_bytes,
         )
         return append_to_url(
             str(pack), local, compare, storage_options=storage_options, cache_dir=cache_dir
@@ -189,7 +194,7 @@ def _sort_source(
     old: VOCPackReader,
     *,
     year: str | None,
-    replace_changed: bool = True,
+    replace_changed: bool,
     checksum: bool,
     max_file_bytes: int,
 ) -> tuple[Path, dict[str, dict[str, list[str]]], Plan]:
@@ -234,10 +239,11 @@ def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
     if stored is None:
         return _object_classes_from_shards(old)
     counts = old.columns["num_objects"].astype(np.int64)
-    if stored.ndim != 1 or int(counts.sum()) != len(stored):
+    if stored.ndim != 1 or stored.dtype.kind not in "iu" or int(counts.sum()) != len(stored):
         raise FormatError(
-            f"{old.path}: {schema.OBJECT_CLASSES_ARRAY} holds {len(stored)} class ids but the "
-            f"records count {int(counts.sum())} objects; re-pack it"
+            f"{old.path}: {schema.OBJECT_CLASSES_ARRAY} is not one integer class id per stored "
+            f"object ({len(stored)} {stored.dtype} values, {int(counts.sum())} objects counted "
+            "by the records); re-pack it"
         )
     return _checked_classes(old, stored.astype(np.int64)), counts
 

@@ -193,26 +193,18 @@ def scenario_remote(b: Bench) -> list[Row]:
             sent.setdefault(key, []).append(proxy.stats()["bytes_sent"] - proxy_stats["bytes_sent"])
             details.setdefault("samples", {})[key] = n
 
+        def remote_epoch(decode: str) -> int:  # through the proxy, from an empty cache
+            stream = _stream(url, decode, storage_options=via_proxy, cache_dir=fresh_cache())
+            return _epoch(stream, workers)
+
         for _ in range(b.repeats):
             for decode in ("none", "pil"):
                 b.cache.evict([str(p) for p in pack_files])
                 timed(f"local_{decode}", lambda d=decode: _epoch(_stream(str(local), d), workers))
                 proxy.configure(latency=LATENCY, bandwidth=None)
-                timed(
-                    f"latency_{decode}",
-                    lambda d=decode: _epoch(
-                        _stream(url, d, storage_options=via_proxy, cache_dir=fresh_cache()),
-                        workers,
-                    ),
-                )
+                timed(f"latency_{decode}", lambda d=decode: remote_epoch(d))
                 proxy.configure(latency=LATENCY, bandwidth=CAP)
-                timed(
-                    f"cap_{decode}",
-                    lambda d=decode: _epoch(
-                        _stream(url, d, storage_options=via_proxy, cache_dir=fresh_cache()),
-                        workers,
-                    ),
-                )
+                timed(f"cap_{decode}", lambda d=decode: remote_epoch(d))
             proxy.configure(latency=LATENCY, bandwidth=CAP)
             tv = FsspecVOCDetection(f"s3://{BUCKET}/raw", tv_ids, via_proxy)
             timed("tv", lambda tv=tv: _epoch(tv, workers))

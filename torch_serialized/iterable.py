@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -271,40 +271,28 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         for _ in itertools.islice(items, skip):
             pass
         gate.open = True
-        # ``decode`` inlined: the per-sample loop of every stream
-        image, target, transforms = self._decoders()
-        reader, fields = self.pack.reader, self._fields
+        yield from self._decoded(items, counted=True)
+
+    def decode(self, item: Item) -> tuple[Any, Any]:
+        """The sample for one read item, as the map-style dataset returns it."""
+        return next(self._decoded((item,), counted=False))
+
+    def _decoded(self, items: Iterable[Item], counted: bool) -> Iterator[tuple[Any, Any]]:
+        """The samples of read ``items``, with everything looked up per sample bound once:
+        the per-sample loop of every stream (``counted``: each one counts as yielded, for
+        ``state_dict``)."""
+        image = self.decoder.image_reader()
+        target: Callable[[int, Any], Any] = (
+            self.decoder.mask if self.task == "Segmentation" else self.decoder.target_reader()
+        )
+        transforms, reader, fields = self.transforms, self.pack.reader, self._fields
         for record, data in items:
             if data is None:  # planned during a resume replay: read it now
                 data = read_block(reader, np.array([record]), fields)[record]
             img, tgt = image(record, data[0]), target(record, data[1])
-            self._yielded += 1
+            if counted:
+                self._yielded += 1
             yield (img, tgt) if transforms is None else transforms(img, tgt)
-
-    def decode(self, item: Item) -> tuple[Any, Any]:
-        """The sample for one read item, as the map-style dataset returns it."""
-        return self._decoding()(item)
-
-    def _decoding(self) -> Callable[[Item], tuple[Any, Any]]:
-        """``decode`` with everything it looks up per sample bound once."""
-        image, target, transforms = self._decoders()
-        reader, fields = self.pack.reader, self._fields
-
-        def decode(item: Item) -> tuple[Any, Any]:
-            record, data = item
-            if data is None:  # planned during a resume replay: read it now
-                data = read_block(reader, np.array([record]), fields)[record]
-            img, tgt = image(record, data[0]), target(record, data[1])
-            return (img, tgt) if transforms is None else transforms(img, tgt)
-
-        return decode
-
-    def _decoders(self) -> tuple[Callable[[int, Any], Any], Callable[[int, Any], Any], Any]:
-        """The image and target decoders (dispatched once) and the joint transform."""
-        target: Callable[[int, Any], Any] = (
-            self.decoder.mask if self.task == "Segmentation" else self.decoder.target_reader()
-        )
-        return self.decoder.image_reader(), target, self.transforms
 
     # -- resumption (``state``: torchdata's Stateful protocol) --------------------------------
     def _settings(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ checks the order of reads, not their speed (timings live in benchmarks/).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,28 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
+def cold_copy(path: Path, tmp_path: Path) -> Path:
+    """A private copy of the pack at ``path``, its pages evicted.
+
+    Never the session's pack itself: a dataset of an earlier test that is still alive (not yet
+    collected, or held by a generator) keeps that pack mapped, and the kernel does not drop
+    mapped pages, so the "cold" epoch would find them cached and send no hint.
+    """
+    copy = tmp_path / path.name
+    if path.is_dir():
+        shutil.copytree(path, copy)
+    else:
+        shutil.copy(path, copy)
+    evict(copy)
+    return copy
+
+
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
 @pytest.mark.parametrize("kind", ["single", "shards"])
 @pytest.mark.parametrize("image_set", ["test", "trainval"])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_cold_epoch_reads_each_block_in_storage_order(
-    stream_packs, monkeypatch, kind, image_set, shuffle
+    stream_packs, monkeypatch, tmp_path, kind, image_set, shuffle
 ) -> None:
     """Each block of a sharded pack is looked up run by run, each run ascending and the runs
     moving forward through the file, every record of the block exactly once; no record is
@@ -40,7 +57,7 @@ def test_cold_epoch_reads_each_block_in_storage_order(
     the views' lookup reads nothing (the copies do, later, in sample order) and the block's
     runs were hinted to the kernel in storage order before (next test)."""
     ds = VOCSerializedIterableDataset(
-        stream_packs[kind],
+        cold_copy(stream_packs[kind], tmp_path),
         image_set,
         shuffle=shuffle,
         block_size=5,
@@ -64,7 +81,6 @@ def test_cold_epoch_reads_each_block_in_storage_order(
 
     monkeypatch.setattr(ContainerReader, "views", logged_views)
     monkeypatch.setattr(ContainerReader, "field", no_field)
-    evict(stream_packs[kind])
     samples = list(ds)
 
     blocks = ds.blocks()
@@ -90,13 +106,18 @@ def test_cold_epoch_reads_each_block_in_storage_order(
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
 @pytest.mark.parametrize("kind", ["single", "shards"])
-def test_each_block_is_hinted_before_it_is_read(stream_packs, monkeypatch, kind) -> None:
+def test_each_block_is_hinted_before_it_is_read(stream_packs, monkeypatch, tmp_path, kind) -> None:
     """On a cold cache every block's runs are hinted to the kernel (WILLNEED) before the
     block is used, blocks ahead of the one in use, so their disk reads overlap decoding;
     on a warm cache no hint is sent (a probe finds the span cached)."""
 
     ds = VOCSerializedIterableDataset(
-        stream_packs[kind], "trainval", shuffle=True, block_size=5, shuffle_buffer=0, decode="none"
+        cold_copy(stream_packs[kind], tmp_path),
+        "trainval",
+        shuffle=True,
+        block_size=5,
+        shuffle_buffer=0,
+        decode="none",
     )
     reader = ds.pack.reader
     start_of = {str(reader.shard_path(i)): int(reader.starts[i]) for i in range(reader.num_shards)}
@@ -122,7 +143,6 @@ def test_each_block_is_hinted_before_it_is_read(stream_packs, monkeypatch, kind)
         advised.append((offset, length, advice))
         fadvise(fd, offset, length, advice)
 
-    evict(stream_packs[kind])
     monkeypatch.setattr(ContainerReader, "prefetch", logged_prefetch)
     monkeypatch.setattr(ContainerReader, "views", logged_views)
     monkeypatch.setattr(reader_module.os, "posix_fadvise", logged_fadvise)

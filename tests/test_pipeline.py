@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_serialized.pipeline import (
+    MAX_GAP,
     block_bounds,
     epoch_order,
     rank_share,
+    record_runs,
     shuffle_buffer,
     split_blocks,
     worker_share,
@@ -25,6 +29,66 @@ def test_block_bounds_cut_at_shards_only_for_ordered_lists() -> None:
     assert list(block_bounds(interleaved, starts, 4)) == [0, 4, 6]
     assert list(block_bounds(np.zeros(0, np.int64), starts, 4)) == [0]
     assert list(block_bounds(ordered, np.array([0, 10]), 4)) == [0, 4, 8, 9]
+
+
+def runs_by_definition(starts: list[int], records: list[int]) -> list[tuple[int, list[int]]]:
+    """``record_runs`` spelled out: the distinct records in order, a new run at every gap
+    wider than ``MAX_GAP`` and at every shard boundary, each as (shard, local numbers)."""
+    runs: list[tuple[int, list[int]]] = []
+    previous = None
+    for record in sorted(set(records)):
+        shard = max(s for s, start in enumerate(starts[:-1]) if start <= record)
+        if previous is None or record - previous > MAX_GAP or shard != runs[-1][0]:
+            runs.append((shard, []))
+        runs[-1][1].append(record - starts[shard])
+        previous = record
+    return runs
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_record_runs_are_the_distinct_records_cut_at_gaps_and_shards(sizes, data) -> None:
+    """Blocks of any shape, contiguous (the common case, decided without splitting) or not,
+    with repeats, across shard boundaries, in one file or several."""
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    total = int(starts[-1])
+    first = data.draw(st.integers(0, total - 1))
+    length = data.draw(st.integers(0, total - first))
+    contiguous = list(range(first, first + length))
+    cut = data.draw(st.integers(0, length))
+    gap = data.draw(st.integers(0, 2 * MAX_GAP))  # around the limit: one run or two
+    gapped = [r for r in contiguous if not first + cut <= r < first + cut + gap]
+    records = data.draw(
+        st.one_of(
+            st.just(contiguous),
+            st.permutations(contiguous),
+            st.just(gapped),
+            st.lists(st.integers(0, total - 1), max_size=40),
+        )
+    )
+    got = record_runs(SimpleNamespace(starts=starts), np.array(records, dtype=np.int64))
+    assert [(shard, run.tolist()) for shard, run in got] == runs_by_definition(
+        starts.tolist(), records
+    )
+    assert all(run.dtype == np.int64 for _, run in got)
+
+
+def test_record_runs_at_the_gap_limit() -> None:
+    one_file = SimpleNamespace(starts=np.array([0, 100]))
+    at_limit = [*range(5), *range(5 + MAX_GAP, 12 + MAX_GAP)]  # gaps of MAX_GAP - 1 missing
+    over = [*range(5), *range(6 + MAX_GAP, 12 + MAX_GAP)]  # MAX_GAP missing: a second run
+    for records in (at_limit, over, [3, 3, 4, 3], [*range(20), 7 + 2 * MAX_GAP]):
+        got = record_runs(one_file, np.array(records))
+        assert [(s, run.tolist()) for s, run in got] == runs_by_definition([0, 100], records)
+    assert len(record_runs(one_file, np.array(over))) == 2
+    shards = SimpleNamespace(starts=np.array([0, 10, 100]))
+    assert [(s, r.tolist()) for s, r in record_runs(shards, np.arange(8, 12))] == [
+        (0, [8, 9]),
+        (1, [0, 1]),
+    ]
 
 
 def expected_counts(n: int, world: int, drop_last: bool) -> tuple[int, int]:

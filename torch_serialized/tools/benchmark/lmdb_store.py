@@ -97,14 +97,30 @@ class Store:
     def get(self, index: int) -> tuple[bytes, Any]:
         return self.split(self.txn.get(_key(index)))
 
+    @staticmethod
+    def split_tensor(value: Any) -> tuple[Any, Any]:
+        """``split`` with the image as ours returns it for ``decode="none"``: a 1-D uint8
+        tensor owning a copy (``torch.frombuffer(bytearray(view))``, as ours makes it)."""
+        import orjson
+        import torch
+
+        n = int.from_bytes(value[:4], "little")
+        image = torch.frombuffer(bytearray(value[4 : 4 + n]), dtype=torch.uint8)
+        return image, orjson.loads(value[4 + n :])
+
+    def get_tensor(self, index: int) -> tuple[Any, Any]:
+        """``get`` with the image as a tensor (``split_tensor``): the same work as ours."""
+        return self.split_tensor(self.txn.get(_key(index)))
+
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[bytes, Any]]:
         """What a DataLoader's fetcher makes of a batch: a list of gets."""
         get = self.get
         return [get(i) for i in indices]
 
-    def walk(self) -> Iterator[tuple[bytes, Any]]:
-        """Every sample in key (= list, = storage) order, through one cursor."""
-        split = self.split
+    def walk(self, split: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+        """Every sample in key (= list, = storage) order, through one cursor (each value
+        split by ``split``, by default ``Store.split``)."""
+        split = split or self.split
         for value in self.txn.cursor().iternext(keys=False, values=True):
             yield split(value)
 

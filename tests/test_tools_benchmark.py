@@ -14,7 +14,7 @@ import torch
 from torchvision.datasets import VOCDetection
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
-from torch_serialized import SourceDataError
+from torch_serialized import SourceDataError, VOCSerializedDataset
 from torch_serialized.tools.benchmark import SCENARIOS, Row, Stat, lmdb_store, main, run_benchmark
 from torch_serialized.tools.benchmark.access import tv_bytes_getter
 from torch_serialized.tools.benchmark.context import Bench
@@ -182,7 +182,9 @@ def test_without_lmdb_the_rows_say_so(tmp_path: Path, monkeypatch: pytest.Monkey
     assert f"| {lmdb_store.MISSING} |" in (tmp_path / "results.md").read_text()
 
 
-def test_lmdb_store_holds_torchvision_samples(synthetic_devkit: Path, tmp_path: Path) -> None:
+def test_lmdb_store_holds_torchvision_samples(
+    synthetic_devkit: Path, synthetic_packs: Any, tmp_path: Path
+) -> None:
     pytest.importorskip("lmdb")
     tv = VOCDetection(str(synthetic_devkit), year="2007", image_set="trainval")
     lmdb_store.build(tv, tmp_path / "store")
@@ -192,6 +194,13 @@ def test_lmdb_store_holds_torchvision_samples(synthetic_devkit: Path, tmp_path: 
         assert len(store) == len(tv)
         assert [store.get(i) for i in range(len(tv))] == expected
         assert list(store.walk()) == expected  # key order is list order
+        # the "as ours" variants: the same image as a uint8 tensor owning its bytes
+        ours = VOCSerializedDataset(synthetic_packs.single, "trainval", decode="none")
+        for i, (image, target) in enumerate(store.walk(store.split_tensor)):
+            assert isinstance(image, torch.Tensor) and image.dtype == torch.uint8
+            assert image.numpy().flags.writeable
+            assert torch.equal(image, ours[i][0]) and target == expected[i][1] == ours[i][1]
+            assert torch.equal(store.get_tensor(i)[0], image)
     finally:
         store.close()
 

@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torchvision.datasets import VOCDetection
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 from torch_serialized import SourceDataError, VOCSerializedDataset
-from torch_serialized.tools.benchmark import SCENARIOS, Row, Stat, lmdb_store, main, run_benchmark
+from torch_serialized.tools.benchmark import (
+    SCENARIOS,
+    Row,
+    Stat,
+    lmdb_store,
+    main,
+    run_benchmark,
+    system,
+)
 from torch_serialized.tools.benchmark.access import tv_bytes_getter
 from torch_serialized.tools.benchmark.context import Bench
 from torch_serialized.tools.benchmark.gpu import decode_epochs, scenario_gpu
+from torch_serialized.tools.benchmark.system import SEQUENTIAL_READERS
 
 
 def _numbers(row: dict[str, Any]) -> list[float]:
@@ -262,3 +273,35 @@ def test_the_remote_scenario_runs_only_when_asked_and_measures_every_row(tmp_pat
     assert rows["remote_bytes_2x2"]["ours"]["median"] < 1.02  # each shard downloaded once
     details = result["scenarios"]["remote"]["details"]
     assert all(n == details["pack_bytes"] for n in details["bytes_per_epoch"]["cap_none"])
+
+
+@pytest.mark.parametrize("method", sorted(SEQUENTIAL_READERS))
+def test_each_sequential_reader_reads_every_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """The disk's sequential row is the best of these readers: each must read the whole file
+    (a reader that skipped bytes would overstate the disk), and cope with an empty file."""
+    data = bytes(range(256)) * (3 * 4096 + 7)  # not a multiple of a page or a chunk
+    path = tmp_path / "file"
+    path.write_bytes(data)
+    (tmp_path / "empty").write_bytes(b"")
+    seen = bytearray(len(data))
+    preadv, frombuffer = os.preadv, np.frombuffer
+    walked: list[int] = []  # sizes of the maps walked
+
+    def logged_preadv(fd: int, buffers: list[Any], offset: int, *flags: int) -> int:
+        got = preadv(fd, buffers, offset, *flags)
+        seen[offset : offset + got] = bytes(memoryview(buffers[0])[:got])
+        return got
+
+    def logged_frombuffer(buffer: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        walked.append(len(memoryview(buffer)))
+        return frombuffer(buffer, *args, **kwargs)
+
+    monkeypatch.setattr(system.os, "preadv", logged_preadv)
+    monkeypatch.setattr(system.np, "frombuffer", logged_frombuffer)
+    SEQUENTIAL_READERS[method][1]([str(path), str(tmp_path / "empty")])
+    if method == "map":  # every page of the whole map is touched (a strided sum)
+        assert walked == [len(data)]
+    else:
+        assert bytes(seen) == data

@@ -231,6 +231,25 @@ def views_fit(reader: PackReader, in_flight: int) -> bool:
 AHEAD = 2
 
 
+def block_cached(reader: PackReader, records: np.ndarray) -> bool:
+    """Whether a block's bytes look cached: the first byte of its lowest record and the last
+    byte of its highest are in the page cache (``ContainerReader.cached``).
+
+    A warm epoch then skips planning the block's hints (its runs, a probe per run), which
+    cost ~1 µs a sample there, more than the block's lookups (benchmarks/README.md,
+    "Measurements behind the code"). A block whose ends are cached but whose middle is not
+    goes unhinted and is read through the kernel's own read-around on page faults.
+    """
+    if not len(records):
+        return True
+    if len(reader.starts) == 2:  # one file: record numbers are the file's
+        return reader.shard(0).cached(records)
+    (first, lo), (last, hi) = reader.locate(int(records.min())), reader.locate(int(records.max()))
+    if first is last:
+        return first.cached((lo, hi))
+    return first.cached((lo,)) and last.cached((hi,))
+
+
 def read_blocks(
     blocks: Sequence[np.ndarray],
     records: np.ndarray,
@@ -263,7 +282,10 @@ def read_blocks(
         window = ShardWindow(reader, [records[block] for block in blocks], shards_ahead)
 
     def hint(b: int) -> None:
-        runs[b] = record_runs(reader, records[blocks[b]])
+        recs = records[blocks[b]]
+        if window is None and block_cached(reader, recs):
+            return  # warm: no runs to plan (a shard folder's read plans them itself)
+        runs[b] = record_runs(reader, recs)
         if window is None:
             for shard, local in runs[b]:
                 reader.shard(shard).prefetch(local)

@@ -580,19 +580,38 @@ class ContainerReader:
         if not len(records) or not hasattr(os, "posix_fadvise"):
             return
         local = self._mapped()
+        start, end = self._span(local, records)
+        fd = self._descriptor(local)
+        if end > start and _cached(fd, end - 1):
+            return
+        _willneed(fd, start, end - start)
+
+    def cached(self, records: Sequence[int] | np.ndarray) -> bool:
+        """Whether the first and the last byte of the span of ``records`` are in the page
+        cache: two probes with ``RWF_NOWAIT``, which never wait for the disk (False where the
+        system cannot tell). A stream asks it before planning a block's read hints, which on
+        a warm cache cost more than the block's lookups (benchmarks/README.md)."""
+        if not len(records):
+            return True
+        local = self._mapped()
+        start, end = self._span(local, records)
+        if end <= start:
+            return True
+        fd = self._descriptor(local)
+        return _cached(fd, start) and _cached(fd, end - 1)
+
+    def _span(self, local: _Mapped, records: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        """Bytes ``[start, end)`` of the file from the first byte of the lowest of
+        ``records`` to the last byte of the highest."""
         wanted = np.asarray(records, dtype=np.int64)
         where, fields = local.where, range(len(self.fields))
         if where is not None:  # a record's fields lie between its first and last ones
             first, last = int(wanted.min()), int(wanted.max())
             start = min(where[first, k, 0] for k in fields)
             end = max(where[last, k, 0] + where[last, k, 1] for k in fields)
-        else:
-            starts = local.offsets[wanted]
-            start, end = int(starts.min()), int((starts + local.lengths[wanted]).max())
-        fd = self._descriptor(local)
-        if end > start and _cached(fd, end - 1):
-            return
-        _willneed(fd, start, end - start)
+            return start, end
+        starts = local.offsets[wanted]
+        return int(starts.min()), int((starts + local.lengths[wanted]).max())
 
     def _scatter_read(self, local: _Mapped, pieces: list[tuple[int, np.ndarray]]) -> None:
         """Fill each destination array from the file at its offset, in few ``preadv`` calls."""

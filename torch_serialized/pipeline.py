@@ -233,13 +233,9 @@ AHEAD = 2
 
 def block_cached(reader: PackReader, records: np.ndarray) -> bool:
     """Whether a block's bytes look cached: the first byte of its lowest record and the last
-    byte of its highest are in the page cache (``ContainerReader.cached``).
-
-    A warm epoch then skips planning the block's hints (its runs, a probe per run), which
-    cost ~1 µs a sample there, more than the block's lookups (benchmarks/README.md,
-    "Measurements behind the code"). A block whose ends are cached but whose middle is not
-    goes unhinted and is read through the kernel's own read-around on page faults.
-    """
+    byte of its highest are in the page cache (``ContainerReader.cached``). A warm epoch then
+    skips planning the block's hints, ~1 µs a sample there (benchmarks/README.md). A block
+    cached at its ends only goes unhinted: the kernel's read-around on faults reads it."""
     if not len(records):
         return True
     if len(reader.starts) == 2:  # one file: record numbers are the file's

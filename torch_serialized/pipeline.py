@@ -238,8 +238,6 @@ def block_cached(reader: PackReader, records: np.ndarray) -> bool:
     cached at its ends only goes unhinted: the kernel's read-around on faults reads it."""
     if not len(records):
         return True
-    if len(reader.starts) == 2:  # one file: record numbers are the file's
-        return reader.shard(0).cached(records)
     (first, lo), (last, hi) = reader.locate(int(records.min())), reader.locate(int(records.max()))
     if first is last:
         return first.cached((lo, hi))

@@ -87,12 +87,13 @@ class Store:
         return int(self.env.stat()["entries"])
 
     @staticmethod
-    def split(value: Any) -> tuple[bytes, Any]:
-        """(image bytes, target dict) of a stored value (a view: one copy of the image)."""
+    def split(value: Any, image: Callable[[Any], Any] = bytes) -> tuple[Any, Any]:
+        """(image, target dict) of a stored value (a view): ``image`` makes the one copy of
+        the image bytes (``bytes`` by default)."""
         import orjson
 
         n = int.from_bytes(value[:4], "little")
-        return bytes(value[4 : 4 + n]), orjson.loads(value[4 + n :])
+        return image(value[4 : 4 + n]), orjson.loads(value[4 + n :])
 
     def get(self, index: int) -> tuple[bytes, Any]:
         return self.split(self.txn.get(_key(index)))
@@ -101,12 +102,9 @@ class Store:
     def split_tensor(value: Any) -> tuple[Any, Any]:
         """``split`` with the image as ours returns it for ``decode="none"``: a 1-D uint8
         tensor owning a copy (``torch.frombuffer(bytearray(view))``, as ours makes it)."""
-        import orjson
         import torch
 
-        n = int.from_bytes(value[:4], "little")
-        image = torch.frombuffer(bytearray(value[4 : 4 + n]), dtype=torch.uint8)
-        return image, orjson.loads(value[4 + n :])
+        return Store.split(value, lambda view: torch.frombuffer(bytearray(view), dtype=torch.uint8))
 
     def get_tensor(self, index: int) -> tuple[Any, Any]:
         """``get`` with the image as a tensor (``split_tensor``): the same work as ours."""

@@ -447,3 +447,53 @@ def test_read_blocks_yields_each_records_fields_in_block_order(
         assert [bytes(d) for d in data] == [bytes(d) for d in alone]
     closed = list(read_blocks(blocks, records, reader, fields, Gate(open=False), copy=copy))
     assert closed == [(record, None) for record in expected]
+
+
+# --- through DataLoader workers: runs of samples in one shared block --------------------------
+
+
+def storages_seen_in_worker(batch: list[Any]) -> tuple[list[bytes], int]:
+    """collate_fn run in the worker: the batch's image bytes, and the storages they used."""
+    storages = {image.untyped_storage().data_ptr() for image, _ in batch}
+    return [image.numpy().tobytes() for image, _ in batch], len(storages)
+
+
+@pytest.mark.parametrize("layout", ["single", "shards"])
+def test_worker_streams_send_each_run_in_one_block(stream_packs, layout, monkeypatch) -> None:
+    """In a DataLoader worker each run of ``SHARED_RUN`` samples travels in one shared block
+    (one segment per batch when the batch size is the run's, not one per image), and the
+    samples are the stream's."""
+    monkeypatch.setattr(torch_serialized.iterable, "SHARED_RUN", 4)  # forked workers see it
+    ds = VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="none")
+    expected = sorted(image.numpy().tobytes() for image, _ in ds)
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=2, collate_fn=storages_seen_in_worker, timeout=60
+    )
+    got = []
+    for images, storages in loader:
+        assert storages == 1
+        got.extend(images)
+    assert sorted(got) == expected
+
+
+def test_a_worker_stream_counts_only_samples_handed_out(stream_packs, monkeypatch) -> None:
+    """Runs are read ahead of their samples, yet ``state_dict`` counts what left the stream,
+    so a checkpoint taken mid-run resumes at the next sample."""
+    monkeypatch.setattr(torch_serialized.iterable, "in_worker", lambda: True)
+    ds = VOCSerializedIterableDataset(stream_packs["single"], "trainval", decode="none")
+    alone = [
+        image
+        for image, _ in VOCSerializedIterableDataset(
+            stream_packs["single"], "trainval", decode="none"
+        )
+    ]
+    it = iter(ds)
+    head = [next(it)[0] for _ in range(5)]
+    assert ds.state_dict()["yielded"] == 5
+    assert all(image.is_shared() for image in head)
+    resumed = VOCSerializedIterableDataset(stream_packs["single"], "trainval", decode="none")
+    resumed.load_state_dict(ds.state_dict())
+    tail = [image for image, _ in resumed]
+    assert len(head) + len(tail) == len(alone)
+    for a, b in zip(head + tail, alone):
+        assert torch.equal(a, b)

@@ -11,12 +11,16 @@ from typing import Any
 import pytest
 import torch
 from _reliability_helpers import PidDataset, list_collate, pin_mmap_threshold
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import ConcatDataset, DataLoader, Subset
+from torchvision import tv_tensors
 from torchvision.datasets import wrap_dataset_for_transforms_v2
+from torchvision.transforms.functional import pil_to_tensor
 
 import torch_serialized
 import torch_serialized as ts
-from torch_serialized.workers import reopen_dataset
+from torch_serialized.workers import reopen_dataset, share_batch
 
 
 def first_item(batch: list[Any]) -> Any:
@@ -150,3 +154,127 @@ def test_twenty_epochs_with_persistent_workers_keep_fds_and_memory_flat(voc40_pa
         assert growth < 5 << 20, f"worker {pid}: USS grew {growth / 2**20:.1f} MiB"
     assert main_20 == main_2, f"main process: open fds {main_2} -> {main_20}"
     del loader
+
+
+# --- share_batch: a batch's tensors in one block of shared memory ---------------------------------
+_DTYPES = [torch.uint8, torch.bool, torch.int16, torch.int64, torch.float16, torch.float32]
+_KINDS = [torch.Tensor, tv_tensors.Image, tv_tensors.Mask]
+
+
+@st.composite
+def batch_items(draw: st.DrawFn) -> Any:
+    """A sample item: a tensor (contiguous, permuted, strided, empty, of a plain or a
+    metadata tv_tensor type), or something else a sample holds."""
+    choice = draw(
+        st.sampled_from(["dense", "permuted", "strided", "expanded", "boxes", "grad", "other"])
+    )
+    if choice == "other":
+        return draw(st.sampled_from([{"annotation": {"x": "1"}}, "text", 3, None]))
+    shape = draw(st.lists(st.integers(0, 4), min_size=0, max_size=4))
+    dtype = draw(st.sampled_from(_DTYPES))
+    seed = draw(st.integers(0, 2**16))
+    tensor = (torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 100).to(dtype)
+    if choice == "boxes":
+        return tv_tensors.BoundingBoxes(
+            torch.rand(draw(st.integers(0, 3)), 4), format="XYXY", canvas_size=(9, 9)
+        )
+    if choice == "grad":
+        return torch.rand(3, requires_grad=True)
+    if choice == "permuted" and tensor.dim() > 1:
+        tensor = tensor.permute(*draw(st.permutations(range(tensor.dim()))))
+    if choice == "strided" and tensor.dim() and tensor.shape[-1] > 1:
+        tensor = tensor[..., ::2]
+    if choice == "expanded" and tensor.dim() and tensor.shape[0] == 1:
+        tensor = tensor.expand(3, *tensor.shape[1:])  # stride 0: elements overlap
+    return tensor.as_subclass(draw(st.sampled_from(_KINDS)))
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().as_subclass(torch.Tensor)
+
+
+def _eligible(item: Any) -> bool:
+    """What ``share_batch`` moves, spelled out: plain CPU tensors (or tv_tensors without
+    metadata) that fill their memory densely, hold elements, need no grad and are not shared."""
+    if type(item) not in (torch.Tensor, tv_tensors.Image, tv_tensors.Mask, tv_tensors.Video):
+        return False
+    if item.requires_grad or item.numel() == 0 or item.is_shared():
+        return False
+    dense = sorted(range(item.dim()), key=lambda d: -item.stride(d))
+    return bool(item.permute(dense).is_contiguous())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(batch_items(), min_size=1, max_size=3).map(tuple), max_size=6))
+def test_share_batch_moves_tensors_into_one_block_and_keeps_each_value(
+    samples: list[tuple[Any, ...]],
+) -> None:
+    before = [tuple(i.clone() if isinstance(i, torch.Tensor) else i for i in s) for s in samples]
+    out = share_batch(list(samples))
+    assert len(out) == len(samples)
+    moved = [
+        (s, j) for s, sample in enumerate(samples) for j, i in enumerate(sample) if _eligible(i)
+    ]
+    storages = set()
+    for s, (sample, got) in enumerate(zip(samples, out)):
+        assert type(got) is tuple and len(got) == len(sample)
+        for j, (item, new) in enumerate(zip(sample, got)):
+            if len(moved) < 2 or (s, j) not in moved:
+                assert new is item  # left as it was
+                continue
+            assert type(new) is type(item) and new.dtype == item.dtype
+            assert new.shape == item.shape and new.stride() == item.stride()
+            assert torch.equal(
+                new.as_subclass(torch.Tensor), before[s][j].as_subclass(torch.Tensor)
+            )
+            assert new.is_shared()
+            storages.add(new.untyped_storage().data_ptr())
+    assert len(storages) == (1 if len(moved) >= 2 else 0)
+    # views of one block, yet no two share a byte: writing one leaves every other as it was
+    for k, (s, j) in enumerate(moved if len(moved) >= 2 else []):
+        out[s][j].as_subclass(torch.Tensor).fill_(k % 2 == 0)
+        for s2, j2 in moved[k + 1 :]:
+            assert torch.equal(_plain(out[s2][j2]), _plain(before[s2][j2]))
+    for sample, original in zip(samples, before):  # the inputs are not written
+        for item, kept in zip(sample, original):
+            if isinstance(item, torch.Tensor):
+                assert torch.equal(
+                    item.detach().as_subclass(torch.Tensor), kept.detach().as_subclass(torch.Tensor)
+                )
+
+
+def storages_seen_in_worker(batch: list[Any]) -> tuple[list[Any], int]:
+    """collate_fn run in the worker: the batch, and how many storages its images use."""
+    return batch, len({image.untyped_storage().data_ptr() for image, _ in batch})
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"decode": "none"},
+        {"decode": "none", "zero_copy": True},
+        {"decode": "tensor", "target_format": "tv_tensors"},
+        {"decode": "pil", "transform": pil_to_tensor},
+    ],
+    ids=["none", "zero_copy", "tensor-tv", "pil-to-tensor"],
+)
+def test_dataloader_workers_send_a_batch_in_one_block(synthetic_packs: Any, kw: dict) -> None:
+    """Through DataLoader workers a batch's images travel as views of one shared block (one
+    segment per batch, not per image) and equal what the main process reads."""
+    ds = ts.VOCSerializedDataset(synthetic_packs.shards, "trainval", **kw)
+    loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=storages_seen_in_worker)
+    got = []
+    for batch, storages in loader:
+        assert storages == 1
+        got.extend(batch)
+    assert len(got) == len(ds)
+    for i, (image, target) in enumerate(got):
+        expected_image, expected_target = ds[i]
+        assert torch.equal(image, expected_image) and image.stride() == expected_image.stride()
+        if isinstance(expected_target, dict) and "boxes" in expected_target:
+            assert torch.equal(target["boxes"], expected_target["boxes"])
+            assert torch.equal(target["labels"], expected_target["labels"])
+        else:
+            assert target == expected_target
+    image, _ = ds.__getitems__([0, 1])[0]  # the main process: nothing moved
+    assert not image.is_shared()

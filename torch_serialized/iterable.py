@@ -40,6 +40,7 @@ from .state import Stateful
 from .topology import Topology, distributed_info, seeded_rng
 from .voc import schema
 from .voc.layout import TASKS
+from .workers import SHARED_RUN, in_worker, share_runs
 
 __all__ = ["VOCSerializedIterableDataset"]
 
@@ -271,16 +272,20 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         for _ in itertools.islice(items, skip):
             pass
         gate.open = True
-        yield from self._decoded(items, counted=True)
+        samples = self._decoded(items)
+        if in_worker():  # the tensors of each run of samples travel in one shared block
+            samples = share_runs(samples, SHARED_RUN)
+        for sample in samples:
+            self._yielded += 1  # counted when handed out: a state taken now resumes after it
+            yield sample
 
     def decode(self, item: Item) -> tuple[Any, Any]:
         """The sample for one read item, as the map-style dataset returns it."""
-        return next(self._decoded((item,), counted=False))
+        return next(self._decoded((item,)))
 
-    def _decoded(self, items: Iterable[Item], counted: bool) -> Iterator[tuple[Any, Any]]:
+    def _decoded(self, items: Iterable[Item]) -> Iterator[tuple[Any, Any]]:
         """The samples of read ``items``, with everything looked up per sample bound once:
-        the per-sample loop of every stream (``counted``: each one counts as yielded, for
-        ``state_dict``)."""
+        the per-sample loop of every stream."""
         image = self.decoder.image_reader()
         target: Callable[[int, Any], Any] = (
             self.decoder.mask if self.task == "Segmentation" else self.decoder.target_reader()
@@ -290,8 +295,6 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             if data is None:  # planned during a resume replay: read it now
                 data = read_block(reader, np.array([record]), fields)[record]
             img, tgt = image(record, data[0]), target(record, data[1])
-            if counted:
-                self._yielded += 1
             yield (img, tgt) if transforms is None else transforms(img, tgt)
 
     # -- resumption (``state``: torchdata's Stateful protocol) --------------------------------

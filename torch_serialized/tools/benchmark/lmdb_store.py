@@ -149,12 +149,16 @@ def count_walk(path: Path) -> int:
 
 
 class LMDBDataset:
-    """The store as a map-style dataset of ``(PIL image, target dict)`` for a DataLoader: the
-    environment is opened in the process that reads (LMDB handles must not cross a fork)."""
+    """The store as a map-style dataset of ``(PIL image, target dict)`` (with ``decode=False``
+    ``(bytes, target dict)``) for a DataLoader: the environment is opened in the process that
+    reads (LMDB handles must not cross a fork)."""
 
-    def __init__(self, path: Path, transform: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self, path: Path, transform: Callable[[Any], Any] | None = None, *, decode: bool = True
+    ) -> None:
         self.path = path
         self.transform = transform
+        self.decode = decode  # False: the stored bytes, undecoded (I/O-only workers)
         self._store: Store | None = None
         self._pid: int | None = None
         probe = Store(path)
@@ -181,6 +185,8 @@ class LMDBDataset:
         if self._store is None or self._pid != os.getpid():
             self._store, self._pid = Store(self.path), os.getpid()
         data, target = self._store.get(index)
+        if not self.decode:
+            return data, target
         image = Image.open(io.BytesIO(data)).convert("RGB")
         if self.transform is not None:
             image = self.transform(image)

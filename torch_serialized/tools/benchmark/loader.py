@@ -7,7 +7,7 @@ from typing import Any
 
 from . import lmdb_store
 from .context import Bench
-from .core import BATCH_SIZE, PEER, SEED, Row, interleaved, rates
+from .core import BATCH_SIZE, IMAGE_SET, PEER, SEED, Row, interleaved, rates
 
 
 def _keep_lists(batch: list[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
@@ -16,14 +16,33 @@ def _keep_lists(batch: list[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
     return list(images), list(targets)
 
 
-def make_loader(ds: Any, workers: int) -> Any:
+class TVBytesDataset:
+    """``VOCDetection`` minus the decode as a map-style dataset: the JPEG file's bytes and the
+    parsed XML (the bytes travel to the main process pickled, the cheapest way for ``bytes``)."""
+
+    def __init__(self, tv: Any) -> None:
+        self.images, self.annotations = list(tv.images), list(tv.annotations)
+        self.parse = tv.parse_voc_xml
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[bytes, Any]:
+        from torchvision.datasets.voc import ET_parse
+
+        with open(self.images[index], "rb") as f:
+            data = f.read()
+        return data, self.parse(ET_parse(self.annotations[index]).getroot())
+
+
+def make_loader(ds: Any, workers: int, *, shuffle: bool = True) -> Any:
     import torch
     from torch.utils.data import DataLoader
 
     return DataLoader(
         ds,
         batch_size=BATCH_SIZE,
-        shuffle=True,
+        shuffle=shuffle,
         num_workers=workers,
         collate_fn=_keep_lists,
         persistent_workers=workers > 0,
@@ -53,9 +72,34 @@ def worker_pids(iterator: Any) -> list[int]:
 def scenario_dataloader(b: Bench) -> list[Row]:
     """One warm-up epoch per variant, then timed epochs interleaved across the variants.
 
-    The three loaders keep their persistent workers alive side by side (idle ones sleep).
+    The loaders of each group (decoding, then I/O only) keep their persistent workers alive
+    side by side (idle ones sleep).
     """
+    return _decoding_rows(b) + _io_only_rows(b)
+
+
+def _epochs(datasets: dict[str, Any], workers: int, repeats: int) -> dict[str, Any]:
+    """One warm-up epoch per loader, then timed epochs interleaved across them."""
+    from torch.utils.data import IterableDataset
+
+    loaders = {
+        k: make_loader(ds, workers, shuffle=not isinstance(ds, IterableDataset))
+        for k, ds in datasets.items()
+    }
+    try:
+        for loader in loaders.values():
+            run_epoch(loader)()
+        return interleaved({k: run_epoch(v) for k, v in loaders.items()}, repeats)
+    finally:
+        for loader in loaders.values():
+            shutdown_loader(loader)
+
+
+def _decoding_rows(b: Bench) -> list[Row]:
+    """Epochs of decoded CHW tensors: the drop-in (PIL + ``pil_to_tensor``) and
+    ``decode="tensor"``, against torchvision and LMDB doing the same decode."""
     from torchvision.transforms.functional import pil_to_tensor
+
 
     datasets = {
         "tv": b.tv(transform=pil_to_tensor),
@@ -66,14 +110,7 @@ def scenario_dataloader(b: Bench) -> list[Row]:
     if path is not None:
         datasets["lmdb"] = lmdb_store.LMDBDataset(path, transform=pil_to_tensor)
     n = len(datasets["tv"])
-    loaders = {k: make_loader(ds, b.workers) for k, ds in datasets.items()}
-    try:
-        for loader in loaders.values():
-            run_epoch(loader)()
-        times = interleaved({k: run_epoch(v) for k, v in loaders.items()}, b.repeats)
-    finally:
-        for loader in loaders.values():
-            shutdown_loader(loader)
+    times = _epochs(datasets, b.workers, b.repeats)
     b.details["dataloader"] = {
         "samples": n,
         "workers": b.workers,
@@ -110,6 +147,59 @@ def scenario_dataloader(b: Bench) -> list[Row]:
             note="same decode as tv (the drop-in); the DataLoader fetches each batch with "
             "__getitems__",
             peer_target=1.0 if "peer" in peer else None,
+            **peer,
+        ),
+    ]
+
+
+def _io_only_rows(b: Bench) -> list[Row]:
+    """Epochs whose workers only read (``decode="none"``): what feeds a GPU decode, and where
+    handing samples to the main process costs more than reading them."""
+    from torch_serialized import VOCSerializedIterableDataset
+
+    datasets: dict[str, Any] = {
+        "tv": TVBytesDataset(b.tv()),
+        "map": b.ours(decode="none"),
+        "iterable": VOCSerializedIterableDataset(b.packed(), IMAGE_SET, decode="none", seed=SEED),
+    }
+    path = b.lmdb()
+    if path is not None:
+        datasets["lmdb"] = lmdb_store.LMDBDataset(path, decode=False)
+    n = len(datasets["tv"])
+    times = _epochs(datasets, b.workers, b.repeats)
+    tv = rates(n, times["tv"][0])
+    peer: dict[str, Any] = (
+        {"peer": rates(n, times["lmdb"][0]), "peer_target": 1.0}
+        if "lmdb" in times
+        else {"peer_missing": b.lmdb_missing or ""}
+    )
+    note = (
+        "I/O-only workers (what feeds a GPU decode); tv: VOCDetection minus the decode (file "
+        f"bytes + parsed XML); {PEER}: get (bytes + target); bytes travel pickled, our uint8 "
+        "tensors in one shared-memory block per batch (workers.share_batch)"
+    )
+    return [
+        Row(
+            "dataloader_none",
+            "dataloader",
+            f"DataLoader epoch, {b.workers} workers, bs {BATCH_SIZE}, decode='none'",
+            "samples/s",
+            "rate",
+            tv,
+            rates(n, times["map"][0]),
+            note=note + "; map-style, shuffled, __getitems__",
+            **peer,
+        ),
+        Row(
+            "dataloader_none_iterable",
+            "dataloader",
+            f"DataLoader epoch, {b.workers} workers, bs {BATCH_SIZE}, iterable, decode='none'",
+            "samples/s",
+            "rate",
+            tv,
+            rates(n, times["iterable"][0]),
+            note=note + "; VOCSerializedIterableDataset(shuffle=True), runs of "
+            "SHARED_RUN samples per block",
             **peer,
         ),
     ]

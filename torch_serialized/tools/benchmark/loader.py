@@ -100,7 +100,6 @@ def _decoding_rows(b: Bench) -> list[Row]:
     ``decode="tensor"``, against torchvision and LMDB doing the same decode."""
     from torchvision.transforms.functional import pil_to_tensor
 
-
     datasets = {
         "tv": b.tv(transform=pil_to_tensor),
         "tensor": b.ours(decode="tensor"),

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import lmdb_store
+from .access import tv_bytes_getter
 from .context import Bench
 from .core import BATCH_SIZE, IMAGE_SET, PEER, SEED, Row, interleaved, rates
 
@@ -17,22 +18,19 @@ def _keep_lists(batch: list[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
 
 
 class TVBytesDataset:
-    """``VOCDetection`` minus the decode as a map-style dataset: the JPEG file's bytes and the
-    parsed XML (the bytes travel to the main process pickled, the cheapest way for ``bytes``)."""
+    """``VOCDetection`` minus the decode (``access.tv_bytes_getter``) as a map-style dataset:
+    the JPEG file's bytes and the parsed XML (the bytes travel to the main process pickled,
+    the cheapest way for ``bytes``)."""
 
     def __init__(self, tv: Any) -> None:
-        self.images, self.annotations = list(tv.images), list(tv.annotations)
-        self.parse = tv.parse_voc_xml
+        self._len = len(tv)
+        self._get = tv_bytes_getter(tv)
 
     def __len__(self) -> int:
-        return len(self.images)
+        return self._len
 
     def __getitem__(self, index: int) -> tuple[bytes, Any]:
-        from torchvision.datasets.voc import ET_parse
-
-        with open(self.images[index], "rb") as f:
-            data = f.read()
-        return data, self.parse(ET_parse(self.annotations[index]).getroot())
+        return self._get(index)  # type: ignore[no-any-return]
 
 
 def make_loader(ds: Any, workers: int, *, shuffle: bool = True) -> Any:

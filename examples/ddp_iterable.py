@@ -138,6 +138,18 @@ def train(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def rank_arguments(args: argparse.Namespace) -> list[str]:
+    """The arguments each rank gets, spelled out in full. Not ``sys.argv``: torchrun reads
+    every option after the script too, and refuses one that abbreviates its own
+    (``--nproc`` of ``--nproc-per-node``), so the ranks would never start."""
+    forwarded = [args.source] if args.source else []
+    for name in ("year", "num_images", "epochs", "batch_size", "workers"):
+        value = getattr(args, name)
+        if value is not None:
+            forwarded += [f"--{name.replace('_', '-')}", str(value)]
+    return forwarded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", nargs="?", help="a pack or torchvision's VOC root")
@@ -156,7 +168,7 @@ def main() -> None:
             "--standalone",
             f"--nproc_per_node={args.nproc}",
             os.path.abspath(__file__),
-            *sys.argv[1:],
+            *rank_arguments(args),
         ]
         print("re-launching: " + " ".join(command[1:]), flush=True)
         sys.exit(subprocess.call(command))

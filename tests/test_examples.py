@@ -33,7 +33,11 @@ CASES = [
         ["--num-images", "16", "--steps", "2", "--batch-size", "2"],
         ["step 2: loss", "trained 2 steps"],
     ),
-    ("ddp_iterable.py", ["--num-images", "24", "--epochs", "1"], ["rank 1/2 epoch 0: 6 samples"]),
+    (
+        "ddp_iterable.py",
+        ["--num-images", "24", "--epochs", "1", "--nproc", "2"],
+        ["rank 1/2 epoch 0: 6 samples"],
+    ),
     (
         "stream_from_s3.py",
         ["--num-images", "60"],

@@ -29,6 +29,7 @@ from torch_serialized.tools.benchmark import (
 from torch_serialized.tools.benchmark.access import tv_bytes_getter
 from torch_serialized.tools.benchmark.context import Bench
 from torch_serialized.tools.benchmark.gpu import decode_epochs, scenario_gpu
+from torch_serialized.tools.benchmark.report import SMALL_SET, render_markdown
 from torch_serialized.tools.benchmark.system import SEQUENTIAL_READERS
 
 
@@ -99,6 +100,20 @@ def test_files_and_environment(quick: tuple[dict[str, Any], Path]) -> None:
     else:
         assert (out / "results.png").stat().st_size > 0
         assert result["chart"] == str(out / "results.png")
+
+
+def test_a_set_too_small_to_time_is_flagged_above_the_table() -> None:
+    def table(num_images: int) -> str:
+        environment = {"cpus_usable": 2, "cpu_model": "cpu", "torch": "t", "torchvision": "tv"}
+        environment |= {"pillow": "p", "read_ahead_kb": 128, "date": "today"}
+        config = {"num_images": num_images, "data": "synthetic", "repeats": 1}
+        result = {"environment": environment, "config": config, "scenarios": {}, "misses": []}
+        return render_markdown(result)
+
+    small, enough = table(SMALL_SET - 1), table(SMALL_SET)
+    assert f"Only {SMALL_SET - 1} images: read this table as a smoke test" in small
+    assert small.index("smoke test") < small.index("| scenario |")
+    assert "smoke test" not in enough and "| scenario |" in enough
 
 
 def test_scenario_subset_through_main(tmp_path: Path) -> None:

@@ -10,6 +10,10 @@ import numpy as np
 
 from .core import IMAGE_SET, PEER, Row, Stat
 
+#: Below this many images a run's per-sample figures are mostly fixed costs (opening a file,
+#: starting workers, the first batch), so the table says not to read them as speeds.
+SMALL_SET = 500
+
 
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
@@ -65,6 +69,20 @@ def _verdict(row: Row) -> str:
     return {True: "met", False: "**MISSED**", None: "–"}[row.met]
 
 
+def _small_set_caveat(num_images: int) -> list[str]:
+    """A warning paragraph for a set too small to time (``SMALL_SET``), else nothing."""
+    if num_images >= SMALL_SET:
+        return []
+    return [
+        f"**Only {num_images} images: read this table as a smoke test, not as speeds.** Each "
+        "row's time is mostly fixed costs (opening the pack and the store, starting DataLoader "
+        "workers, the first batch) spread over few samples, so ratios swing from run to run "
+        f"and the targets (set for 2,000 images) do not apply. Measure at least {SMALL_SET} "
+        "images (`--num-images`, or a larger ROOT).",
+        "",
+    ]
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     """The results table (with environment line and misses) as Markdown."""
     env, cfg = result["environment"], result["config"]
@@ -76,6 +94,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"({env['cpu_model']}), torch {env['torch']}, torchvision {env['torchvision']}, "
         f"Pillow {env['pillow']}, read-ahead {env['read_ahead_kb']} KiB; {env['date']}.",
         "",
+        *_small_set_caveat(cfg["num_images"]),
         f"| scenario | unit | torchvision | {PEER} | torch_serialized | ×tv | ×{PEER} | target "
         "| verdict |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -876,8 +876,8 @@ def _parser() -> argparse.ArgumentParser:
         "torchvision's VOCDetection, then time both side by side: bytes-level reads (warm "
         "and with the page cache dropped), decoded images (the PIL drop-in and "
         "decode='tensor') and DataLoader epochs with warm workers. Medians of repeated runs "
-        "with their range; overlapping ranges are reported as within noise. About 30 s on "
-        "2 cores.",
+        "with their range; overlapping ranges are reported as within noise. Under a "
+        "minute on 2 cores.",
     )
     demo.add_argument(
         "--num-images", type=_positive_int, default=200, metavar="N", help="default 200"

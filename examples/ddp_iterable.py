@@ -143,9 +143,8 @@ def rank_arguments(args: argparse.Namespace) -> list[str]:
     every option after the script too, and refuses one that abbreviates its own
     (``--nproc`` of ``--nproc-per-node``), so the ranks would never start."""
     forwarded = [args.source] if args.source else []
-    for name in ("year", "num_images", "epochs", "batch_size", "workers"):
-        value = getattr(args, name)
-        if value is not None:
+    for name, value in vars(args).items():
+        if name not in ("source", "nproc") and value is not None:
             forwarded += [f"--{name.replace('_', '-')}", str(value)]
     return forwarded
 

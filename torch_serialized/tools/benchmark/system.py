@@ -63,7 +63,6 @@ class PageCache:
         """Fraction of the files' pages in the page cache (``mincore``), or None if unknown."""
         if not self.can_check:
             return None
-        libc, page = self._libc, os.sysconf("SC_PAGE_SIZE")
         total = cached = 0
         for path in paths:
             fd = os.open(path, os.O_RDONLY)
@@ -71,21 +70,39 @@ class PageCache:
                 size = os.fstat(fd).st_size
                 if size == 0:
                     continue
-                addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-                if addr in (None, ctypes.c_void_p(-1).value):
+                vec = self._mincore(fd, 0, size)
+                if vec is None:
                     return None
-                try:
-                    pages = (size + page - 1) // page
-                    vec = (ctypes.c_ubyte * pages)()
-                    if libc.mincore(addr, size, vec) != 0:
-                        return None
-                    cached += sum(v & 1 for v in bytes(vec))
-                    total += pages
-                finally:
-                    libc.munmap(addr, size)
+                cached += sum(v & 1 for v in vec)
+                total += len(vec)
             finally:
                 os.close(fd)
         return cached / total if total else 0.0
+
+    def page_cached(self, fd: int, offset: int) -> bool | None:
+        """Whether the page holding byte ``offset`` of ``fd``'s file is cached (``mincore``:
+        a pure query, unlike a read, which may start the kernel's read-ahead), or None if
+        unknown."""
+        if not self.can_check:
+            return None
+        page = os.sysconf("SC_PAGE_SIZE")
+        start = offset - offset % page
+        vec = self._mincore(fd, start, min(page, os.fstat(fd).st_size - start))
+        return None if vec is None else bool(vec[0] & 1)
+
+    def _mincore(self, fd: int, offset: int, length: int) -> bytes | None:
+        """``mincore`` of ``length`` bytes of ``fd``'s file from ``offset`` (a multiple of the
+        page size): one byte per page, bit 0 set when cached; None if it fails."""
+        libc = self._libc
+        addr = libc.mmap(None, length, 1, 1, fd, offset)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+            return None if libc.mincore(addr, length, vec) != 0 else bytes(vec)
+        finally:
+            libc.munmap(addr, length)
 
 
 def files_under(folder: Path) -> list[str]:

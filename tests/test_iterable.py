@@ -338,6 +338,25 @@ def test_resume_rejects_other_settings(stream_packs) -> None:
         other.load_state_dict({"epoch": 0, "yielded": 0})
 
 
+def test_resume_refuses_another_pack_of_the_same_size(stream_packs, tmp_path) -> None:
+    """A state names the pack it was saved on: a re-pack of the same source (same count, same
+    settings) gets a new pack id, so resuming on it would mix two packs in one epoch."""
+    source = stream_packs["single"].parent / "src"
+    again = torch_serialized.pack_voc(source, tmp_path / "again.tser", year="2007").path
+    ds = cheap(stream_packs["single"], "trainval", shuffle=True)
+    it = iter(ds)
+    next(it)
+    state = json.loads(json.dumps(ds.state_dict()))
+    other = cheap(Path(again), "trainval", shuffle=True)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved on other samples"):
+        iter(other)
+    # a state saved before the key existed resumes as before
+    same = cheap(stream_packs["single"], "trainval", shuffle=True)
+    same.load_state_dict({k: v for k, v in state.items() if k != "pack"})
+    assert len(list(same)) == len(list(cheap(stream_packs["single"], "trainval"))) - 1
+
+
 def test_set_epoch_resets_progress(stream_packs) -> None:
     ds = cheap(stream_packs["single"], "train")
     it = iter(ds)

@@ -34,7 +34,14 @@ def test_state_keys_are_the_named_ones(stream_packs: dict[str, Any]) -> None:
     it = iter(ds)
     next(it)
     state = ds.state_dict()
-    expected = [keys.VERSION, keys.EPOCH, keys.YIELDED, *keys.TOPOLOGY_KEYS, *keys.ORDER_KEYS]
+    expected = [
+        keys.VERSION,
+        keys.EPOCH,
+        keys.YIELDED,
+        *keys.TOPOLOGY_KEYS,
+        *keys.ORDER_KEYS,
+        keys.PACK,
+    ]
     assert list(state) == expected
     assert state[keys.VERSION] == keys.STATE_VERSION and state[keys.YIELDED] == 1
     assert json.loads(json.dumps(state)) == state  # JSON-compatible

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing.context import get_spawning_popen
 from typing import Any
@@ -320,7 +321,15 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             keys.YIELDED: self._yielded,
             **_topology_state(self._topology()),
             **self._settings(),
+            keys.PACK: self._identity(),
         }
+
+    def _identity(self) -> str:
+        """``state.PACK`` of this dataset: the pack's id and a digest of its records."""
+        binding = self.pack.reader.binding
+        pack_id = binding.get("pack_id") if isinstance(binding, dict) else None
+        digest = zlib.crc32(self.records.astype("<i8").tobytes())
+        return f"{pack_id or 'unbound'}/{digest:08x}"
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it
@@ -332,6 +341,13 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
 
     def _check_state(self, state: dict[str, Any], here: Topology) -> None:
         now = {**_topology_state(here), **self._settings()}
+        if keys.PACK in state and state[keys.PACK] != self._identity():  # older states lack it
+            raise ValueError(
+                f"cannot resume {self.root}: the state was saved on other samples (pack "
+                f"{state[keys.PACK]!r}, now {self._identity()!r}): the pack was re-packed, or "
+                f"appended to with its {self.image_set!r} records changed; resuming would mix "
+                "the two in one epoch, so start the epoch afresh (set_epoch) instead"
+            )
         keys.check_same(state, now, self.root, "dataset arguments, world size and num_workers")
 
     def __repr__(self) -> str:

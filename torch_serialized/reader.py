@@ -1099,6 +1099,13 @@ class PackReader:
         return self._catalog.version
 
     @property
+    def binding(self) -> dict[str, Any] | None:
+        """The catalog's (or single file's) binding to its pack (``format.binding``: the
+        ``pack_id`` a full pack draws and an append keeps); None in packs written by 0.1.0."""
+        value = self._catalog.meta.get("pack")
+        return value if isinstance(value, dict) else None
+
+    @property
     def nbytes(self) -> int:
         """Bytes on disk, all files included (as the manifest lists them)."""
         total = sum(entry.bytes for entry in self.entries)

@@ -20,6 +20,7 @@ __all__ = [
     "EPOCH",
     "YIELDED",
     "KIND",
+    "PACK",
     "TOPOLOGY_KEYS",
     "ORDER_KEYS",
     "SAMPLER_TOPOLOGY_KEYS",
@@ -45,6 +46,11 @@ VERSION = "version"
 #: The epoch being read, and the samples this worker yielded in it.
 EPOCH = "epoch"
 YIELDED = "yielded"
+#: Which samples the state was saved on: the pack's id (new at every full pack, kept by
+#: ``append_voc``) and a digest of the image set's record numbers. A resume on a re-packed or
+#: changed image set is refused; a state saved before this key existed resumes unchecked
+#: on it.
+PACK = "pack"
 #: Where the state was saved (``Topology``'s fields): a resume must match them.
 TOPOLOGY_KEYS = ("rank", "world_size", "worker", "num_workers")
 #: The settings that fix the epoch's order: a resume must match them too.

@@ -343,3 +343,30 @@ def test_a_killed_download_leaves_no_file_that_passes_as_complete(
     )
     assert out.stdout.strip() == _sha(data)
     assert not list((tmp_path / "cache").rglob("*.partial"))  # the dead one's was removed
+
+
+def test_credentials_never_reach_pack_json_or_the_listing(tmp_path: Path) -> None:
+    secret = "http://alice:S3cretPW@127.0.0.1:1/voc?X-Amz-Signature=T0ken"
+    source = Source({"a.tser": blob(10)})
+    pc = Cache(tmp_path).pack(secret, "i")
+    fetch(pc, source, "a.tser")
+    pc.close()
+    info = (pc.directory / "pack.json").read_text()
+    listed = list_cache(tmp_path)
+    for shown in (info, *(p.url for p in listed)):
+        assert "S3cretPW" not in shown and "T0ken" not in shown
+    assert [p.url for p in listed] == ["http://alice:***@127.0.0.1:1/voc?…"]
+    # The key is still the whole URL: other credentials get their own folder.
+    assert Cache(tmp_path).pack(secret.replace("S3cret", "0ther"), "i").directory != pc.directory
+    assert clear_cache(tmp_path, url="http://alice:wrong@127.0.0.1:1/voc?x=1").packs_removed == 1
+
+
+def test_a_pack_json_of_an_older_version_loses_its_password(tmp_path: Path) -> None:
+    secret = "http://alice:S3cretPW@127.0.0.1:1/voc"
+    pc = Cache(tmp_path).pack(secret, "i")
+    pc.directory.mkdir(parents=True)
+    (pc.directory / "pack.json").write_text(json.dumps({"url": secret, "identity": "i"}))
+    assert "S3cretPW" not in list_cache(tmp_path)[0].url
+    fetch(pc, Source({"a.tser": blob(10)}), "a.tser")
+    pc.close()
+    assert "S3cretPW" not in (pc.directory / "pack.json").read_text()

@@ -5,7 +5,8 @@ Design
 * **Where.** ``cache_dir``, else ``$TORCH_SERIALIZED_CACHE``, else ``~/.cache/torch_serialized``,
   read when a :class:`Cache` is made (never at import). It should be on a local filesystem:
   the locks below are ``flock`` locks.
-* **Layout.** ``<cache_dir>/v1/<key>/`` holds one pack: ``pack.json`` (its URL and identity),
+* **Layout.** ``<cache_dir>/v1/<key>/`` holds one pack: ``pack.json`` (its URL, with any
+  password and query string hidden as in messages, and identity),
   the objects under their names in the pack (``manifest.json``, shard files), ``.locks/`` and
   ``.<name>.<random>.partial`` files being downloaded. ``key`` hashes the URL **and** the pack's
   identity (the manifest's checksum), so a pack re-packed at the same URL gets a fresh folder and
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CacheLimitWarning
+from .remote import redact_url
 
 __all__ = [
     "CACHE_ENV",
@@ -75,7 +77,12 @@ def default_cache_dir() -> Path:
 
 
 def pack_key(url: str, identity: str) -> str:
-    """The folder name of a pack: a hash of its URL and its identity."""
+    """The folder name of a pack: a hash of its URL and its identity.
+
+    The whole URL, credentials included: nothing secret can be read back from the hash, and
+    URLs that differ in credentials or signed query (which may grant different access) never
+    share a folder.
+    """
     return hashlib.sha256(f"{url.rstrip('/')}\n{identity}".encode()).hexdigest()[:32]
 
 
@@ -256,11 +263,12 @@ class PackCache:
     def _prepare(self) -> None:
         (self.directory / _LOCKS).mkdir(parents=True, exist_ok=True)
         info = self.directory / _PACK_INFO
-        if not info.exists():
+        url = redact_url(self.url)  # pack.json is world-readable: never a password or token
+        if _info(self.directory).get("url") != url:  # new, or written by an older version
             _write_atomic(
                 info,
                 json.dumps(
-                    {"url": self.url, "identity": self.identity, "created": time.time()}
+                    {"url": url, "identity": self.identity, "created": time.time()}
                 ).encode(),
             )
 
@@ -450,6 +458,11 @@ def _info(pack_dir: Path) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+def _same_url(stored: str, given: str) -> bool:
+    """Whether a pack.json URL is ``given``, both as shown (redacted), trailing slash aside."""
+    return redact_url(stored).rstrip("/") == redact_url(given).rstrip("/")
+
+
 def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPack]:
     """Every pack in the cache folder (default: :func:`default_cache_dir`), by URL."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -461,7 +474,7 @@ def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPa
         out.append(
             CachedPack(
                 directory=pack_dir,
-                url=str(info.get("url", "?")),
+                url=redact_url(str(info.get("url", "?"))),  # pack.json of an older version
                 identity=str(info.get("identity", "?")),
                 objects=len(done),
                 bytes=sum(e.size for e in done),
@@ -478,7 +491,8 @@ def clear_cache(
     """Delete the cached packs (only those of ``url`` if given), except objects in use.
 
     A pack folder is removed once nothing in it is in use; objects that some process holds or is
-    downloading are left, and counted in ``objects_in_use``.
+    downloading are left, and counted in ``objects_in_use``. ``url`` matches as
+    :func:`list_cache` shows it: passwords and query strings are not compared.
     """
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     packs = objects = freed = busy = 0
@@ -486,7 +500,7 @@ def clear_cache(
         return ClearResult(0, 0, 0, 0)
     with _flocked(root / ".evict.lock", fcntl.LOCK_EX):
         for pack_dir in _pack_dirs(root):
-            if url is not None and _info(pack_dir).get("url", "").rstrip("/") != url.rstrip("/"):
+            if url is not None and not _same_url(str(_info(pack_dir).get("url", "")), url):
                 continue
             left = 0
             for entry in _objects(pack_dir):

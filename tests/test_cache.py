@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -232,6 +233,41 @@ def test_a_working_set_over_the_limit_warns_and_still_works(tmp_path: Path) -> N
         assert fetch(pc, source, "s1.tser").exists()
     fetch(pc, source, "s2.tser")  # one warning per cache, not one per object
     assert pc.held() == ["s0.tser", "s1.tser", "s2.tser"]
+
+
+def orphan(pc: PackCache, name: str, size: int) -> Path:
+    """The partial file of a download of ``name`` killed midway, in ``pc``'s folder."""
+    (pc.directory / ".locks").mkdir(parents=True, exist_ok=True)
+    (pc.directory / ".locks" / f"{name}.lock").touch()
+    partial = pc.directory / f".{name}.0123456789ab.partial"
+    partial.write_bytes(blob(size, 5))
+    return partial
+
+
+def test_a_killed_downloads_partial_file_is_evicted_not_counted_forever(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, limit_bytes=2500)
+    dead = orphan(cache.pack(URL, "old"), "gone.tser", 2000)  # a name nobody fetches again
+    live = orphan(cache.pack(URL, "old"), "busy.tser", 100)
+    pc = cache.pack(URL, "new")
+    source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1)})
+    with open(live.parent / ".locks" / "busy.tser.lock") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # a download in progress
+        fetch(pc, source, "x.tser")  # no CacheLimitWarning (an error in this suite)
+        fetch(pc, source, "y.tser")
+        assert not dead.exists() and live.exists()
+
+
+def test_list_and_clear_see_partial_files(tmp_path: Path) -> None:
+    pc = Cache(tmp_path).pack(URL, "i")
+    dead, live = orphan(pc, "gone.tser", 300), orphan(pc, "busy.tser", 100)
+    assert list_cache(tmp_path)[0].partial_bytes == 400
+    with open(live.parent / ".locks" / "busy.tser.lock") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        assert list_cache(tmp_path)[0].in_use == 1
+        result = clear_cache(tmp_path)
+        assert (result.bytes_freed, result.objects_in_use, result.packs_removed) == (300, 1, 0)
+        assert not dead.exists() and live.exists()
+    assert clear_cache(tmp_path).packs_removed == 1
 
 
 def test_no_limit_evicts_nothing(tmp_path: Path) -> None:

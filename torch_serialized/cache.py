@@ -19,7 +19,8 @@ Design
 * **Readers hold what they use.** :meth:`PackCache.fetch` returns the object's path while this
   process holds a shared ``flock`` on it, until :meth:`PackCache.release` (or ``close``).
 * **Bounded, least recently used out.** With ``limit_bytes`` set, room for a download is made
-  first (under ``<cache_dir>/.evict.lock``, so evictions do not race): objects go oldest use first
+  first (under ``<cache_dir>/.evict.lock``, so evictions do not race): partial files of killed
+  downloads (in any pack: their object's lock is free) go first, then objects oldest use first
   (an object's mtime is its last fetch), each only if an exclusive non-blocking ``flock``
   succeeds, so an object some process holds is never removed. When what is held and in flight
   alone exceeds the limit, the cache grows past it and warns (:class:`CacheLimitWarning`) once per
@@ -158,6 +159,40 @@ def _objects(pack_dir: Path) -> list[_Entry]:
     return out
 
 
+def _download_lock(partial: Path) -> Path:
+    """The lock a partial file's writer holds: that of its object (``.<name>.<random>.partial``)."""
+    name = partial.name[1:].rsplit(".", 2)[0]
+    return partial.parent / _LOCKS / f"{name}.lock"
+
+
+def _try_remove_partial(partial: Path) -> bool:
+    """Delete a partial download whose writer is gone (its lock is free); True if deleted.
+
+    Every writer holds its object's lock from before it creates its partial file until it has
+    renamed or deleted it, so a free lock means a writer killed mid-download. The lock is held
+    while deleting: a new writer of the object waits, and uses a fresh name anyway.
+    """
+    lock = _download_lock(partial)
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # no writer ever locked it here: nobody can be writing it
+        fd = -1
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+        try:
+            os.unlink(partial)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def _pack_dirs(root: Path) -> list[Path]:
     layout = root / _LAYOUT
     try:
@@ -196,6 +231,9 @@ class Cache:
         with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
             entries = [e for d in _pack_dirs(self.directory) for e in _objects(d)]
             total = sum(e.size for e in entries)
+            for entry in entries:  # partial files of killed downloads first: nobody wants them
+                if entry.partial and _try_remove_partial(entry.path):
+                    total -= entry.size
             for entry in sorted((e for e in entries if not e.partial), key=lambda e: e.mtime):
                 if total + need <= self.limit_bytes:
                     break
@@ -417,6 +455,7 @@ class CachedPack:
     bytes: int
     last_used: float  # seconds since the epoch; 0.0 if it holds no object
     in_use: int  # objects some process holds or is downloading right now
+    partial_bytes: int = 0  # of unfinished downloads: running ones, or left by killed ones
 
 
 @dataclass(frozen=True)
@@ -425,17 +464,16 @@ class ClearResult:
 
     packs_removed: int
     objects_removed: int
-    bytes_freed: int
+    bytes_freed: int  # partial files of killed downloads included
     objects_in_use: int  # skipped: some process holds or is downloading them
 
 
 def _is_busy(entry: _Entry, pack_dir: Path) -> bool:
     if entry.partial:  # busy while its writer holds the object's download lock
-        name = entry.path.name[1:].rsplit(".", 2)[0]
-        lock = pack_dir / _LOCKS / f"{name}.lock"
-        if not lock.exists():
+        try:
+            fd = os.open(_download_lock(entry.path), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
             return False
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
     else:
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -480,6 +518,7 @@ def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPa
                 bytes=sum(e.size for e in done),
                 last_used=max((e.mtime for e in done), default=0.0),
                 in_use=sum(_is_busy(e, pack_dir) for e in entries),
+                partial_bytes=sum(e.size for e in entries if e.partial),
             )
         )
     return sorted(out, key=lambda p: (p.url, -p.last_used))
@@ -507,7 +546,8 @@ def clear_cache(
                 if _is_busy(entry, pack_dir):
                     left += 1
                 elif entry.partial:
-                    entry.path.unlink(missing_ok=True)
+                    if _try_remove_partial(entry.path):
+                        freed += entry.size
                 elif _try_remove(entry.path):
                     objects += 1
                     freed += entry.size

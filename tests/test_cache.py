@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+import torch_serialized.cache as cache_module
 from torch_serialized.cache import (
     CACHE_ENV,
     Cache,
@@ -304,6 +305,34 @@ def test_list_and_clear(tmp_path: Path) -> None:
     assert clear_cache(tmp_path).packs_removed == 1
     assert list_cache(tmp_path) == []
     assert clear_cache(tmp_path / "never-made").packs_removed == 0
+
+
+def test_clear_between_a_download_and_its_first_use_removes_nothing(tmp_path: Path) -> None:
+    source = Source({"a.tser": blob(100)})
+    pc = Cache(tmp_path).pack(URL, "i")
+
+    def download_then_clear(dest: Path) -> None:
+        source("a.tser")(dest)
+        clear_cache(tmp_path)  # `cache clear` run by hand at the worst moment
+
+    assert pc.fetch("a.tser", 100, download_then_clear).read_bytes() == source.objects["a.tser"]
+    assert source.calls == ["a.tser"]
+    assert (pc.directory / "pack.json").exists()
+
+
+def test_clear_while_put_writes_never_breaks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_atomic = cache_module._write_atomic
+
+    def write_then_clear(path: Path, data: bytes) -> None:  # pack.json, then the manifest
+        write_atomic(path, data)
+        clear_cache(tmp_path)
+
+    monkeypatch.setattr(cache_module, "_write_atomic", write_then_clear)
+    pc = Cache(tmp_path).pack(URL, "i")
+    assert pc.put("manifest.json", b"{}").read_bytes() == b"{}"
+    assert list_cache(tmp_path)[0].url == URL
 
 
 # --------------------------------------------------------------------------- processes

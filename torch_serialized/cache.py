@@ -69,6 +69,7 @@ _LAYOUT = "v1"
 _PACK_INFO = "pack.json"
 _LOCKS = ".locks"
 _PARTIAL = ".partial"
+_PACK_LOCK = ".pack.lock"  # in .locks/; held shared while writing in the folder (no object name)
 
 
 def default_cache_dir() -> Path:
@@ -111,8 +112,39 @@ def _same_file(fd: int, path: Path) -> bool:
     return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
 
 
+@contextmanager
+def _unless_locked(lock: Path) -> Iterator[bool]:
+    """Hold ``lock`` exclusively while the block runs if no process holds it (or it is absent).
+
+    Yields False, holding nothing, if some process holds it.
+    """
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # nobody ever locked it: nobody holds it
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 def _try_remove(path: Path) -> bool:
-    """Delete ``path`` if no process holds it (exclusive non-blocking flock); True if deleted."""
+    """Delete object ``path`` if no process holds it or is fetching it; True if deleted.
+
+    A fetching process holds the object's lock from before its download until it holds the
+    object, so the object is never removed between its rename into place and its first use.
+    """
+    with _unless_locked(path.parent / _LOCKS / f"{path.name}.lock") as free:
+        return free and _try_remove_unlocked(path)
+
+
+def _try_remove_unlocked(path: Path) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -172,25 +204,14 @@ def _try_remove_partial(partial: Path) -> bool:
     renamed or deleted it, so a free lock means a writer killed mid-download. The lock is held
     while deleting: a new writer of the object waits, and uses a fresh name anyway.
     """
-    lock = _download_lock(partial)
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:  # no writer ever locked it here: nobody can be writing it
-        fd = -1
-    try:
-        if fd >= 0:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
+    with _unless_locked(_download_lock(partial)) as free:
+        if not free:
+            return False
         try:
             os.unlink(partial)
         except FileNotFoundError:
             return False
         return True
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def _pack_dirs(root: Path) -> list[Path]:
@@ -298,24 +319,55 @@ class PackCache:
         _check_name(name)
         return self.directory / name
 
-    def _prepare(self) -> None:
-        (self.directory / _LOCKS).mkdir(parents=True, exist_ok=True)
-        info = self.directory / _PACK_INFO
-        url = redact_url(self.url)  # pack.json is world-readable: never a password or token
-        if _info(self.directory).get("url") != url:  # new, or written by an older version
-            _write_atomic(
-                info,
-                json.dumps(
-                    {"url": url, "identity": self.identity, "created": time.time()}
-                ).encode(),
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the pack folder (shared) so :func:`clear_cache` cannot move it away meanwhile.
+
+        Makes the folder and its ``pack.json`` if needed. clear_cache moves a folder aside only
+        while it holds this lock exclusively; a lock file found moved with its folder is dropped
+        and the folder made again.
+        """
+        lock = self.directory / _LOCKS / _PACK_LOCK
+        for _ in range(100):
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # moved aside between mkdir and open
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if _same_file(fd, lock):
+                break
+            os.close(fd)
+        else:
+            raise OSError(
+                f"{self.directory}: the cache folder kept disappearing; is another program "
+                "deleting files in the cache folder?"
             )
+        try:
+            self._write_info()
+            yield
+        finally:
+            os.close(fd)
+
+    def _write_info(self) -> None:
+        url = redact_url(self.url)  # pack.json is world-readable: never a password or token
+        if _info(self.directory).get("url") == url:
+            return
+        # Under a lock, as objects are: clear_cache leaves a locked partial file alone.
+        with _flocked(self.directory / _LOCKS / f"{_PACK_INFO}.lock", fcntl.LOCK_EX):
+            if _info(self.directory).get("url") != url:  # new, or written by an older version
+                _write_atomic(
+                    self.directory / _PACK_INFO,
+                    json.dumps(
+                        {"url": url, "identity": self.identity, "created": time.time()}
+                    ).encode(),
+                )
 
     def put(self, name: str, data: bytes) -> Path:
         """Store small ``data`` (a manifest) as object ``name``, atomically, and hold it."""
         self._check_fork()
         path = self.path(name)
-        self._prepare()
-        with _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX):
+        with self._writing(), _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX):
             fd = self._open_held(path, len(data))
             if fd is None or _read_fd(fd) != data:
                 if fd is not None:
@@ -347,8 +399,10 @@ class PackCache:
         for _ in range(3):
             fd = self._open_held(path, expected_size)
             if fd is None:
-                self._prepare()
-                with _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX):
+                with (
+                    self._writing(),
+                    _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX),
+                ):
                     fd = self._open_held(path, expected_size)
                     if fd is None:
                         for stale in self.directory.glob(f".{name}.*{_PARTIAL}"):
@@ -554,11 +608,15 @@ def clear_cache(
             busy += left
             if left == 0:
                 # Move aside first: a process starting on this pack now recreates a clean one.
+                # Not while a process writes in it (it holds the pack lock shared).
                 trash = root / _LAYOUT / f".trash-{uuid.uuid4().hex[:12]}"
-                try:
-                    pack_dir.rename(trash)
-                except OSError:
-                    continue
+                with _unless_locked(pack_dir / _LOCKS / _PACK_LOCK) as free:
+                    if not free:
+                        continue
+                    try:
+                        pack_dir.rename(trash)
+                    except OSError:
+                        continue
                 shutil.rmtree(trash, ignore_errors=True)
                 packs += 1
     return ClearResult(packs, objects, freed, busy)

@@ -271,6 +271,17 @@ def test_list_and_clear_see_partial_files(tmp_path: Path) -> None:
     assert clear_cache(tmp_path).packs_removed == 1
 
 
+def test_an_object_larger_than_the_limit_evicts_nothing(tmp_path: Path) -> None:
+    source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1), "huge.tser": blob(3000, 2)})
+    pc = Cache(tmp_path, limit_bytes=2500).pack(URL, "i")
+    fetch(pc, source, "x.tser")
+    fetch(pc, source, "y.tser")
+    pc.close()
+    with pytest.warns(CacheLimitWarning, match="larger than cache_limit_bytes=2500"):
+        fetch(pc, source, "huge.tser")  # a size no eviction can make fit (or a manifest's lie)
+    assert pc.path("x.tser").exists() and pc.path("y.tser").exists()
+
+
 def test_no_limit_evicts_nothing(tmp_path: Path) -> None:
     source = Source({f"s{i}.tser": blob(1000, i) for i in range(4)})
     pc = Cache(tmp_path).pack(URL, "i")

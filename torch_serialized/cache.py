@@ -24,7 +24,8 @@ Design
   (an object's mtime is its last fetch), each only if an exclusive non-blocking ``flock``
   succeeds, so an object some process holds is never removed. When what is held and in flight
   alone exceeds the limit, the cache grows past it and warns (:class:`CacheLimitWarning`) once per
-  :class:`Cache`: a soft limit that stops an epoch would cost more than the bytes it saves.
+  :class:`Cache`: a soft limit that stops an epoch would cost more than the bytes it saves. An
+  object larger than the whole limit evicts nothing (it cannot fit anyway) and warns.
 * :func:`list_cache` and :func:`clear_cache` are what ``torch-serialized cache list|clear``
   shows and does; ``clear`` skips objects in use.
 """
@@ -248,6 +249,16 @@ class Cache:
         """Evict least recently used objects no process holds until ``need`` more bytes fit."""
         if self.limit_bytes is None:
             return
+        if need > self.limit_bytes:
+            # Evicting cannot make it fit, so evict nothing: the size may also be a manifest's
+            # claim, wrong or hostile, that would otherwise empty the cache of every other pack.
+            self._warn(
+                f"{self.directory}: an object of {need} bytes is larger than "
+                f"cache_limit_bytes={self.limit_bytes}; the cache grows past the limit while it "
+                "is held (nothing else is evicted for it). Raise the limit if that size is real; "
+                "else the pack's manifest (which gives it) is wrong"
+            )
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
             entries = [e for d in _pack_dirs(self.directory) for e in _objects(d)]
@@ -260,18 +271,20 @@ class Cache:
                     break
                 if _try_remove(entry.path):
                     total -= entry.size
-            if total + need > self.limit_bytes and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    CacheLimitWarning(
-                        f"{self.directory}: the cache needs {total + need} bytes, more than "
-                        f"cache_limit_bytes={self.limit_bytes}, because that much is in use or "
-                        "being downloaded right now (by every process sharing this cache). It "
-                        "grows past the limit; raise the limit or read fewer shards at once "
-                        "(fewer workers or less prefetch)"
-                    ),
-                    stacklevel=4,
+            if total + need > self.limit_bytes:
+                self._warn(
+                    f"{self.directory}: the cache needs {total + need} bytes, more than "
+                    f"cache_limit_bytes={self.limit_bytes}, because that much is in use or "
+                    "being downloaded right now (by every process sharing this cache). It "
+                    "grows past the limit; raise the limit or read fewer shards at once "
+                    "(fewer workers or less prefetch)"
                 )
+
+    def _warn(self, message: str) -> None:
+        """Warn that the limit is exceeded, once per :class:`Cache`."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(CacheLimitWarning(message), stacklevel=5)
 
 
 class PackCache:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+import torch_serialized.cache as cache_module
 from torch_serialized.cache import (
     CACHE_ENV,
     Cache,
@@ -234,6 +236,52 @@ def test_a_working_set_over_the_limit_warns_and_still_works(tmp_path: Path) -> N
     assert pc.held() == ["s0.tser", "s1.tser", "s2.tser"]
 
 
+def orphan(pc: PackCache, name: str, size: int) -> Path:
+    """The partial file of a download of ``name`` killed midway, in ``pc``'s folder."""
+    (pc.directory / ".locks").mkdir(parents=True, exist_ok=True)
+    (pc.directory / ".locks" / f"{name}.lock").touch()
+    partial = pc.directory / f".{name}.0123456789ab.partial"
+    partial.write_bytes(blob(size, 5))
+    return partial
+
+
+def test_a_killed_downloads_partial_file_is_evicted_not_counted_forever(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, limit_bytes=2500)
+    dead = orphan(cache.pack(URL, "old"), "gone.tser", 2000)  # a name nobody fetches again
+    live = orphan(cache.pack(URL, "old"), "busy.tser", 100)
+    pc = cache.pack(URL, "new")
+    source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1)})
+    with open(live.parent / ".locks" / "busy.tser.lock") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # a download in progress
+        fetch(pc, source, "x.tser")  # no CacheLimitWarning (an error in this suite)
+        fetch(pc, source, "y.tser")
+        assert not dead.exists() and live.exists()
+
+
+def test_list_and_clear_see_partial_files(tmp_path: Path) -> None:
+    pc = Cache(tmp_path).pack(URL, "i")
+    dead, live = orphan(pc, "gone.tser", 300), orphan(pc, "busy.tser", 100)
+    assert list_cache(tmp_path)[0].partial_bytes == 400
+    with open(live.parent / ".locks" / "busy.tser.lock") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        assert list_cache(tmp_path)[0].in_use == 1
+        result = clear_cache(tmp_path)
+        assert (result.bytes_freed, result.objects_in_use, result.packs_removed) == (300, 1, 0)
+        assert not dead.exists() and live.exists()
+    assert clear_cache(tmp_path).packs_removed == 1
+
+
+def test_an_object_larger_than_the_limit_evicts_nothing(tmp_path: Path) -> None:
+    source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1), "huge.tser": blob(3000, 2)})
+    pc = Cache(tmp_path, limit_bytes=2500).pack(URL, "i")
+    fetch(pc, source, "x.tser")
+    fetch(pc, source, "y.tser")
+    pc.close()
+    with pytest.warns(CacheLimitWarning, match="larger than cache_limit_bytes=2500"):
+        fetch(pc, source, "huge.tser")  # a size no eviction can make fit (or a manifest's lie)
+    assert pc.path("x.tser").exists() and pc.path("y.tser").exists()
+
+
 def test_no_limit_evicts_nothing(tmp_path: Path) -> None:
     source = Source({f"s{i}.tser": blob(1000, i) for i in range(4)})
     pc = Cache(tmp_path).pack(URL, "i")
@@ -268,6 +316,34 @@ def test_list_and_clear(tmp_path: Path) -> None:
     assert clear_cache(tmp_path).packs_removed == 1
     assert list_cache(tmp_path) == []
     assert clear_cache(tmp_path / "never-made").packs_removed == 0
+
+
+def test_clear_between_a_download_and_its_first_use_removes_nothing(tmp_path: Path) -> None:
+    source = Source({"a.tser": blob(100)})
+    pc = Cache(tmp_path).pack(URL, "i")
+
+    def download_then_clear(dest: Path) -> None:
+        source("a.tser")(dest)
+        clear_cache(tmp_path)  # `cache clear` run by hand at the worst moment
+
+    assert pc.fetch("a.tser", 100, download_then_clear).read_bytes() == source.objects["a.tser"]
+    assert source.calls == ["a.tser"]
+    assert (pc.directory / "pack.json").exists()
+
+
+def test_clear_while_put_writes_never_breaks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_atomic = cache_module._write_atomic
+
+    def write_then_clear(path: Path, data: bytes) -> None:  # pack.json, then the manifest
+        write_atomic(path, data)
+        clear_cache(tmp_path)
+
+    monkeypatch.setattr(cache_module, "_write_atomic", write_then_clear)
+    pc = Cache(tmp_path).pack(URL, "i")
+    assert pc.put("manifest.json", b"{}").read_bytes() == b"{}"
+    assert list_cache(tmp_path)[0].url == URL
 
 
 # --------------------------------------------------------------------------- processes
@@ -343,3 +419,30 @@ def test_a_killed_download_leaves_no_file_that_passes_as_complete(
     )
     assert out.stdout.strip() == _sha(data)
     assert not list((tmp_path / "cache").rglob("*.partial"))  # the dead one's was removed
+
+
+def test_credentials_never_reach_pack_json_or_the_listing(tmp_path: Path) -> None:
+    secret = "http://alice:S3cretPW@127.0.0.1:1/voc?X-Amz-Signature=T0ken"
+    source = Source({"a.tser": blob(10)})
+    pc = Cache(tmp_path).pack(secret, "i")
+    fetch(pc, source, "a.tser")
+    pc.close()
+    info = (pc.directory / "pack.json").read_text()
+    listed = list_cache(tmp_path)
+    for shown in (info, *(p.url for p in listed)):
+        assert "S3cretPW" not in shown and "T0ken" not in shown
+    assert [p.url for p in listed] == ["http://alice:***@127.0.0.1:1/voc?…"]
+    # The key is still the whole URL: other credentials get their own folder.
+    assert Cache(tmp_path).pack(secret.replace("S3cret", "0ther"), "i").directory != pc.directory
+    assert clear_cache(tmp_path, url="http://alice:wrong@127.0.0.1:1/voc?x=1").packs_removed == 1
+
+
+def test_a_pack_json_of_an_older_version_loses_its_password(tmp_path: Path) -> None:
+    secret = "http://alice:S3cretPW@127.0.0.1:1/voc"
+    pc = Cache(tmp_path).pack(secret, "i")
+    pc.directory.mkdir(parents=True)
+    (pc.directory / "pack.json").write_text(json.dumps({"url": secret, "identity": "i"}))
+    assert "S3cretPW" not in list_cache(tmp_path)[0].url
+    fetch(pc, Source({"a.tser": blob(10)}), "a.tser")
+    pc.close()
+    assert "S3cretPW" not in (pc.directory / "pack.json").read_text()

@@ -95,3 +95,20 @@ def test_verify_names_a_damaged_shard_at_a_url(
         capsys, "verify", remote.url, "--storage-options", options, "--cache-dir", tmp_path / "c"
     )
     assert status == 1 and "1 damaged shard" in out and shard.name in out
+
+
+def test_cache_list_hides_passwords_and_shows_partial_downloads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch_serialized.cache import Cache
+
+    pc = Cache(tmp_path).pack("https://alice:S3cretPW@127.0.0.1:1/voc?sig=T0ken", "i")
+    pc.put("manifest.json", b"{}")
+    pc.close()
+    (pc.directory / ".s.tser.0123456789ab.partial").write_bytes(b"x" * 300_000)
+    status, out, _ = run(capsys, "cache", "list", "--cache-dir", tmp_path)
+    assert status == 0 and "https://alice:***@127.0.0.1:1/voc?…" in out
+    assert "0.3 MB partly downloaded" in out
+    status, out, _ = run(capsys, "cache", "list", "--cache-dir", tmp_path, "--json")
+    assert "S3cretPW" not in out and "T0ken" not in out
+    assert json.loads(out)[0]["partial_bytes"] == 300_000

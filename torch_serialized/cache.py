@@ -5,7 +5,8 @@ Design
 * **Where.** ``cache_dir``, else ``$TORCH_SERIALIZED_CACHE``, else ``~/.cache/torch_serialized``,
   read when a :class:`Cache` is made (never at import). It should be on a local filesystem:
   the locks below are ``flock`` locks.
-* **Layout.** ``<cache_dir>/v1/<key>/`` holds one pack: ``pack.json`` (its URL and identity),
+* **Layout.** ``<cache_dir>/v1/<key>/`` holds one pack: ``pack.json`` (its URL, with any
+  password and query string hidden as in messages, and identity),
   the objects under their names in the pack (``manifest.json``, shard files), ``.locks/`` and
   ``.<name>.<random>.partial`` files being downloaded. ``key`` hashes the URL **and** the pack's
   identity (the manifest's checksum), so a pack re-packed at the same URL gets a fresh folder and
@@ -18,11 +19,13 @@ Design
 * **Readers hold what they use.** :meth:`PackCache.fetch` returns the object's path while this
   process holds a shared ``flock`` on it, until :meth:`PackCache.release` (or ``close``).
 * **Bounded, least recently used out.** With ``limit_bytes`` set, room for a download is made
-  first (under ``<cache_dir>/.evict.lock``, so evictions do not race): objects go oldest use first
+  first (under ``<cache_dir>/.evict.lock``, so evictions do not race): partial files of killed
+  downloads (in any pack: their object's lock is free) go first, then objects oldest use first
   (an object's mtime is its last fetch), each only if an exclusive non-blocking ``flock``
   succeeds, so an object some process holds is never removed. When what is held and in flight
   alone exceeds the limit, the cache grows past it and warns (:class:`CacheLimitWarning`) once per
-  :class:`Cache`: a soft limit that stops an epoch would cost more than the bytes it saves.
+  :class:`Cache`: a soft limit that stops an epoch would cost more than the bytes it saves. An
+  object larger than the whole limit evicts nothing (it cannot fit anyway) and warns.
 * :func:`list_cache` and :func:`clear_cache` are what ``torch-serialized cache list|clear``
   shows and does; ``clear`` skips objects in use.
 """
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CacheLimitWarning
+from .remote import redact_url
 
 __all__ = [
     "CACHE_ENV",
@@ -66,6 +70,7 @@ _LAYOUT = "v1"
 _PACK_INFO = "pack.json"
 _LOCKS = ".locks"
 _PARTIAL = ".partial"
+_PACK_LOCK = ".pack.lock"  # in .locks/; held shared while writing in the folder (no object name)
 
 
 def default_cache_dir() -> Path:
@@ -75,7 +80,12 @@ def default_cache_dir() -> Path:
 
 
 def pack_key(url: str, identity: str) -> str:
-    """The folder name of a pack: a hash of its URL and its identity."""
+    """The folder name of a pack: a hash of its URL and its identity.
+
+    The whole URL, credentials included: nothing secret can be read back from the hash, and
+    URLs that differ in credentials or signed query (which may grant different access) never
+    share a folder.
+    """
     return hashlib.sha256(f"{url.rstrip('/')}\n{identity}".encode()).hexdigest()[:32]
 
 
@@ -103,8 +113,39 @@ def _same_file(fd: int, path: Path) -> bool:
     return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
 
 
+@contextmanager
+def _unless_locked(lock: Path) -> Iterator[bool]:
+    """Hold ``lock`` exclusively while the block runs if no process holds it (or it is absent).
+
+    Yields False, holding nothing, if some process holds it.
+    """
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # nobody ever locked it: nobody holds it
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 def _try_remove(path: Path) -> bool:
-    """Delete ``path`` if no process holds it (exclusive non-blocking flock); True if deleted."""
+    """Delete object ``path`` if no process holds it or is fetching it; True if deleted.
+
+    A fetching process holds the object's lock from before its download until it holds the
+    object, so the object is never removed between its rename into place and its first use.
+    """
+    with _unless_locked(path.parent / _LOCKS / f"{path.name}.lock") as free:
+        return free and _try_remove_unlocked(path)
+
+
+def _try_remove_unlocked(path: Path) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -151,6 +192,29 @@ def _objects(pack_dir: Path) -> list[_Entry]:
     return out
 
 
+def _download_lock(partial: Path) -> Path:
+    """The lock a partial file's writer holds: that of its object (``.<name>.<random>.partial``)."""
+    name = partial.name[1:].rsplit(".", 2)[0]
+    return partial.parent / _LOCKS / f"{name}.lock"
+
+
+def _try_remove_partial(partial: Path) -> bool:
+    """Delete a partial download whose writer is gone (its lock is free); True if deleted.
+
+    Every writer holds its object's lock from before it creates its partial file until it has
+    renamed or deleted it, so a free lock means a writer killed mid-download. The lock is held
+    while deleting: a new writer of the object waits, and uses a fresh name anyway.
+    """
+    with _unless_locked(_download_lock(partial)) as free:
+        if not free:
+            return False
+        try:
+            os.unlink(partial)
+        except FileNotFoundError:
+            return False
+        return True
+
+
 def _pack_dirs(root: Path) -> list[Path]:
     layout = root / _LAYOUT
     try:
@@ -185,27 +249,42 @@ class Cache:
         """Evict least recently used objects no process holds until ``need`` more bytes fit."""
         if self.limit_bytes is None:
             return
+        if need > self.limit_bytes:
+            # Evicting cannot make it fit, so evict nothing: the size may also be a manifest's
+            # claim, wrong or hostile, that would otherwise empty the cache of every other pack.
+            self._warn(
+                f"{self.directory}: an object of {need} bytes is larger than "
+                f"cache_limit_bytes={self.limit_bytes}; the cache grows past the limit while it "
+                "is held (nothing else is evicted for it). Raise the limit if that size is real; "
+                "else the pack's manifest (which gives it) is wrong"
+            )
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
             entries = [e for d in _pack_dirs(self.directory) for e in _objects(d)]
             total = sum(e.size for e in entries)
+            for entry in entries:  # partial files of killed downloads first: nobody wants them
+                if entry.partial and _try_remove_partial(entry.path):
+                    total -= entry.size
             for entry in sorted((e for e in entries if not e.partial), key=lambda e: e.mtime):
                 if total + need <= self.limit_bytes:
                     break
                 if _try_remove(entry.path):
                     total -= entry.size
-            if total + need > self.limit_bytes and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    CacheLimitWarning(
-                        f"{self.directory}: the cache needs {total + need} bytes, more than "
-                        f"cache_limit_bytes={self.limit_bytes}, because that much is in use or "
-                        "being downloaded right now (by every process sharing this cache). It "
-                        "grows past the limit; raise the limit or read fewer shards at once "
-                        "(fewer workers or less prefetch)"
-                    ),
-                    stacklevel=4,
+            if total + need > self.limit_bytes:
+                self._warn(
+                    f"{self.directory}: the cache needs {total + need} bytes, more than "
+                    f"cache_limit_bytes={self.limit_bytes}, because that much is in use or "
+                    "being downloaded right now (by every process sharing this cache). It "
+                    "grows past the limit; raise the limit or read fewer shards at once "
+                    "(fewer workers or less prefetch)"
                 )
+
+    def _warn(self, message: str) -> None:
+        """Warn that the limit is exceeded, once per :class:`Cache`."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(CacheLimitWarning(message), stacklevel=5)
 
 
 class PackCache:
@@ -253,23 +332,55 @@ class PackCache:
         _check_name(name)
         return self.directory / name
 
-    def _prepare(self) -> None:
-        (self.directory / _LOCKS).mkdir(parents=True, exist_ok=True)
-        info = self.directory / _PACK_INFO
-        if not info.exists():
-            _write_atomic(
-                info,
-                json.dumps(
-                    {"url": self.url, "identity": self.identity, "created": time.time()}
-                ).encode(),
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the pack folder (shared) so :func:`clear_cache` cannot move it away meanwhile.
+
+        Makes the folder and its ``pack.json`` if needed. clear_cache moves a folder aside only
+        while it holds this lock exclusively; a lock file found moved with its folder is dropped
+        and the folder made again.
+        """
+        lock = self.directory / _LOCKS / _PACK_LOCK
+        for _ in range(100):
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # moved aside between mkdir and open
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if _same_file(fd, lock):
+                break
+            os.close(fd)
+        else:
+            raise OSError(
+                f"{self.directory}: the cache folder kept disappearing; is another program "
+                "deleting files in the cache folder?"
             )
+        try:
+            self._write_info()
+            yield
+        finally:
+            os.close(fd)
+
+    def _write_info(self) -> None:
+        url = redact_url(self.url)  # pack.json is world-readable: never a password or token
+        if _info(self.directory).get("url") == url:
+            return
+        # Under a lock, as objects are: clear_cache leaves a locked partial file alone.
+        with _flocked(self.directory / _LOCKS / f"{_PACK_INFO}.lock", fcntl.LOCK_EX):
+            if _info(self.directory).get("url") != url:  # new, or written by an older version
+                _write_atomic(
+                    self.directory / _PACK_INFO,
+                    json.dumps(
+                        {"url": url, "identity": self.identity, "created": time.time()}
+                    ).encode(),
+                )
 
     def put(self, name: str, data: bytes) -> Path:
         """Store small ``data`` (a manifest) as object ``name``, atomically, and hold it."""
         self._check_fork()
         path = self.path(name)
-        self._prepare()
-        with _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX):
+        with self._writing(), _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX):
             fd = self._open_held(path, len(data))
             if fd is None or _read_fd(fd) != data:
                 if fd is not None:
@@ -301,8 +412,10 @@ class PackCache:
         for _ in range(3):
             fd = self._open_held(path, expected_size)
             if fd is None:
-                self._prepare()
-                with _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX):
+                with (
+                    self._writing(),
+                    _flocked(self.directory / _LOCKS / f"{name}.lock", fcntl.LOCK_EX),
+                ):
                     fd = self._open_held(path, expected_size)
                     if fd is None:
                         for stale in self.directory.glob(f".{name}.*{_PARTIAL}"):
@@ -409,6 +522,7 @@ class CachedPack:
     bytes: int
     last_used: float  # seconds since the epoch; 0.0 if it holds no object
     in_use: int  # objects some process holds or is downloading right now
+    partial_bytes: int = 0  # of unfinished downloads: running ones, or left by killed ones
 
 
 @dataclass(frozen=True)
@@ -417,17 +531,16 @@ class ClearResult:
 
     packs_removed: int
     objects_removed: int
-    bytes_freed: int
+    bytes_freed: int  # partial files of killed downloads included
     objects_in_use: int  # skipped: some process holds or is downloading them
 
 
 def _is_busy(entry: _Entry, pack_dir: Path) -> bool:
     if entry.partial:  # busy while its writer holds the object's download lock
-        name = entry.path.name[1:].rsplit(".", 2)[0]
-        lock = pack_dir / _LOCKS / f"{name}.lock"
-        if not lock.exists():
+        try:
+            fd = os.open(_download_lock(entry.path), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
             return False
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
     else:
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -450,6 +563,11 @@ def _info(pack_dir: Path) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+def _same_url(stored: str, given: str) -> bool:
+    """Whether a pack.json URL is ``given``, both as shown (redacted), trailing slash aside."""
+    return redact_url(stored).rstrip("/") == redact_url(given).rstrip("/")
+
+
 def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPack]:
     """Every pack in the cache folder (default: :func:`default_cache_dir`), by URL."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -461,12 +579,13 @@ def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPa
         out.append(
             CachedPack(
                 directory=pack_dir,
-                url=str(info.get("url", "?")),
+                url=redact_url(str(info.get("url", "?"))),  # pack.json of an older version
                 identity=str(info.get("identity", "?")),
                 objects=len(done),
                 bytes=sum(e.size for e in done),
                 last_used=max((e.mtime for e in done), default=0.0),
                 in_use=sum(_is_busy(e, pack_dir) for e in entries),
+                partial_bytes=sum(e.size for e in entries if e.partial),
             )
         )
     return sorted(out, key=lambda p: (p.url, -p.last_used))
@@ -478,7 +597,8 @@ def clear_cache(
     """Delete the cached packs (only those of ``url`` if given), except objects in use.
 
     A pack folder is removed once nothing in it is in use; objects that some process holds or is
-    downloading are left, and counted in ``objects_in_use``.
+    downloading are left, and counted in ``objects_in_use``. ``url`` matches as
+    :func:`list_cache` shows it: passwords and query strings are not compared.
     """
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     packs = objects = freed = busy = 0
@@ -486,25 +606,30 @@ def clear_cache(
         return ClearResult(0, 0, 0, 0)
     with _flocked(root / ".evict.lock", fcntl.LOCK_EX):
         for pack_dir in _pack_dirs(root):
-            if url is not None and _info(pack_dir).get("url", "").rstrip("/") != url.rstrip("/"):
+            if url is not None and not _same_url(str(_info(pack_dir).get("url", "")), url):
                 continue
             left = 0
             for entry in _objects(pack_dir):
                 if _is_busy(entry, pack_dir):
                     left += 1
                 elif entry.partial:
-                    entry.path.unlink(missing_ok=True)
+                    if _try_remove_partial(entry.path):
+                        freed += entry.size
                 elif _try_remove(entry.path):
                     objects += 1
                     freed += entry.size
             busy += left
             if left == 0:
                 # Move aside first: a process starting on this pack now recreates a clean one.
+                # Not while a process writes in it (it holds the pack lock shared).
                 trash = root / _LAYOUT / f".trash-{uuid.uuid4().hex[:12]}"
-                try:
-                    pack_dir.rename(trash)
-                except OSError:
-                    continue
+                with _unless_locked(pack_dir / _LOCKS / _PACK_LOCK) as free:
+                    if not free:
+                        continue
+                    try:
+                        pack_dir.rename(trash)
+                    except OSError:
+                        continue
                 shutil.rmtree(trash, ignore_errors=True)
                 packs += 1
     return ClearResult(packs, objects, freed, busy)

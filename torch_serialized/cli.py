@@ -231,6 +231,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
                 "bytes": p.bytes,
                 "last_used": p.last_used,
                 "in_use": p.in_use,
+                "partial_bytes": p.partial_bytes,
             }
             for p in packs
         ]
@@ -241,6 +242,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     for p in packs:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.last_used)) if p.last_used else "-"
         busy = f", {p.in_use} in use" if p.in_use else ""
+        busy += f", {_mb(p.partial_bytes)} partly downloaded" if p.partial_bytes else ""
         print(
             printable(
                 f"  {p.url}  [{p.identity[:12]}]  {p.objects} file(s), {_mb(p.bytes)}, "

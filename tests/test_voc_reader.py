@@ -143,6 +143,17 @@ METADATA_CASES = {
         "'class_counts'",
     ),
     "options a list": (_user(options=[]), "'options'"),
+    "options.max_samples_per_shard a string": (
+        _user(options={"max_samples_per_shard": "x"}),
+        "'options.max_samples_per_shard'",
+    ),
+    "options.max_shard_bytes 0": (_user(options={"max_shard_bytes": 0}), "options.max_shard"),
+    "options.max_samples_per_shard 1.5": (
+        _user(options={"max_samples_per_shard": 1.5}),
+        "options.max_samples",
+    ),
+    "source_bytes a string": (_user(source_bytes="abc"), "'source_bytes'"),
+    "source_bytes negative": (_user(source_bytes=-1), "'source_bytes'"),
     "ids missing": (_array("ids", _DELETE), "'ids'"),
     "ids not UTF-8": (_ids_not_utf8, "'ids'"),
     "id_offsets missing": (_array("id_offsets", _DELETE), "'id_offsets'"),

@@ -204,6 +204,13 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
     for key, kind in (("options", dict), ("skipped", list)):
         if not isinstance(meta.get(key, kind()), kind):
             raise _bad(path, key, f"a JSON {kind.__name__}", meta.get(key))
+    for key in ("max_samples_per_shard", "max_shard_bytes"):  # an append writes with them
+        limit = meta.get("options", {}).get(key)
+        if limit is not None and not _is_int(limit, 1):
+            raise _bad(path, f"options.{key}", "null or a positive integer", limit)
+    source_bytes = meta.get("source_bytes")
+    if source_bytes is not None and not _is_int(source_bytes):
+        raise _bad(path, "source_bytes", "null or a non-negative integer", source_bytes)
     stats = meta.get("source_stats")
     if stats is not None and stats != schema.SOURCE_STATS_VERSION:
         raise _bad(path, "source_stats", f"null or {schema.SOURCE_STATS_VERSION}", stats)

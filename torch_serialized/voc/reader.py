@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import FormatError
 from ..reader import PackReader
 from . import schema
+from .classes import label_classes
 from .layout import TASKS
 
 __all__ = ["VOCPackReader"]
@@ -224,6 +225,15 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
         )
     ):
         raise _bad(path, "label_base", "'default' and 'packed' lists of class names", base)
+    if base is not None:  # the lists of the classes before the first append (a prefix: ids stay)
+        before = classes[: len(base["packed"])]
+        if base != {rule: label_classes(rule, before, None) for rule in ("default", "packed")}:
+            raise _bad(
+                path,
+                "label_base",
+                "the label lists of the pack's first classes (as the first append wrote them)",
+                base,
+            )
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(
         isinstance(e, dict) and isinstance(e.get("action"), str) for e in history

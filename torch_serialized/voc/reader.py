@@ -49,22 +49,7 @@ class VOCPackReader:
             cache_dir=cache_dir,
             cache_limit_bytes=cache_limit_bytes,
         )
-        meta = self.reader.user
-        if meta.get("schema") != schema.SCHEMA:
-            raise FormatError(
-                f"{self.reader.path} is a torch_serialized file but not a VOC pack "
-                f"(schema {meta.get('schema')!r}); pack it with torch_serialized.pack_voc"
-            )
-        version = meta.get("schema_version")
-        if type(version) is not int or not 1 <= version <= schema.SCHEMA_VERSION:
-            raise FormatError(
-                f"{self.reader.path}: VOC schema version {version!r} is newer than this "
-                f"torch_serialized reads ({schema.SCHEMA_VERSION}); upgrade torch_serialized"
-            )
-        if tuple(self.reader.fields) != schema.FIELDS:
-            raise FormatError(f"{self.reader.path}: unexpected fields {self.reader.fields}")
-        check_metadata(meta, len(self.reader), self.reader.path)
-        check_arrays(self.reader.arrays(), meta, len(self.reader), self.reader.path)
+        meta = check_voc_pack(self.reader)
         self.meta: dict[str, Any] = meta
         self.year: str = meta["year"]
         self.base_dir: str = meta["base_dir"]
@@ -153,6 +138,29 @@ class VOCPackReader:
 
 
 # -- validation at open ---------------------------------------------------------------------------
+def check_voc_pack(reader: PackReader) -> dict[str, Any]:
+    """The VOC layer's checks of an open pack (schema, version, fields, ``check_metadata``,
+    ``check_arrays``), as every VOC reader makes them at open and ``verify`` too; returns
+    the VOC metadata. Raises ``FormatError`` naming the pack."""
+    meta = reader.user
+    if meta.get("schema") != schema.SCHEMA:
+        raise FormatError(
+            f"{reader.path} is a torch_serialized file but not a VOC pack "
+            f"(schema {meta.get('schema')!r}); pack it with torch_serialized.pack_voc"
+        )
+    version = meta.get("schema_version")
+    if type(version) is not int or not 1 <= version <= schema.SCHEMA_VERSION:
+        raise FormatError(
+            f"{reader.path}: VOC schema version {version!r} is newer than this "
+            f"torch_serialized reads ({schema.SCHEMA_VERSION}); upgrade torch_serialized"
+        )
+    if tuple(reader.fields) != schema.FIELDS:
+        raise FormatError(f"{reader.path}: unexpected fields {reader.fields}")
+    check_metadata(meta, len(reader), reader.path)
+    check_arrays(reader.arrays(), meta, len(reader), reader.path)
+    return meta
+
+
 def _bad(path: str, field: str, expected: str, found: Any) -> FormatError:
     text = repr(found)
     text = text if len(text) <= 60 else text[:57] + "..."

@@ -13,6 +13,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _container_helpers import Contents, rebuild_pack
 from conftest import SYNTHETIC_YEAR, Packed
@@ -22,6 +23,7 @@ from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 from torch_serialized import __version__, pack_voc
 from torch_serialized import format as fmt
 from torch_serialized.cli import main, parse_size
+from torch_serialized.voc import schema
 from torch_serialized.voc.reader import VOCPackReader
 
 COMMANDS = ("pack", "info", "verify", "export", "bench", "demo")
@@ -396,6 +398,30 @@ def test_verify_names_a_shard_that_is_not_the_manifests_and_goes_on(
     assert "2 damaged shard(s)" in out and f"{folder / names[1]} does not match" in out
     assert f"{folder / names[3]}: shard 3" in out and "missing" in out
     assert "damaged record" not in out  # the other shards are intact
+
+
+@pytest.mark.parametrize("form", ["single", "shards"])
+def test_verify_fails_a_pack_that_every_voc_reader_refuses(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path, form: str
+) -> None:
+    """Every checksum matches, but the append bookkeeping is invalid (retired records stored
+    as int32): the VOC readers refuse the pack at open, so verify fails it (exit 1), naming
+    the file and the field."""
+
+    def edit(contents: Contents) -> None:
+        contents.arrays[schema.RETIRED_ARRAY] = np.array([0, 3], dtype="<i4")
+        contents.user["schema_version"] = schema.RETIRED_SCHEMA_VERSION
+
+    src = synthetic_packs.single if form == "single" else synthetic_packs.shards
+    limits = {"max_records_per_shard": 5} if form == "shards" else {}
+    path = rebuild_pack(src, tmp_path / "bad", edit, **limits)
+    status, out, _ = run(capsys, "verify", path)
+    assert status == 1
+    assert out.startswith(f"FAILED {path}") and "VOC readers refuse it" in out
+    assert f"{path}: VOC metadata field {schema.RETIRED_ARRAY!r}" in out
+    assert "damaged record" not in out and "damaged shard" not in out
+    status, out, _ = run(capsys, "verify", src)  # the pack it was rebuilt from is well
+    assert status == 0 and "VOC metadata" in out
 
 
 @pytest.mark.parametrize("kind", ["missing", "truncated", "not a pack"])

@@ -119,6 +119,14 @@ def test_truncated_file(tmp_path, container_packs, cut):
     assert_bad_content(info.value, path)
 
 
+def test_metadata_checksum_mismatch_says_what_to_do(tmp_path, container_packs):
+    path = copy_pack(container_packs["single"], tmp_path)
+    flip(path, path.stat().st_size - fmt.FOOTER_SIZE - 2)  # inside the metadata JSON
+    with pytest.raises(CorruptFileError, match="metadata checksum mismatch.*re-pack") as info:
+        open_pack(path)
+    assert_bad_content(info.value, path)
+
+
 @pytest.mark.parametrize("extra", [b"\x00", bytes(4096)])
 def test_appended_bytes(tmp_path, container_packs, extra):
     path = copy_pack(container_packs["single"], tmp_path)

@@ -34,6 +34,8 @@ from torch_serialized import (
     pack_voc,
 )
 from torch_serialized.cli import main
+from torch_serialized.errors import FormatError
+from torch_serialized.reader import ContainerReader
 from torch_serialized.tools import make_synthetic_voc
 from torch_serialized.voc import schema
 from torch_serialized.voc.reader import VOCPackReader
@@ -193,25 +195,62 @@ def test_append_new_ids_reads_as_a_full_repack_and_as_torchvision(tmp_path, sour
     assert open_pack(path).verify() == []
 
 
-def test_a_shard_folder_grows_without_reading_its_shards(tmp_path, source):
-    # The image sets' class counts come from the catalog's object classes: the old shards are
-    # not needed at all (at a URL, none is downloaded), only the new ids' files are read.
+def test_a_shard_folder_grows_without_reading_its_shards(tmp_path, source, monkeypatch):
+    # The image sets' class counts come from the catalog's object classes: no record of the
+    # old shards is read (at a URL, none is downloaded), only the new ids' files are; the old
+    # shards are only opened and checked, as a reader's first read checks them.
     source.cut()
     path = pack(source, tmp_path / "pack", "shards")
-    away = tmp_path / "away"
-    away.mkdir()
-    old_shards = [p for p in path.iterdir() if p.name.startswith("shard-")]
-    for shard in old_shards:
-        shard.rename(away / shard.name)
+    old_shards = {str(p) for p in path.iterdir() if p.name.startswith("shard-")}
+    read: list[str] = []
+    for name in ("field", "index_rows", "record", "views", "read_records", "prefetch"):
+        real = getattr(ContainerReader, name)
+
+        def spy(self: ContainerReader, *a: Any, _real: Any = real, **k: Any) -> Any:
+            read.append(self.path)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(ContainerReader, name, spy)
     source.grow()
 
     result = append_voc(source.root, path)
 
     assert result.added > 0
-    for shard in old_shards:
-        (away / shard.name).rename(shard)
+    assert old_shards.isdisjoint(read)
+    monkeypatch.undo()
     assert_same_as_repack(path, source, tmp_path, "shards")
     assert open_pack(path).verify() == []
+
+
+def _flip(path: Path, position: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[position] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+SHARD_DAMAGE = {
+    "missing": lambda p: p.unlink(),
+    "truncated": lambda p: os.truncate(p, p.stat().st_size - 100),
+    "header": lambda p: _flip(p, 9),
+    "metadata": lambda p: _flip(p, p.stat().st_size - 66),  # size and footer still match
+}
+
+
+@pytest.mark.parametrize("damage", sorted(SHARD_DAMAGE))
+def test_a_damaged_old_shard_is_refused_and_nothing_is_written(tmp_path, source, damage):
+    # Every reader refuses such a pack: an append must not build a new generation on it.
+    source.cut()
+    path = pack(source, tmp_path / "pack", "shards")
+    shard = path / open_pack(path).entries[1].file
+    SHARD_DAMAGE[damage](shard)
+    before = snapshot(path)
+    source.grow()
+    with pytest.raises((FileNotFoundError, FormatError)) as err:
+        append_voc(source.root, path)
+    assert str(shard) in str(err.value) and "Nothing was appended" in str(err.value)
+    assert "torch-serialized verify" in str(err.value)
+    assert snapshot(path) == before
+    assert sorted(os.listdir(path.parent)) == [path.name]
 
 
 @pytest.mark.parametrize("form", PACK_FORMS)

@@ -27,7 +27,9 @@ from torch_serialized import SourceDataError, VOCSerializedDataset, append_voc, 
 from torch_serialized.cli import main
 from torch_serialized.errors import RemoteError, WriteError
 from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV, RemoteStore
+from torch_serialized.safeio import DEFAULT_MAX_FILE_BYTES
 from torch_serialized.upload import prune_remote
+from torch_serialized.voc.append import _append_local
 from torch_serialized.voc.append_remote import append_to_url
 from torch_serialized.voc.reader import VOCPackReader
 
@@ -329,7 +331,19 @@ def test_a_second_appender_that_finished_first_wins_and_this_one_is_refused(
         append_voc(source.root, url, storage_options=options, cache_dir=tmp_path / "other")
 
     def racing(local: Path) -> Any:
-        grown = append_voc(source.root, local)  # this append, on its staged copy
+        # this append, on its staged copy, which holds only the shards an append reads
+        grown = _append_local(
+            source.root,
+            local,
+            year=None,
+            on_error="raise",
+            progress=False,
+            workers=1,
+            replace_changed=False,
+            checksum=False,
+            max_file_bytes=DEFAULT_MAX_FILE_BYTES,
+            check_shards=False,
+        )
         if when == "staged":
             other_append()
         return grown

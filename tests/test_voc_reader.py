@@ -18,6 +18,7 @@ from torch_serialized import (
 from torch_serialized.cli import main
 from torch_serialized.errors import FormatError
 from torch_serialized.voc import schema
+from torch_serialized.voc.classes import label_classes
 from torch_serialized.voc.reader import VOCPackReader
 from torch_serialized.writer import PackWriter
 
@@ -125,6 +126,19 @@ def _ids_not_utf8(c: Contents) -> None:
     c.arrays["ids"][0] = 0xFF
 
 
+def _label_base(change: Any, prefix: int | None = None) -> Any:
+    """Metadata ``label_base`` as the first append writes it for the pack's first ``prefix``
+    classes, then ``change(base)``."""
+
+    def edit(c: Contents) -> None:
+        before = c.user["classes"][:prefix]
+        base = {rule: label_classes(rule, before, None) for rule in ("default", "packed")}
+        change(base)
+        c.user["label_base"] = base
+
+    return edit
+
+
 METADATA_CASES = {
     "year missing": (_user(year=_DELETE), "'year'"),
     "year a number": (_user(year=2007), "'year'"),
@@ -143,6 +157,26 @@ METADATA_CASES = {
         "'class_counts'",
     ),
     "options a list": (_user(options=[]), "'options'"),
+    "options.max_samples_per_shard a string": (
+        _user(options={"max_samples_per_shard": "x"}),
+        "'options.max_samples_per_shard'",
+    ),
+    "options.max_shard_bytes 0": (_user(options={"max_shard_bytes": 0}), "options.max_shard"),
+    "options.max_samples_per_shard 1.5": (
+        _user(options={"max_samples_per_shard": 1.5}),
+        "options.max_samples",
+    ),
+    "label_base with a phantom class": (
+        _label_base(lambda b: b["packed"].insert(0, "ghost")),
+        "'label_base'",
+    ),
+    "label_base lacking a class": (_label_base(lambda b: b["default"].pop(0)), "'label_base'"),
+    "label_base packed not sorted": (
+        _label_base(lambda b: b["packed"].reverse()),
+        "'label_base'",
+    ),
+    "source_bytes a string": (_user(source_bytes="abc"), "'source_bytes'"),
+    "source_bytes negative": (_user(source_bytes=-1), "'source_bytes'"),
     "ids missing": (_array("ids", _DELETE), "'ids'"),
     "ids not UTF-8": (_ids_not_utf8, "'ids'"),
     "id_offsets missing": (_array("id_offsets", _DELETE), "'id_offsets'"),
@@ -187,6 +221,17 @@ def test_a_valid_rebuild_opens(tmp_path: Path, tiny_packs: dict[str, Path]) -> N
     """The edits above start from a pack that reads: only the edit is refused."""
     path = rebuild_pack(tiny_packs["single"], tmp_path / "same.tser")
     assert len(VOCSerializedDataset(path, "trainval")) == 6
+
+
+def test_a_label_base_of_the_first_classes_opens(
+    tmp_path: Path, tiny_packs: dict[str, Path]
+) -> None:
+    """``label_base`` as an append writes it: the lists of a prefix of the classes (those the
+    pack had then); the classes after it get the next labels."""
+    classes = VOCPackReader(tiny_packs["single"]).classes
+    path = rebuild_pack(tiny_packs["single"], tmp_path / "base.tser", _label_base(id, 1))
+    data = VOCSerializedDataset(path, "trainval", target_format="tv_tensors", classes="packed")
+    assert data.label_names == ["__background__", *classes]  # new classes after, in pack order
 
 
 def _objects(record: int, class_id: int) -> Any:

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import format as fmt
 from ._version import __version__
-from .errors import ChecksumError, TorchSerializedError
+from .errors import ChecksumError, FormatError, TorchSerializedError
 from .safeio import DEFAULT_MAX_FILE_BYTES
 
 __all__ = ["main", "parse_size"]
@@ -404,6 +404,15 @@ def _shard_of(path: str) -> tuple[Path, int, int] | None:
     return file.parent, names.index(file.name), len(names)
 
 
+def _member_file(path: str) -> bool:
+    """Whether ``path`` is a file of a shard folder (beside a manifest: a shard, a catalog)."""
+    return (
+        not _is_url(path)
+        and Path(path).is_file()
+        and (Path(path).parent / fmt.MANIFEST_NAME).is_file()
+    )
+
+
 def _shard_info(path: str, folder: Path, number: int, count: int) -> dict[str, Any]:
     """What ``info`` shows for one shard file: where it belongs and what it holds."""
     from .reader import ContainerReader
@@ -491,6 +500,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 # -- verify -------------------------------------------------------------------------------------
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .reader import PackReader
+    from .voc import schema
+    from .voc.reader import check_voc_pack
 
     started = time.perf_counter()
     try:
@@ -502,6 +513,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     bad: list[int] = []
     bad_shards: list[str] = []  # shards that fail their own checks: every record is suspect
+    # one file of a shard folder (a shard, a catalog, one kept for readers) is no VOC pack alone
+    voc = reader.user.get("schema") == schema.SCHEMA and not _member_file(args.path)
+    bad_voc = None  # a VOC pack whose metadata every VOC reader refuses
+    if voc:
+        try:
+            check_voc_pack(reader)
+        except FormatError as exc:
+            bad_voc = _describe(exc)
     for s, start in enumerate(reader.starts[:-1].tolist()):
         try:
             shard = reader.shard(s)
@@ -513,10 +532,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     files = reader.num_shards
     kind = "file" if files == 1 else "shards"
     where = f"{reader.url or reader.path} ({len(reader)} records in {files} {kind})"
-    if not bad and not bad_shards:
+    if not bad and not bad_shards and bad_voc is None:
         print(
             printable(
-                f"OK {where}: header, footer, metadata, index, arrays and all "
+                f"OK {where}: header, footer, metadata{', VOC metadata' if voc else ''}, index, "
+                "arrays and all "
                 f"{len(reader) * len(reader.fields)} field checksums match "
                 f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
             )
@@ -530,6 +550,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             )
         return EXIT_OK
     lines = []
+    if bad_voc is not None:
+        lines.append(f"FAILED {where}: VOC readers refuse it")
+        lines.append(f"  {' '.join(bad_voc.split())}")
     if bad_shards:
         lines.append(f"FAILED {where}: {len(bad_shards)} damaged shard(s)")
         lines += [f"  {' '.join(message.split())}" for message in bad_shards]

@@ -228,7 +228,10 @@ class ContainerReader:
         """Metadata: its checksum, then its content (``format.parse_metadata``)."""
         raw = os.pread(fd, footer["meta_length"], footer["meta_offset"])
         if fmt.crc32(raw) != footer["meta_crc32"]:
-            raise CorruptFileError(f"{self.path}: metadata checksum mismatch; the file is damaged")
+            raise CorruptFileError(
+                f"{self.path}: metadata checksum mismatch; the file is damaged: re-copy or "
+                "re-pack it"
+            )
         self.data_end = footer["meta_offset"]
         self.meta: dict[str, Any] = fmt.parse_metadata(
             raw, num_records=footer["num_records"], data_end=self.data_end, path=self.path

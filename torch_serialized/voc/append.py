@@ -105,9 +105,10 @@ def append_voc(
     if is_url(pack):  # staged locally, grown by this function, the growth uploaded
         from .append_remote import append_to_url
 
-        local = functools.partial(
-            append_voc,
+        local = functools.partial(  # the old shards not staged are checked by the download
+            _append_local,
             root,
+            check_shards=False,
             year=year,
             on_error=on_error,
             progress=progress,
@@ -127,6 +128,36 @@ def append_voc(
         return append_to_url(
             str(pack), local, compare, storage_options=storage_options, cache_dir=cache_dir
         )
+    return _append_local(
+        root,
+        pack,
+        year=year,
+        on_error=on_error,
+        progress=progress,
+        workers=workers,
+        replace_changed=replace_changed,
+        checksum=checksum,
+        max_file_bytes=max_file_bytes,
+        check_shards=True,
+    )
+
+
+def _append_local(
+    root: str | os.PathLike[str],
+    pack: str | os.PathLike[str],
+    *,
+    year: str | None,
+    on_error: Literal["raise", "skip"],
+    progress: bool,
+    workers: int,
+    replace_changed: bool,
+    checksum: bool,
+    max_file_bytes: int,
+    check_shards: bool,
+) -> PackResult:
+    """``append_voc`` on the local pack at ``pack`` (its arguments checked); ``check_shards``:
+    check every old shard of a folder first (``_check_shards``), which a staged copy of a pack
+    at a URL, holding only the shards the append reads, leaves off."""
     started = time.perf_counter()
     old = VOCPackReader(pack)
     path = Path(old.path)
@@ -143,6 +174,8 @@ def append_voc(
         plan_.notes.append(f"{path} is up to date with {voc_root}: nothing was written")
         return _up_to_date(old, plan_, voc_root, started)
     sharded = old.reader.manifest is not None
+    if sharded and check_shards:
+        _check_shards(old)
     books, written, new_meta = (_grow_shards if sharded else _rewrite_file)(
         old,
         plan_,
@@ -171,6 +204,22 @@ def append_voc(
         notes=plan_.notes,
         bytes_written=written,
     )
+
+
+def _check_shards(old: VOCPackReader) -> None:
+    """Every shard of the folder, which the grown pack keeps, opens as a reader's first read
+    of it opens it (size and metadata checksum against the manifest, binding, header, footer,
+    index, arrays: O(metadata), no record's bytes read), so that an append never builds a new
+    generation on a damaged one. Raises the reader's error, saying nothing was appended."""
+    reader = old.reader
+    for s in range(reader.num_shards):
+        try:
+            reader.shard(s)
+        except (FileNotFoundError, FormatError) as exc:
+            raise type(exc)(
+                f"{exc}. Nothing was appended to {reader.path}: run `torch-serialized verify` "
+                "on it, then restore the shard or re-pack the dataset"
+            ) from None
 
 
 def _up_to_date(old: VOCPackReader, plan: Plan, voc_root: Path, started: float) -> PackResult:

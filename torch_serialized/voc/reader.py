@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import FormatError
 from ..reader import PackReader
 from . import schema
+from .classes import label_classes
 from .layout import TASKS
 
 __all__ = ["VOCPackReader"]
@@ -48,22 +49,7 @@ class VOCPackReader:
             cache_dir=cache_dir,
             cache_limit_bytes=cache_limit_bytes,
         )
-        meta = self.reader.user
-        if meta.get("schema") != schema.SCHEMA:
-            raise FormatError(
-                f"{self.reader.path} is a torch_serialized file but not a VOC pack "
-                f"(schema {meta.get('schema')!r}); pack it with torch_serialized.pack_voc"
-            )
-        version = meta.get("schema_version")
-        if type(version) is not int or not 1 <= version <= schema.SCHEMA_VERSION:
-            raise FormatError(
-                f"{self.reader.path}: VOC schema version {version!r} is newer than this "
-                f"torch_serialized reads ({schema.SCHEMA_VERSION}); upgrade torch_serialized"
-            )
-        if tuple(self.reader.fields) != schema.FIELDS:
-            raise FormatError(f"{self.reader.path}: unexpected fields {self.reader.fields}")
-        check_metadata(meta, len(self.reader), self.reader.path)
-        check_arrays(self.reader.arrays(), meta, len(self.reader), self.reader.path)
+        meta = check_voc_pack(self.reader)
         self.meta: dict[str, Any] = meta
         self.year: str = meta["year"]
         self.base_dir: str = meta["base_dir"]
@@ -152,6 +138,29 @@ class VOCPackReader:
 
 
 # -- validation at open ---------------------------------------------------------------------------
+def check_voc_pack(reader: PackReader) -> dict[str, Any]:
+    """The VOC layer's checks of an open pack (schema, version, fields, ``check_metadata``,
+    ``check_arrays``), as every VOC reader makes them at open and ``verify`` too; returns
+    the VOC metadata. Raises ``FormatError`` naming the pack."""
+    meta = reader.user
+    if meta.get("schema") != schema.SCHEMA:
+        raise FormatError(
+            f"{reader.path} is a torch_serialized file but not a VOC pack "
+            f"(schema {meta.get('schema')!r}); pack it with torch_serialized.pack_voc"
+        )
+    version = meta.get("schema_version")
+    if type(version) is not int or not 1 <= version <= schema.SCHEMA_VERSION:
+        raise FormatError(
+            f"{reader.path}: VOC schema version {version!r} is newer than this "
+            f"torch_serialized reads ({schema.SCHEMA_VERSION}); upgrade torch_serialized"
+        )
+    if tuple(reader.fields) != schema.FIELDS:
+        raise FormatError(f"{reader.path}: unexpected fields {reader.fields}")
+    check_metadata(meta, len(reader), reader.path)
+    check_arrays(reader.arrays(), meta, len(reader), reader.path)
+    return meta
+
+
 def _bad(path: str, field: str, expected: str, found: Any) -> FormatError:
     text = repr(found)
     text = text if len(text) <= 60 else text[:57] + "..."
@@ -204,6 +213,13 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
     for key, kind in (("options", dict), ("skipped", list)):
         if not isinstance(meta.get(key, kind()), kind):
             raise _bad(path, key, f"a JSON {kind.__name__}", meta.get(key))
+    for key in ("max_samples_per_shard", "max_shard_bytes"):  # an append writes with them
+        limit = meta.get("options", {}).get(key)
+        if limit is not None and not _is_int(limit, 1):
+            raise _bad(path, f"options.{key}", "null or a positive integer", limit)
+    source_bytes = meta.get("source_bytes")
+    if source_bytes is not None and not _is_int(source_bytes):
+        raise _bad(path, "source_bytes", "null or a non-negative integer", source_bytes)
     stats = meta.get("source_stats")
     if stats is not None and stats != schema.SOURCE_STATS_VERSION:
         raise _bad(path, "source_stats", f"null or {schema.SOURCE_STATS_VERSION}", stats)
@@ -217,6 +233,15 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
         )
     ):
         raise _bad(path, "label_base", "'default' and 'packed' lists of class names", base)
+    if base is not None:  # the lists of the classes before the first append (a prefix: ids stay)
+        before = classes[: len(base["packed"])]
+        if base != {rule: label_classes(rule, before, None) for rule in ("default", "packed")}:
+            raise _bad(
+                path,
+                "label_base",
+                "the label lists of the pack's first classes (as the first append wrote them)",
+                base,
+            )
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(
         isinstance(e, dict) and isinstance(e.get("action"), str) for e in history

@@ -37,7 +37,7 @@ from torch_serialized.remote import (
 from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
 
 if TYPE_CHECKING:
-    from remote_fixtures import Remote
+    from remote_fixtures import Remote, Served
 
 pytest_plugins = ["remote_fixtures"]
 
@@ -165,6 +165,16 @@ def _aiohttp_payload() -> Exception:
         return exc
 
 
+def _fsspec_info_outage() -> Exception:
+    """What fsspec's HTTP ``_info`` raises when the server is unreachable: a wrapped outage."""
+    import aiohttp
+
+    try:
+        raise FileNotFoundError("http://h/x.tser") from aiohttp.ServerDisconnectedError()
+    except FileNotFoundError as exc:
+        return exc
+
+
 def _gcs_http(code: int) -> Exception:
     from gcsfs.retry import HttpError
 
@@ -196,6 +206,7 @@ CLASSIFIED = {
     "http 416": (lambda: _aiohttp_status(416), Fault.FATAL),
     "http truncated body": (_aiohttp_payload, Fault.TRANSIENT),
     "http disconnected": (lambda: __import__("aiohttp").ServerDisconnectedError(), Fault.TRANSIENT),
+    "http size probe cut": (_fsspec_info_outage, Fault.TRANSIENT),
     # s3fs, as it translates botocore's errors, and botocore's own
     "s3 NoSuchKey": (lambda: _s3fs_translated("NoSuchKey", 404), Fault.NOT_FOUND),
     "s3 NoSuchBucket": (lambda: _s3fs_translated("NoSuchBucket", 404), Fault.NOT_FOUND),
@@ -377,6 +388,20 @@ def test_not_found_and_denied_are_not_retried(
     assert (remote.url if remote.kind == "s3" else remote.proxy.url) in message
     assert remote.proxy.count("GET", remote.path("obj.bin")) == 1
     assert leftovers(tmp_path) == []
+
+
+def test_an_outage_while_asking_the_size_is_retried(
+    http_server: Served, tmp_path: Path
+) -> None:
+    # fsspec turns the failed HEAD and GET of its size probe into FileNotFoundError(url)
+    http_server.proxy.reset()
+    assert http_server.root is not None
+    (http_server.root / "size.bin").write_bytes(b"x" * 100)
+    http_server.proxy.add_fault("drop", count=4)
+    s = RemoteStore(http_server.proxy.url, retry=FAST)
+    assert s.size("size.bin") == 100
+    with pytest.raises(RemoteNotFoundError):  # while a real 404 is still not found
+        s.size("no-such.bin")
 
 
 def test_a_missing_object_is_not_found(remote: Remote, tmp_path: Path) -> None:

@@ -261,18 +261,27 @@ def classify_error(exc: BaseException) -> Fault:
         if status is not None:
             return _fault_of_status(status)
     transient = _transient_types()
-    for e in chain:
+    for k, e in enumerate(chain):
         if isinstance(e, FileNotFoundError):
+            # fsspec's HTTP ``_info`` raises FileNotFoundError(url) from *any* failed GET: a
+            # connection-level cause below it is an outage, not a missing object.
+            if any(_is_transient(c, transient) for c in chain[k + 1 :]):
+                return Fault.TRANSIENT
             return Fault.NOT_FOUND
         if isinstance(e, PermissionError):
             return Fault.DENIED
-        if isinstance(e, transient):
+        if _is_transient(e, transient):
             return Fault.TRANSIENT
         if isinstance(e, OSError) and str(e).startswith("Forbidden"):  # gcsfs's 403
             return Fault.DENIED
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO:
-            return Fault.TRANSIENT
     return Fault.FATAL
+
+
+def _is_transient(exc: BaseException, transient: tuple[type[BaseException], ...]) -> bool:
+    """True if ``exc`` is a connection-level failure (a transient class or errno)."""
+    if isinstance(exc, transient):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
 
 
 #: Environment variables that change the default ``RetryPolicy`` (``RetryPolicy.from_env``).

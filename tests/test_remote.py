@@ -390,9 +390,7 @@ def test_not_found_and_denied_are_not_retried(
     assert leftovers(tmp_path) == []
 
 
-def test_an_outage_while_asking_the_size_is_retried(
-    http_server: Served, tmp_path: Path
-) -> None:
+def test_an_outage_while_asking_the_size_is_retried(http_server: Served, tmp_path: Path) -> None:
     # fsspec turns the failed HEAD and GET of its size probe into FileNotFoundError(url)
     http_server.proxy.reset()
     assert http_server.root is not None
@@ -402,6 +400,10 @@ def test_an_outage_while_asking_the_size_is_retried(
     assert s.size("size.bin") == 100
     with pytest.raises(RemoteNotFoundError):  # while a real 404 is still not found
         s.size("no-such.bin")
+    http_server.proxy.add_fault("drop", count=None)
+    with pytest.raises(RemoteError, match="3 times") as info:  # naming the outage itself
+        s.size("size.bin")
+    assert type(info.value) is RemoteError and "FileNotFoundError" not in str(info.value)
 
 
 def test_a_missing_object_is_not_found(remote: Remote, tmp_path: Path) -> None:
@@ -462,6 +464,43 @@ def test_a_server_without_range_support_is_read_whole(tmp_path: Path) -> None:
         proxy.add_fault("truncate", count=1, method="GET")  # and a cut stream is retried
         assert s.download("obj.bin", tmp_path / "c", expected_size=len(data)).read_bytes() == data
         assert proxy.count("GET", "/obj.bin") == 4  # one whole body each, plus the cut one
+
+
+def test_a_ranged_read_from_a_server_without_range_support(tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    data = payload(3 * PART + 5)
+    (served / "obj.bin").write_bytes(data)
+    with start_http_server(served, ranges=False) as server:
+        s = RemoteStore(server.url, retry=FAST, part_size=PART)
+        assert s.read_bytes("obj.bin", len(data) - 64, len(data)) == data[-64:]  # a footer
+        assert s.download("obj.bin", tmp_path / "o").read_bytes() == data  # then streamed
+        with pytest.raises(RemoteError, match=r"obj\.bin.*ignored the range.*shorter"):
+            s.read_bytes("obj.bin", 10, len(data) + 5)
+
+
+def test_a_short_body_of_a_whole_object_read_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a body cut short without the client noticing (a proxy that re-framed it)
+    data = payload(PART // 2)
+    s = RemoteStore(f"memory://short-{os.getpid()}", retry=FAST, part_size=PART)
+    s.fs.pipe_file(s.fs_path("obj.bin"), data)
+    real = s.fs.cat_file
+    calls: list[int] = []
+
+    def cut_once(path: str, *args: Any, **kwargs: Any) -> bytes:
+        calls.append(1)
+        body = bytes(real(path, *args, **kwargs))
+        return body[: len(body) // 2] if len(calls) == 1 else body
+
+    monkeypatch.setattr(s.fs, "cat_file", cut_once)
+    assert s.download("obj.bin", tmp_path / "o", expected_size=len(data)).read_bytes() == data
+    assert len(calls) == 2
+    monkeypatch.setattr(s.fs, "cat_file", lambda path, *a, **k: real(path)[:10])
+    with pytest.raises(RemoteError, match=r"obj\.bin.*3 times.*10 of .*re-upload"):
+        s.download("obj.bin", tmp_path / "p", expected_size=len(data))
+    assert leftovers(tmp_path) == ["o"]
 
 
 def test_memory_and_file_urls(tmp_path: Path) -> None:

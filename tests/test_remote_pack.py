@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 import pytest
 from _remote_worker import fetch_in_worker
 
-from torch_serialized.errors import ChecksumError, RemoteNotFoundError
+from torch_serialized.cache import list_cache
+from torch_serialized.errors import ChecksumError, CorruptFileError, RemoteNotFoundError
 from torch_serialized.remote import RetryPolicy, digest_verifier
 from torch_serialized.remote_pack import RemotePack, ShardRequest, resolve
+from torch_serialized.tools.loopback import start_http_server
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -142,6 +144,44 @@ def test_a_single_file_pack_is_downloaded_whole(remote: Remote, tmp_path: Path) 
     with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as pack:
         assert pack.identity != first
         assert pack.path.read_bytes() == data[:-64] + bytes(64)
+
+
+def test_a_single_file_pack_on_a_server_without_range_support(tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    data = blob(3 * PART + 100, 6)
+    (served / "one.tser").write_bytes(data)
+    with start_http_server(served, ranges=False) as server:
+        url = f"{server.url}/one.tser"
+        with resolve(url, None, tmp_path / "cache", retry=FAST, part_size=PART) as pack:
+            assert pack.path.read_bytes() == data
+
+
+def test_a_damaged_manifest_is_read_again_and_never_cached(remote: Remote, tmp_path: Path) -> None:
+    remote.put("manifest.json", MANIFEST[:-9])  # cut short on the way
+    seen: list[bytes] = []
+
+    def check(data: bytes, url: str) -> None:
+        seen.append(data)
+        if data != MANIFEST:
+            remote.put("manifest.json", MANIFEST)  # the damage was in transit: gone next time
+            raise CorruptFileError(f"{url}: not a manifest")
+
+    options = remote.storage_options
+    with resolve(remote.url, options, tmp_path / "a", retry=FAST, verify_manifest=check) as pack:
+        assert pack.manifest_path is not None
+        assert pack.manifest_path.read_bytes() == MANIFEST
+    assert len(seen) == 2
+    assert [p.identity for p in list_cache(tmp_path / "a")] == [sha(MANIFEST)]
+
+    def reject(data: bytes, url: str) -> None:  # damaged on the server: read twice, then raise
+        seen.append(data)
+        raise CorruptFileError(f"{url}: not a manifest")
+
+    with pytest.raises(CorruptFileError, match=r"manifest\.json: not a manifest.*read twice"):
+        resolve(remote.url, options, tmp_path / "b", retry=FAST, verify_manifest=reject)
+    assert len(seen) == 4
+    assert list_cache(tmp_path / "b") == []
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])

@@ -14,6 +14,7 @@ streaming needs only the shards in use plus the ones prefetched.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .cache import Cache, PackCache
-from .errors import RemoteNotFoundError
+from .errors import CorruptFileError, RemoteNotFoundError
 from .format import FILE_SUFFIX, MANIFEST_NAME
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, RemoteStore, RetryPolicy
 
@@ -36,6 +37,7 @@ __all__ = [
     "resolve",
 ]
 
+log = logging.getLogger(__name__)
 _TAIL = 64  # a container's footer: its identity, as a manifest is a shard folder's
 
 
@@ -59,12 +61,15 @@ def resolve(
     part_size: int = DEFAULT_PART_SIZE,
     max_concurrency: int = DEFAULT_CONCURRENCY,
     verify_file: Callable[[Path], bool] | None = None,
+    verify_manifest: Callable[[bytes, str], object] | None = None,
 ) -> RemotePack:
     """Open the pack at ``url`` through the cache: a shard folder, or one ``.tser`` object.
 
     A URL ending in ``.tser`` is a single-file pack, downloaded whole now (``verify_file``, if
     given, must pass on the download before it enters the cache); any other URL is a shard
     folder whose ``manifest.json`` is read now and whose shards are downloaded when asked.
+    ``verify_manifest(data, url)`` (``format.parse_manifest``) checks the manifest's bytes
+    before they enter the cache: a ``CorruptFileError`` reads them once more, then raises.
     """
     store = RemoteStore(
         url, storage_options, retry=retry, part_size=part_size, max_concurrency=max_concurrency
@@ -89,16 +94,36 @@ def resolve(
             lambda dest: store.download("", dest, expected_size=size, verify=same_tail),
         )
         return RemotePack(store, pack_cache, path, None, prefetch_threads)
-    try:
-        manifest = store.read_bytes(MANIFEST_NAME)
-    except RemoteNotFoundError as exc:
-        raise RemoteNotFoundError(
-            f"{exc}. A shard folder's URL must contain {MANIFEST_NAME}; a single-file pack's URL "
-            f"ends with {FILE_SUFFIX}"
-        ) from exc.__cause__
+    manifest = _read_manifest(store, verify_manifest)
     pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
     manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
     return RemotePack(store, pack_cache, pack_cache.directory, manifest_path, prefetch_threads)
+
+
+def _read_manifest(store: RemoteStore, verify: Callable[[bytes, str], object] | None) -> bytes:
+    """The manifest's bytes, checked by ``verify``: a copy damaged on the way (cut short, a
+    flipped bit) is read once more and never reaches the cache."""
+    url = store.url_of(MANIFEST_NAME)
+    for round_ in (1, 2):
+        try:
+            data = store.read_bytes(MANIFEST_NAME)
+        except RemoteNotFoundError as exc:
+            raise RemoteNotFoundError(
+                f"{exc}. A shard folder's URL must contain {MANIFEST_NAME}; a single-file "
+                f"pack's URL ends with {FILE_SUFFIX}"
+            ) from exc.__cause__
+        if verify is None:
+            return data
+        try:
+            verify(data, url)
+            return data
+        except CorruptFileError as exc:
+            if round_ == 2:
+                raise CorruptFileError(
+                    f"{exc} (read twice from the server: the manifest there is damaged)"
+                ) from exc
+            log.warning("%s: damaged manifest (%s), reading it once more", url, exc)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def file_tail(store: RemoteStore) -> tuple[int, bytes]:

@@ -14,7 +14,12 @@ import pytest
 from _remote_worker import fetch_in_worker
 
 from torch_serialized.cache import list_cache
-from torch_serialized.errors import ChecksumError, CorruptFileError, RemoteNotFoundError
+from torch_serialized.errors import (
+    ChecksumError,
+    CorruptFileError,
+    RemoteError,
+    RemoteNotFoundError,
+)
 from torch_serialized.remote import RetryPolicy, digest_verifier
 from torch_serialized.remote_pack import RemotePack, ShardRequest, resolve
 from torch_serialized.tools.loopback import start_http_server
@@ -102,6 +107,18 @@ def test_a_failed_prefetch_raises_when_the_shard_is_asked_for(
         pack.prefetch(["missing.tser"])
         with pytest.raises(RemoteNotFoundError, match=r"missing\.tser"):
             pack.fetch_shard("missing.tser")
+
+
+def test_a_failed_prefetch_is_tried_again_when_the_shard_is_asked_for(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    remote.proxy.add_fault("status", status=503, count=None, path="a.tser")
+    with open_pack(remote, tmp_path) as pack:
+        pack.prefetch([ShardRequest("a.tser", len(shards["a.tser"]))])
+        prefetch = pack._pending["a.tser"]
+        assert isinstance(prefetch.exception(timeout=30), RemoteError)  # retries used up
+        remote.proxy.clear_faults()  # the outage is over before the shard is needed
+        assert pack.fetch_shard("a.tser", len(shards["a.tser"])).read_bytes() == shards["a.tser"]
 
 
 def test_a_corrupt_shard_raises_checksum_error_and_is_not_cached(

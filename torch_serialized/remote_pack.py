@@ -220,13 +220,17 @@ class RemotePack:
 
         ``verify(path)`` (the manifest's checksum) runs on each download; see
         :meth:`RemoteStore.download <torch_serialized.remote.RemoteStore.download>` for errors. A
-        prefetch of ``name`` that failed raises its error here.
+        prefetch of ``name`` that failed is tried once more now (an outage may be over by the
+        time the shard is needed): its error is raised only if that fails too.
         """
         self._check_fork()
         with self._mutex:
             future = self._pending.pop(name, None)
         if future is not None:
-            return future.result()
+            try:
+                return future.result()
+            except Exception as exc:
+                log.info("%s: prefetch failed (%s); fetching it again", name, exc)
         return self._fetch(ShardRequest(name, expected_size, verify))
 
     def _fetch(self, shard: ShardRequest) -> Path:

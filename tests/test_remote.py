@@ -579,6 +579,22 @@ def test_upload_folder_needs_its_manifest(tmp_path: Path) -> None:
         RemoteStore((tmp_path / "out").as_uri()).upload_folder(tmp_path)
 
 
+def test_an_unknown_size_says_what_a_user_can_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = RemoteStore(f"memory://nosize-{os.getpid()}", retry=FAST)
+    monkeypatch.setattr(s.fs, "size", lambda path: None)  # a server without Content-Length
+    with pytest.raises(RemoteError, match=r"nosize.*x\.tser.*sends Content-Length") as info:
+        s.size("x.tser")
+    assert "expected_size (from the manifest)" not in str(info.value)
+
+
+def test_prune_over_http_says_where_to_prune() -> None:
+    from torch_serialized.upload import prune_remote
+
+    # no request is made: HTTP cannot delete, so nothing is read first
+    with pytest.raises(RemoteError, match=r"127\.0\.0\.1:9/pack: http:// cannot delete.*dry run"):
+        prune_remote("http://127.0.0.1:9/pack")
+
+
 def test_retry_policy_from_the_environment() -> None:
     """Retries are configurable without code (every worker and rank reads the same
     variables): attempts and the longest wait; bad values name the variable."""

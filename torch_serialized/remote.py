@@ -534,8 +534,10 @@ class RemoteStore:
         size = self.call("size", key, lambda: self.fs.size(path))
         if size is None:  # an HTTP server that sends no Content-Length
             raise RemoteError(
-                f"{self.url_of(key)}: the server does not report the object's size; pass "
-                "expected_size (from the manifest) or serve the pack with a server that does"
+                f"{self.url_of(key)}: the server does not report the object's size (no "
+                "Content-Length), which reading it needs. Serve the pack with a server that "
+                "sends Content-Length (check any proxy or compression in between); callers of "
+                "RemoteStore.download may pass expected_size instead"
             )
         return int(size)
 

@@ -163,6 +163,33 @@ def test_a_single_file_pack_is_downloaded_whole(remote: Remote, tmp_path: Path) 
         assert pack.path.read_bytes() == data[:-64] + bytes(64)
 
 
+def test_a_single_file_pack_replaced_while_it_downloads_opens_the_new_one(
+    remote: Remote, tmp_path: Path
+) -> None:
+    old, new = blob(3 * PART + 100, 7), blob(2 * PART + 3, 8)
+    remote.put("one.tser", old)
+    replaced: list[int] = []
+
+    def replace_once(path: Path) -> bool:  # a re-pack uploads a new file mid-download
+        if not replaced:
+            replaced.append(1)
+            remote.put("one.tser", new)
+            return False
+        return True
+
+    url = remote.url + "/one.tser"
+    options = remote.storage_options
+    with resolve(url, options, tmp_path, retry=FAST, part_size=PART, verify_file=replace_once) as p:
+        assert p.path.read_bytes() == new
+        assert p.identity == sha256_of_size_and_tail(new)
+    with pytest.raises(ChecksumError, match=r"one\.tser: the downloaded file failed.*damaged"):
+        resolve(url, options, tmp_path / "b", retry=FAST, verify_file=lambda path: False)
+
+
+def sha256_of_size_and_tail(data: bytes) -> str:
+    return sha(f"{len(data)}\n".encode() + data[-64:])
+
+
 def test_a_single_file_pack_on_a_server_without_range_support(tmp_path: Path) -> None:
     served = tmp_path / "served"
     served.mkdir()

@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from .cache import Cache, PackCache
-from .errors import CorruptFileError, RemoteNotFoundError
+from .errors import (
+    ChecksumError,
+    CorruptFileError,
+    FileChangedError,
+    RemoteError,
+    RemoteNotFoundError,
+)
 from .format import FILE_SUFFIX, MANIFEST_NAME
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, RemoteStore, RetryPolicy
 
@@ -76,28 +82,64 @@ def resolve(
     )
     cache = Cache(cache_dir, cache_limit_bytes)
     if store.url.endswith(FILE_SUFFIX):
-        size, tail = file_tail(store)
-        identity = file_identity(size, tail)
-        pack_cache = cache.pack(store.url, identity)
-        name = store.url.rsplit("/", 1)[-1]
+        return _resolve_file(store, cache, prefetch_threads, verify_file)
+    manifest = _read_manifest(store, verify_manifest)
+    pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
+    manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
+    return RemotePack(store, pack_cache, pack_cache.directory, manifest_path, prefetch_threads)
 
-        def same_tail(path: Path) -> bool:  # the object was not replaced while we downloaded
-            with open(path, "rb") as f:
+
+def _resolve_file(
+    store: RemoteStore,
+    cache: Cache,
+    prefetch_threads: int,
+    verify_file: Callable[[Path], bool] | None,
+) -> RemotePack:
+    """``resolve`` of a single-file pack: download it whole. A download that fails because
+    the object was replaced meanwhile (its size or footer changed: a re-pack racing the open)
+    opens the new object instead, once."""
+    opened = file_tail(store)
+    name = store.url.rsplit("/", 1)[-1]
+    for round_ in (1, 2):
+        size, tail = opened
+        pack_cache = cache.pack(store.url, file_identity(size, tail))
+
+        def same_tail(path: Path, size: int = size, tail: bytes = tail) -> bool:
+            with open(path, "rb") as f:  # the object was not replaced while we downloaded
                 f.seek(max(0, size - _TAIL))
                 if f.read() != tail:
                     return False
             return verify_file is None or verify_file(path)
 
-        path = pack_cache.fetch(
-            name,
-            size,
-            lambda dest: store.download("", dest, expected_size=size, verify=same_tail),
-        )
+        try:
+            path = pack_cache.fetch(
+                name,
+                size,
+                lambda dest, size=size, check=same_tail: store.download(
+                    "", dest, expected_size=size, verify=check
+                ),
+            )
+        except (CorruptFileError, RemoteError) as exc:
+            now = file_tail(store)
+            if now == opened and isinstance(exc, ChecksumError):  # no manifest to blame
+                raise ChecksumError(
+                    f"{store.url_of()}: the downloaded file failed its checks twice (its size, "
+                    "footer or checksums): the file on the server is damaged. Upload it again, "
+                    "or pack it again"
+                ) from exc
+            if now == opened:
+                raise
+            if round_ == 2:
+                raise FileChangedError(
+                    f"{store.url_of()}: the file was replaced on the server twice while it was "
+                    "being opened (is it being uploaded now?): open it again once the upload is "
+                    "done"
+                ) from exc
+            log.warning("%s: replaced on the server while opened; opening the new file", name)
+            opened = now
+            continue
         return RemotePack(store, pack_cache, path, None, prefetch_threads)
-    manifest = _read_manifest(store, verify_manifest)
-    pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
-    manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
-    return RemotePack(store, pack_cache, pack_cache.directory, manifest_path, prefetch_threads)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _read_manifest(store: RemoteStore, verify: Callable[[bytes, str], object] | None) -> bytes:

@@ -111,14 +111,13 @@ def _resolve_file(
                     return False
             return verify_file is None or verify_file(path)
 
+        def download(
+            dest: Path, size: int = size, check: Callable[[Path], bool] = same_tail
+        ) -> Path:
+            return store.download("", dest, expected_size=size, verify=check)
+
         try:
-            path = pack_cache.fetch(
-                name,
-                size,
-                lambda dest, size=size, check=same_tail: store.download(
-                    "", dest, expected_size=size, verify=check
-                ),
-            )
+            path = pack_cache.fetch(name, size, download)
         except (CorruptFileError, RemoteError) as exc:
             now = file_tail(store)
             if now == opened and isinstance(exc, ChecksumError):  # no manifest to blame

@@ -354,6 +354,29 @@ def test_a_stalled_response_times_out_and_is_retried(remote: Remote, tmp_path: P
     assert remote.proxy.count("GET", remote.path("obj.bin")) >= 2
 
 
+def test_a_slow_drip_body_meets_a_deadline(
+    http_server: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every byte in time for sock_read, the whole far too slow: bounded by a minimum rate
+    http_server.proxy.reset()
+    assert http_server.root is not None
+    data = payload(PART)
+    (http_server.root / "drip.bin").write_bytes(data)
+    http_server.proxy.configure(bandwidth=32 << 10)  # 2 s for the object
+    monkeypatch.setattr("torch_serialized.remote._MIN_RATE", 1 << 20)
+    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.2)
+    s = RemoteStore(http_server.proxy.url, retry=FAST, part_size=PART)
+    start = time.monotonic()
+    for read in (
+        lambda: s.read_bytes("drip.bin", 0, len(data)),
+        lambda: s.download("drip.bin", tmp_path / "o", expected_size=len(data)),
+    ):
+        with pytest.raises(RemoteError, match=r"drip\.bin.*3 times.*Timeout"):
+            read()
+    assert time.monotonic() - start < 6
+    http_server.proxy.reset()
+
+
 @pytest.mark.parametrize("fault", ["drop", "503", "truncate"])
 def test_exhausted_retries_raise_our_error(remote: Remote, tmp_path: Path, fault: str) -> None:
     data = payload(2 * PART, seed=3)

@@ -15,7 +15,9 @@ Design
   429 and 5xx) are retried with exponential backoff and jitter under a :class:`RetryPolicy`;
   404 and 401/403 raise at once. For S3 the backends' own retries (botocore's and s3fs's) are
   turned off unless ``storage_options`` sets them, otherwise their counts multiply ours and a dead
-  endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries.
+  endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries. A read of
+  known length must end within 60 s plus its size at 64 KiB/s (fsspec's ``timeout``), so a
+  server that drips bytes just fast enough for the socket timeouts still times out.
 * **Downloads are ranged parts.** An object is fetched as parts of ``part_size`` bytes
   (``cat_file(path, start, end)``, a few in parallel) written with ``pwrite`` into a temporary file
   of the final size in the destination folder, then checked (every part's length; the caller's
@@ -75,6 +77,10 @@ T = TypeVar("T")
 DEFAULT_PART_SIZE = 8 << 20
 DEFAULT_CONCURRENCY = 4
 _STREAM_CHUNK = 1 << 20
+# An HTTP read of n bytes must end within _DEADLINE_GRACE + n / _MIN_RATE seconds: a server
+# that drips a byte a minute beats aiohttp's sock_read timeout forever, this it does not.
+_MIN_RATE = 64 << 10  # bytes per second
+_DEADLINE_GRACE = 60.0  # seconds, as sock_read
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
 # Which extra brings the backend of a protocol, for the message when it is missing.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
@@ -564,9 +570,10 @@ class RemoteStore:
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
         """``read_bytes``, but a server that ignores ``Range`` raises ``_RangeIgnoredError``."""
         path = self._path(key)
+        deadline = self._deadline(None if start is None or end is None else end - start)
 
         def read() -> bytes:
-            data = bytes(self.fs.cat_file(path, start=start, end=end))
+            data = bytes(self.fs.cat_file(path, start=start, end=end, **deadline))
             if start is not None and end is not None and len(data) != end - start:
                 if len(data) < end - start:
                     raise ShortReadError(f"got {len(data)} of {end - start} bytes")
@@ -574,6 +581,18 @@ class RemoteStore:
             return data
 
         return self.call("read", key, read)
+
+    def _deadline(self, nbytes: int | None) -> dict[str, Any]:
+        """``cat_file`` options that bound a whole read of ``nbytes`` bytes in time: fsspec's
+        ``timeout`` (async backends: HTTP, S3, GCS), ``_DEADLINE_GRACE`` seconds plus the
+        bytes at ``_MIN_RATE``. Left out when the caller set the backend's own read timeout in
+        ``storage_options`` (a link slower than the minimum rate)."""
+        own = ("timeout" in (self.storage_options.get("client_kwargs") or {})) or (
+            "read_timeout" in (self.storage_options.get("config_kwargs") or {})
+        )
+        if nbytes is None or own or not getattr(self.fs, "async_impl", False):
+            return {}
+        return {"timeout": _DEADLINE_GRACE + nbytes / _MIN_RATE}
 
     def download(
         self,
@@ -626,8 +645,10 @@ class RemoteStore:
         if len(parts) == 1:
             path = self._path(key)
 
+            deadline = self._deadline(size)
+
             def whole() -> bytes:  # no Range header: works with any server
-                data = bytes(self.fs.cat_file(path))
+                data = bytes(self.fs.cat_file(path, **deadline))
                 if len(data) < size:  # a cut body the client did not notice: retried
                     raise ShortReadError(
                         f"got {len(data)} of {size} bytes (if this persists, the object is "
@@ -756,7 +777,8 @@ def _with_default_timeouts(protocol: str, options: Mapping[str, Any]) -> dict[st
         import aiohttp  # the backend of this URL: needed now anyway
 
         client = dict(out.get("client_kwargs") or {})
-        # aiohttp's default is 5 minutes for a whole request and no limit between bytes.
+        # aiohttp's default is 5 minutes for a whole request and no limit between bytes (the
+        # reads of known length are bounded as a whole by RemoteStore._deadline).
         client.setdefault(
             "timeout", aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
         )

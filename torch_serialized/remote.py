@@ -17,7 +17,8 @@ Design
   turned off unless ``storage_options`` sets them, otherwise their counts multiply ours and a dead
   endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries. A read of
   known length must end within 60 s plus its size at 64 KiB/s (fsspec's ``timeout``), so a
-  server that drips bytes just fast enough for the socket timeouts still times out.
+  server that drips bytes just fast enough for the socket timeouts still times out (unless
+  ``storage_options`` gives aiohttp a ``ClientTimeout`` with a ``total``).
 * **Downloads are ranged parts.** An object is fetched as parts of ``part_size`` bytes
   (``cat_file(path, start, end)``, a few in parallel) written with ``pwrite`` into a temporary file
   of the final size in the destination folder, then checked (every part's length; the caller's
@@ -585,12 +586,10 @@ class RemoteStore:
     def _deadline(self, nbytes: int | None) -> dict[str, Any]:
         """``cat_file`` options that bound a whole read of ``nbytes`` bytes in time: fsspec's
         ``timeout`` (async backends: HTTP, S3, GCS), ``_DEADLINE_GRACE`` seconds plus the
-        bytes at ``_MIN_RATE``. Left out when the caller set the backend's own read timeout in
-        ``storage_options`` (a link slower than the minimum rate)."""
-        own = ("timeout" in (self.storage_options.get("client_kwargs") or {})) or (
-            "read_timeout" in (self.storage_options.get("config_kwargs") or {})
-        )
-        if nbytes is None or own or not getattr(self.fs, "async_impl", False):
+        bytes at ``_MIN_RATE``. Left out when ``storage_options`` bounds whole HTTP requests
+        itself (an aiohttp ``ClientTimeout`` with a ``total``: a link slower than the rate)."""
+        own = (self.storage_options.get("client_kwargs") or {}).get("timeout")
+        if nbytes is None or getattr(own, "total", None) or not getattr(self.fs, "async_impl", 0):
             return {}
         return {"timeout": _DEADLINE_GRACE + nbytes / _MIN_RATE}
 

@@ -37,7 +37,7 @@ from torch_serialized.remote import (
 from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
 
 if TYPE_CHECKING:
-    from remote_fixtures import Remote
+    from remote_fixtures import Remote, Served
 
 pytest_plugins = ["remote_fixtures"]
 
@@ -165,6 +165,16 @@ def _aiohttp_payload() -> Exception:
         return exc
 
 
+def _fsspec_info_outage() -> Exception:
+    """What fsspec's HTTP ``_info`` raises when the server is unreachable: a wrapped outage."""
+    import aiohttp
+
+    try:
+        raise FileNotFoundError("http://h/x.tser") from aiohttp.ServerDisconnectedError()
+    except FileNotFoundError as exc:
+        return exc
+
+
 def _gcs_http(code: int) -> Exception:
     from gcsfs.retry import HttpError
 
@@ -196,6 +206,7 @@ CLASSIFIED = {
     "http 416": (lambda: _aiohttp_status(416), Fault.FATAL),
     "http truncated body": (_aiohttp_payload, Fault.TRANSIENT),
     "http disconnected": (lambda: __import__("aiohttp").ServerDisconnectedError(), Fault.TRANSIENT),
+    "http size probe cut": (_fsspec_info_outage, Fault.TRANSIENT),
     # s3fs, as it translates botocore's errors, and botocore's own
     "s3 NoSuchKey": (lambda: _s3fs_translated("NoSuchKey", 404), Fault.NOT_FOUND),
     "s3 NoSuchBucket": (lambda: _s3fs_translated("NoSuchBucket", 404), Fault.NOT_FOUND),
@@ -343,6 +354,34 @@ def test_a_stalled_response_times_out_and_is_retried(remote: Remote, tmp_path: P
     assert remote.proxy.count("GET", remote.path("obj.bin")) >= 2
 
 
+def test_a_slow_drip_body_meets_a_deadline(
+    http_server: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every byte in time for sock_read, the whole far too slow: bounded by a minimum rate
+    http_server.proxy.reset()
+    assert http_server.root is not None
+    data = payload(PART)
+    (http_server.root / "drip.bin").write_bytes(data)
+    http_server.proxy.configure(bandwidth=32 << 10)  # 2 s for the object
+    monkeypatch.setattr("torch_serialized.remote._MIN_RATE", 1 << 20)
+    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.2)
+    import aiohttp
+
+    s = RemoteStore(http_server.proxy.url, retry=FAST, part_size=PART)
+    sock_only = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_read=30)}}
+    t = RemoteStore(http_server.proxy.url, sock_only, retry=FAST, part_size=PART)
+    start = time.monotonic()
+    for read in (
+        lambda: s.read_bytes("drip.bin", 0, len(data)),
+        lambda: s.download("drip.bin", tmp_path / "o", expected_size=len(data)),
+        lambda: t.read_bytes("drip.bin", 0, len(data)),  # a socket timeout of the user's
+    ):
+        with pytest.raises(RemoteError, match=r"drip\.bin.*3 times.*Timeout"):
+            read()
+    assert time.monotonic() - start < 8
+    http_server.proxy.reset()
+
+
 @pytest.mark.parametrize("fault", ["drop", "503", "truncate"])
 def test_exhausted_retries_raise_our_error(remote: Remote, tmp_path: Path, fault: str) -> None:
     data = payload(2 * PART, seed=3)
@@ -377,6 +416,22 @@ def test_not_found_and_denied_are_not_retried(
     assert (remote.url if remote.kind == "s3" else remote.proxy.url) in message
     assert remote.proxy.count("GET", remote.path("obj.bin")) == 1
     assert leftovers(tmp_path) == []
+
+
+def test_an_outage_while_asking_the_size_is_retried(http_server: Served, tmp_path: Path) -> None:
+    # fsspec turns the failed HEAD and GET of its size probe into FileNotFoundError(url)
+    http_server.proxy.reset()
+    assert http_server.root is not None
+    (http_server.root / "size.bin").write_bytes(b"x" * 100)
+    http_server.proxy.add_fault("drop", count=4)
+    s = RemoteStore(http_server.proxy.url, retry=FAST)
+    assert s.size("size.bin") == 100
+    with pytest.raises(RemoteNotFoundError):  # while a real 404 is still not found
+        s.size("no-such.bin")
+    http_server.proxy.add_fault("drop", count=None)
+    with pytest.raises(RemoteError, match="3 times") as info:  # naming the outage itself
+        s.size("size.bin")
+    assert type(info.value) is RemoteError and "FileNotFoundError" not in str(info.value)
 
 
 def test_a_missing_object_is_not_found(remote: Remote, tmp_path: Path) -> None:
@@ -437,6 +492,43 @@ def test_a_server_without_range_support_is_read_whole(tmp_path: Path) -> None:
         proxy.add_fault("truncate", count=1, method="GET")  # and a cut stream is retried
         assert s.download("obj.bin", tmp_path / "c", expected_size=len(data)).read_bytes() == data
         assert proxy.count("GET", "/obj.bin") == 4  # one whole body each, plus the cut one
+
+
+def test_a_ranged_read_from_a_server_without_range_support(tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    data = payload(3 * PART + 5)
+    (served / "obj.bin").write_bytes(data)
+    with start_http_server(served, ranges=False) as server:
+        s = RemoteStore(server.url, retry=FAST, part_size=PART)
+        assert s.read_bytes("obj.bin", len(data) - 64, len(data)) == data[-64:]  # a footer
+        assert s.download("obj.bin", tmp_path / "o").read_bytes() == data  # then streamed
+        with pytest.raises(RemoteError, match=r"obj\.bin.*ignored the range.*shorter"):
+            s.read_bytes("obj.bin", 10, len(data) + 5)
+
+
+def test_a_short_body_of_a_whole_object_read_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a body cut short without the client noticing (a proxy that re-framed it)
+    data = payload(PART // 2)
+    s = RemoteStore(f"memory://short-{os.getpid()}", retry=FAST, part_size=PART)
+    s.fs.pipe_file(s.fs_path("obj.bin"), data)
+    real = s.fs.cat_file
+    calls: list[int] = []
+
+    def cut_once(path: str, *args: Any, **kwargs: Any) -> bytes:
+        calls.append(1)
+        body = bytes(real(path, *args, **kwargs))
+        return body[: len(body) // 2] if len(calls) == 1 else body
+
+    monkeypatch.setattr(s.fs, "cat_file", cut_once)
+    assert s.download("obj.bin", tmp_path / "o", expected_size=len(data)).read_bytes() == data
+    assert len(calls) == 2
+    monkeypatch.setattr(s.fs, "cat_file", lambda path, *a, **k: real(path)[:10])
+    with pytest.raises(RemoteError, match=r"obj\.bin.*3 times.*10 of .*re-upload"):
+        s.download("obj.bin", tmp_path / "p", expected_size=len(data))
+    assert leftovers(tmp_path) == ["o"]
 
 
 def test_memory_and_file_urls(tmp_path: Path) -> None:
@@ -513,6 +605,22 @@ def test_upload_folder_needs_its_manifest(tmp_path: Path) -> None:
     (tmp_path / "shard.tser").write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         RemoteStore((tmp_path / "out").as_uri()).upload_folder(tmp_path)
+
+
+def test_an_unknown_size_says_what_a_user_can_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = RemoteStore(f"memory://nosize-{os.getpid()}", retry=FAST)
+    monkeypatch.setattr(s.fs, "size", lambda path: None)  # a server without Content-Length
+    with pytest.raises(RemoteError, match=r"nosize.*x\.tser.*sends Content-Length") as info:
+        s.size("x.tser")
+    assert "expected_size (from the manifest)" not in str(info.value)
+
+
+def test_prune_over_http_says_where_to_prune() -> None:
+    from torch_serialized.upload import prune_remote
+
+    # no request is made: HTTP cannot delete, so nothing is read first
+    with pytest.raises(RemoteError, match=r"127\.0\.0\.1:9/pack: http:// cannot delete.*dry run"):
+        prune_remote("http://127.0.0.1:9/pack")
 
 
 def test_retry_policy_from_the_environment() -> None:

@@ -13,9 +13,16 @@ from typing import TYPE_CHECKING
 import pytest
 from _remote_worker import fetch_in_worker
 
-from torch_serialized.errors import ChecksumError, RemoteNotFoundError
+from torch_serialized.cache import list_cache
+from torch_serialized.errors import (
+    ChecksumError,
+    CorruptFileError,
+    RemoteError,
+    RemoteNotFoundError,
+)
 from torch_serialized.remote import RetryPolicy, digest_verifier
 from torch_serialized.remote_pack import RemotePack, ShardRequest, resolve
+from torch_serialized.tools.loopback import start_http_server
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -102,6 +109,18 @@ def test_a_failed_prefetch_raises_when_the_shard_is_asked_for(
             pack.fetch_shard("missing.tser")
 
 
+def test_a_failed_prefetch_is_tried_again_when_the_shard_is_asked_for(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    remote.proxy.add_fault("status", status=503, count=None, path="a.tser")
+    with open_pack(remote, tmp_path) as pack:
+        pack.prefetch([ShardRequest("a.tser", len(shards["a.tser"]))])
+        prefetch = pack._pending["a.tser"]
+        assert isinstance(prefetch.exception(timeout=30), RemoteError)  # retries used up
+        remote.proxy.clear_faults()  # the outage is over before the shard is needed
+        assert pack.fetch_shard("a.tser", len(shards["a.tser"])).read_bytes() == shards["a.tser"]
+
+
 def test_a_corrupt_shard_raises_checksum_error_and_is_not_cached(
     remote: Remote, shards: dict[str, bytes], tmp_path: Path
 ) -> None:
@@ -142,6 +161,71 @@ def test_a_single_file_pack_is_downloaded_whole(remote: Remote, tmp_path: Path) 
     with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as pack:
         assert pack.identity != first
         assert pack.path.read_bytes() == data[:-64] + bytes(64)
+
+
+def test_a_single_file_pack_replaced_while_it_downloads_opens_the_new_one(
+    remote: Remote, tmp_path: Path
+) -> None:
+    old, new = blob(3 * PART + 100, 7), blob(2 * PART + 3, 8)
+    remote.put("one.tser", old)
+    replaced: list[int] = []
+
+    def replace_once(path: Path) -> bool:  # a re-pack uploads a new file mid-download
+        if not replaced:
+            replaced.append(1)
+            remote.put("one.tser", new)
+            return False
+        return True
+
+    url = remote.url + "/one.tser"
+    options = remote.storage_options
+    with resolve(url, options, tmp_path, retry=FAST, part_size=PART, verify_file=replace_once) as p:
+        assert p.path.read_bytes() == new
+        assert p.identity == sha256_of_size_and_tail(new)
+    with pytest.raises(ChecksumError, match=r"one\.tser: the downloaded file failed.*damaged"):
+        resolve(url, options, tmp_path / "b", retry=FAST, verify_file=lambda path: False)
+
+
+def sha256_of_size_and_tail(data: bytes) -> str:
+    return sha(f"{len(data)}\n".encode() + data[-64:])
+
+
+def test_a_single_file_pack_on_a_server_without_range_support(tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    data = blob(3 * PART + 100, 6)
+    (served / "one.tser").write_bytes(data)
+    with start_http_server(served, ranges=False) as server:
+        url = f"{server.url}/one.tser"
+        with resolve(url, None, tmp_path / "cache", retry=FAST, part_size=PART) as pack:
+            assert pack.path.read_bytes() == data
+
+
+def test_a_damaged_manifest_is_read_again_and_never_cached(remote: Remote, tmp_path: Path) -> None:
+    remote.put("manifest.json", MANIFEST[:-9])  # cut short on the way
+    seen: list[bytes] = []
+
+    def check(data: bytes, url: str) -> None:
+        seen.append(data)
+        if data != MANIFEST:
+            remote.put("manifest.json", MANIFEST)  # the damage was in transit: gone next time
+            raise CorruptFileError(f"{url}: not a manifest")
+
+    options = remote.storage_options
+    with resolve(remote.url, options, tmp_path / "a", retry=FAST, verify_manifest=check) as pack:
+        assert pack.manifest_path is not None
+        assert pack.manifest_path.read_bytes() == MANIFEST
+    assert len(seen) == 2
+    assert [p.identity for p in list_cache(tmp_path / "a")] == [sha(MANIFEST)]
+
+    def reject(data: bytes, url: str) -> None:  # damaged on the server: read twice, then raise
+        seen.append(data)
+        raise CorruptFileError(f"{url}: not a manifest")
+
+    with pytest.raises(CorruptFileError, match=r"manifest\.json: not a manifest.*read twice"):
+        resolve(remote.url, options, tmp_path / "b", retry=FAST, verify_manifest=reject)
+    assert len(seen) == 4
+    assert list_cache(tmp_path / "b") == []
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])

@@ -1145,7 +1145,14 @@ def _locate(
         url = str(location)
         if url.rstrip("/").endswith("/" + fmt.MANIFEST_NAME):
             url = url.rstrip("/")[: -len(fmt.MANIFEST_NAME) - 1]
-        remote = resolve(url, storage_options, cache_dir, cache_limit_bytes, verify_file=intact())
+        remote = resolve(
+            url,
+            storage_options,
+            cache_dir,
+            cache_limit_bytes,
+            verify_file=intact(),
+            verify_manifest=fmt.parse_manifest,
+        )
         path = remote.path
     else:
         path = Path(location)

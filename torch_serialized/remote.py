@@ -15,7 +15,10 @@ Design
   429 and 5xx) are retried with exponential backoff and jitter under a :class:`RetryPolicy`;
   404 and 401/403 raise at once. For S3 the backends' own retries (botocore's and s3fs's) are
   turned off unless ``storage_options`` sets them, otherwise their counts multiply ours and a dead
-  endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries.
+  endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries. A read of
+  known length must end within 60 s plus its size at 64 KiB/s (fsspec's ``timeout``), so a
+  server that drips bytes just fast enough for the socket timeouts still times out (unless
+  ``storage_options`` gives aiohttp a ``ClientTimeout`` with a ``total``).
 * **Downloads are ranged parts.** An object is fetched as parts of ``part_size`` bytes
   (``cat_file(path, start, end)``, a few in parallel) written with ``pwrite`` into a temporary file
   of the final size in the destination folder, then checked (every part's length; the caller's
@@ -75,6 +78,10 @@ T = TypeVar("T")
 DEFAULT_PART_SIZE = 8 << 20
 DEFAULT_CONCURRENCY = 4
 _STREAM_CHUNK = 1 << 20
+# An HTTP read of n bytes must end within _DEADLINE_GRACE + n / _MIN_RATE seconds: a server
+# that drips a byte a minute beats aiohttp's sock_read timeout forever, this it does not.
+_MIN_RATE = 64 << 10  # bytes per second
+_DEADLINE_GRACE = 60.0  # seconds, as sock_read
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
 # Which extra brings the backend of a protocol, for the message when it is missing.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
@@ -261,18 +268,27 @@ def classify_error(exc: BaseException) -> Fault:
         if status is not None:
             return _fault_of_status(status)
     transient = _transient_types()
-    for e in chain:
+    for k, e in enumerate(chain):
         if isinstance(e, FileNotFoundError):
+            # fsspec's HTTP ``_info`` raises FileNotFoundError(url) from *any* failed GET: a
+            # connection-level cause below it is an outage, not a missing object.
+            if any(_is_transient(c, transient) for c in chain[k + 1 :]):
+                return Fault.TRANSIENT
             return Fault.NOT_FOUND
         if isinstance(e, PermissionError):
             return Fault.DENIED
-        if isinstance(e, transient):
+        if _is_transient(e, transient):
             return Fault.TRANSIENT
         if isinstance(e, OSError) and str(e).startswith("Forbidden"):  # gcsfs's 403
             return Fault.DENIED
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO:
-            return Fault.TRANSIENT
     return Fault.FATAL
+
+
+def _is_transient(exc: BaseException, transient: tuple[type[BaseException], ...]) -> bool:
+    """True if ``exc`` is a connection-level failure (a transient class or errno)."""
+    if isinstance(exc, transient):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
 
 
 #: Environment variables that change the default ``RetryPolicy`` (``RetryPolicy.from_env``).
@@ -503,8 +519,10 @@ class RemoteStore:
                 "policy and the path"
             )
         if fault is Fault.TRANSIENT:
+            transient = _transient_types()  # name the outage, not a wrapper around it
+            cause = next((e for e in _causes(exc) if _is_transient(e, transient)), exc)
             return RemoteError(
-                f"{url}: {what} failed {attempt} times, the last with {_describe(exc)}. Check "
+                f"{url}: {what} failed {attempt} times, the last with {_describe(cause)}. Check "
                 "the network and the endpoint, or allow more attempts (environment variable "
                 f"{RETRY_ATTEMPTS_ENV}, now {self.retry.attempts})"
             )
@@ -523,17 +541,40 @@ class RemoteStore:
         size = self.call("size", key, lambda: self.fs.size(path))
         if size is None:  # an HTTP server that sends no Content-Length
             raise RemoteError(
-                f"{self.url_of(key)}: the server does not report the object's size; pass "
-                "expected_size (from the manifest) or serve the pack with a server that does"
+                f"{self.url_of(key)}: the server does not report the object's size (no "
+                "Content-Length), which reading it needs. Serve the pack with a server that "
+                "sends Content-Length (check any proxy or compression in between); callers of "
+                "RemoteStore.download may pass expected_size instead"
             )
         return int(size)
 
     def read_bytes(self, key: str = "", start: int | None = None, end: int | None = None) -> bytes:
-        """The bytes of ``key`` (``[start, end)`` if given), for small objects (a manifest)."""
+        """The bytes of ``key`` (``[start, end)`` if given), for small objects (a manifest).
+
+        On a server that ignores ``Range`` a ranged read gets the whole object and returns the
+        range asked for out of it (and later downloads stream).
+        """
+        try:
+            return self._read_bytes(key, start, end)
+        except _RangeIgnoredError as exc:
+            self._ranges_ok = False
+            if start is not None and end is not None and len(exc.data) >= end:
+                log.warning("%s: the server ignores Range requests", self.url_of(key))
+                return exc.data[start:end]
+            raise RemoteError(
+                f"{self.url_of(key)}: asked for bytes {start} to {end}, the server ignored the "
+                f"range and sent the whole object, {len(exc.data)} bytes: the object is shorter "
+                "than expected. It changed while being read (open it again), or the manifest and "
+                "the object disagree (re-upload the pack)"
+            ) from None
+
+    def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
+        """``read_bytes``, but a server that ignores ``Range`` raises ``_RangeIgnoredError``."""
         path = self._path(key)
+        deadline = self._deadline(None if start is None or end is None else end - start)
 
         def read() -> bytes:
-            data = bytes(self.fs.cat_file(path, start=start, end=end))
+            data = bytes(self.fs.cat_file(path, start=start, end=end, **deadline))
             if start is not None and end is not None and len(data) != end - start:
                 if len(data) < end - start:
                     raise ShortReadError(f"got {len(data)} of {end - start} bytes")
@@ -541,6 +582,16 @@ class RemoteStore:
             return data
 
         return self.call("read", key, read)
+
+    def _deadline(self, nbytes: int | None) -> dict[str, Any]:
+        """``cat_file`` options that bound a whole read of ``nbytes`` bytes in time: fsspec's
+        ``timeout`` (async backends: HTTP, S3, GCS), ``_DEADLINE_GRACE`` seconds plus the
+        bytes at ``_MIN_RATE``. Left out when ``storage_options`` bounds whole HTTP requests
+        itself (an aiohttp ``ClientTimeout`` with a ``total``: a link slower than the rate)."""
+        own = (self.storage_options.get("client_kwargs") or {}).get("timeout")
+        if nbytes is None or getattr(own, "total", None) or not getattr(self.fs, "async_impl", 0):
+            return {}
+        return {"timeout": _DEADLINE_GRACE + nbytes / _MIN_RATE}
 
     def download(
         self,
@@ -591,7 +642,20 @@ class RemoteStore:
             return
         parts = [(s, min(s + self.part_size, size)) for s in range(0, size, self.part_size)]
         if len(parts) == 1:
-            data = self.read_bytes(key)  # no Range header: works with any server
+            path = self._path(key)
+
+            deadline = self._deadline(size)
+
+            def whole() -> bytes:  # no Range header: works with any server
+                data = bytes(self.fs.cat_file(path, **deadline))
+                if len(data) < size:  # a cut body the client did not notice: retried
+                    raise ShortReadError(
+                        f"got {len(data)} of {size} bytes (if this persists, the object is "
+                        "shorter than its manifest says: re-upload the pack)"
+                    )
+                return data
+
+            data = self.call("read", key, whole)
             if len(data) != size:
                 raise RemoteError(
                     f"{self.url_of(key)}: the object has {len(data)} bytes, expected {size}. "
@@ -616,7 +680,7 @@ class RemoteStore:
         self.call("download", key, lambda: self._stream(key, fd, size))
 
     def _fetch_part(self, key: str, fd: int, start: int, end: int) -> None:
-        _pwrite_all(fd, self.read_bytes(key, start, end), start)
+        _pwrite_all(fd, self._read_bytes(key, start, end), start)
 
     def _fetch_parts(self, key: str, fd: int, parts: list[tuple[int, int]]) -> None:
         if not parts:
@@ -712,7 +776,8 @@ def _with_default_timeouts(protocol: str, options: Mapping[str, Any]) -> dict[st
         import aiohttp  # the backend of this URL: needed now anyway
 
         client = dict(out.get("client_kwargs") or {})
-        # aiohttp's default is 5 minutes for a whole request and no limit between bytes.
+        # aiohttp's default is 5 minutes for a whole request and no limit between bytes (the
+        # reads of known length are bounded as a whole by RemoteStore._deadline).
         client.setdefault(
             "timeout", aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
         )

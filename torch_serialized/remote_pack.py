@@ -14,6 +14,7 @@ streaming needs only the shards in use plus the ones prefetched.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from .cache import Cache, PackCache
-from .errors import RemoteNotFoundError
+from .errors import (
+    ChecksumError,
+    CorruptFileError,
+    FileChangedError,
+    RemoteError,
+    RemoteNotFoundError,
+)
 from .format import FILE_SUFFIX, MANIFEST_NAME
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, RemoteStore, RetryPolicy
 
@@ -36,6 +43,7 @@ __all__ = [
     "resolve",
 ]
 
+log = logging.getLogger(__name__)
 _TAIL = 64  # a container's footer: its identity, as a manifest is a shard folder's
 
 
@@ -59,46 +67,104 @@ def resolve(
     part_size: int = DEFAULT_PART_SIZE,
     max_concurrency: int = DEFAULT_CONCURRENCY,
     verify_file: Callable[[Path], bool] | None = None,
+    verify_manifest: Callable[[bytes, str], object] | None = None,
 ) -> RemotePack:
     """Open the pack at ``url`` through the cache: a shard folder, or one ``.tser`` object.
 
     A URL ending in ``.tser`` is a single-file pack, downloaded whole now (``verify_file``, if
     given, must pass on the download before it enters the cache); any other URL is a shard
     folder whose ``manifest.json`` is read now and whose shards are downloaded when asked.
+    ``verify_manifest(data, url)`` (``format.parse_manifest``) checks the manifest's bytes
+    before they enter the cache: a ``CorruptFileError`` reads them once more, then raises.
     """
     store = RemoteStore(
         url, storage_options, retry=retry, part_size=part_size, max_concurrency=max_concurrency
     )
     cache = Cache(cache_dir, cache_limit_bytes)
     if store.url.endswith(FILE_SUFFIX):
-        size, tail = file_tail(store)
-        identity = file_identity(size, tail)
-        pack_cache = cache.pack(store.url, identity)
-        name = store.url.rsplit("/", 1)[-1]
+        return _resolve_file(store, cache, prefetch_threads, verify_file)
+    manifest = _read_manifest(store, verify_manifest)
+    pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
+    manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
+    return RemotePack(store, pack_cache, pack_cache.directory, manifest_path, prefetch_threads)
 
-        def same_tail(path: Path) -> bool:  # the object was not replaced while we downloaded
-            with open(path, "rb") as f:
+
+def _resolve_file(
+    store: RemoteStore,
+    cache: Cache,
+    prefetch_threads: int,
+    verify_file: Callable[[Path], bool] | None,
+) -> RemotePack:
+    """``resolve`` of a single-file pack: download it whole. A download that fails because
+    the object was replaced meanwhile (its size or footer changed: a re-pack racing the open)
+    opens the new object instead, once."""
+    opened = file_tail(store)
+    name = store.url.rsplit("/", 1)[-1]
+    for round_ in (1, 2):
+        size, tail = opened
+        pack_cache = cache.pack(store.url, file_identity(size, tail))
+
+        def same_tail(path: Path, size: int = size, tail: bytes = tail) -> bool:
+            with open(path, "rb") as f:  # the object was not replaced while we downloaded
                 f.seek(max(0, size - _TAIL))
                 if f.read() != tail:
                     return False
             return verify_file is None or verify_file(path)
 
-        path = pack_cache.fetch(
-            name,
-            size,
-            lambda dest: store.download("", dest, expected_size=size, verify=same_tail),
-        )
+        def download(
+            dest: Path, size: int = size, check: Callable[[Path], bool] = same_tail
+        ) -> Path:
+            return store.download("", dest, expected_size=size, verify=check)
+
+        try:
+            path = pack_cache.fetch(name, size, download)
+        except (CorruptFileError, RemoteError) as exc:
+            now = file_tail(store)
+            if now == opened and isinstance(exc, ChecksumError):  # no manifest to blame
+                raise ChecksumError(
+                    f"{store.url_of()}: the downloaded file failed its checks twice (its size, "
+                    "footer or checksums): the file on the server is damaged. Upload it again, "
+                    "or pack it again"
+                ) from exc
+            if now == opened:
+                raise
+            if round_ == 2:
+                raise FileChangedError(
+                    f"{store.url_of()}: the file was replaced on the server twice while it was "
+                    "being opened (is it being uploaded now?): open it again once the upload is "
+                    "done"
+                ) from exc
+            log.warning("%s: replaced on the server while opened; opening the new file", name)
+            opened = now
+            continue
         return RemotePack(store, pack_cache, path, None, prefetch_threads)
-    try:
-        manifest = store.read_bytes(MANIFEST_NAME)
-    except RemoteNotFoundError as exc:
-        raise RemoteNotFoundError(
-            f"{exc}. A shard folder's URL must contain {MANIFEST_NAME}; a single-file pack's URL "
-            f"ends with {FILE_SUFFIX}"
-        ) from exc.__cause__
-    pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
-    manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
-    return RemotePack(store, pack_cache, pack_cache.directory, manifest_path, prefetch_threads)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _read_manifest(store: RemoteStore, verify: Callable[[bytes, str], object] | None) -> bytes:
+    """The manifest's bytes, checked by ``verify``: a copy damaged on the way (cut short, a
+    flipped bit) is read once more and never reaches the cache."""
+    url = store.url_of(MANIFEST_NAME)
+    for round_ in (1, 2):
+        try:
+            data = store.read_bytes(MANIFEST_NAME)
+        except RemoteNotFoundError as exc:
+            raise RemoteNotFoundError(
+                f"{exc}. A shard folder's URL must contain {MANIFEST_NAME}; a single-file "
+                f"pack's URL ends with {FILE_SUFFIX}"
+            ) from exc.__cause__
+        if verify is None:
+            return data
+        try:
+            verify(data, url)
+            return data
+        except CorruptFileError as exc:
+            if round_ == 2:
+                raise CorruptFileError(
+                    f"{exc} (read twice from the server: the manifest there is damaged)"
+                ) from exc
+            log.warning("%s: damaged manifest (%s), reading it once more", url, exc)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def file_tail(store: RemoteStore) -> tuple[int, bytes]:
@@ -195,13 +261,17 @@ class RemotePack:
 
         ``verify(path)`` (the manifest's checksum) runs on each download; see
         :meth:`RemoteStore.download <torch_serialized.remote.RemoteStore.download>` for errors. A
-        prefetch of ``name`` that failed raises its error here.
+        prefetch of ``name`` that failed is tried once more now (an outage may be over by the
+        time the shard is needed): its error is raised only if that fails too.
         """
         self._check_fork()
         with self._mutex:
             future = self._pending.pop(name, None)
         if future is not None:
-            return future.result()
+            try:
+                return future.result()
+            except Exception as exc:
+                log.info("%s: prefetch failed (%s); fetching it again", name, exc)
         return self._fetch(ShardRequest(name, expected_size, verify))
 
     def _fetch(self, shard: ShardRequest) -> Path:

@@ -19,10 +19,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import format as fmt
+from .errors import RemoteError
 from .remote import RemoteStore
 
 __all__ = ["prune_remote", "write_then_upload"]
 
+# Protocols whose fsspec filesystem cannot delete (fsspec's HTTP filesystem only reads).
+_NO_DELETE = {"http", "https"}
 #: What a file of a pack written by torch_serialized is called (shards and catalogs), the only
 #: names ``prune_remote`` ever deletes.
 _PACK_FILE = re.compile(r"^(shard-\d+|catalog)(-[0-9a-f]+)?\.tser$")
@@ -70,6 +73,13 @@ def prune_remote(
     a pack's files are considered; ``dry_run`` lists without deleting.
     """
     store = RemoteStore(url, storage_options)
+    if not dry_run and store.protocol in _NO_DELETE:
+        raise RemoteError(
+            f"{store.url_of()}: {store.protocol}:// cannot delete files, so prune cannot remove "
+            "stale ones here (a dry run lists them). Prune where the pack is stored: its folder "
+            "on the server's disk (delete the listed files), or the s3:// or gs:// URL it was "
+            "uploaded to"
+        )
     manifest = fmt.parse_manifest(
         store.read_bytes(fmt.MANIFEST_NAME), store.url_of(fmt.MANIFEST_NAME)
     )
@@ -90,4 +100,10 @@ def prune_remote(
 
 def _delete(store: RemoteStore, key: str) -> None:
     path = store.fs_path(key)
-    store.call("delete", key, lambda: store.fs.rm_file(path))
+    try:
+        store.call("delete", key, lambda: store.fs.rm_file(path))
+    except NotImplementedError:  # a read-only fsspec backend
+        raise RemoteError(
+            f"{store.url_of(key)}: {store.protocol}:// cannot delete files; prune where the "
+            "pack is stored (its folder on disk, or the object store URL it was uploaded to)"
+        ) from None

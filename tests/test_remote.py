@@ -165,6 +165,24 @@ def _aiohttp_payload() -> Exception:
         return exc
 
 
+def _aiohttp_garbled() -> Exception:
+    """What aiohttp raises for a response it cannot parse (here a bad status line): a
+    ``ClientResponseError`` with a status 400 of the parser's own."""
+    import aiohttp
+    from aiohttp.http_exceptions import BadStatusLine
+
+    try:
+        cause = BadStatusLine("HTTP/1.1 2\\x00junk")
+        raise aiohttp.ClientResponseError(
+            None,  # type: ignore[arg-type]
+            (),
+            status=cause.code,
+            message=cause.message,
+        ) from cause
+    except aiohttp.ClientResponseError as exc:
+        return exc
+
+
 def _fsspec_info_outage() -> Exception:
     """What fsspec's HTTP ``_info`` raises when the server is unreachable: a wrapped outage."""
     import aiohttp
@@ -205,6 +223,7 @@ CLASSIFIED = {
     "http 400": (lambda: _aiohttp_status(400), Fault.FATAL),
     "http 416": (lambda: _aiohttp_status(416), Fault.FATAL),
     "http truncated body": (_aiohttp_payload, Fault.TRANSIENT),
+    "http garbled response": (_aiohttp_garbled, Fault.TRANSIENT),
     "http disconnected": (lambda: __import__("aiohttp").ServerDisconnectedError(), Fault.TRANSIENT),
     "http size probe cut": (_fsspec_info_outage, Fault.TRANSIENT),
     # s3fs, as it translates botocore's errors, and botocore's own

@@ -194,16 +194,23 @@ _BACKEND_TRANSIENT = {
 }
 
 
+#: A response the HTTP client could not parse (a bad status line, Content-Length or chunk size:
+#: a middlebox or a server crashing mid-response). aiohttp reports it as a response with
+#: status 400 raised from one of these, so its status is the client's, not the server's.
+_GARBLED = {"aiohttp.http_exceptions": ("HttpProcessingError",)}
+
+
 def _transient_types() -> tuple[type[BaseException], ...]:
-    found: list[type[BaseException]] = [
-        ConnectionError,
-        TimeoutError,
-        asyncio.TimeoutError,
-        http.client.IncompleteRead,
-    ]
-    for module_name, names in _BACKEND_TRANSIENT.items():
+    builtin = (ConnectionError, TimeoutError, asyncio.TimeoutError, http.client.IncompleteRead)
+    return builtin + _backend_types(_BACKEND_TRANSIENT)
+
+
+def _backend_types(names: Mapping[str, tuple[str, ...]]) -> tuple[type[BaseException], ...]:
+    """The exception classes ``names`` lists per module, of the backends imported so far."""
+    found: list[type[BaseException]] = []
+    for module_name, classes in names.items():
         module = sys.modules.get(module_name)
-        for name in names:
+        for name in classes:
             cls = getattr(module, name, None)
             if isinstance(cls, type) and issubclass(cls, BaseException):
                 found.append(cls)
@@ -263,9 +270,12 @@ def classify_error(exc: BaseException) -> Fault:
     filesystem (aiohttp) and the OS; an HTTP status anywhere in the exception chain decides first.
     """
     chain = _causes(exc)
+    garbled = _backend_types(_GARBLED)
     for e in chain:
         status = _http_status(e)
         if status is not None:
+            if isinstance(e.__cause__, garbled):  # the client's parser made up this status
+                return Fault.TRANSIENT
             return _fault_of_status(status)
     transient = _transient_types()
     for k, e in enumerate(chain):

@@ -360,6 +360,10 @@ def test_pack_voc_to_a_url_then_a_repack_keeps_an_open_reader_working(
     old = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
     want = ts.VOCSerializedDataset(local, "trainval")
     old[0]  # one shard cached, the others not yet
+    early = ts.VOCSerializedDataset(
+        url, "trainval", storage_options=options, cache_dir=tmp_path / "e"
+    )
+    early[0]  # its own cache: its other shards are read after the prune below
     ts.pack_voc(voc8, url, max_samples_per_shard=3, storage_options=options)
     assert len(old) == len(want)
     for i in range(len(want)):  # the old pack's shards are still there
@@ -373,6 +377,9 @@ def test_pack_voc_to_a_url_then_a_repack_keeps_an_open_reader_working(
     assert len(stale) == len(shard_names(local)) + 1  # the old shards and catalog
     assert ts.prune_remote(url, options) == stale
     assert ts.prune_remote(url, options) == []
+    # a reader of the pruned pack is told the pack was replaced, not to check the bucket name
+    with pytest.raises(ts.FileChangedError, match=f"{url} was replaced after it was opened"):
+        early[len(early) - 1]
     fresh = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
     assert [fresh[i][1] for i in range(len(fresh))] == [new[i][1] for i in range(len(new))]
 

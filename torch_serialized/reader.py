@@ -979,18 +979,19 @@ class PackReader:
         expect = self._expected[s]
         assert expect is not None
         path = self.shard_path(s)
-        if self.remote is not None:
-            path = str(self._local_file(self.entries[s].file, expect))
         try:
+            if self.remote is not None:
+                path = str(self._local_file(self.entries[s].file, expect))
             shard = ContainerReader(path, checked=self.checked, expect=expect)
         except (FileNotFoundError, FormatError) as exc:
             if self._manifest_changed():
                 name = os.path.basename(path)
                 raise FileChangedError(
-                    f"{self.path} was replaced after it was opened ({name} is not the file "
+                    f"{self.url or self.path} was replaced after it was opened ({name} is not the "
+                    "file "
                     "its manifest named then); create the dataset again to read the new pack"
                 ) from None
-            if isinstance(exc, FileNotFoundError):
+            if isinstance(exc, FileNotFoundError) and self.remote is None:
                 raise FileNotFoundError(
                     f"{path}: shard {s} named by {self.manifest_path} is missing; the pack is "
                     "incomplete: copy it again or re-pack the dataset"
@@ -1022,8 +1023,15 @@ class PackReader:
                 )
 
     def _manifest_changed(self) -> bool:
-        """Whether the manifest on disk is no longer the one this reader opened."""
+        """Whether the manifest on disk (at the URL, for a remote pack) is no longer the one
+        this reader opened."""
         assert self.manifest_path is not None
+        if self.remote is not None:  # the cached copy never changes: ask the URL
+            try:
+                data = self.remote.store.read_bytes(fmt.MANIFEST_NAME)
+            except OSError:  # cannot tell: the caller's own error stands
+                return False
+            return hashlib.sha256(data).hexdigest() != self.manifest_sha256
         try:
             data = read_regular_file(self.manifest_path, fmt.MAX_MANIFEST_BYTES, "manifest")
         except OSError:

@@ -184,6 +184,7 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         self._shared_epoch: Any = multiprocessing.RawValue("q", 0)
         self._yielded = 0  # samples the current iterator has yielded in this epoch
         self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
+        self._pack_identity: str | None = None  # ``state.PACK``, made on first use
 
     # -- plan --------------------------------------------------------------------------------
     def _topology(self) -> Topology:
@@ -325,11 +326,14 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         }
 
     def _identity(self) -> str:
-        """``state.PACK`` of this dataset: the pack's id and a digest of its records."""
-        binding = self.pack.reader.binding
-        pack_id = binding.get("pack_id") if isinstance(binding, dict) else None
-        digest = zlib.crc32(self.records.astype("<i8").tobytes())
-        return f"{pack_id or 'unbound'}/{digest:08x}"
+        """``state.PACK`` of this dataset: the pack's id and a digest of its records (made
+        once: ``StatefulDataLoader`` asks workers for their state as often as every batch)."""
+        if self._pack_identity is None:
+            binding = self.pack.reader.binding
+            pack_id = binding.get("pack_id") if isinstance(binding, dict) else None
+            digest = zlib.crc32(self.records.astype("<i8").tobytes())
+            self._pack_identity = f"{pack_id or 'unbound'}/{digest:08x}"
+        return self._pack_identity
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it

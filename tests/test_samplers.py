@@ -206,3 +206,24 @@ def test_resume_with_another_length_or_world_is_refused() -> None:
             list(other)
     with pytest.raises(ValueError, match="negative"):
         sampler.load_state_dict({**state, "yielded": -1})
+
+
+def test_resume_on_another_pack_of_the_same_size_is_refused(stream_packs, tmp_path) -> None:
+    """Given a torch_serialized dataset, the state names its samples: a re-pack of the same
+    source (same length) is refused; a sampler given a length cannot tell, and does not try."""
+    import torch_serialized as ts
+
+    source = stream_packs["single"].parent / "src"
+    again = ts.pack_voc(source, tmp_path / "again.tser", year="2007").path
+    sampler = BlockShuffleSampler(ts.VOCSerializedDataset(stream_packs["single"], "trainval"))
+    it = iter(sampler)
+    next(it)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    assert "pack" in state and "pack" not in BlockShuffleSampler(len(sampler)).state_dict()
+    other = BlockShuffleSampler(ts.VOCSerializedDataset(again, "trainval"))
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved on other samples"):
+        iter(other)
+    by_length = BlockShuffleSampler(len(sampler))
+    by_length.load_state_dict(state)
+    assert len(list(by_length)) == len(sampler) - 1

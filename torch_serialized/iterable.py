@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing.context import get_spawning_popen
 from typing import Any
@@ -325,14 +324,11 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             keys.PACK: self._identity(),
         }
 
-    def _identity(self) -> str:
-        """``state.PACK`` of this dataset: the pack's id and a digest of its records (made
-        once: ``StatefulDataLoader`` asks workers for their state as often as every batch)."""
+    def _identity(self) -> str | None:
+        """``state.PACK`` of this dataset, made once (``StatefulDataLoader`` may ask workers
+        for their state every batch)."""
         if self._pack_identity is None:
-            binding = self.pack.reader.binding
-            pack_id = binding.get("pack_id") if isinstance(binding, dict) else None
-            digest = zlib.crc32(self.records.astype("<i8").tobytes())
-            self._pack_identity = f"{pack_id or 'unbound'}/{digest:08x}"
+            self._pack_identity = keys.samples_identity(self)
         return self._pack_identity
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -345,13 +341,7 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
 
     def _check_state(self, state: dict[str, Any], here: Topology) -> None:
         now = {**_topology_state(here), **self._settings()}
-        if keys.PACK in state and state[keys.PACK] != self._identity():  # older states lack it
-            raise ValueError(
-                f"cannot resume {self.root}: the state was saved on other samples (pack "
-                f"{state[keys.PACK]!r}, now {self._identity()!r}): the pack was re-packed, or "
-                f"appended to with its {self.image_set!r} records changed; resuming would mix "
-                "the two in one epoch, so start the epoch afresh (set_epoch) instead"
-            )
+        keys.check_samples(state, self._identity(), self.root)
         keys.check_same(state, now, self.root, "dataset arguments, world size and num_workers")
 
     def __repr__(self) -> str:

@@ -57,7 +57,9 @@ class BlockShuffleSampler(Sampler[int], Stateful):
     the epoch and the indices this rank's iterator handed out in it, plus the settings that
     fix the order (checked when the resumed iteration starts). After ``load_state_dict`` the
     next iteration yields the rest of that epoch, in the same order; ``set_epoch`` with
-    another epoch drops the loaded position, with the same epoch keeps it.
+    another epoch drops the loaded position, with the same epoch keeps it. Given a
+    torch_serialized dataset, the state also names its samples (``state.PACK``), so a resume
+    on a pack re-packed since is refused.
     """
 
     def __init__(
@@ -88,6 +90,8 @@ class BlockShuffleSampler(Sampler[int], Stateful):
         self.epoch = 0
         self._yielded = 0  # indices the current iterator has handed out in this epoch
         self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
+        #: the samples a torch_serialized dataset holds (``state.PACK``), else None
+        self._samples = keys.samples_identity(data_source_or_length)
 
     @property
     def total_size(self) -> int:
@@ -122,6 +126,7 @@ class BlockShuffleSampler(Sampler[int], Stateful):
         skip = 0
         if self._resume is not None:
             keys.check_same(self._resume, self._settings(), "BlockShuffleSampler", _HINT)
+            keys.check_samples(self._resume, self._samples, "BlockShuffleSampler")
             skip = int(self._resume[keys.YIELDED])
             self._resume = None
         return self._indices_from(self.indices(), skip)
@@ -159,6 +164,7 @@ class BlockShuffleSampler(Sampler[int], Stateful):
             keys.EPOCH: self.epoch,
             keys.YIELDED: self._yielded,
             **self._settings(),
+            **({} if self._samples is None else {keys.PACK: self._samples}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

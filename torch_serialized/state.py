@@ -11,7 +11,10 @@ Map-style datasets hold no state: with them the sampler's position is the state.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 __all__ = [
     "Stateful",
@@ -27,6 +30,8 @@ __all__ = [
     "SAMPLER_ORDER_KEYS",
     "check_version",
     "check_same",
+    "samples_identity",
+    "check_samples",
 ]
 
 
@@ -87,3 +92,31 @@ def check_same(saved: dict[str, Any], now: dict[str, Any], where: str, hint: str
             f"cannot resume {where}: the state was saved with other settings ({detail}); "
             f"resume with the same {hint}"
         )
+
+
+def samples_identity(dataset: Any) -> str | None:
+    """``PACK`` of a torch_serialized dataset (map-style or iterable): its pack's id and a CRC
+    of its image set's record numbers; None for any other dataset (nothing to check)."""
+    reader = getattr(getattr(dataset, "pack", None), "reader", None)
+    records = getattr(dataset, "records", None)
+    if reader is None or not isinstance(records, np.ndarray):
+        return None
+    binding = getattr(reader, "binding", None)
+    pack_id = binding.get("pack_id") if isinstance(binding, dict) else None
+    digest = zlib.crc32(np.ascontiguousarray(records, dtype="<i8").tobytes())
+    return f"{pack_id or 'unbound'}/{digest:08x}"
+
+
+def check_samples(saved: dict[str, Any], now: str | None, where: str) -> None:
+    """Refuse to resume on other samples than the state was saved on (``PACK``): a re-pack of
+    the same size would otherwise mix two packs in one epoch. Unchecked when either side does
+    not know (a state saved before the key existed, a sampler given a length)."""
+    before = saved.get(PACK)
+    if before is None or now is None or before == now:
+        return
+    raise ValueError(
+        f"cannot resume {where}: the state was saved on other samples (pack {before!r}, now "
+        f"{now!r}): the pack was re-packed, or appended to with this image set's records "
+        "changed; resuming would mix the two in one epoch, so start the epoch afresh "
+        "(set_epoch) instead"
+    )

@@ -401,6 +401,35 @@ def test_a_slow_drip_body_meets_a_deadline(
     http_server.proxy.reset()
 
 
+def test_parts_in_flight_share_the_deadline(
+    http_server: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts downloaded together share the link: each gets the time of all of them, so a
+    steady link above the minimum rate never times out a download of several parts."""
+    http_server.proxy.reset()
+    assert http_server.root is not None
+    data = payload(4 * PART, seed=5)
+    (http_server.root / "four.bin").write_bytes(data)
+    s = RemoteStore(http_server.proxy.url, retry=FAST, part_size=PART, max_concurrency=3)
+    seen: list[float] = []
+    real = s._deadline
+
+    def spy(nbytes: int | None, in_flight: int = 1) -> dict[str, Any]:
+        out = real(nbytes, in_flight)
+        seen.append(out["timeout"])
+        return out
+
+    monkeypatch.setattr(s, "_deadline", spy)
+    s.download("four.bin", tmp_path / "four.bin", expected_size=len(data))
+    assert (tmp_path / "four.bin").read_bytes() == data
+    from torch_serialized.remote import _DEADLINE_GRACE, _MIN_RATE
+
+    # the first part is read alone (it probes Range support), the other three together
+    assert (
+        seen == [_DEADLINE_GRACE + PART / _MIN_RATE] + [_DEADLINE_GRACE + PART * 3 / _MIN_RATE] * 3
+    )
+
+
 @pytest.mark.parametrize("fault", ["drop", "503", "truncate"])
 def test_exhausted_retries_raise_our_error(remote: Remote, tmp_path: Path, fault: str) -> None:
     data = payload(2 * PART, seed=3)

@@ -16,9 +16,10 @@ Design
   404 and 401/403 raise at once. For S3 the backends' own retries (botocore's and s3fs's) are
   turned off unless ``storage_options`` sets them, otherwise their counts multiply ours and a dead
   endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries. A read of
-  known length must end within 60 s plus its size at 64 KiB/s (fsspec's ``timeout``), so a
-  server that drips bytes just fast enough for the socket timeouts still times out (unless
-  ``storage_options`` gives aiohttp a ``ClientTimeout`` with a ``total``).
+  known length must end within 60 s plus its size at 16 KiB/s times the parts of its download
+  in flight (fsspec's ``timeout``), so a server that drips bytes just fast enough for the
+  socket timeouts still times out (unless ``storage_options`` gives aiohttp a
+  ``ClientTimeout`` with a ``total``).
 * **Downloads are ranged parts.** An object is fetched as parts of ``part_size`` bytes
   (``cat_file(path, start, end)``, a few in parallel) written with ``pwrite`` into a temporary file
   of the final size in the destination folder, then checked (every part's length; the caller's
@@ -78,9 +79,10 @@ T = TypeVar("T")
 DEFAULT_PART_SIZE = 8 << 20
 DEFAULT_CONCURRENCY = 4
 _STREAM_CHUNK = 1 << 20
-# An HTTP read of n bytes must end within _DEADLINE_GRACE + n / _MIN_RATE seconds: a server
+# A read of n bytes, with k reads in flight together, must end within
+# _DEADLINE_GRACE + n * k / _MIN_RATE seconds: a server
 # that drips a byte a minute beats aiohttp's sock_read timeout forever, this it does not.
-_MIN_RATE = 64 << 10  # bytes per second
+_MIN_RATE = 16 << 10  # bytes per second, shared by the reads in flight
 _DEADLINE_GRACE = 60.0  # seconds, as sock_read
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
 # Which extra brings the backend of a protocol, for the message when it is missing.
@@ -578,10 +580,14 @@ class RemoteStore:
                 "the object disagree (re-upload the pack)"
             ) from None
 
-    def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
-        """``read_bytes``, but a server that ignores ``Range`` raises ``_RangeIgnoredError``."""
+    def _read_bytes(
+        self, key: str, start: int | None, end: int | None, in_flight: int = 1
+    ) -> bytes:
+        """``read_bytes``, but a server that ignores ``Range`` raises ``_RangeIgnoredError``;
+        ``in_flight``: reads running together, sharing the link (``_deadline``)."""
         path = self._path(key)
-        deadline = self._deadline(None if start is None or end is None else end - start)
+        nbytes = None if start is None or end is None else end - start
+        deadline = self._deadline(nbytes, in_flight)
 
         def read() -> bytes:
             data = bytes(self.fs.cat_file(path, start=start, end=end, **deadline))
@@ -593,15 +599,16 @@ class RemoteStore:
 
         return self.call("read", key, read)
 
-    def _deadline(self, nbytes: int | None) -> dict[str, Any]:
+    def _deadline(self, nbytes: int | None, in_flight: int = 1) -> dict[str, Any]:
         """``cat_file`` options that bound a whole read of ``nbytes`` bytes in time: fsspec's
         ``timeout`` (async backends: HTTP, S3, GCS), ``_DEADLINE_GRACE`` seconds plus the
-        bytes at ``_MIN_RATE``. Left out when ``storage_options`` bounds whole HTTP requests
-        itself (an aiohttp ``ClientTimeout`` with a ``total``: a link slower than the rate)."""
+        bytes at ``_MIN_RATE`` shared by the ``in_flight`` reads of one download. Left out
+        when ``storage_options`` bounds whole HTTP requests itself (an aiohttp
+        ``ClientTimeout`` with a ``total``: a link slower than the rate)."""
         own = (self.storage_options.get("client_kwargs") or {}).get("timeout")
         if nbytes is None or getattr(own, "total", None) or not getattr(self.fs, "async_impl", 0):
             return {}
-        return {"timeout": _DEADLINE_GRACE + nbytes / _MIN_RATE}
+        return {"timeout": _DEADLINE_GRACE + nbytes * in_flight / _MIN_RATE}
 
     def download(
         self,
@@ -689,14 +696,15 @@ class RemoteStore:
                 return
         self.call("download", key, lambda: self._stream(key, fd, size))
 
-    def _fetch_part(self, key: str, fd: int, start: int, end: int) -> None:
-        _pwrite_all(fd, self._read_bytes(key, start, end), start)
+    def _fetch_part(self, key: str, fd: int, start: int, end: int, in_flight: int = 1) -> None:
+        _pwrite_all(fd, self._read_bytes(key, start, end, in_flight), start)
 
     def _fetch_parts(self, key: str, fd: int, parts: list[tuple[int, int]]) -> None:
         if not parts:
             return
-        with ThreadPoolExecutor(min(self.max_concurrency, len(parts))) as pool:
-            futures = [pool.submit(self._fetch_part, key, fd, s, e) for s, e in parts]
+        threads = min(self.max_concurrency, len(parts))
+        with ThreadPoolExecutor(threads) as pool:
+            futures = [pool.submit(self._fetch_part, key, fd, s, e, threads) for s, e in parts]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             for future in done:
                 if future.exception() is not None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -344,6 +344,52 @@ def test_clear_while_put_writes_never_breaks_it(
     pc = Cache(tmp_path).pack(URL, "i")
     assert pc.put("manifest.json", b"{}").read_bytes() == b"{}"
     assert list_cache(tmp_path)[0].url == URL
+
+
+def test_clear_never_removes_a_folder_a_writer_is_about_to_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that made its pack folder but has not yet made its pack lock: clear_cache
+    makes the lock and holds it while it moves the folder away, so the writer waits, finds
+    its folder gone and makes it again, instead of downloading into a folder clear deletes."""
+    import threading
+
+    pc = Cache(tmp_path).pack(URL, "i")
+    at_open, go_open = threading.Event(), threading.Event()
+    writer: list[threading.Thread] = []
+    real_open, real_unless = os.open, cache_module._unless_locked
+
+    def paused_open(path: Any, flags: int, *args: Any) -> int:
+        if threading.current_thread() in writer and str(path).endswith(".pack.lock"):
+            at_open.set()
+            go_open.wait(5)
+        return real_open(path, flags, *args)
+
+    @contextmanager
+    def unless_then_writer_goes(lock: Path, create: bool = False) -> Iterator[bool]:
+        with real_unless(lock, create) as free:
+            if lock.name == ".pack.lock" and free:
+                go_open.set()  # the writer opens (and, before the fix, takes) the lock now
+                time.sleep(0.3)
+            yield free
+
+    monkeypatch.setattr(cache_module.os, "open", paused_open)
+    monkeypatch.setattr(cache_module, "_unless_locked", unless_then_writer_goes)
+    got: dict[str, Any] = {}
+
+    def fetch() -> None:
+        try:
+            got["path"] = pc.fetch("a.tser", 3, lambda dest: dest.write_bytes(b"abc"))
+        except Exception as exc:
+            got["error"] = exc
+
+    writer.append(threading.Thread(target=fetch))
+    writer[0].start()
+    assert at_open.wait(5)
+    clear_cache(tmp_path)
+    writer[0].join(10)
+    assert "error" not in got, got
+    assert got["path"].read_bytes() == b"abc" and pc.directory.is_dir()
 
 
 # --------------------------------------------------------------------------- processes

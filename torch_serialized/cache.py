@@ -114,13 +114,19 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 @contextmanager
-def _unless_locked(lock: Path) -> Iterator[bool]:
+def _unless_locked(lock: Path, create: bool = False) -> Iterator[bool]:
     """Hold ``lock`` exclusively while the block runs if no process holds it (or it is absent).
 
-    Yields False, holding nothing, if some process holds it.
+    Yields False, holding nothing, if some process holds it. With ``create`` an absent lock
+    is made and held, so a process about to take it waits for the block (or, for the pack
+    lock, finds its folder moved and makes it again).
     """
     try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+        if create:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        else:
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:  # nobody ever locked it: nobody holds it
         yield True
         return
@@ -623,7 +629,9 @@ def clear_cache(
                 # Move aside first: a process starting on this pack now recreates a clean one.
                 # Not while a process writes in it (it holds the pack lock shared).
                 trash = root / _LAYOUT / f".trash-{uuid.uuid4().hex[:12]}"
-                with _unless_locked(pack_dir / _LOCKS / _PACK_LOCK) as free:
+                # made if absent: a writer between its mkdir and its lock then waits for
+                # the move and makes its folder again, instead of losing it under rmtree
+                with _unless_locked(pack_dir / _LOCKS / _PACK_LOCK, create=True) as free:
                     if not free:
                         continue
                     try:

@@ -420,6 +420,9 @@ def test_verify_fails_a_pack_that_every_voc_reader_refuses(
     assert out.startswith(f"FAILED {path}") and "VOC readers refuse it" in out
     assert f"{path}: VOC metadata field {schema.RETIRED_ARRAY!r}" in out
     assert "damaged record" not in out and "damaged shard" not in out
+    if form == "shards":  # the manifest's path stands for the whole pack, as the folder's
+        status, out, _ = run(capsys, "verify", str(Path(path) / "manifest.json"))
+        assert status == 1 and "VOC readers refuse it" in out
     status, out, _ = run(capsys, "verify", src)  # the pack it was rebuilt from is well
     assert status == 0 and "VOC metadata" in out
 

@@ -405,9 +405,11 @@ def _shard_of(path: str) -> tuple[Path, int, int] | None:
 
 
 def _member_file(path: str) -> bool:
-    """Whether ``path`` is a file of a shard folder (beside a manifest: a shard, a catalog)."""
+    """Whether ``path`` is a file of a shard folder (beside a manifest: a shard, a catalog),
+    not the manifest itself (which stands for the whole pack)."""
     return (
         not _is_url(path)
+        and Path(path).name != fmt.MANIFEST_NAME
         and Path(path).is_file()
         and (Path(path).parent / fmt.MANIFEST_NAME).is_file()
     )

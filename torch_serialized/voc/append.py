@@ -102,21 +102,22 @@ def append_voc(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if max_file_bytes < 1:
         raise ValueError(f"max_file_bytes must be a positive number, got {max_file_bytes}")
+    grow = functools.partial(
+        _append_local,
+        root,
+        year=year,
+        on_error=on_error,
+        progress=progress,
+        workers=workers,
+        replace_changed=replace_changed,
+        checksum=checksum,
+        max_file_bytes=max_file_bytes,
+    )
     if is_url(pack):  # staged locally, grown by this function, the growth uploaded
         from .append_remote import append_to_url
 
-        local = functools.partial(  # the old shards not staged are checked by the download
-            _append_local,
-            root,
-            check_shards=False,
-            year=year,
-            on_error=on_error,
-            progress=progress,
-            workers=workers,
-            replace_changed=replace_changed,
-            checksum=checksum,
-            max_file_bytes=max_file_bytes,
-        )
+        # the old shards not staged are checked by their download
+        local = functools.partial(grow, check_shards=False)
         compare = functools.partial(  # replace_changed: the sort must not raise, the append will
             _sort_source,
             root,
@@ -128,18 +129,7 @@ def append_voc(
         return append_to_url(
             str(pack), local, compare, storage_options=storage_options, cache_dir=cache_dir
         )
-    return _append_local(
-        root,
-        pack,
-        year=year,
-        on_error=on_error,
-        progress=progress,
-        workers=workers,
-        replace_changed=replace_changed,
-        checksum=checksum,
-        max_file_bytes=max_file_bytes,
-        check_shards=True,
-    )
+    return grow(pack, check_shards=True)
 
 
 def _append_local(

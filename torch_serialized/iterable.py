@@ -183,7 +183,8 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         self._shared_epoch: Any = multiprocessing.RawValue("q", 0)
         self._yielded = 0  # samples the current iterator has yielded in this epoch
         self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
-        self._pack_identity: str | None = None  # ``state.PACK``, made on first use
+        #: the samples this dataset holds (``state.PACK``), named in every state
+        self._identity = keys.samples_identity(self)
 
     # -- plan --------------------------------------------------------------------------------
     def _topology(self) -> Topology:
@@ -321,15 +322,8 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             keys.YIELDED: self._yielded,
             **_topology_state(self._topology()),
             **self._settings(),
-            keys.PACK: self._identity(),
+            keys.PACK: self._identity,
         }
-
-    def _identity(self) -> str | None:
-        """``state.PACK`` of this dataset, made once (``StatefulDataLoader`` may ask workers
-        for their state every batch)."""
-        if self._pack_identity is None:
-            self._pack_identity = keys.samples_identity(self)
-        return self._pack_identity
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it
@@ -341,7 +335,7 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
 
     def _check_state(self, state: dict[str, Any], here: Topology) -> None:
         now = {**_topology_state(here), **self._settings()}
-        keys.check_samples(state, self._identity(), self.root)
+        keys.check_samples(state, self._identity, self.root)
         keys.check_same(state, now, self.root, "dataset arguments, world size and num_workers")
 
     def __repr__(self) -> str:

@@ -91,7 +91,7 @@ class BlockShuffleSampler(Sampler[int], Stateful):
         self._yielded = 0  # indices the current iterator has handed out in this epoch
         self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
         #: the samples a torch_serialized dataset holds (``state.PACK``), else None
-        self._samples = keys.samples_identity(data_source_or_length)
+        self._identity = keys.samples_identity(data_source_or_length)
 
     @property
     def total_size(self) -> int:
@@ -126,7 +126,7 @@ class BlockShuffleSampler(Sampler[int], Stateful):
         skip = 0
         if self._resume is not None:
             keys.check_same(self._resume, self._settings(), "BlockShuffleSampler", _HINT)
-            keys.check_samples(self._resume, self._samples, "BlockShuffleSampler")
+            keys.check_samples(self._resume, self._identity, "BlockShuffleSampler")
             skip = int(self._resume[keys.YIELDED])
             self._resume = None
         return self._indices_from(self.indices(), skip)
@@ -164,7 +164,7 @@ class BlockShuffleSampler(Sampler[int], Stateful):
             keys.EPOCH: self.epoch,
             keys.YIELDED: self._yielded,
             **self._settings(),
-            **({} if self._samples is None else {keys.PACK: self._samples}),
+            **({} if self._identity is None else {keys.PACK: self._identity}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -282,6 +282,25 @@ def test_an_object_larger_than_the_limit_evicts_nothing(tmp_path: Path) -> None:
     assert pc.path("x.tser").exists() and pc.path("y.tser").exists()
 
 
+def test_room_is_made_only_for_a_size_the_source_confirms(tmp_path: Path) -> None:
+    source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1), "z.tser": blob(1000, 2)})
+    pc = Cache(tmp_path, limit_bytes=2500).pack(URL, "i")
+    age(fetch(pc, source, "x.tser"), 200)
+    age(fetch(pc, source, "y.tser"), 100)
+    pc.close()
+
+    def wrong() -> bool:  # the source has another size: the download would fail
+        raise ValueError("z.tser: the manifest and the object disagree")
+
+    with pytest.raises(ValueError, match="disagree"):
+        pc.fetch("z.tser", 2400, source("z.tser"), confirm_size=wrong)
+    assert pc.path("x.tser").exists() and pc.path("y.tser").exists()  # nothing evicted
+    assert source.calls == ["x.tser", "y.tser"]  # nor downloaded
+    # A source that does not tell its size: room is made once the bytes are in, for them.
+    assert pc.fetch("z.tser", 1000, source("z.tser"), confirm_size=lambda: False).exists()
+    assert not pc.path("x.tser").exists() and pc.path("y.tser").exists()
+
+
 def test_no_limit_evicts_nothing(tmp_path: Path) -> None:
     source = Source({f"s{i}.tser": blob(1000, i) for i in range(4)})
     pc = Cache(tmp_path).pack(URL, "i")

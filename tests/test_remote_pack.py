@@ -144,6 +144,35 @@ def test_a_repacked_url_gets_a_new_cache_folder(
     old.close()
 
 
+def test_a_false_size_in_a_manifest_evicts_nothing(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    limit = 1 << 20
+    with resolve(remote.url, remote.storage_options, tmp_path, limit, part_size=PART) as pack:
+        for name, data in shards.items():
+            pack.fetch_shard(name, len(data))
+    remote.put("v2/manifest.json", b'{"shards": ["c.tser"]}')
+    remote.put("v2/c.tser", blob(100, 3))
+    other = resolve(f"{remote.url}/v2", remote.storage_options, tmp_path, limit, retry=FAST)
+    with other, pytest.raises(RemoteError, match=r"c\.tser.*100 bytes.*disagree.*re-upload"):
+        other.fetch_shard("c.tser", limit - 1000)  # stale or hostile: fits, but is not true
+    assert all((pack.path / name).read_bytes() == data for name, data in shards.items())
+    assert remote.proxy.count("GET", remote.path("v2/c.tser")) == 0
+
+
+def test_a_huge_false_size_fails_at_once_without_retries(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    with open_pack(remote, tmp_path) as pack:
+        pack.fetch_shard("a.tser", len(shards["a.tser"]))  # the store knows Range works
+        with pytest.raises(RemoteError, match=r"b\.tser.*disagree.*re-upload") as caught:
+            pack.fetch_shard("b.tser", 1 << 40)
+        assert "times" not in str(caught.value)  # not an outage: nothing to retry
+        assert remote.proxy.count("GET", remote.path("b.tser")) == 0
+        assert remote.proxy.count("HEAD", remote.path("b.tser")) == 1
+        assert not list(pack.path.glob(".b.tser.*"))
+
+
 def test_a_folder_without_a_manifest(remote: Remote, tmp_path: Path) -> None:
     with pytest.raises(RemoteNotFoundError, match=r"manifest\.json.*\.tser"):
         open_pack(remote, tmp_path)

@@ -25,7 +25,9 @@ Design
   succeeds, so an object some process holds is never removed. When what is held and in flight
   alone exceeds the limit, the cache grows past it and warns (:class:`CacheLimitWarning`) once per
   :class:`Cache`: a soft limit that stops an epoch would cost more than the bytes it saves. An
-  object larger than the whole limit evicts nothing (it cannot fit anyway) and warns.
+  object larger than the whole limit evicts nothing (it cannot fit anyway) and warns. A size
+  that is a manifest's claim is checked with the source first (``fetch``'s ``confirm_size``),
+  so a false one evicts nothing.
 * :func:`list_cache` and :func:`clear_cache` are what ``torch-serialized cache list|clear``
   shows and does; ``clear`` skips objects in use.
 """
@@ -399,7 +401,11 @@ class PackCache:
         return self._keep(name, fd)
 
     def fetch(
-        self, name: str, expected_size: int | None, download: Callable[[Path], object]
+        self,
+        name: str,
+        expected_size: int | None,
+        download: Callable[[Path], object],
+        confirm_size: Callable[[], bool] | None = None,
     ) -> Path:
         """The local path of object ``name``, downloaded first if it is not cached.
 
@@ -408,6 +414,13 @@ class PackCache:
         several processes asking for one object make one call between them. The object stays
         held (never evicted) until :meth:`release`. A cached file whose size is not
         ``expected_size`` is downloaded again.
+
+        ``expected_size`` may be a claim (a manifest's) rather than a fact: then pass
+        ``confirm_size()``, called before a download and before room is made for it, which
+        raises if the source's size differs (the download would fail) and returns False if
+        the source does not tell it. Room is then made only for a confirmed size, or, for an
+        unconfirmed one, once the download is in and its bytes are real: a false size never
+        evicts other objects.
         """
         self._check_fork()
         path = self.path(name)
@@ -426,8 +439,12 @@ class PackCache:
                     if fd is None:
                         for stale in self.directory.glob(f".{name}.*{_PARTIAL}"):
                             stale.unlink(missing_ok=True)  # its writer died: we hold the lock
-                        self.cache.make_room(expected_size or 0)
+                        confirmed = confirm_size is None or confirm_size()
+                        if confirmed:
+                            self.cache.make_room(expected_size or 0)
                         download(path)
+                        if not confirmed:  # its bytes are in: room for them (our lock keeps it)
+                            self.cache.make_room(0)
                         fd = self._open_held(path, expected_size)
             if fd is not None:
                 return self._keep(name, fd)

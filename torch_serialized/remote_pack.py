@@ -167,6 +167,26 @@ def _read_manifest(store: RemoteStore, verify: Callable[[bytes, str], object] | 
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _confirm_size(store: RemoteStore, key: str, expected: int) -> bool:
+    """Whether the server says object ``key`` has the ``expected`` bytes its manifest claims
+    (False: the server does not tell); raises ``RemoteError`` at once if it has another size.
+
+    One HEAD request before a download, so that a wrong manifest (stale, or hostile) neither
+    makes the cache evict other packs' files for bytes that never come nor has a download
+    retried as if the bytes it misses were an outage.
+    """
+    path = store.fs_path(key)
+    size = store.call("size", key, lambda: store.fs.size(path))
+    if size is None:  # an HTTP server that sends no Content-Length
+        return False
+    if int(size) != expected:
+        raise RemoteError(
+            f"{store.url_of(key)}: the object has {size} bytes, expected {expected}. The "
+            "manifest and the object disagree: re-upload the pack (nothing was downloaded)"
+        )
+    return True
+
+
 def file_tail(store: RemoteStore) -> tuple[int, bytes]:
     """The size of the single-file pack at ``store`` and its footer's bytes (two requests)."""
     size = store.size()
@@ -275,12 +295,14 @@ class RemotePack:
         return self._fetch(ShardRequest(name, expected_size, verify))
 
     def _fetch(self, shard: ShardRequest) -> Path:
+        size = shard.size
         return self.cache.fetch(
             shard.name,
-            shard.size,
+            size,
             lambda dest: self.store.download(
-                shard.name, dest, expected_size=shard.size, verify=shard.verify
+                shard.name, dest, expected_size=size, verify=shard.verify
             ),
+            None if size is None else lambda: _confirm_size(self.store, shard.name, size),
         )
 
     def prefetch(self, shards: Iterable[ShardRequest | str]) -> None:

@@ -337,6 +337,42 @@ def test_list_and_clear(tmp_path: Path) -> None:
     assert clear_cache(tmp_path / "never-made").packs_removed == 0
 
 
+def test_a_new_version_removes_the_other_versions_of_its_url_not_in_use(tmp_path: Path) -> None:
+    source = Source({"a.tser": blob(100), "b.tser": blob(200, 1)})
+    cache = Cache(tmp_path)
+    old = cache.pack(URL, "v1")
+    fetch(old, source, "a.tser")
+    fetch(old, source, "b.tser")
+    old.close()
+    held = cache.pack(URL, "v0")  # an old reader still runs: it holds a.tser
+    fetch(held, source, "a.tser")
+    fetch(held, source, "b.tser")
+    held.release("b.tser")
+    loading = cache.pack(URL, "v3")
+    loading.put("manifest.json", b"{}")
+    loading.close()
+    downloading = orphan(loading, "x.tser", 50)  # a download in flight
+    for other in (cache.pack(URL + "?versionId=1", "v1"), cache.pack("s3://bucket/other", "v1")):
+        fetch(other, source, "a.tser")  # other URLs, whatever their identity
+        other.close()
+    new = cache.pack(URL, "v2")
+    fetch(new, source, "a.tser")
+    with open(downloading.parent / ".locks" / "x.tser.lock") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        done = new.remove_other_versions()
+        assert (done.packs_removed, done.objects_removed, done.bytes_freed) == (1, 2, 300)
+        assert not old.directory.exists() and downloading.exists()
+    assert held.path("b.tser").exists()  # a folder in use is left whole
+    assert new.path("a.tser").exists()
+    listed = sorted((p.url, p.identity) for p in list_cache(tmp_path))
+    assert listed == sorted(
+        [(URL, "v0"), (URL, "v2"), (URL, "v3"), (URL + "?…", "v1"), ("s3://bucket/other", "v1")]
+    )
+    held.close()
+    assert new.remove_other_versions().packs_removed == 2  # v0, and v3's dead download
+    assert sorted(p.identity for p in list_cache(tmp_path) if p.url == URL) == ["v2"]
+
+
 def test_clear_between_a_download_and_its_first_use_removes_nothing(tmp_path: Path) -> None:
     source = Source({"a.tser": blob(100)})
     pc = Cache(tmp_path).pack(URL, "i")

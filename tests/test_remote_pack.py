@@ -192,6 +192,27 @@ def test_a_single_file_pack_is_downloaded_whole(remote: Remote, tmp_path: Path) 
         assert pack.path.read_bytes() == data[:-64] + bytes(64)
 
 
+def test_two_versions_of_a_url_leave_one_cache_folder(remote: Remote, tmp_path: Path) -> None:
+    old, new = blob(3 * PART + 100, 5), blob(2 * PART + 7, 6)
+    remote.put("one.tser", old)
+    remote.put("two.tser", old)  # another URL: its folder is no version of one.tser
+    options, url = remote.storage_options, f"{remote.url}/one.tser"
+    resolve(f"{remote.url}/two.tser", options, tmp_path, retry=FAST, part_size=PART).close()
+    with resolve(url, options, tmp_path, retry=FAST, part_size=PART) as first:
+        assert first.path.read_bytes() == old
+    remote.put("one.tser", new)  # replaced on the server: a new identity
+    with resolve(url, options, tmp_path, retry=FAST, part_size=PART) as second:
+        assert second.path.read_bytes() == new
+        listed = {(p.url.rsplit("/", 1)[-1], p.identity) for p in list_cache(tmp_path)}
+        assert listed == {("one.tser", second.identity), ("two.tser", first.identity)}
+        assert not first.cache.directory.exists()
+        remote.put("one.tser", old)  # and back, while a reader holds the new version
+        with resolve(url, options, tmp_path, retry=FAST, part_size=PART) as third:
+            assert third.identity == first.identity
+            assert second.path.read_bytes() == new  # held: left whole
+        assert len(list_cache(tmp_path)) == 3
+
+
 def test_a_single_file_pack_replaced_while_it_downloads_opens_the_new_one(
     remote: Remote, tmp_path: Path
 ) -> None:

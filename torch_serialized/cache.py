@@ -28,6 +28,9 @@ Design
   object larger than the whole limit evicts nothing (it cannot fit anyway) and warns. A size
   that is a manifest's claim is checked with the source first (``fetch``'s ``confirm_size``),
   so a false one evicts nothing.
+* **Old versions go.** A reader that opens a URL (``remote_pack.resolve``) deletes the folders
+  of that very URL under other identities (:meth:`PackCache.remove_other_versions`), as
+  ``clear`` would, but only folders with nothing in use: a reader of the old version keeps its.
 * :func:`list_cache` and :func:`clear_cache` are what ``torch-serialized cache list|clear``
   shows and does; ``clear`` skips objects in use.
 """
@@ -384,6 +387,37 @@ class PackCache:
                     ).encode(),
                 )
 
+    def remove_other_versions(self) -> ClearResult:
+        """Delete the folders of this pack's URL under another identity, unless in use.
+
+        For a reader that found this identity at the URL: the others are versions the URL
+        held before (or after, if it changed since), of use only to readers that opened them,
+        which hold what they read. A folder with anything in use (held, being downloaded or
+        written) is left whole; the others are removed as :func:`clear_cache` removes them,
+        under the same locks. Only the very same URL matches (credentials and query string
+        included: they may name another version, as S3's ``versionId`` does).
+        """
+        root = self.cache.directory
+        packs = objects = freed = busy = 0
+        if not (root / _LAYOUT).is_dir():
+            return ClearResult(0, 0, 0, 0)
+        with _flocked(root / ".evict.lock", fcntl.LOCK_EX):
+            for pack_dir in _pack_dirs(root):
+                identity = _info(pack_dir).get("identity")
+                if (
+                    pack_dir == self.directory
+                    or not isinstance(identity, str)
+                    or pack_dir.name != pack_key(self.url, identity)
+                    or _in_use(pack_dir)
+                ):
+                    continue
+                done = _clear_pack(pack_dir)
+                packs += done.packs_removed
+                objects += done.objects_removed
+                freed += done.bytes_freed
+                busy += done.objects_in_use
+        return ClearResult(packs, objects, freed, busy)
+
     def put(self, name: str, data: bytes) -> Path:
         """Store small ``data`` (a manifest) as object ``name``, atomically, and hold it."""
         self._check_fork()
@@ -631,30 +665,48 @@ def clear_cache(
         for pack_dir in _pack_dirs(root):
             if url is not None and not _same_url(str(_info(pack_dir).get("url", "")), url):
                 continue
-            left = 0
-            for entry in _objects(pack_dir):
-                if _is_busy(entry, pack_dir):
-                    left += 1
-                elif entry.partial:
-                    if _try_remove_partial(entry.path):
-                        freed += entry.size
-                elif _try_remove(entry.path):
-                    objects += 1
-                    freed += entry.size
-            busy += left
-            if left == 0:
-                # Move aside first: a process starting on this pack now recreates a clean one.
-                # Not while a process writes in it (it holds the pack lock shared).
-                trash = root / _LAYOUT / f".trash-{uuid.uuid4().hex[:12]}"
-                # made if absent: a writer between its mkdir and its lock then waits for
-                # the move and makes its folder again, instead of losing it under rmtree
-                with _unless_locked(pack_dir / _LOCKS / _PACK_LOCK, create=True) as free:
-                    if not free:
-                        continue
-                    try:
-                        pack_dir.rename(trash)
-                    except OSError:
-                        continue
-                shutil.rmtree(trash, ignore_errors=True)
-                packs += 1
+            done = _clear_pack(pack_dir)
+            packs += done.packs_removed
+            objects += done.objects_removed
+            freed += done.bytes_freed
+            busy += done.objects_in_use
     return ClearResult(packs, objects, freed, busy)
+
+
+def _clear_pack(pack_dir: Path) -> ClearResult:
+    """Delete the objects of one pack folder that are not in use, then the folder if that was
+    all of them. The caller holds ``.evict.lock``."""
+    objects = freed = busy = 0
+    for entry in _objects(pack_dir):
+        if _is_busy(entry, pack_dir):
+            busy += 1
+        elif entry.partial:
+            if _try_remove_partial(entry.path):
+                freed += entry.size
+        elif _try_remove(entry.path):
+            objects += 1
+            freed += entry.size
+    if busy:
+        return ClearResult(0, objects, freed, busy)
+    # Move aside first: a process starting on this pack now recreates a clean one.
+    # Not while a process writes in it (it holds the pack lock shared).
+    trash = pack_dir.parent / f".trash-{uuid.uuid4().hex[:12]}"
+    # made if absent: a writer between its mkdir and its lock then waits for
+    # the move and makes its folder again, instead of losing it under rmtree
+    with _unless_locked(pack_dir / _LOCKS / _PACK_LOCK, create=True) as free:
+        if not free:
+            return ClearResult(0, objects, freed, busy)
+        try:
+            pack_dir.rename(trash)
+        except OSError:
+            return ClearResult(0, objects, freed, busy)
+    shutil.rmtree(trash, ignore_errors=True)
+    return ClearResult(1, objects, freed, busy)
+
+
+def _in_use(pack_dir: Path) -> bool:
+    """Whether some process holds, downloads or writes anything in a pack folder."""
+    if any(_is_busy(entry, pack_dir) for entry in _objects(pack_dir)):
+        return True
+    with _unless_locked(pack_dir / _LOCKS / _PACK_LOCK) as free:
+        return not free

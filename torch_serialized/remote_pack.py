@@ -32,7 +32,13 @@ from .errors import (
     RemoteNotFoundError,
 )
 from .format import FILE_SUFFIX, MANIFEST_NAME
-from .remote import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, RemoteStore, RetryPolicy
+from .remote import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PART_SIZE,
+    RemoteStore,
+    RetryPolicy,
+    redact_url,
+)
 
 __all__ = [
     "RemotePack",
@@ -86,7 +92,25 @@ def resolve(
     manifest = _read_manifest(store, verify_manifest)
     pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
     manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
+    _remove_other_versions(pack_cache)
     return RemotePack(store, pack_cache, pack_cache.directory, manifest_path, prefetch_threads)
+
+
+def _remove_other_versions(pack_cache: PackCache) -> None:
+    """Free the cache of the versions the URL held before this one (unless in use), which
+    would otherwise stay until evicted or cleared. Best effort: opening never fails for it."""
+    try:
+        done = pack_cache.remove_other_versions()
+    except OSError as exc:
+        log.info("%s: older versions left in the cache (%s)", pack_cache.directory, exc)
+        return
+    if done.packs_removed:
+        log.info(
+            "%s: removed %d older version(s) from the cache (%d bytes)",
+            redact_url(pack_cache.url),
+            done.packs_removed,
+            done.bytes_freed,
+        )
 
 
 def _resolve_file(
@@ -137,6 +161,7 @@ def _resolve_file(
             log.warning("%s: replaced on the server while opened; opening the new file", name)
             opened = now
             continue
+        _remove_other_versions(pack_cache)
         return RemotePack(store, pack_cache, path, None, prefetch_threads)
     raise AssertionError("unreachable")  # pragma: no cover
 

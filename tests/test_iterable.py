@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -493,6 +494,37 @@ def test_worker_streams_send_each_run_in_one_block(stream_packs, layout, monkeyp
         assert storages == 1
         got.extend(images)
     assert sorted(got) == expected
+
+
+@pytest.mark.parametrize("layout", ["single", "shards"])
+def test_a_worker_stream_copies_each_image_once(stream_packs, layout, monkeypatch) -> None:
+    """In a DataLoader worker, ``decode="none"`` images go from the map straight into their
+    run's shared block (no private copy first: Python allocates a fraction of the run's
+    image bytes, for planning the reads), and a last run of one sample gets an image of its
+    own, never a map view."""
+    monkeypatch.setattr(torch_serialized.iterable, "in_worker", lambda: True)
+    alone = list(VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="none"))
+    run = len(alone) - 1  # a run of all but one sample, then a run of one
+    monkeypatch.setattr(torch_serialized.iterable, "SHARED_RUN", run)
+    ds = VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="none")
+    it = iter(ds)
+    tracemalloc.start()
+    try:
+        first = next(it)  # the whole first run is read and moved here
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    got = [first, *it]
+    assert peak < sum(image.numel() for image, _ in alone[:run]) / 4
+    assert len({image.untyped_storage().data_ptr() for image, _ in got[:run]}) == 1
+    assert all(image.is_shared() for image, _ in got[:run])
+    assert len(got) == len(alone)
+    for (image, target), (expected, expected_target) in zip(got, alone):
+        assert torch.equal(image, expected) and target == expected_target
+    last = got[-1][0]
+    assert not last.is_shared()
+    last.add_(1)  # writable: a view of the read-only map would crash the process here
+    assert not torch.equal(last, alone[-1][0])
 
 
 def test_a_worker_stream_counts_only_samples_handed_out(stream_packs, monkeypatch) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _reliability_helpers import PidDataset, list_collate, pin_mmap_threshold
@@ -243,6 +245,24 @@ def test_share_batch_moves_tensors_into_one_block_and_keeps_each_value(
                 )
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(batch_items(), min_size=1, max_size=3).map(tuple), max_size=6))
+def test_share_batch_never_hands_on_a_borrowed_tensor(samples: list[tuple[Any, ...]]) -> None:
+    """``borrowed=0``: the first item of every sample, if a tensor, leaves as a new tensor of
+    the same value (moved into the block, or copied when it is not); the rest as without it."""
+    plain = share_batch(list(samples))
+    out = share_batch(list(samples), borrowed=0)
+    for sample, got, alike in zip(samples, out, plain):
+        for j, (item, new, same) in enumerate(zip(sample, got, alike)):
+            if not isinstance(item, torch.Tensor):
+                assert new is item
+            elif j == 0:
+                assert new is not item and type(new) is type(item)
+                assert torch.equal(_plain(new), _plain(item))
+            else:
+                assert (new is item) == (same is item)
+
+
 def storages_seen_in_worker(batch: list[Any]) -> tuple[list[Any], int]:
     """collate_fn run in the worker: the batch, and how many storages its images use."""
     return batch, len({image.untyped_storage().data_ptr() for image, _ in batch})
@@ -278,3 +298,79 @@ def test_dataloader_workers_send_a_batch_in_one_block(synthetic_packs: Any, kw: 
             assert target == expected_target
     image, _ = ds.__getitems__([0, 1])[0]  # the main process: nothing moved
     assert not image.is_shared()
+
+
+def _map_address(ds: Any, index: int) -> int:
+    """Where the stored image of sample ``index`` lies in this process's map of the pack."""
+    return int(np.frombuffer(ds.pack.field(ds._record(index), 0), np.uint8).ctypes.data)
+
+
+@pytest.mark.parametrize("layout", ["single", "shards"])
+@pytest.mark.parametrize("target_format", ["dict", "tv_tensors"])
+def test_a_workers_batch_copies_each_image_once(
+    synthetic_packs: Any, monkeypatch: pytest.MonkeyPatch, layout: str, target_format: str
+) -> None:
+    """In a DataLoader worker, ``decode="none"`` images go from the map straight into the
+    batch's shared block: no private copy of the batch first (Python allocates less than one
+    image for the whole batch), and every image is the same value, shared, not the map."""
+    ds = ts.VOCSerializedDataset(
+        synthetic_packs.path(layout), "trainval", decode="none", target_format=target_format
+    )
+    indices = [5, 0, 3, 3, 9, 1]
+    expected = [ds[i] for i in indices]
+    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    ds.__getitems__(indices)  # the first call builds what later calls reuse
+    tracemalloc.start()
+    try:
+        got = ds.__getitems__(indices)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < min(image.numel() for image, _ in expected)
+    assert len({image.untyped_storage().data_ptr() for image, _ in got}) == 1
+    for i, (image, target), (expected_image, expected_target) in zip(indices, got, expected):
+        assert image.is_shared() and torch.equal(image, expected_image)
+        assert image.data_ptr() != _map_address(ds, i)
+        if target_format == "dict":
+            assert target == expected_target
+        else:
+            assert all(torch.equal(target[k], expected_target[k]) for k in expected_target)
+
+
+@pytest.mark.parametrize("decode", ["none", "tensor"])
+def test_a_workers_batch_of_raw_pixels_copies_each_image_once(
+    synthetic_devkit: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decode: str
+) -> None:
+    """Raw-pixel packs too: a worker's batch copies each image once, from the map into the
+    shared block (CHW views keep their strides), equal to what the main process reads."""
+    raw = ts.pack_voc(synthetic_devkit, tmp_path / "raw.tser", image_storage="raw").path
+    ds = ts.VOCSerializedDataset(raw, "trainval", decode=decode)
+    indices = [4, 1, 7]
+    expected = [ds[i] for i in indices]
+    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    ds.__getitems__(indices)
+    tracemalloc.start()
+    try:
+        got = ds.__getitems__(indices)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < min(image.numel() for image, _ in expected)
+    for i, (image, target), (expected_image, expected_target) in zip(indices, got, expected):
+        assert image.is_shared() and torch.equal(image, expected_image)
+        assert image.stride() == expected_image.stride() and target == expected_target
+        assert image.data_ptr() != _map_address(ds, i)
+
+
+def test_a_workers_batch_of_one_owns_its_image(
+    synthetic_packs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch with a single tensor is left for torch to share: its image is then a copy
+    of its own (a read-only view of the map must never leave ``__getitems__``)."""
+    ds = ts.VOCSerializedDataset(synthetic_packs.single, "trainval", decode="none")
+    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    [(image, target)] = ds.__getitems__([2])
+    assert torch.equal(image, ds[2][0]) and target == ds[2][1]
+    assert image.data_ptr() != _map_address(ds, 2) and not image.is_shared()
+    image.add_(1)  # writable: a view of the read-only map would crash the process here
+    assert not torch.equal(image, ds[2][0])

@@ -159,6 +159,7 @@ class _PackedVOCBase:
         self._single = self._one_file()
         self._fetch_fields = self._located if self._single is None else self._single.record
         self._image_of = self.decoder.image_reader()
+        self._view_of = self.decoder.view_reader()
         self._target_of = self.decoder.target_reader()
         self._index = _index_of(self.records)
         self._ids = record_names(self.pack, self.records)
@@ -268,15 +269,20 @@ class _PackedVOCBase:
         if not records:
             return []
         rows = self._fetch_many(records)
-        image_of = self._image_of
+        transforms, worker = self.transforms, in_worker()
+        # A worker copies the batch into shared memory: read as views of the map, the images
+        # are copied once (into the block) instead of twice (by us, then into the block).
+        view_of = self._view_of if worker and transforms is None else None
+        image_of = view_of or self._image_of
         images = [image_of(r, row[0]) for r, row in zip(records, rows)]
         targets = self._batch_targets(records, [row[1] for row in rows])
-        transforms = self.transforms
         if transforms is None:
             samples = list(zip(images, targets))
         else:
             samples = [transforms(img, target) for img, target in zip(images, targets)]
-        return share_batch(samples) if in_worker() else samples
+        if not worker:
+            return samples
+        return share_batch(samples, borrowed=None if view_of is None else 0)
 
     def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
         raise NotImplementedError

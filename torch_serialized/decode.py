@@ -143,6 +143,18 @@ class SampleDecoder:
             return _bytes_image
         return self.image
 
+    def view_reader(self) -> Callable[[int, Buffer], Any] | None:
+        """For a caller that copies every image into memory of its own anyway (a DataLoader
+        worker's batch, moved into shared memory): ``image_reader`` with the stored bytes as
+        read-only views of the map instead of a first copy; None where ``image_reader`` makes
+        no copy to spare (decoded images, ``zero_copy``). The caller must copy
+        every view it hands on (a view written to crashes the process)."""
+        if self.zero_copy or self.decode == "pil":
+            return None
+        if self.raw:
+            return self._raw_view
+        return self._view_image if self.decode == "none" else None
+
     def target_reader(self) -> Callable[[int, Buffer], Any]:
         """``target`` with its dispatch done once (see ``image_reader``)."""
         return self._dict_target if self.target_format == "dict" else self.target
@@ -198,7 +210,15 @@ class SampleDecoder:
         except (OSError, ValueError, SyntaxError) as exc:
             raise _undecodable(self._where(record), what, exc) from exc
 
-    def _raw_image(self, record: int, data: Buffer) -> Any:
+    def _raw_view(self, record: int, data: Buffer) -> Any:
+        """``_raw_image`` as a view of the map (``view_reader``)."""
+        return self._raw_image(record, data, self._view_image)
+
+    def _raw_image(
+        self, record: int, data: Buffer, viewer: Callable[[int, Buffer], Any] | None = None
+    ) -> Any:
+        """Raw stored pixels as ``decode`` asks; ``viewer(record, data)`` makes the 1-D tensor
+        of the bytes (default: ``_tensor``'s copy or view)."""
         height, width = self._sizes[record].tolist()
         # the same rule as every decode path, though the columns must also match the bytes
         self._check_pixels(record, (width, height), warn=True)
@@ -210,16 +230,23 @@ class SampleDecoder:
             )
         if self.decode == "pil":
             return Image.frombytes("RGB", (width, height), bytes(data))
-        pixels = self._tensor(data)
+        pixels = self._tensor(data) if viewer is None else viewer(record, data)
         if self.decode == "none":
             return pixels
         return pixels.view(height, width, 3).permute(2, 0, 1)
 
     def _tensor(self, data: Buffer) -> torch.Tensor:
         """Stored bytes as a 1-D uint8 tensor: a copy it owns, or with ``zero_copy`` a
-        read-only view of the map (torch warns once per process about such views; the
-        documented ``zero_copy`` contract is that warning, so it is silenced here)."""
-        if not self.zero_copy or isinstance(data, np.ndarray) or not len(data):
+        read-only view of the map."""
+        if not self.zero_copy:
+            return _owned_tensor(data)
+        return self._view_image(-1, data)
+
+    def _view_image(self, record: int, data: Buffer) -> torch.Tensor:
+        """Stored bytes as a 1-D uint8 tensor viewing the map (a private array, or nothing, as
+        a tensor of its own). Torch warns once per process about read-only views; the
+        documented ``zero_copy`` contract is that warning, so it is silenced here."""
+        if isinstance(data, np.ndarray) or not len(data):
             return _owned_tensor(data)
         if self._quiet_pid != os.getpid():
             with warnings.catch_warnings():

@@ -274,9 +274,16 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         for _ in itertools.islice(items, skip):
             pass
         gate.open = True
-        samples = self._decoded(items)
         if in_worker():  # the tensors of each run of samples travel in one shared block
-            samples = share_runs(samples, SHARED_RUN)
+            # images read as views of the map are copied once, into the block (datasets.py)
+            views = self.decoder.view_reader() if self.transforms is None else None
+            samples = share_runs(
+                self._decoded(items, views),
+                SHARED_RUN,
+                borrowed=None if views is None else 0,
+            )
+        else:
+            samples = self._decoded(items)
         for sample in samples:
             self._yielded += 1  # counted when handed out: a state taken now resumes after it
             yield sample
@@ -285,10 +292,13 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         """The sample for one read item, as the map-style dataset returns it."""
         return next(self._decoded((item,)))
 
-    def _decoded(self, items: Iterable[Item]) -> Iterator[tuple[Any, Any]]:
+    def _decoded(
+        self, items: Iterable[Item], image: Callable[[int, Any], Any] | None = None
+    ) -> Iterator[tuple[Any, Any]]:
         """The samples of read ``items``, with everything looked up per sample bound once:
-        the per-sample loop of every stream."""
-        image = self.decoder.image_reader()
+        the per-sample loop of every stream. ``image``: the image reader, if not the
+        decoder's ``image_reader``."""
+        image = image or self.decoder.image_reader()
         target: Callable[[int, Any], Any] = (
             self.decoder.mask if self.task == "Segmentation" else self.decoder.target_reader()
         )

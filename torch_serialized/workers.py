@@ -70,7 +70,7 @@ _PLAIN = (torch.Tensor, tv_tensors.Image, tv_tensors.Mask, tv_tensors.Video)
 _ALIGN = 64
 
 
-def share_batch(samples: list[Any]) -> list[Any]:
+def share_batch(samples: list[Any], *, borrowed: int | None = None) -> list[Any]:
     """Move the tensors of a batch's samples (the items of each sample tuple) into one block
     of shared memory, as views of it with the same values, type, shape and strides.
 
@@ -81,6 +81,10 @@ def share_batch(samples: list[Any]) -> list[Any]:
     (image sizes differ), so the batch is put in one block here, one copy per tensor.
     A tensor that cannot be viewed in place (not dense, requires grad, already shared, not
     on the CPU, a subclass with metadata) is left as it is, and so are the other items.
+
+    ``borrowed``: the position in each sample of a tensor that may be a read-only view of a
+    map, read so that the copy into the block is its only copy; one left out of the block
+    (a batch of one tensor, no shared memory here) is copied instead, never handed on.
     """
     picks = [
         (i, j, item)
@@ -90,12 +94,12 @@ def share_batch(samples: list[Any]) -> list[Any]:
         if _movable(item)
     ]
     if len(picks) < 2:  # one tensor is shared as cheaply by torch itself
-        return samples
+        return _owned(samples, borrowed)
     sizes = [-(-item.numel() * item.element_size() // _ALIGN) * _ALIGN for _, _, item in picks]
     try:
         block = torch.UntypedStorage._new_shared(sum(sizes))
     except (AttributeError, RuntimeError):  # no shared memory here: torch shares them itself
-        return samples
+        return _owned(samples, borrowed)
     out: list[Any] = [list(sample) if type(sample) is tuple else sample for sample in samples]
     offset = 0
     for (i, j, item), size in zip(picks, sizes):
@@ -106,7 +110,22 @@ def share_batch(samples: list[Any]) -> list[Any]:
         view.copy_(item)
         out[i][j] = view if type(item) is torch.Tensor else view.as_subclass(type(item))
         offset += size
-    return [tuple(new) if type(old) is tuple else new for old, new in zip(samples, out)]
+    shared = [tuple(new) if type(old) is tuple else new for old, new in zip(samples, out)]
+    return _owned(shared, borrowed, samples)
+
+
+def _owned(samples: list[Any], borrowed: int | None, before: list[Any] | None = None) -> list[Any]:
+    """``samples`` with each tensor at position ``borrowed`` that is still the one in
+    ``before`` (default: ``samples``), i.e. not moved into shared memory, replaced by a copy."""
+    if borrowed is None:
+        return samples
+    out = []
+    for new, old in zip(samples, before or samples):
+        item = new[borrowed] if type(new) is tuple and len(new) > borrowed else None
+        if isinstance(item, torch.Tensor) and item is old[borrowed]:
+            new = (*new[:borrowed], item.clone(), *new[borrowed + 1 :])
+        out.append(new)
+    return out
 
 
 #: Samples of a stream put in one shared block (``share_runs``): a typical batch, so a batch
@@ -114,17 +133,18 @@ def share_batch(samples: list[Any]) -> list[Any]:
 SHARED_RUN = 32
 
 
-def share_runs(samples: Iterable[Any], size: int) -> Iterator[Any]:
-    """``samples`` in order, each run of ``size`` of them passed through ``share_batch``:
-    for a stream (an ``IterableDataset``), whose batches the DataLoader gathers one sample at
-    a time. A run is read ahead of its first sample, so it holds ``size`` samples at most."""
+def share_runs(samples: Iterable[Any], size: int, *, borrowed: int | None = None) -> Iterator[Any]:
+    """``samples`` in order, each run of ``size`` of them passed through ``share_batch``
+    (``borrowed`` as there): for a stream (an ``IterableDataset``), whose batches the
+    DataLoader gathers one sample at a time. A run is read ahead of its first sample, so it
+    holds ``size`` samples at most."""
     run: list[Any] = []
     for sample in samples:
         run.append(sample)
         if len(run) == size:
-            yield from share_batch(run)
+            yield from share_batch(run, borrowed=borrowed)
             run = []
-    yield from share_batch(run)
+    yield from share_batch(run, borrowed=borrowed)
 
 
 def _movable(item: Any) -> bool:

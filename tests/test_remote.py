@@ -401,6 +401,31 @@ def test_a_slow_drip_body_meets_a_deadline(
     http_server.proxy.reset()
 
 
+def test_a_slow_drip_stream_meets_a_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that ignores Range streams an object larger than a part: the stream gets the
+    deadline of a ranged read of its size and is retried, as a ranged read is."""
+    served = tmp_path / "served"
+    served.mkdir()
+    data = payload(3 * PART, seed=6)
+    (served / "obj.bin").write_bytes(data)
+    with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
+        s = RemoteStore(proxy.url, retry=FAST, part_size=PART)
+        # the first download learns that Range is ignored; the next ones stream
+        assert s.download("obj.bin", tmp_path / "a", expected_size=len(data)).read_bytes() == data
+        proxy.configure(bandwidth=16 << 10)  # the first 64 KiB after 4 s, the whole after 12 s
+        monkeypatch.setattr("torch_serialized.remote._MIN_RATE", 1 << 20)
+        monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.5)  # 0.69 s in all
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=r"obj\.bin.*3 times.*Timeout.*0 of 196608 bytes"):
+            s.download("obj.bin", tmp_path / "b", expected_size=len(data))
+        assert time.monotonic() - start < 3.5
+        assert leftovers(tmp_path) == ["a", "served"]
+        proxy.configure()  # a stream within its deadline passes
+        assert s.download("obj.bin", tmp_path / "c", expected_size=len(data)).read_bytes() == data
+
+
 def test_parts_in_flight_share_the_deadline(
     http_server: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -25,7 +25,8 @@ Design
   of the final size in the destination folder, then checked (every part's length; the caller's
   ``verify``), fsynced and renamed. A dropped connection costs one part, not the object; parallel
   requests hide per-request latency; every fsspec backend supports it. A server that ignores
-  ``Range`` (``python -m http.server``) is detected once and read as one stream instead.
+  ``Range`` (``python -m http.server``) is detected once and read as one stream instead,
+  under the deadline of one read of the object's size.
   A checksum mismatch re-downloads once, then raises
   :class:`~torch_serialized.errors.ChecksumError`.
 * **Uploads put the manifest last**, so a reader never sees a manifest naming missing shards.
@@ -713,18 +714,36 @@ class RemoteStore:
                     future.result()
 
     def _stream(self, key: str, fd: int, size: int) -> None:
-        """One sequential read of the whole object (servers without Range support)."""
+        """One sequential read of the whole object (servers without Range support, which are
+        HTTP servers: object stores honour it), under the deadline of a ranged read of
+        ``size`` bytes (``_deadline``), so a server that drips the body times out and the
+        download is retried as a ranged read would be."""
+        from fsspec.exceptions import FSTimeoutError  # fsspec is loaded: ``fs`` is open
+
         os.ftruncate(fd, 0)
         os.ftruncate(fd, size)
+        limit = self._deadline(size).get("timeout")
+        options: dict[str, Any] = {}
+        if self.protocol in ("http", "https"):
+            options.update(block_size=0, size=size)  # a stream, and no HEAD asking the size
+            if limit is not None:  # aiohttp ends the request, body included, by then
+                options.update(_http_deadline(self.storage_options, limit))
         written = 0
-        options = {"block_size": 0} if self.protocol in ("http", "https") else {}
-        with self.fs.open(self._path(key), "rb", **options) as f:
-            while written < size:
-                chunk = f.read(min(_STREAM_CHUNK, size - written))
-                if not chunk:
-                    raise ShortReadError(f"the body ended after {written} of {size} bytes")
-                _pwrite_all(fd, chunk, written)
-                written += len(chunk)
+        try:
+            with self.fs.open(self._path(key), "rb", **options) as f:
+                while written < size:
+                    chunk = f.read(min(_STREAM_CHUNK, size - written))
+                    if not chunk:
+                        raise ShortReadError(f"the body ended after {written} of {size} bytes")
+                    _pwrite_all(fd, chunk, written)
+                    written += len(chunk)
+        except FSTimeoutError as exc:
+            if limit is None:  # the user's own ClientTimeout
+                raise
+            raise FSTimeoutError(  # which deadline, and how far the stream got
+                f"the stream did not end within its deadline of {limit:.1f} s, with {written} "
+                f"of {size} bytes (a link slower than {_MIN_RATE} bytes/s)"
+            ) from exc
 
     # -- writing
 
@@ -801,6 +820,19 @@ def _with_default_timeouts(protocol: str, options: Mapping[str, Any]) -> dict[st
         )
         out["client_kwargs"] = client
     return out
+
+
+def _http_deadline(options: Mapping[str, Any], seconds: float) -> dict[str, Any]:
+    """Request options (fsspec's HTTP ``open``) that end one request, body included, within
+    ``seconds``: the session's aiohttp ``ClientTimeout`` (of ``options``, or ours) with that
+    ``total``, its other limits kept."""
+    import aiohttp
+    import attr  # aiohttp's dependency, and its way to change one limit of a ClientTimeout
+
+    timeout = _with_default_timeouts("http", options)["client_kwargs"]["timeout"]
+    if not isinstance(timeout, aiohttp.ClientTimeout):
+        timeout = aiohttp.ClientTimeout()
+    return {"timeout": attr.evolve(timeout, total=seconds)}
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ injects the faults; nothing of ours is mocked.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import hashlib
 import os
@@ -43,6 +44,8 @@ pytest_plugins = ["remote_fixtures"]
 
 PART = 64 << 10
 FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
+# with the deadline's grace made small too: a read of n bytes must end in about n / 1 MiB/s
+QUICK = dataclasses.replace(FAST, min_rate=1 << 20)
 
 
 def payload(n: int, seed: int = 0) -> bytes:
@@ -288,7 +291,16 @@ def test_retry_policy_backs_off_exponentially_within_bounds() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"attempts": 0}, {"base_delay": -1.0}, {"base_delay": 2.0, "max_delay": 1.0}]
+    "kwargs",
+    [
+        {"attempts": 0},
+        {"base_delay": -1.0},
+        {"base_delay": 2.0, "max_delay": 1.0},
+        {"min_rate": -1.0},
+        {"min_rate": float("nan")},
+        {"min_rate": float("inf")},
+        {"min_rate": "16384"},
+    ],
 )
 def test_retry_policy_rejects_nonsense(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="RetryPolicy"):
@@ -382,13 +394,12 @@ def test_a_slow_drip_body_meets_a_deadline(
     data = payload(PART)
     (http_server.root / "drip.bin").write_bytes(data)
     http_server.proxy.configure(bandwidth=32 << 10)  # 2 s for the object
-    monkeypatch.setattr("torch_serialized.remote._MIN_RATE", 1 << 20)
     monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.2)
     import aiohttp
 
-    s = RemoteStore(http_server.proxy.url, retry=FAST, part_size=PART)
+    s = RemoteStore(http_server.proxy.url, retry=QUICK, part_size=PART)
     sock_only = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_read=30)}}
-    t = RemoteStore(http_server.proxy.url, sock_only, retry=FAST, part_size=PART)
+    t = RemoteStore(http_server.proxy.url, sock_only, retry=QUICK, part_size=PART)
     start = time.monotonic()
     for read in (
         lambda: s.read_bytes("drip.bin", 0, len(data)),
@@ -411,11 +422,10 @@ def test_a_slow_drip_stream_meets_a_deadline(
     data = payload(3 * PART, seed=6)
     (served / "obj.bin").write_bytes(data)
     with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
-        s = RemoteStore(proxy.url, retry=FAST, part_size=PART)
+        s = RemoteStore(proxy.url, retry=QUICK, part_size=PART)
         # the first download learns that Range is ignored; the next ones stream
         assert s.download("obj.bin", tmp_path / "a", expected_size=len(data)).read_bytes() == data
         proxy.configure(bandwidth=16 << 10)  # the first 64 KiB after 4 s, the whole after 12 s
-        monkeypatch.setattr("torch_serialized.remote._MIN_RATE", 1 << 20)
         monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.5)  # 0.69 s in all
         start = time.monotonic()
         with pytest.raises(RemoteError, match=r"obj\.bin.*3 times.*Timeout.*0 of 196608 bytes"):
@@ -453,6 +463,53 @@ def test_parts_in_flight_share_the_deadline(
     assert (
         seen == [_DEADLINE_GRACE + PART / _MIN_RATE] + [_DEADLINE_GRACE + PART * 3 / _MIN_RATE] * 3
     )
+
+
+def test_the_minimum_rate_sets_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy's min_rate (or TORCH_SERIALIZED_MIN_RATE) sets the deadline of a read on
+    every async backend; 0 turns it off; an aiohttp ClientTimeout with a total still does."""
+    import aiohttp
+
+    from torch_serialized.remote import _DEADLINE_GRACE, _MIN_RATE, MIN_RATE_ENV
+
+    n = 1 << 20
+    for url in ("http://127.0.0.1:9/p", "s3://bucket/p"):  # opened, never connected
+        assert RemoteStore(url)._deadline(n, 2) == {"timeout": _DEADLINE_GRACE + 2 * n / _MIN_RATE}
+        slow = RemoteStore(url, retry=RetryPolicy(min_rate=1024))
+        assert slow._deadline(n, 2) == {"timeout": _DEADLINE_GRACE + 2 * n / 1024}
+        assert RemoteStore(url, retry=RetryPolicy(min_rate=0))._deadline(n) == {}
+        monkeypatch.setenv(MIN_RATE_ENV, "512")  # read when a store is made without a policy
+        assert RemoteStore(url)._deadline(n) == {"timeout": _DEADLINE_GRACE + n / 512}
+        monkeypatch.setenv(MIN_RATE_ENV, "0")
+        assert RemoteStore(url)._deadline(n) == {}
+        monkeypatch.delenv(MIN_RATE_ENV)
+    total = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=600)}}
+    assert RemoteStore("http://127.0.0.1:9/p", total)._deadline(n) == {}
+
+
+def test_a_lower_minimum_rate_lets_a_slow_link_through(
+    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link slower than the minimum rate times out on HTTP and S3 alike; lowering the rate
+    (by the environment or the policy) or turning the deadline off lets it through."""
+    from torch_serialized.remote import MIN_RATE_ENV
+
+    data = payload(4 << 10, seed=7)
+    remote.put("slow.bin", data)
+    remote.proxy.configure(bandwidth=4 << 10)  # 1 s for the object
+    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.1)  # 0.35 s at 16 KiB/s
+    two = dataclasses.replace(FAST, attempts=2)
+    with pytest.raises(RemoteError, match=r"slow\.bin.*2 times.*Timeout"):
+        store(remote, two).download("slow.bin", tmp_path / "a", expected_size=len(data))
+    remote.proxy.configure(bandwidth=4 << 10)  # the link to itself again, not shared with those
+    gets = remote.proxy.count("GET", remote.path("slow.bin"))  # (a try may end before its GET)
+    monkeypatch.setenv(MIN_RATE_ENV, "1024")  # 4.1 s
+    s = RemoteStore(remote.url, remote.storage_options, part_size=PART)
+    assert s.download("slow.bin", tmp_path / "b", expected_size=len(data)).read_bytes() == data
+    off = dataclasses.replace(two, min_rate=0)
+    got = store(remote, off).download("slow.bin", tmp_path / "c", expected_size=len(data))
+    assert got.read_bytes() == data
+    assert remote.proxy.count("GET", remote.path("slow.bin")) == gets + 2  # one try each
 
 
 @pytest.mark.parametrize("fault", ["drop", "503", "truncate"])
@@ -709,6 +766,18 @@ def test_retry_policy_from_the_environment() -> None:
         RetryPolicy.from_env({RETRY_ATTEMPTS_ENV: "many"})
     with pytest.raises(ValueError, match="attempts"):
         RetryPolicy.from_env({RETRY_ATTEMPTS_ENV: "0"})
+
+
+def test_the_minimum_rate_from_the_environment() -> None:
+    from torch_serialized.remote import MIN_RATE_ENV
+
+    assert RetryPolicy.from_env({MIN_RATE_ENV: "1024"}) == RetryPolicy(min_rate=1024)
+    assert RetryPolicy.from_env({MIN_RATE_ENV: "0"}).min_rate == 0
+    assert RetryPolicy.from_env({MIN_RATE_ENV: ""}) == RetryPolicy()
+    for bad in ("fast", "16KiB", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match=f"{MIN_RATE_ENV}={bad!r}") as info:
+            RetryPolicy.from_env({MIN_RATE_ENV: bad})
+        assert "bytes per second" in str(info.value)
 
 
 def test_a_store_without_a_policy_follows_the_environment(

@@ -16,10 +16,11 @@ Design
   404 and 401/403 raise at once. For S3 the backends' own retries (botocore's and s3fs's) are
   turned off unless ``storage_options`` sets them, otherwise their counts multiply ours and a dead
   endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries. A read of
-  known length must end within 60 s plus its size at 16 KiB/s times the parts of its download
-  in flight (fsspec's ``timeout``), so a server that drips bytes just fast enough for the
-  socket timeouts still times out (unless ``storage_options`` gives aiohttp a
-  ``ClientTimeout`` with a ``total``).
+  known length must end within 60 s plus its size at the policy's ``min_rate`` (16 KiB/s,
+  ``TORCH_SERIALIZED_MIN_RATE``; 0: no deadline) times the parts of its download in flight
+  (fsspec's ``timeout``), so a server that drips bytes just fast enough for the socket
+  timeouts still times out (unless ``storage_options`` gives aiohttp a ``ClientTimeout``
+  with a ``total``).
 * **Downloads are ranged parts.** An object is fetched as parts of ``part_size`` bytes
   (``cat_file(path, start, end)``, a few in parallel) written with ``pwrite`` into a temporary file
   of the final size in the destination folder, then checked (every part's length; the caller's
@@ -47,6 +48,7 @@ import errno
 import hashlib
 import http.client
 import logging
+import math
 import os
 import random
 import re
@@ -81,9 +83,9 @@ DEFAULT_PART_SIZE = 8 << 20
 DEFAULT_CONCURRENCY = 4
 _STREAM_CHUNK = 1 << 20
 # A read of n bytes, with k reads in flight together, must end within
-# _DEADLINE_GRACE + n * k / _MIN_RATE seconds: a server
+# _DEADLINE_GRACE + n * k / RetryPolicy.min_rate seconds: a server
 # that drips a byte a minute beats aiohttp's sock_read timeout forever, this it does not.
-_MIN_RATE = 16 << 10  # bytes per second, shared by the reads in flight
+_MIN_RATE = 16 << 10  # bytes per second, shared by the reads in flight: min_rate's default
 _DEADLINE_GRACE = 60.0  # seconds, as sock_read
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
 # Which extra brings the backend of a protocol, for the message when it is missing.
@@ -307,6 +309,7 @@ def _is_transient(exc: BaseException, transient: tuple[type[BaseException], ...]
 #: Environment variables that change the default ``RetryPolicy`` (``RetryPolicy.from_env``).
 RETRY_ATTEMPTS_ENV = "TORCH_SERIALIZED_RETRY_ATTEMPTS"
 RETRY_MAX_DELAY_ENV = "TORCH_SERIALIZED_RETRY_MAX_DELAY"
+MIN_RATE_ENV = "TORCH_SERIALIZED_MIN_RATE"
 
 
 @dataclass(frozen=True)
@@ -316,12 +319,19 @@ class RetryPolicy:
     The wait before retry ``k`` (1, 2, ...) is ``min(max_delay, base_delay * 2 ** (k - 1))``;
     with ``jitter`` a uniformly random half of it is dropped, so that many workers retrying
     together do not hit the server in step.
+
+    ``min_rate`` (bytes per second) decides when a read counts as stalled, a fault retried
+    like the others: a read of known length must end within 60 s plus its size at
+    ``min_rate`` shared by the parts of its download in flight, on every backend, so that a
+    server dripping bytes cannot hold it forever. Lower it for a slower link; ``0`` turns
+    the deadline off (the backends' socket timeouts still apply).
     """
 
     attempts: int = 5
     base_delay: float = 0.5
     max_delay: float = 20.0
     jitter: bool = True
+    min_rate: float = _MIN_RATE
 
     def __post_init__(self) -> None:
         if not isinstance(self.attempts, int) or self.attempts < 1:
@@ -331,34 +341,44 @@ class RetryPolicy:
                 "RetryPolicy needs 0 <= base_delay <= max_delay, got "
                 f"base_delay={self.base_delay!r}, max_delay={self.max_delay!r}"
             )
+        rate = self.min_rate
+        if not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate >= 0):
+            raise ValueError(
+                "RetryPolicy.min_rate must be a number of bytes per second >= 0 (0: reads have "
+                f"no deadline), got {rate!r}"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RetryPolicy:
-        """The default policy, with ``TORCH_SERIALIZED_RETRY_ATTEMPTS`` (tries in all) and
-        ``TORCH_SERIALIZED_RETRY_MAX_DELAY`` (seconds) applied when set: how a training job
-        changes retries without code, in every DataLoader worker and rank alike."""
+        """The default policy, with ``TORCH_SERIALIZED_RETRY_ATTEMPTS`` (tries in all),
+        ``TORCH_SERIALIZED_RETRY_MAX_DELAY`` (seconds) and ``TORCH_SERIALIZED_MIN_RATE``
+        (bytes per second, ``min_rate``) applied when set: how a training job changes retries
+        and read deadlines without code, in every DataLoader worker and rank alike."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for variable, key, kind in (
-            (RETRY_ATTEMPTS_ENV, "attempts", int),
-            (RETRY_MAX_DELAY_ENV, "max_delay", float),
+        given: list[str] = []
+        for variable, key, kind, unit in (
+            (RETRY_ATTEMPTS_ENV, "attempts", int, "tries in all"),
+            (RETRY_MAX_DELAY_ENV, "max_delay", float, "seconds"),
+            (MIN_RATE_ENV, "min_rate", float, "bytes per second"),
         ):
             text = environ.get(variable)
             if text is None or not text.strip():
                 continue
+            given.append(f"{variable}={text!r}")
             try:
                 values[key] = kind(text)
             except ValueError:
                 raise ValueError(
-                    f"{variable}={text!r} is not a number; unset it or give e.g. "
-                    f"{variable}={cls.attempts if key == 'attempts' else cls.max_delay}"
+                    f"{variable}={text!r} is not a number ({unit}); unset it or give e.g. "
+                    f"{variable}={getattr(cls, key)}"
                 ) from None
         if "max_delay" in values:
             values["base_delay"] = min(cls.base_delay, values["max_delay"])
         try:
             return cls(**values)
         except ValueError as exc:
-            raise ValueError(f"{exc} (from the environment: {sorted(values)})") from None
+            raise ValueError(f"{exc} (from the environment: {', '.join(given)})") from None
 
     def delay(self, retry: int, rng: random.Random) -> float:
         """Seconds to wait before retry number ``retry`` (1 for the first retry)."""
@@ -603,13 +623,16 @@ class RemoteStore:
     def _deadline(self, nbytes: int | None, in_flight: int = 1) -> dict[str, Any]:
         """``cat_file`` options that bound a whole read of ``nbytes`` bytes in time: fsspec's
         ``timeout`` (async backends: HTTP, S3, GCS), ``_DEADLINE_GRACE`` seconds plus the
-        bytes at ``_MIN_RATE`` shared by the ``in_flight`` reads of one download. Left out
-        when ``storage_options`` bounds whole HTTP requests itself (an aiohttp
-        ``ClientTimeout`` with a ``total``: a link slower than the rate)."""
+        bytes at the policy's ``min_rate`` shared by the ``in_flight`` reads of one download.
+        Left out when ``min_rate`` is 0, and when ``storage_options`` bounds whole HTTP
+        requests itself (an aiohttp ``ClientTimeout`` with a ``total``)."""
+        rate = self.retry.min_rate
         own = (self.storage_options.get("client_kwargs") or {}).get("timeout")
-        if nbytes is None or getattr(own, "total", None) or not getattr(self.fs, "async_impl", 0):
+        if nbytes is None or not rate or getattr(own, "total", None):
             return {}
-        return {"timeout": _DEADLINE_GRACE + nbytes * in_flight / _MIN_RATE}
+        if not getattr(self.fs, "async_impl", 0):
+            return {}
+        return {"timeout": _DEADLINE_GRACE + nbytes * in_flight / rate}
 
     def download(
         self,
@@ -742,7 +765,8 @@ class RemoteStore:
                 raise
             raise FSTimeoutError(  # which deadline, and how far the stream got
                 f"the stream did not end within its deadline of {limit:.1f} s, with {written} "
-                f"of {size} bytes (a link slower than {_MIN_RATE} bytes/s)"
+                f"of {size} bytes: slower than {self.retry.min_rate:g} bytes/s (for a slower "
+                f"link set {MIN_RATE_ENV} lower, or 0 for no deadline)"
             ) from exc
 
     # -- writing

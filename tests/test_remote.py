@@ -798,3 +798,17 @@ def test_a_store_without_a_policy_follows_the_environment(
     with pytest.raises(RemoteError, match=f"failed 2 times.*{RETRY_ATTEMPTS_ENV}, now 2"):
         RemoteStore(remote.url).download("obj.bin", tmp_path / "obj.bin", expected_size=100)
     assert remote.proxy.count("GET", remote.path("obj.bin")) == 2
+
+
+def test_a_streams_deadline_keeps_the_other_http_limits() -> None:
+    """The stream's deadline replaces only the total of the session's ClientTimeout: the
+    user's (or our default) connect and socket limits stay as they were."""
+    import aiohttp
+
+    from torch_serialized.remote import _http_deadline
+
+    own = aiohttp.ClientTimeout(total=None, connect=3, sock_read=5, sock_connect=7)
+    got = _http_deadline({"client_kwargs": {"timeout": own}}, 12.5)["timeout"]
+    assert (got.total, got.connect, got.sock_read, got.sock_connect) == (12.5, 3, 5, 7)
+    ours = _http_deadline({}, 9.0)["timeout"]
+    assert (ours.total, ours.sock_read, ours.sock_connect) == (9.0, 60, 30)

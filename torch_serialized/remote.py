@@ -851,12 +851,14 @@ def _http_deadline(options: Mapping[str, Any], seconds: float) -> dict[str, Any]
     ``seconds``: the session's aiohttp ``ClientTimeout`` (of ``options``, or ours) with that
     ``total``, its other limits kept."""
     import aiohttp
-    import attr  # aiohttp's dependency, and its way to change one limit of a ClientTimeout
 
     timeout = _with_default_timeouts("http", options)["client_kwargs"]["timeout"]
     if not isinstance(timeout, aiohttp.ClientTimeout):
         timeout = aiohttp.ClientTimeout()
-    return {"timeout": attr.evolve(timeout, total=seconds)}
+    # built anew, field by field: the class is attrs-made in aiohttp 3, which may change
+    limits = ("connect", "sock_read", "sock_connect", "ceil_threshold")
+    kept = {name: getattr(timeout, name) for name in limits if hasattr(timeout, name)}
+    return {"timeout": aiohttp.ClientTimeout(total=seconds, **kept)}
 
 
 def _describe(exc: BaseException) -> str:

@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -812,3 +813,42 @@ def test_a_streams_deadline_keeps_the_other_http_limits() -> None:
     assert (got.total, got.connect, got.sock_read, got.sock_connect) == (12.5, 3, 5, 7)
     ours = _http_deadline({}, 9.0)["timeout"]
     assert (ours.total, ours.sock_read, ours.sock_connect) == (9.0, 60, 30)
+
+
+def test_parts_are_submitted_as_threads_free_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many parts a download has, at most ``max_concurrency`` are submitted at once
+    (a wrongly claimed size must not queue millions of futures); a failing part stops the
+    rest from starting and raises."""
+    import threading
+
+    s = RemoteStore("http://127.0.0.1:9/p", retry=FAST, part_size=1, max_concurrency=3)
+    lock, outstanding, most, started = threading.Lock(), [0], [0], []
+    real_submit = ThreadPoolExecutor.submit
+
+    def submit(pool: Any, fn: Any, *args: Any) -> Any:
+        with lock:
+            outstanding[0] += 1
+            most[0] = max(most[0], outstanding[0])
+        future = real_submit(pool, fn, *args)
+        future.add_done_callback(lambda _: _done())
+        return future
+
+    def _done() -> None:
+        with lock:
+            outstanding[0] -= 1
+
+    def part(key: str, fd: int, start: int, end: int, in_flight: int = 1) -> None:
+        started.append(start)
+        if start == 500:
+            raise ConnectionResetError("part 500 failed")
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit)
+    monkeypatch.setattr(s, "_fetch_part", part)
+    s._fetch_parts("k", -1, [(i, i + 1) for i in range(400)])
+    assert sorted(started) == list(range(400)) and most[0] <= 3
+    started.clear()
+    with pytest.raises(ConnectionResetError, match="part 500"):
+        s._fetch_parts("k", -1, [(i, i + 1) for i in range(100_000)])
+    assert 500 in started and len(started) < 510 and most[0] <= 3

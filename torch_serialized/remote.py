@@ -555,10 +555,16 @@ class RemoteStore:
         if fault is Fault.TRANSIENT:
             transient = _transient_types()  # name the outage, not a wrapper around it
             cause = next((e for e in _causes(exc) if _is_transient(e, transient)), exc)
+            slow = ""
+            if any(isinstance(e, TimeoutError) for e in _causes(exc)) and self.retry.min_rate:
+                slow = (
+                    f"; on a link slower than {self.retry.min_rate:g} bytes/s per download, "
+                    f"lower {MIN_RATE_ENV} (0: reads have no deadline)"
+                )
             return RemoteError(
                 f"{url}: {what} failed {attempt} times, the last with {_describe(cause)}. Check "
                 "the network and the endpoint, or allow more attempts (environment variable "
-                f"{RETRY_ATTEMPTS_ENV}, now {self.retry.attempts})"
+                f"{RETRY_ATTEMPTS_ENV}, now {self.retry.attempts}){slow}"
             )
         if any(_http_status(e) == 416 for e in _causes(exc)):
             return RemoteError(

@@ -461,9 +461,11 @@ def test_parts_in_flight_share_the_deadline(
     assert (tmp_path / "four.bin").read_bytes() == data
     from torch_serialized.remote import _DEADLINE_GRACE, _MIN_RATE
 
-    # the first part is read alone (it probes Range support), the other three together
+    # the first part is read alone (it probes Range support: a server ignoring Range would
+    # send the whole object, so it has the whole object's time), the other three together
     assert (
-        seen == [_DEADLINE_GRACE + PART / _MIN_RATE] + [_DEADLINE_GRACE + PART * 3 / _MIN_RATE] * 3
+        seen
+        == [_DEADLINE_GRACE + PART * 4 / _MIN_RATE] + [_DEADLINE_GRACE + PART * 3 / _MIN_RATE] * 3
     )
 
 
@@ -853,3 +855,62 @@ def test_parts_are_submitted_as_threads_free_up(
     with pytest.raises(ConnectionResetError, match="part 500"):
         s._fetch_parts("k", -1, [(i, i + 1) for i in range(100_000)])
     assert 500 in started and len(started) < 510 and most[0] <= 3
+
+
+def test_the_range_probe_of_a_server_ignoring_range_gets_the_whole_objects_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first part of a download probes Range support; a server that ignores Range sends
+    the whole object in reply, so the probe's deadline is that of the whole object's read,
+    not of one part's (a slow link would fail it on every attempt)."""
+    served = tmp_path / "served"
+    served.mkdir()
+    data = payload(4 * PART, seed=8)
+    (served / "obj.bin").write_bytes(data)
+    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.2)
+    slow = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.02, min_rate=PART)
+    with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
+        proxy.configure(bandwidth=2 * PART)  # 2 s for the object: a part's deadline is 1.2 s
+        s = RemoteStore(proxy.url, retry=slow, part_size=PART)
+        assert s.download("obj.bin", tmp_path / "o", expected_size=len(data)).read_bytes() == data
+        assert s._ranges_ok is False  # and later downloads stream
+
+
+def test_a_streams_other_timeouts_are_not_blamed_on_the_minimum_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream cut by another limit (the user's sock_read here) long before its deadline
+    keeps that limit's error: lowering the minimum rate would not help."""
+    import aiohttp
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "obj.bin").write_bytes(payload(3 * PART, seed=9))
+    options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_read=0.5)}}
+    with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
+        proxy.add_fault("delay", delay=3.0, count=None)
+        s = RemoteStore(proxy.url, options, retry=RetryPolicy(attempts=1), part_size=PART)
+        s._ranges_ok = False  # straight to the stream
+        with pytest.raises(RemoteError, match="Timeout") as failed:
+            s.download("obj.bin", tmp_path / "o", expected_size=3 * PART)
+        assert "did not end within its deadline" not in str(failed.value)
+
+
+def test_a_per_request_timeout_of_the_user_replaces_the_deadline() -> None:
+    """fsspec's top-level ``timeout`` (a ClientTimeout with a total, or seconds) bounds every
+    HTTP request itself: no deadline of ours then, as with one in ``client_kwargs``."""
+    import aiohttp
+
+    n = 1 << 20
+    for timeout in (aiohttp.ClientTimeout(total=600), 600):
+        assert RemoteStore("http://127.0.0.1:9/p", {"timeout": timeout})._deadline(n) == {}
+    no_total = {"timeout": aiohttp.ClientTimeout(total=None, sock_read=5)}
+    assert RemoteStore("http://127.0.0.1:9/p", no_total)._deadline(n) != {}
+
+
+@pytest.mark.parametrize("rate", [True, 1e-320, 0.5, float("inf"), -1])
+def test_a_minimum_rate_is_zero_or_at_least_one_byte_a_second(rate: Any) -> None:
+    with pytest.raises(ValueError, match="min_rate must be 0 .* >= 1"):
+        RetryPolicy(min_rate=rate)
+    RetryPolicy(min_rate=0)
+    RetryPolicy(min_rate=1)

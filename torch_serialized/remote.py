@@ -343,10 +343,15 @@ class RetryPolicy:
                 f"base_delay={self.base_delay!r}, max_delay={self.max_delay!r}"
             )
         rate = self.min_rate
-        if not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate >= 0):
+        if (
+            isinstance(rate, bool)
+            or not isinstance(rate, (int, float))
+            or not math.isfinite(rate)
+            or (rate != 0 and rate < 1)
+        ):
             raise ValueError(
-                "RetryPolicy.min_rate must be a number of bytes per second >= 0 (0: reads have "
-                f"no deadline), got {rate!r}"
+                "RetryPolicy.min_rate must be 0 (reads have no deadline) or a finite number "
+                f"of bytes per second >= 1, got {rate!r}"
             )
 
     @classmethod
@@ -634,12 +639,23 @@ class RemoteStore:
         Left out when ``min_rate`` is 0, and when ``storage_options`` bounds whole HTTP
         requests itself (an aiohttp ``ClientTimeout`` with a ``total``)."""
         rate = self.retry.min_rate
-        own = (self.storage_options.get("client_kwargs") or {}).get("timeout")
-        if nbytes is None or not rate or getattr(own, "total", None):
+        if nbytes is None or not rate or self._bounded_by_user():
             return {}
         if not getattr(self.fs, "async_impl", 0):
             return {}
         return {"timeout": _DEADLINE_GRACE + nbytes * in_flight / rate}
+
+    def _bounded_by_user(self) -> bool:
+        """Whether ``storage_options`` bound whole HTTP requests in time: an aiohttp
+        ``ClientTimeout`` with a ``total`` (or a number of seconds), for the session
+        (``client_kwargs``) or for every request (fsspec's top-level ``timeout``)."""
+        session = (self.storage_options.get("client_kwargs") or {}).get("timeout")
+        for own in (session, self.storage_options.get("timeout")):
+            if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+                return True
+            if getattr(own, "total", None):
+                return True
+        return False
 
     def download(
         self,
@@ -713,7 +729,10 @@ class RemoteStore:
             return
         try:
             if self._ranges_ok is None:  # learn once per process whether Range is honoured
-                self._fetch_part(key, fd, *parts[0])
+                # a server that ignores Range answers with the whole object: the probe gets
+                # the deadline of the whole object's read (that many parts in flight)
+                start, end = parts[0]
+                self._fetch_part(key, fd, start, end, in_flight=len(parts))
                 self._ranges_ok = True
                 parts = parts[1:]
             if self._ranges_ok:
@@ -767,6 +786,7 @@ class RemoteStore:
             if limit is not None:  # aiohttp ends the request, body included, by then
                 options.update(_http_deadline(self.storage_options, limit))
         written = 0
+        began = time.monotonic()
         try:
             with self.fs.open(self._path(key), "rb", **options) as f:
                 while written < size:
@@ -776,7 +796,7 @@ class RemoteStore:
                     _pwrite_all(fd, chunk, written)
                     written += len(chunk)
         except FSTimeoutError as exc:
-            if limit is None:  # the user's own ClientTimeout
+            if limit is None or time.monotonic() - began < limit:  # another limit fired
                 raise
             raise FSTimeoutError(  # which deadline, and how far the stream got
                 f"the stream did not end within its deadline of {limit:.1f} s, with {written} "

@@ -362,12 +362,16 @@ def test_a_workers_batch_of_raw_pixels_copies_each_image_once(
         assert image.data_ptr() != _map_address(ds, i)
 
 
+@pytest.mark.parametrize("zero_copy", [False, True])
 def test_a_workers_batch_of_one_owns_its_image(
-    synthetic_packs: Any, monkeypatch: pytest.MonkeyPatch
+    synthetic_packs: Any, monkeypatch: pytest.MonkeyPatch, zero_copy: bool
 ) -> None:
     """A batch with a single tensor is left for torch to share: its image is then a copy
-    of its own (a read-only view of the map must never leave ``__getitems__``)."""
-    ds = ts.VOCSerializedDataset(synthetic_packs.single, "trainval", decode="none")
+    of its own (a read-only view of the map must never leave a worker's ``__getitems__``,
+    even with ``zero_copy``: a collate_fn may write into it)."""
+    ds = ts.VOCSerializedDataset(
+        synthetic_packs.single, "trainval", decode="none", zero_copy=zero_copy
+    )
     monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
     [(image, target)] = ds.__getitems__([2])
     assert torch.equal(image, ds[2][0]) and target == ds[2][1]

@@ -146,14 +146,12 @@ class SampleDecoder:
     def view_reader(self) -> Callable[[int, Buffer], Any] | None:
         """For a caller that copies every image into memory of its own anyway (a DataLoader
         worker's batch, moved into shared memory): ``image_reader`` with the stored bytes as
-        read-only views of the map instead of a first copy; None where ``image_reader`` makes
-        no copy to spare (decoded images, ``zero_copy``). The caller must copy
-        every view it hands on (a view written to crashes the process)."""
-        if self.zero_copy or self.decode == "pil":
+        read-only views of the map instead of a first copy (with ``zero_copy``, what
+        ``image_reader`` gives anyway); None for decoded images (new tensors, not views). The
+        caller must copy every view it hands on (a view written to crashes the process)."""
+        if self.decode == "pil" or (self.decode == "tensor" and not self.raw):
             return None
-        if self.raw:
-            return self._raw_view
-        return self._view_image if self.decode == "none" else None
+        return self._raw_view if self.raw else self._view_image
 
     def target_reader(self) -> Callable[[int, Buffer], Any]:
         """``target`` with its dispatch done once (see ``image_reader``)."""

@@ -22,7 +22,7 @@ import sys
 import time
 import types
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -229,3 +229,16 @@ def repack(root: str, output: str, options: str, times: str) -> None:
         pack_voc(root, output, year="2007", **json.loads(options))
         time.sleep(0.05)
     print("done", flush=True)
+
+
+def traced_peak(call: Callable[[], Any]) -> tuple[Any, int]:
+    """``call()``'s result and the peak of Python's allocations while it ran (``tracemalloc``:
+    Python objects and numpy arrays, not torch's or the kernel's memory)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        result = call()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

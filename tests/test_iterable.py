@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-import tracemalloc
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _reliability_helpers import traced_peak
 from torch.utils.data import DataLoader
 from torchvision.transforms.functional import pil_to_tensor
 
@@ -508,12 +508,7 @@ def test_a_worker_stream_copies_each_image_once(stream_packs, layout, monkeypatc
     monkeypatch.setattr(torch_serialized.iterable, "SHARED_RUN", run)
     ds = VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="none")
     it = iter(ds)
-    tracemalloc.start()
-    try:
-        first = next(it)  # the whole first run is read and moved here
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    first, peak = traced_peak(lambda: next(it))  # the whole first run is read and moved here
     got = [first, *it]
     assert peak < sum(image.numel() for image, _ in alone[:run]) / 4
     assert len({image.untyped_storage().data_ptr() for image, _ in got[:run]}) == 1

@@ -5,14 +5,13 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from _reliability_helpers import PidDataset, list_collate, pin_mmap_threshold
+from _reliability_helpers import PidDataset, list_collate, pin_mmap_threshold, traced_peak
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import ConcatDataset, DataLoader, Subset
@@ -320,12 +319,7 @@ def test_a_workers_batch_copies_each_image_once(
     expected = [ds[i] for i in indices]
     monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
     ds.__getitems__(indices)  # the first call builds what later calls reuse
-    tracemalloc.start()
-    try:
-        got = ds.__getitems__(indices)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    got, peak = traced_peak(lambda: ds.__getitems__(indices))
     assert peak < min(image.numel() for image, _ in expected)
     assert len({image.untyped_storage().data_ptr() for image, _ in got}) == 1
     for i, (image, target), (expected_image, expected_target) in zip(indices, got, expected):
@@ -349,12 +343,7 @@ def test_a_workers_batch_of_raw_pixels_copies_each_image_once(
     expected = [ds[i] for i in indices]
     monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
     ds.__getitems__(indices)
-    tracemalloc.start()
-    try:
-        got = ds.__getitems__(indices)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    got, peak = traced_peak(lambda: ds.__getitems__(indices))
     assert peak < min(image.numel() for image, _ in expected)
     for i, (image, target), (expected_image, expected_target) in zip(indices, got, expected):
         assert image.is_shared() and torch.equal(image, expected_image)

@@ -52,7 +52,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -397,26 +397,17 @@ class PackCache:
         under the same locks. Only the very same URL matches (credentials and query string
         included: they may name another version, as S3's ``versionId`` does).
         """
-        root = self.cache.directory
-        packs = objects = freed = busy = 0
-        if not (root / _LAYOUT).is_dir():
-            return ClearResult(0, 0, 0, 0)
-        with _flocked(root / ".evict.lock", fcntl.LOCK_EX):
-            for pack_dir in _pack_dirs(root):
-                identity = _info(pack_dir).get("identity")
-                if (
-                    pack_dir == self.directory
-                    or not isinstance(identity, str)
-                    or pack_dir.name != pack_key(self.url, identity)
-                    or _in_use(pack_dir)
-                ):
-                    continue
-                done = _clear_pack(pack_dir)
-                packs += done.packs_removed
-                objects += done.objects_removed
-                freed += done.bytes_freed
-                busy += done.objects_in_use
-        return ClearResult(packs, objects, freed, busy)
+
+        def other_version(pack_dir: Path) -> bool:
+            identity = _info(pack_dir).get("identity")
+            return (
+                pack_dir != self.directory
+                and isinstance(identity, str)
+                and pack_dir.name == pack_key(self.url, identity)
+                and not _in_use(pack_dir)
+            )
+
+        return _clear_packs(self.cache.directory, other_version)
 
     def put(self, name: str, data: bytes) -> Path:
         """Store small ``data`` (a manifest) as object ``name``, atomically, and hold it."""
@@ -658,19 +649,24 @@ def clear_cache(
     :func:`list_cache` shows it: passwords and query strings are not compared.
     """
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    packs = objects = freed = busy = 0
+    return _clear_packs(
+        root,
+        lambda pack_dir: url is None or _same_url(str(_info(pack_dir).get("url", "")), url),
+    )
+
+
+def _clear_packs(root: Path, wanted: Callable[[Path], bool]) -> ClearResult:
+    """``_clear_pack`` of each pack folder under ``root`` that ``wanted`` accepts (asked under
+    ``.evict.lock``, so nothing is evicted meanwhile); what was done, in all."""
+    totals = [0, 0, 0, 0]
     if not (root / _LAYOUT).is_dir():
-        return ClearResult(0, 0, 0, 0)
+        return ClearResult(*totals)
     with _flocked(root / ".evict.lock", fcntl.LOCK_EX):
         for pack_dir in _pack_dirs(root):
-            if url is not None and not _same_url(str(_info(pack_dir).get("url", "")), url):
-                continue
-            done = _clear_pack(pack_dir)
-            packs += done.packs_removed
-            objects += done.objects_removed
-            freed += done.bytes_freed
-            busy += done.objects_in_use
-    return ClearResult(packs, objects, freed, busy)
+            if wanted(pack_dir):
+                done = astuple(_clear_pack(pack_dir))
+                totals = [total + n for total, n in zip(totals, done)]
+    return ClearResult(*totals)
 
 
 def _clear_pack(pack_dir: Path) -> ClearResult:

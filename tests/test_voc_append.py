@@ -990,7 +990,7 @@ def test_any_sequence_of_changes_appends_to_what_a_full_pack_holds(tmp_path_fact
     path = pack_voc(root, tmp / out_name(form), year=YEAR, **PACK_FORMS[form]).path
     for n, step in enumerate(steps, start=1):
         _write_step(root, step, n)
-        append_voc(root, path, replace_changed=True)
+        append_voc(root, path, replace_changed=True, retire_all=True)
         fresh = pack_voc(
             root, tmp / f"fresh{n}-{out_name(form)}", year=YEAR, **PACK_FORMS[form]
         ).path
@@ -1026,3 +1026,37 @@ def test_max_file_bytes_bounds_the_files_an_append_reads(tmp_path, source, capsy
         append_voc(source.root, path, max_file_bytes=0)
     out = _run_cli(["pack", str(source.root), str(path), "--append", "--max-file-size", "1GiB"])
     assert "appended to" in out and len(VOCPackReader(path)) == len(source.listed())
+
+
+def _renamed_devkit(root: Path, out: Path, prefix: str) -> Path:
+    """A copy of the devkit ``root`` whose every id carries ``prefix`` (files and lists)."""
+    shutil.copytree(root, out)
+    for path in sorted(out.rglob("*")):
+        if path.is_file() and path.parent.name in {
+            "JPEGImages",
+            "Annotations",
+            "SegmentationClass",
+            "SegmentationObject",
+        }:
+            path.rename(path.with_name(prefix + path.name))
+        elif path.is_file() and path.suffix == ".txt":
+            lines = path.read_text().splitlines()
+            path.write_text("".join(f"{prefix}{line}\n" for line in lines if line.strip()))
+    return out
+
+
+@pytest.mark.parametrize("form", ["single", "shards"])
+def test_an_append_from_an_unrelated_folder_is_refused(tmp_path, source, form):
+    """A root that lists none of the pack's ids (the wrong folder, most likely) would retire
+    every sample: refused, naming both and what to do, the pack left as it was, unless
+    ``retire_all`` (``--retire-all``) says it is meant."""
+    path = pack(source, tmp_path / "pack", form)
+    before = snapshot(path)
+    other = _renamed_devkit(source.root, tmp_path / "other", "x")
+    with pytest.raises(SourceDataError, match="none of the .* ids .* retire every sample"):
+        append_voc(other, path)
+    status = main(["pack", str(other), str(path), "--append", "-q"])
+    assert status != 0 and snapshot(path) == before
+    assert main(["pack", str(other), str(path), "--append", "--retire-all", "-q"]) == 0
+    ids = {VOCPackReader(path).id(int(r)) for r in VOCPackReader(path).live}
+    assert ids == {"x" + i for i in source.listed()}

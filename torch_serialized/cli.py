@@ -122,7 +122,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
     if args.append:
         return _cmd_append(args)
-    for flag in ("replace_changed", "checksum"):
+    for flag in ("replace_changed", "checksum", "retire_all"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} only applies with --append")
     remote = _is_url(args.output)
@@ -284,6 +284,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
         replace_changed=args.replace_changed,
         checksum=args.checksum,
         max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
+        retire_all=args.retire_all,
         storage_options=args.storage_options,
         cache_dir=args.cache_dir,
     )
@@ -792,6 +793,12 @@ def _parser() -> argparse.ArgumentParser:
         "--checksum",
         action="store_true",
         help="with --append: compare every packed file's content, not only sizes and times",
+    )
+    pack.add_argument(
+        "--retire-all",
+        action="store_true",
+        help="with --append: accept a ROOT that lists none of the pack's ids (every sample "
+        "retired; refused otherwise, as most likely the wrong folder)",
     )
     pack.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pack.set_defaults(run=_cmd_pack)

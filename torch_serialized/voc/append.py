@@ -74,6 +74,7 @@ def append_voc(
     replace_changed: bool = False,
     checksum: bool = False,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    retire_all: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> PackResult:
@@ -83,7 +84,9 @@ def append_voc(
     New ids become new records; unchanged ids are left alone; an id whose image, annotation
     or masks changed raises ``SourceDataError`` naming it, the file and the change, unless
     ``replace_changed`` (then its new version is stored and the old record retired). Ids no
-    longer in any list are retired. Afterwards every image set, class count and stored list
+    longer in any list are retired; a ``root`` that lists none of the pack's ids (most likely
+    the wrong folder) raises ``SourceDataError`` instead of retiring every sample, unless
+    ``retire_all``. Afterwards every image set, class count and stored list
     file is the one a full re-pack of ``root`` would give, and existing class ids are kept (new
     classes get the next ids). Change is detected from each file's size and modification
     time, reading only files whose statistics differ; ``checksum`` compares every file's
@@ -112,6 +115,7 @@ def append_voc(
         replace_changed=replace_changed,
         checksum=checksum,
         max_file_bytes=max_file_bytes,
+        retire_all=retire_all,
     )
     if is_url(pack):  # staged locally, grown by this function, the growth uploaded
         from .append_remote import append_to_url
@@ -125,6 +129,7 @@ def append_voc(
             replace_changed=True,
             checksum=checksum,
             max_file_bytes=max_file_bytes,
+            retire_all=retire_all,
         )
         return append_to_url(
             str(pack), local, compare, storage_options=storage_options, cache_dir=cache_dir
@@ -144,6 +149,7 @@ def _append_local(
     checksum: bool,
     max_file_bytes: int,
     check_shards: bool,
+    retire_all: bool = False,
 ) -> PackResult:
     """``append_voc`` on the local pack at ``pack`` (its arguments checked); ``check_shards``:
     check every old shard of a folder first (``_check_shards``), which a staged copy of a pack
@@ -159,6 +165,7 @@ def _append_local(
         replace_changed=replace_changed,
         checksum=checksum,
         max_file_bytes=max_file_bytes,
+        retire_all=retire_all,
     )
     if plan_.current and old.files() == dict(image_set_files(voc_root, max_file_bytes)):
         plan_.notes.append(f"{path} is up to date with {voc_root}: nothing was written")
@@ -236,6 +243,7 @@ def _sort_source(
     replace_changed: bool,
     checksum: bool,
     max_file_bytes: int,
+    retire_all: bool = False,
 ) -> tuple[Path, dict[str, dict[str, list[str]]], Plan]:
     """The VOC root at ``root``, its image sets and every listed id sorted against ``old``
     (``changes.classify``; records whose quick check fails are read from ``old``)."""
@@ -249,7 +257,7 @@ def _sort_source(
     options = ImageOptions(old.image_storage, old.meta.get("max_size"), checks)
     image_sets = read_image_sets(voc_root, max_file_bytes)
     planned = survey(voc_root, image_sets, options, max_file_bytes)
-    return voc_root, image_sets, classify(old, planned, replace_changed, checksum)
+    return voc_root, image_sets, classify(old, planned, replace_changed, checksum, retire_all)
 
 
 # -- writing -------------------------------------------------------------------------------------

@@ -73,9 +73,12 @@ class Plan:
     current: bool = False
 
 
-def classify(old: VOCPackReader, planned: Planned, replace: bool, checksum: bool) -> Plan:
+def classify(
+    old: VOCPackReader, planned: Planned, replace: bool, checksum: bool, retire_all: bool = False
+) -> Plan:
     """Sort the ids of ``planned`` (every listed id) against the pack ``old``; raise
-    ``SourceDataError`` naming the changed ids unless ``replace``.
+    ``SourceDataError`` naming the changed ids unless ``replace``, and if no listed id is in
+    the pack (every sample would be retired) unless ``retire_all``.
 
     Jobs are made only for ids that are new or fail the quick check; the quick check stats
     each file an id's load would read, relative to its folder, once, and compares them all
@@ -92,6 +95,13 @@ def classify(old: VOCPackReader, planned: Planned, replace: bool, checksum: bool
         (record_of.get(i, -1) for i in planned.ids), dtype=np.int64, count=len(planned)
     )
     packed = np.flatnonzero(records >= 0)
+    if live and not len(packed) and not retire_all:
+        raise SourceDataError(
+            f"{planned.voc_root}: none of the {len(live)} ids of {old.path} is in this "
+            "folder's image sets, so appending would retire every sample of the pack. Check "
+            "that this is the folder the pack was made from; if the pack should now hold only "
+            "this folder's samples, pass retire_all=True (`--retire-all`), or pack it anew"
+        )
     stats = np.zeros((len(old), len(schema.SOURCE_FILES), 2), dtype=np.int64)
     stats[:, :, 0] = schema.ABSENT
     digests = None if stored_digests is None else np.zeros((len(old), 32), dtype=np.uint8)

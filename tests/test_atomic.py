@@ -321,3 +321,32 @@ def test_failure_between_the_two_renames_puts_the_previous_pack_back(
     monkeypatch.undo()
     assert str(out) in str(info.value) and isinstance(info.value, OSError)
     assert listing(tmp_path) == ["voc"] and snapshot(out) == previous
+
+
+@pytest.mark.parametrize("form", ["single", "shards"])
+def test_a_replacement_waits_for_a_running_append(tmp_path, voc8, voc40, form):
+    """A pack replaced while an append holds it (its exclusive flock on the file or the
+    folder) waits for the append to end: swapping the pack from under the append let its
+    later writes, made by path, land in the new pack (a broken folder, both reporting
+    success). Meanwhile the old pack is untouched; afterwards the new pack is complete."""
+    import fcntl
+    import threading
+
+    out = tmp_path / out_name(form)
+    pack_voc(voc8, out, year="2007", **PACK_FORMS[form])
+    before = snapshot(out)
+    fd = os.open(out, os.O_RDONLY)  # what an append holds for its whole run
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    done: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: done.append(pack_voc(voc40, out, year="2007", **PACK_FORMS[form]))
+    )
+    try:
+        thread.start()
+        thread.join(3)
+        assert thread.is_alive() and not done and snapshot(out) == before
+    finally:
+        os.close(fd)
+    thread.join(60)
+    assert done and done[0].num_samples == 40
+    assert open_pack(out).verify() == [] and len(open_pack(out)) == 40

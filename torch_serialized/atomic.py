@@ -14,10 +14,14 @@ safely", states the same for readers of the format. This module never imports to
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
@@ -29,6 +33,8 @@ __all__ = [
     "replace_file_at",
     "remove",
 ]
+
+log = logging.getLogger(__name__)
 
 _KINDS = ("tmp", "old")
 _TEMPORARY = re.compile(r"\..+\.(?:tmp|old)-\d+-[0-9a-f]{8}", re.S)
@@ -80,12 +86,15 @@ class AtomicOutput:
     Creating one removes stale temporaries of ``final`` (see ``clean_stale``). With
     ``folder=True`` the temporary is created as an empty folder; otherwise the caller creates
     the file at ``path``. ``scratch`` folders (for intermediate files) follow the same naming,
-    so they are removed with the output, or by the next writer after a kill.
+    so they are removed with the output, or by the next writer after a kill. The commit holds
+    the appenders' ``flock`` on an existing ``final`` (``_writers_lock``) unless ``locked``
+    says the caller holds it already (an append replacing the file it grows).
     """
 
-    def __init__(self, final: Path, *, folder: bool) -> None:
+    def __init__(self, final: Path, *, folder: bool, locked: bool = False) -> None:
         self.final = final
         self.folder = folder
+        self.locked = locked
         clean_stale(final)
         self.path = temp_sibling(final)
         self._scratch: list[Path] = []
@@ -105,18 +114,19 @@ class AtomicOutput:
             _fsync_dir(self.path)
         self._remove_scratch()
         final, temp = self.final, self.path
-        if not (final.exists() if self.folder else final.is_dir()):
-            os.replace(temp, final)
-            _fsync_dir(final.parent)
-            return
-        # A directory cannot be renamed over another one: move the old one aside first.
-        old = temp_sibling(final, "old")
-        os.replace(final, old)
-        try:
-            os.replace(temp, final)
-        except BaseException:
-            os.replace(old, final)  # put the previous output back before reporting the failure
-            raise
+        with contextlib.nullcontext() if self.locked else _writers_lock(final):
+            if not (final.exists() if self.folder else final.is_dir()):
+                os.replace(temp, final)
+                _fsync_dir(final.parent)
+                return
+            # A directory cannot be renamed over another one: move the old one aside first.
+            old = temp_sibling(final, "old")
+            os.replace(final, old)
+            try:
+                os.replace(temp, final)
+            except BaseException:
+                os.replace(old, final)  # put the previous output back, then report the failure
+                raise
         _fsync_dir(final.parent)
         remove(old)
 
@@ -128,6 +138,30 @@ class AtomicOutput:
     def _remove_scratch(self) -> None:
         while self._scratch:
             remove(self._scratch.pop())
+
+
+@contextlib.contextmanager
+def _writers_lock(final: Path) -> Iterator[None]:
+    """Hold the exclusive ``flock`` an append holds on the pack it grows (the single file, or
+    the shard folder), if ``final`` exists: a replacement waits for a running append to end
+    rather than swapping the pack from under it (whose later writes, made by path, would
+    then land in the new pack), and an append that starts meanwhile is refused."""
+    try:
+        fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.EACCES):
+            yield  # nothing there (or nothing an append can have locked)
+            return
+        raise
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s is being appended to; waiting for that to end to replace it", final)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def replace_file(target: Path, data: bytes | memoryview) -> None:

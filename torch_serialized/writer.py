@@ -269,7 +269,9 @@ class PackWriter:
     with an exception removes all temporary output. ``before_finish`` is called before each
     file is finished: a caller that ``reserve``s records copies their bytes in by then.
     ``pack_id`` and ``token`` are random unless given (a writer that grows a pack keeps its
-    id; tests pin both to compare bytes).
+    id; tests pin both to compare bytes). ``locked``: the caller holds the appenders'
+    ``flock`` on the ``output`` it replaces (an append rewriting a single file), which the
+    commit would otherwise wait for (``atomic.AtomicOutput``).
     """
 
     def __init__(
@@ -284,6 +286,7 @@ class PackWriter:
         before_finish: Callable[[], None] | None = None,
         pack_id: str | None = None,
         token: str | None = None,
+        locked: bool = False,
     ) -> None:
         for name, limit in (
             ("max_records_per_shard", max_records_per_shard),
@@ -297,6 +300,7 @@ class PackWriter:
         self._fields = list(fields)
         self._columns = columns
         self._alignment = alignment
+        self._locked = locked
         self._max_records = max_records_per_shard
         self._max_bytes = max_shard_bytes
         if not self.output.parent.is_dir():
@@ -335,7 +339,7 @@ class PackWriter:
 
     # -- where files go (``grow.GrowWriter`` writes into an existing folder instead) -----------
     def _open_output(self) -> None:
-        self._out = AtomicOutput(self.output, folder=self.sharded)
+        self._out = AtomicOutput(self.output, folder=self.sharded, locked=self._locked)
 
     def _member_path(self, name: str) -> Path:
         """Where the shard folder's file ``name`` is written."""

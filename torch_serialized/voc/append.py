@@ -482,6 +482,7 @@ def _rewrite_file(
                     columns=schema.COLUMNS,
                     before_finish=before_finish,
                     pack_id=_pack_id(old),
+                    locked=True,  # by _locked, above
                 )
             )
             if pool is not None:

@@ -325,6 +325,25 @@ def test_pack_summary_and_progress_agree_with_info(
         assert f"{packed[1]} in" in info_out and f"({packed[2]} of the" in info_out
 
 
+@pytest.mark.parametrize("member", ["shard", "catalog"])
+def test_pack_never_replaces_one_file_of_a_shard_folder(
+    capsys: pytest.CaptureFixture[str], voc8: Path, tmp_path: Path, member: str
+) -> None:
+    """A shard or catalog is no pack: --overwrite does not replace it, the error names the
+    folder to pass instead, and the folder still verifies."""
+    folder = tmp_path / "pack"
+    assert run(capsys, "pack", "-q", "--samples-per-shard", "3", voc8, folder)[0] == 0
+    target = sorted(folder.glob(f"{member}-*.tser"))[-1]
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for flags in ((), ("--overwrite",), ("--overwrite", "--samples-per-shard", "2")):
+        status, _, err = run(capsys, "pack", "-q", *flags, voc8, target)
+        assert status == 2 and f"pass the folder {folder}" in err, err
+        assert "of the pack at" in err and "pass --overwrite" not in err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    status, out, err = run(capsys, "verify", folder)
+    assert status == 0 and out.startswith("OK ") and "(8 records in 3 shards)" in out, out + err
+
+
 def test_info_and_verify_on_one_shard_of_a_folder(
     capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
 ) -> None:

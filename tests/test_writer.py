@@ -298,6 +298,36 @@ def test_file_that_only_starts_like_a_pack_is_not_replaced(tmp_path, content):
     assert out.read_bytes() == content
 
 
+@pytest.mark.parametrize("member", ["shard", "catalog"])
+def test_a_shard_or_catalog_of_a_folder_is_not_replaced(tmp_path, member):
+    """A file of a shard folder has a valid header, but replacing it alone breaks the pack:
+    refused in either form, with the folder to pass instead; the pack still verifies."""
+    folder = write_pack(tmp_path / "pack", 20, **SHARDED)
+    target = container_files(folder)[1] if member == "shard" else catalog_file(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    what = "shard 2 of 3" if member == "shard" else "the catalog"
+    for options in ({}, SHARDED):
+        with pytest.raises(WriteError, match=f"is {what} of the pack at") as info:
+            write_pack(target, 3, **options)
+        assert info.value.errno == errno.EEXIST
+        assert f"pass the folder {folder}" in str(info.value)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    reader = open_pack(folder)
+    assert len(reader) == 20 and reader.verify() == []
+
+
+def test_a_shard_copied_out_of_its_folder_is_not_replaced(tmp_path):
+    """Its metadata binds it to a shard folder: still no pack by itself."""
+    folder = write_pack(tmp_path / "pack", 20, **SHARDED)
+    for source in (container_files(folder)[2], catalog_file(folder)):
+        copy = tmp_path / source.name
+        copy.write_bytes(source.read_bytes())
+        with pytest.raises(WriteError, match="of a shard folder") as info:
+            write_pack(copy, 3)
+        assert "pass the shard folder it belongs to" in str(info.value)
+        assert copy.read_bytes() == source.read_bytes()
+
+
 def test_our_packs_are_replaced_in_either_form(tmp_path):
     """A verified pack (a truncated one included: its header is ours) is replaced, also by a
     pack of the other form; our own stale temporaries inside a folder do not block it."""

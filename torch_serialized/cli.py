@@ -26,7 +26,7 @@ import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from . import format as fmt
 from ._version import __version__
 from .errors import ChecksumError, FormatError, TorchSerializedError
 from .safeio import DEFAULT_MAX_FILE_BYTES
+
+if TYPE_CHECKING:
+    from .reader import Member
 
 __all__ = ["main", "parse_size"]
 
@@ -134,6 +137,13 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                 f"{args.output} already holds a pack; pass --overwrite to upload a new one "
                 "(readers of the old one keep working; `prune` removes its files later)",
             )
+    elif (member := _member(args.output)) is not None:  # --overwrite would not help
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{output} is {member}, not a pack by itself: a new pack there would break that "
+            f"pack. To replace the whole pack, {member.advice} as OUTPUT (with --overwrite); "
+            "or choose another OUTPUT",
+        )
     elif not args.overwrite and (Path(output).exists() or Path(output).is_symlink()):
         raise FileExistsError(
             errno.EEXIST,
@@ -382,6 +392,15 @@ def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
     if mean:
         out["mean"] = round(float(values.mean()), 3)
     return out
+
+
+def _member(path: str) -> Member | None:
+    """What ``path`` is when it is a shard or catalog file of a shard folder, else None."""
+    from .reader import member_of, read_binding
+
+    if _is_url(path) or not Path(path).is_file():
+        return None
+    return member_of(path, read_binding(path))
 
 
 def _shard_of(path: str) -> tuple[Path, int, int] | None:

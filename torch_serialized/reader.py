@@ -19,6 +19,7 @@ descriptors (each map holds one: Python's ``mmap`` keeps a duplicate until 3.13'
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import mmap
 import os
@@ -54,6 +55,9 @@ __all__ = [
     "open_pack",
     "default_max_open_shards",
     "read_manifest",
+    "Member",
+    "member_of",
+    "read_binding",
 ]
 
 #: Shards whose checked metadata a ``PackReader`` keeps after closing their maps, so opening
@@ -1203,6 +1207,78 @@ def read_manifest(path: str | os.PathLike[str]) -> fmt.Manifest:
     pack file is: a regular file only, at most ``MAX_MANIFEST_BYTES``."""
     data = read_regular_file(path, fmt.MAX_MANIFEST_BYTES, "the manifest")
     return fmt.parse_manifest(data, os.fspath(path))
+
+
+@dataclass(frozen=True)
+class Member:
+    """A shard or catalog file of a shard folder: part of a pack, never a pack by itself."""
+
+    role: str  # ``format.ROLE_SHARD`` or ``format.ROLE_CATALOG``
+    #: the shard folder to pass instead; None when the file is not in it (copied out)
+    folder: str | None
+    index: int | None = None  # a shard's number from 0 (None for a catalog)
+    #: the shards of the folder's manifest, which names this file; None when it does not
+    num_shards: int | None = None
+
+    def __str__(self) -> str:
+        """What the file is: ``shard 2 of 3 of the pack at data/voc``, ``the catalog of...``."""
+        shard = self.role == fmt.ROLE_SHARD
+        number = f"shard {self.index + 1}" if shard and self.index is not None else "a shard"
+        if self.folder is None:
+            what = number if shard else "a catalog"
+            return f"{what} of a shard folder (its metadata says so)"
+        if self.num_shards is None:  # the folder's earlier generation: an append kept it
+            kind = "a shard" if shard else "a catalog"
+            return f"{kind} of an earlier version of the pack at {self.folder}"
+        what = f"{number} of {self.num_shards}" if shard else "the catalog"
+        return f"{what} of the pack at {self.folder}"
+
+    @property
+    def advice(self) -> str:
+        """What to pass instead of the file."""
+        if self.folder is None:
+            return "pass the shard folder it belongs to (the folder with its manifest.json)"
+        return f"pass the folder {self.folder}"
+
+
+def member_of(path: str | os.PathLike[str], binding: Mapping[str, Any] | None) -> Member | None:
+    """What ``path`` is when it is a file of a shard folder rather than a pack: a file the
+    ``manifest.json`` beside it names, or one its metadata's ``binding`` (``format.binding``;
+    None when it has none) makes a shard or a catalog. A URL's folder is not read."""
+    from .remote import is_url
+
+    role = binding.get("role") if binding is not None else None
+    role = role if role in (fmt.ROLE_SHARD, fmt.ROLE_CATALOG) else None
+    index = binding.get("index") if binding is not None and role == fmt.ROLE_SHARD else None
+    file = Path(path)
+    manifest = None
+    if not is_url(path) and file.name != fmt.MANIFEST_NAME:
+        with contextlib.suppress(OSError, ValueError):  # no manifest, or none that reads
+            manifest = read_manifest(file.parent / fmt.MANIFEST_NAME)
+    if manifest is not None:
+        folder = str(file.parent)
+        names = [entry.file for entry in manifest.shards]
+        if file.name in names:
+            return Member(fmt.ROLE_SHARD, folder, names.index(file.name), len(names))
+        if manifest.catalog is not None and file.name == manifest.catalog.file:
+            return Member(fmt.ROLE_CATALOG, folder, None, len(names))
+        if role is not None and binding is not None and binding.get("pack_id") == manifest.pack_id:
+            return Member(role, folder, index)
+    return Member(role, None, index) if role is not None else None
+
+
+def read_binding(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``pack`` metadata of the container at ``path``; None when it has none, or when
+    the file is no readable container."""
+    try:
+        container = ContainerReader(path)
+    except (OSError, ValueError):
+        return None
+    try:
+        value = container.meta.get("pack")
+        return value if isinstance(value, dict) else None
+    finally:
+        container.close()
 
 
 def default_max_open_shards() -> int:

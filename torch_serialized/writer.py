@@ -23,7 +23,7 @@ from . import format as fmt
 from ._version import __version__
 from .atomic import AtomicOutput, is_temporary
 from .errors import WriteError
-from .reader import read_manifest
+from .reader import member_of, read_binding, read_manifest
 from .safeio import read_regular_file
 
 __all__ = ["ContainerWriter", "PackWriter", "Payload", "CREATED_BY", "is_pack", "replace_refusal"]
@@ -216,14 +216,35 @@ class ContainerWriter:
 
 
 def replace_refusal(path: Path) -> str | None:
-    """Why ``path`` may not be replaced by a new pack, or ``None`` when it may.
+    """Why ``path`` may not be replaced by a new pack (a message saying what to do instead),
+    or ``None`` when it may.
 
     Only a pack this package wrote may be replaced, verified rather than sniffed: a file with a
-    valid torch_serialized header, or a folder whose manifest parses and checks and that holds
-    nothing but the files that manifest names, shard and catalog files named as this package
-    names them (an earlier generation's, kept by an append) and our own temporaries. Anything
-    else might be someone's data.
+    valid torch_serialized header that is no shard or catalog of a shard folder (replacing
+    one breaks its pack; ``reader.member_of``), or a folder whose manifest parses and checks
+    and that holds nothing but the files that manifest names, shard and catalog files named
+    as this package names them (an earlier generation's, kept by an append) and our own
+    temporaries. Anything else might be someone's data.
     """
+    reason = _not_a_pack(path)
+    if reason is not None:
+        return (
+            f"{path} exists and is not a torch_serialized pack: it {reason}. "
+            "Refusing to replace it; remove it yourself or choose another output path"
+        )
+    if path.is_file():
+        member = member_of(path, read_binding(path))
+        if member is not None:
+            return (
+                f"{path} is {member}, not a pack by itself: a new pack there would break "
+                f"that pack. Refusing to replace it; to replace the whole pack, "
+                f"{member.advice}, or choose another output path"
+            )
+    return None
+
+
+def _not_a_pack(path: Path) -> str | None:
+    """Why ``path`` is no pack this package wrote (see ``replace_refusal``), or ``None``."""
     if not os.path.lexists(path):
         return None
     if path.is_dir():
@@ -310,11 +331,7 @@ class PackWriter:
             )
         refusal = replace_refusal(self.output)
         if refusal is not None:
-            raise WriteError(
-                errno.EEXIST,
-                f"{self.output} exists and is not a torch_serialized pack: it {refusal}. "
-                "Refusing to replace it; remove it yourself or choose another output path",
-            )
+            raise WriteError(errno.EEXIST, refusal)
         self.pack_id = pack_id or fmt.new_pack_id()
         #: in every file name this write makes, so no name a reader may hold is ever reused
         self._token = token or fmt.new_token()

@@ -359,6 +359,46 @@ def test_info_and_verify_on_one_shard_of_a_folder(
     assert status == 0 and out.startswith("OK ") and "shard 2 of 5" in out
 
 
+def test_info_and_verify_on_the_catalog_of_a_folder(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
+) -> None:
+    folder = synthetic_packs.shards
+    catalog = next(folder.glob("catalog-*.tser"))
+    status, out, err = run(capsys, "info", catalog)
+    assert status == 0, err
+    assert f"catalog      of the pack {folder} (its manifest.json names it)" in out
+    assert f"info {folder}" in out and "damaged" not in out + err
+    status, out, _ = run(capsys, "info", "--json", catalog)
+    info = json.loads(out)
+    assert (info["catalog_of"], info["records"]) == (str(folder), 0)
+    status, out, _ = run(capsys, "verify", catalog)
+    assert status == 0 and out.startswith("OK "), out
+    assert f"This file is the catalog of the pack at {folder}; " in out
+    assert f"verify {folder} checks the whole pack" in out
+
+
+@pytest.mark.parametrize(
+    ("member", "what"), [("shard", "shard 5 of 5"), ("catalog", "the catalog")]
+)
+def test_export_and_append_on_one_file_of_a_folder_name_the_folder(
+    capsys: pytest.CaptureFixture[str],
+    synthetic_packs: Packed,
+    tmp_path: Path,
+    member: str,
+    what: str,
+) -> None:
+    folder = synthetic_packs.shards
+    path = sorted(folder.glob(f"{member}-*.tser"))[-1]
+    for argv in (
+        ("export", "-q", path, tmp_path / "out"),
+        ("pack", "-q", "--append", synthetic_packs.root, path),
+    ):
+        status, out, err = run(capsys, *argv)
+        assert status == 2, out + err
+        assert f"{path} is {what} of the pack at {folder}, not a pack by itself; " in err
+        assert f"pass the folder {folder}" in err and "re-pack" not in err
+
+
 # -- verify ---------------------------------------------------------------------------------------
 def damage(pack: Path, source_file: Path, out: Path) -> None:
     """Copy ``pack`` to ``out`` with one byte flipped inside ``source_file``'s stored bytes."""

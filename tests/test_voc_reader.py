@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from torch_serialized import (
     SerializedDataset,
     VOCSerializedDataset,
     VOCSerializedIterableDataset,
+    append_voc,
+    export_voc,
 )
 from torch_serialized.cli import main
 from torch_serialized.errors import FormatError
@@ -93,6 +96,57 @@ def test_what_is_not_a_voc_pack_is_refused(
     with pytest.raises(FormatError, match=message) as info:
         VOCPackReader(path)
     assert str(path) in str(info.value)
+
+
+def _member_file(folder: Path, member: str) -> Path:
+    return sorted(folder.glob(f"{member}-*.tser"))[-1]
+
+
+@pytest.mark.parametrize(
+    ("member", "what"), [("shard", "shard 3 of 3"), ("catalog", "the catalog")]
+)
+def test_one_file_of_a_shard_folder_names_the_pack_to_pass(
+    tmp_path: Path, tiny_root: Path, tiny_packs: dict[str, Path], member: str, what: str
+) -> None:
+    """Every VOC reader refuses a shard or catalog, saying whose it is, never that the
+    (healthy) pack is damaged or needs re-packing."""
+    folder = tiny_packs["shards"]
+    path = _member_file(folder, member)
+    opens = [
+        VOCPackReader,
+        VOCSerializedDataset,
+        VOCSerializedIterableDataset,
+        lambda p: export_voc(p, tmp_path / "out"),
+        lambda p: append_voc(tiny_root, p),
+    ]
+    for open_ in opens:
+        with pytest.raises(FormatError) as info:
+            open_(path)
+        message = str(info.value)
+        assert message == (
+            f"{path} is {what} of the pack at {folder}, not a pack by itself; "
+            f"pass the folder {folder}"
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_earlier_catalog_or_a_copied_out_shard_says_so(
+    tmp_path: Path, tiny_packs: dict[str, Path]
+) -> None:
+    folder = tmp_path / "pack"
+    shutil.copytree(tiny_packs["shards"], folder)
+    catalog = _member_file(folder, "catalog")
+    earlier = folder / "catalog-00000000.tser"  # as an append keeps the previous one
+    shutil.copyfile(catalog, earlier)
+    with pytest.raises(
+        FormatError, match=f"a catalog of an earlier version of the pack at {folder}"
+    ):
+        VOCPackReader(earlier)
+    alone = tmp_path / "alone.tser"
+    shutil.copyfile(_member_file(folder, "shard"), alone)
+    with pytest.raises(FormatError, match="shard 3 of a shard folder .* belongs to") as info:
+        VOCPackReader(alone)
+    assert "re-pack" not in str(info.value)
 
 
 # -- issue #11 item 5: the VOC schema is validated at open, never trusted -------------------

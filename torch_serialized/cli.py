@@ -403,66 +403,41 @@ def _member(path: str) -> Member | None:
     return member_of(path, read_binding(path))
 
 
-def _shard_of(path: str) -> tuple[Path, int, int] | None:
-    """``(shard folder, shard number, shards)`` when ``path`` is one shard file of a shard
-    folder (its manifest names it), else None."""
-    if _is_url(path):
-        return None
-    file = Path(path)
-    manifest = file.parent / fmt.MANIFEST_NAME
-    if not file.is_file() or not manifest.is_file():
-        return None
-    try:
-        from .reader import read_manifest
-
-        shards = read_manifest(manifest).shards
-    except (TorchSerializedError, OSError):
-        return None
-    names = [entry.file for entry in shards]
-    if file.name not in names:
-        return None
-    return file.parent, names.index(file.name), len(names)
-
-
-def _member_file(path: str) -> bool:
-    """Whether ``path`` is a file of a shard folder (beside a manifest: a shard, a catalog),
-    not the manifest itself (which stands for the whole pack)."""
-    return (
-        not _is_url(path)
-        and Path(path).name != fmt.MANIFEST_NAME
-        and Path(path).is_file()
-        and (Path(path).parent / fmt.MANIFEST_NAME).is_file()
-    )
-
-
-def _shard_info(path: str, folder: Path, number: int, count: int) -> dict[str, Any]:
-    """What ``info`` shows for one shard file: where it belongs and what it holds."""
+def _member_info(path: str, member: Member) -> dict[str, Any]:
+    """What ``info`` shows for one shard or catalog file: where it belongs and what it holds."""
     from .reader import ContainerReader
 
     reader = ContainerReader(path)
-    return {
-        "path": str(path),
-        "shard_of": str(folder),
-        "shard": number,
-        "num_shards": count,
-        "records": len(reader),
-        "bytes": os.path.getsize(path),
-    }
+    try:
+        records = len(reader)
+    finally:
+        reader.close()
+    where: dict[str, Any] = {"catalog_of": member.folder}
+    if member.role == fmt.ROLE_SHARD:
+        where = {"shard_of": member.folder, "shard": member.index, "num_shards": member.num_shards}
+    return {"path": str(path), **where, "records": records, "bytes": os.path.getsize(path)}
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    shard = _shard_of(args.path)
-    if shard is not None:  # one piece of a pack: describe the piece, point at the pack
-        info = _shard_info(args.path, *shard)
+    member = _member(args.path)
+    if member is not None and member.num_shards is not None:
+        # one piece of a pack its manifest names: describe the piece, point at the pack
+        info = _member_info(args.path, member)
         if args.json:
             print(json.dumps(info, indent=1, ensure_ascii=False))
             return EXIT_OK
+        place = (
+            f"shard        {member.index + 1} of {member.num_shards} of the pack"
+            if member.role == fmt.ROLE_SHARD and member.index is not None
+            else "catalog      of the pack"
+        )
         print(
-            f"{info['path']}\n"
-            f"  shard        {info['shard'] + 1} of {info['num_shards']} of the pack "
-            f"{info['shard_of']} (its manifest.json names it)\n"
-            f"  holds        {info['records']} records, {_mb(info['bytes'])}\n"
-            f"The dataset is the whole folder: {PROG} info {info['shard_of']}"
+            printable(
+                f"{info['path']}\n"
+                f"  {place} {member.folder} (its manifest.json names it)\n"
+                f"  holds        {info['records']} records, {_mb(info['bytes'])}\n"
+                f"The dataset is the whole folder: {PROG} info {member.folder}"
+            )
         )
         return EXIT_OK
     info = _pack_info(args.path, _remote(args))
@@ -521,7 +496,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 # -- verify -------------------------------------------------------------------------------------
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .reader import PackReader
+    from .reader import PackReader, member_of
     from .voc import schema
     from .voc.reader import check_voc_pack
 
@@ -536,7 +511,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     bad: list[int] = []
     bad_shards: list[str] = []  # shards that fail their own checks: every record is suspect
     # one file of a shard folder (a shard, a catalog, one kept for readers) is no VOC pack alone
-    voc = reader.user.get("schema") == schema.SCHEMA and not _member_file(args.path)
+    member = (
+        None
+        if reader.manifest is not None
+        else member_of(reader.url or reader.path, reader.binding)
+    )
+    voc = reader.user.get("schema") == schema.SCHEMA and member is None
     bad_voc = None  # a VOC pack whose metadata every VOC reader refuses
     if voc:
         try:
@@ -563,13 +543,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 f"({_mb(reader.nbytes)} in {seconds:.2f} s)"
             )
         )
-        piece = _shard_of(args.path)
-        if piece is not None:
-            folder, number, count = piece
-            print(
-                f"This file is shard {number + 1} of {count} of the pack {folder}; "
-                f"{PROG} verify {folder} checks the whole pack."
-            )
+        if member is not None:
+            whole = f"{PROG} verify {member.folder}" if member.folder else "verifying its folder"
+            print(printable(f"This file is {member}; {whole} checks the whole pack."))
         return EXIT_OK
     lines = []
     if bad_voc is not None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError
-from ..reader import PackReader
+from ..reader import PackReader, member_of
 from . import schema
 from .classes import label_classes
 from .layout import TASKS
@@ -141,7 +141,13 @@ class VOCPackReader:
 def check_voc_pack(reader: PackReader) -> dict[str, Any]:
     """The VOC layer's checks of an open pack (schema, version, fields, ``check_metadata``,
     ``check_arrays``), as every VOC reader makes them at open and ``verify`` too; returns
-    the VOC metadata. Raises ``FormatError`` naming the pack."""
+    the VOC metadata. Raises ``FormatError`` naming the pack, or for one shard or catalog
+    file of a shard folder (no pack by itself) the folder to pass instead."""
+    if reader.manifest is None:  # one file: a pack, or a piece of one
+        where = reader.url or reader.path
+        member = member_of(where, reader.binding)
+        if member is not None:
+            raise FormatError(f"{where} is {member}, not a pack by itself; {member.advice}")
     meta = reader.user
     if meta.get("schema") != schema.SCHEMA:
         raise FormatError(

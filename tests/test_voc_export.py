@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from vocfactory import jpeg
 
 from torch_serialized import ChecksumError, FormatError, SourceDataError, WriteError, pack_voc
 from torch_serialized.tools import make_synthetic_voc
-from torch_serialized.voc import schema
+from torch_serialized.voc import export, schema
 from torch_serialized.voc.export import export_voc
 from torch_serialized.writer import PackWriter
 
@@ -81,22 +82,119 @@ def test_refuses_packs_without_the_original_files(
     assert not (tmp_path / "out").exists()
 
 
-def test_damaged_record_leaves_no_partial_file(synthetic_packs: Packed, tmp_path: Path) -> None:
-    source = voc_folder(synthetic_packs)
+def damage(packed: Packed, tmp_path: Path) -> Path:
+    """A copy of ``packed.single`` whose sixth image fails its checksum."""
+    source = voc_folder(packed)
     image_id = sorted(p.stem for p in (source / "JPEGImages").iterdir())[5]
-    data = bytearray(synthetic_packs.single.read_bytes())
+    data = bytearray(packed.single.read_bytes())
     at = data.find((source / "JPEGImages" / f"{image_id}.jpg").read_bytes())
     assert at > 0
     data[at + 1000] ^= 0xFF
     damaged = tmp_path / "damaged.tser"
     damaged.write_bytes(bytes(data))
+    return damaged
+
+
+def test_damaged_record_leaves_nothing(synthetic_packs: Packed, tmp_path: Path) -> None:
+    """The export used to leave the files written before the damaged record (~40 of them)."""
+    damaged = damage(synthetic_packs, tmp_path)
     with pytest.raises(ChecksumError):
-        export_voc(damaged, tmp_path / "out")
-    images = tmp_path / "out" / "VOCdevkit" / "VOC2007" / "JPEGImages"
-    assert not (images / f"{image_id}.jpg").exists()
-    for name, content in tree(tmp_path / "out").items():  # whole files only, no temporaries
-        assert not Path(name).name.startswith(".")
-        assert content == (source / Path(name).relative_to("VOCdevkit/VOC2007")).read_bytes()
+        export_voc(damaged, tmp_path / "out" / "deeper")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged.tser", "out"]
+    assert list((tmp_path / "out").iterdir()) == []  # out_root's parent, as before; no temporary
+
+
+@pytest.mark.parametrize("existing", ["", "VOCdevkit", "VOCdevkit/VOC2007/JPEGImages"])
+def test_damaged_record_leaves_an_existing_folder_as_it_was(
+    synthetic_packs: Packed, tmp_path: Path, existing: str
+) -> None:
+    damaged = damage(synthetic_packs, tmp_path)
+    out = tmp_path / "out"
+    (out / existing).mkdir(parents=True, exist_ok=True)
+    (out / existing / "mine.txt").write_text("mine")
+    before = tree(out)
+    with pytest.raises(ChecksumError):
+        export_voc(damaged, out, overwrite=True)
+    assert tree(out) == before
+    assert [p.name for p in out.rglob(".*")] == []
+
+
+def fail_writes_after(monkeypatch: pytest.MonkeyPatch, count: int, error: BaseException) -> None:
+    """Make the export's ``count + 1``-th file write raise ``error`` (a full disk, Ctrl-C)."""
+    calls = iter(range(10**9))
+    real = export.replace_file_at
+
+    def failing(folder: int, name: str, data: bytes | memoryview) -> None:
+        if next(calls) == count:
+            raise error
+        real(folder, name, data)
+
+    monkeypatch.setattr(export, "replace_file_at", failing)
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()]
+)
+def test_a_failed_write_leaves_nothing(
+    synthetic_packs: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """On a full disk the export left a partial tree and said "no partial file was left"; a
+    rerun then refused with "already exists"."""
+    fail_writes_after(monkeypatch, 30, error)
+    with pytest.raises(type(error)) as caught:
+        export_voc(synthetic_packs.single, tmp_path / "out")
+    if isinstance(error, OSError):
+        assert isinstance(caught.value, WriteError) and caught.value.errno == errno.ENOSPC
+        assert str(tmp_path / "out" / "VOCdevkit" / "VOC2007") in str(caught.value)
+        assert "undone" in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    out = export_voc(synthetic_packs.single, tmp_path / "out")  # the rerun needs no --overwrite
+    assert tree(out) == tree(voc_folder(synthetic_packs))
+
+
+def test_a_failed_overwrite_leaves_the_previous_export(
+    synthetic_packs: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = export_voc(synthetic_packs.single, tmp_path)
+    victim = sorted((out / "JPEGImages").iterdir())[0]
+    victim.write_bytes(b"edited")
+    before = tree(tmp_path)
+    fail_writes_after(monkeypatch, 30, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(WriteError, match="undone"):
+        export_voc(synthetic_packs.single, tmp_path, overwrite=True)
+    assert tree(tmp_path) == before
+    assert [p.name for p in tmp_path.rglob(".*")] == []
+
+
+def test_a_failed_rename_into_an_existing_folder_is_undone(
+    synthetic_packs: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last step, renaming staged files into an existing devkit, is undone if one fails:
+    files it replaced come back, files and folders it created go."""
+    out = export_voc(synthetic_packs.single, tmp_path)
+    (out / "JPEGImages" / "extra.jpg").write_bytes(b"mine")
+    for path in (out / "Annotations").iterdir():
+        path.unlink()
+    (out / "Annotations").rmdir()
+    victim = sorted((out / "JPEGImages").iterdir())[0]
+    victim.write_bytes(b"edited")
+    before = tree(tmp_path)
+    renames = iter(range(10**9))
+    real = os.replace
+
+    def failing(src: str, dst: str, **kwargs: int) -> None:
+        if src == dst and next(renames) == 60:  # the merge moves a file by its own name
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst, **kwargs)
+
+    monkeypatch.setattr(export.os, "replace", failing)
+    with pytest.raises(WriteError, match="nothing was changed"):
+        export_voc(synthetic_packs.single, tmp_path, overwrite=True)
+    monkeypatch.undo()
+    assert tree(tmp_path) == before
+    assert not (out / "Annotations").exists()
+    assert [p.name for p in tmp_path.rglob(".*")] == []
 
 
 # -- unsafe packs -------------------------------------------------------------------------------

@@ -10,9 +10,15 @@ A pack is untrusted input: every id and stored path is checked before anything i
 one that would land outside ``out_root`` is refused. Folders below ``out_root`` are opened one
 component at a time with ``O_NOFOLLOW`` and files written through those descriptors, so a
 symbolic link anywhere below ``out_root`` (``VOCdevkit/VOC2007/JPEGImages`` pointing elsewhere,
-say) is refused, never followed. Each file is written under a temporary name and renamed into
-place, so a failure (a damaged record, a full disk) leaves whole files only. Records are read
-with their checksums verified.
+say) is refused, never followed. Records are read with their checksums verified.
+
+An export is all or nothing: every file is first written into a hidden temporary sibling
+(``atomic.AtomicOutput``) of the shallowest missing folder of ``out_root/<base_dir>``, which is
+renamed into place at the end. When that folder exists already (export into an existing
+devkit, with ``overwrite`` or beside files of the user) the staged files are renamed into it
+one by one, each replaced file moved aside first, and all of it is undone if one rename
+fails. On any failure (a damaged record, a full disk, Ctrl-C) the temporaries are removed and
+``out_root`` holds what it held before.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..atomic import replace_file_at
+from ..atomic import AtomicOutput, replace_file_at
 from ..errors import FormatError, WriteError
 from . import schema
 from .reader import VOCPackReader
@@ -58,7 +64,8 @@ def export_voc(
     Raises ``ValueError`` for packs that do not hold the original files, ``FormatError`` for
     ids or stored paths that are unsafe (``..``, absolute, separators, NUL), ``ChecksumError``
     for a damaged record, and ``WriteError`` (``EEXIST``) when a file to write already exists
-    and ``overwrite`` is false; that check happens before anything is written.
+    and ``overwrite`` is false; that check happens before anything is written. On any error
+    or interruption nothing of the export is left: ``out_root`` holds what it held before.
     """
     pack = VOCPackReader(
         path,
@@ -75,35 +82,122 @@ def export_voc(
         )
     out_root = Path(out_root)
     base = _safe_parts(pack.base_dir, f"{pack.path}: base_dir")
-    plan = list(_plan(pack, base, pack.files()))
-    with _Tree(out_root) as tree:
-        if not overwrite:
-            for folder, name, *_ in plan:
-                if tree.exists(folder, name):
-                    raise WriteError(
-                        errno.EEXIST,
-                        f"{out_root.joinpath(*folder, name)} already exists; export into an "
-                        "empty folder or pass overwrite=True (--overwrite) to replace the files",
-                    )
-        for folder, name, record, field, stored in tqdm(
-            plan, desc="exporting", unit="file", disable=not progress
-        ):
-            data = pack.field(record, field) if stored is None else stored
-            tree.write(folder, name, data)
-    return out_root.joinpath(*base)
+    final = out_root.joinpath(*base)
+    plan = list(_plan(pack, pack.files()))
+    with _Tree(out_root, out_root) as existing:
+        depth = existing.existing_depth(base)  # refuses a link below out_root
+    if depth < len(base):
+        # Part of out_root/<base_dir> is missing: build it aside, then one rename.
+        top = out_root.joinpath(*base[: depth + 1])
+        _stage_and_rename(pack, plan, top, base[depth + 1 :], final, progress)
+    else:
+        _stage_and_merge(pack, plan, final, overwrite, progress)
+    return final
 
 
 _Folder = tuple[str, ...]
+#: One planned file: (folder relative to out_root/<base_dir>, name, record, field, list bytes).
+_Plan = list[tuple[_Folder, str, int, int, bytes | None]]
+
+
+def _stage(pack: VOCPackReader, plan: _Plan, tree: _Tree, progress: bool) -> None:
+    """Write every planned file into ``tree``."""
+    for folder, name, record, field, stored in tqdm(
+        plan, desc="exporting", unit="file", disable=not progress
+    ):
+        data = pack.field(record, field) if stored is None else stored
+        tree.write(folder, name, data)
+
+
+def _stage_and_rename(
+    pack: VOCPackReader, plan: _Plan, top: Path, below: _Folder, final: Path, progress: bool
+) -> None:
+    """``top`` does not exist: write it complete under a temporary name, then rename it."""
+    if not top.parent.exists():  # out_root's parents: created as before, never removed
+        top.parent.mkdir(parents=True, exist_ok=True)
+    output = AtomicOutput(top, folder=True)
+    try:
+        with _Tree(output.path.joinpath(*below), final) as tree:
+            _stage(pack, plan, tree, progress)
+        output.commit()
+    except BaseException:
+        output.abort()
+        raise
+
+
+def _stage_and_merge(
+    pack: VOCPackReader, plan: _Plan, final: Path, overwrite: bool, progress: bool
+) -> None:
+    """``final`` exists: stage every file beside it, then rename each into it, undoing all of
+    it if one rename fails, so ``final`` ends with every file or as it was."""
+    with _Tree(final, final) as target:
+        for folder in sorted({folder for folder, *_ in plan}):
+            target.open_existing(folder)  # a link at any planned folder is refused up front
+        if not overwrite:
+            for folder, name, *_ in plan:
+                if target.exists(folder, name):
+                    raise WriteError(
+                        errno.EEXIST,
+                        f"{final.joinpath(*folder, name)} already exists; export into an "
+                        "empty folder or pass overwrite=True (--overwrite) to replace the files",
+                    )
+        output = AtomicOutput(final, folder=True)
+        try:
+            with _Tree(output.path, final) as staged, _Tree(output.scratch(), final) as aside:
+                _stage(pack, plan, staged, progress)
+                _merge(plan, staged, target, aside, overwrite)
+        finally:
+            output.abort()  # the staging folder is empty now, or the export failed
+
+
+def _merge(plan: _Plan, staged: _Tree, target: _Tree, aside: _Tree, overwrite: bool) -> None:
+    """Rename each staged file into ``target``, a file it replaces moved into ``aside`` first;
+    on any failure put everything back as it was and raise."""
+    done: list[tuple[_Folder, str, bool]] = []
+    try:
+        for folder, name, *_ in plan:
+            into = target.open(folder)
+            replaced = target.exists(folder, name)
+            if replaced and not overwrite:  # it appeared since the check
+                raise WriteError(
+                    errno.EEXIST,
+                    f"{target.shown.joinpath(*folder, name)} appeared during the export; "
+                    "nothing was changed, export again (with --overwrite to replace it)",
+                )
+            if replaced:
+                os.replace(name, name, src_dir_fd=into, dst_dir_fd=aside.open(folder))
+            done.append((folder, name, replaced))
+            os.replace(name, name, src_dir_fd=staged.open(folder), dst_dir_fd=into)
+    except BaseException as exc:
+        for folder, name, replaced in reversed(done):
+            with contextlib.suppress(OSError):
+                if replaced:
+                    os.replace(
+                        name, name, src_dir_fd=aside.open(folder), dst_dir_fd=target.open(folder)
+                    )
+                else:
+                    os.unlink(name, dir_fd=target.open(folder))
+        target.remove_created()
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise WriteError(
+                exc.errno or errno.EIO,
+                f"moving the exported files into {target.shown} failed: "
+                f"{exc.strerror or exc}; nothing was changed there",
+            ) from exc
+        raise
 
 
 class _Tree:
     """The folders below ``root``, each opened from its parent's descriptor with
     ``O_NOFOLLOW`` (created first when writing), so nothing below ``root`` is reached through
-    a symbolic link. ``root`` itself is the caller's choice and may be one."""
+    a symbolic link. ``root`` itself is the caller's choice and may be one. Messages name
+    ``shown`` (the final folder) in place of ``root`` (perhaps a temporary)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, shown: Path) -> None:
         self.root = root
+        self.shown = shown
         self._fds: dict[_Folder, int] = {}
+        self._created: list[_Folder] = []
 
     def __enter__(self) -> _Tree:
         return self
@@ -118,7 +212,7 @@ class _Tree:
         if folder in self._fds:
             return self._fds[folder]
         flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-        path = self.root.joinpath(*folder)
+        path = self.shown.joinpath(*folder)
         try:
             if not folder:
                 if create:
@@ -131,6 +225,7 @@ class _Tree:
                 if create:
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(folder[-1], dir_fd=parent)
+                        self._created.append(folder)
                 fd = os.open(folder[-1], flags | getattr(os, "O_NOFOLLOW", 0), dir_fd=parent)
         except FileNotFoundError:
             if create:
@@ -150,6 +245,31 @@ class _Tree:
         self._fds[folder] = fd
         return fd
 
+    def open(self, folder: _Folder) -> int:
+        """The descriptor of ``root/folder``, created if missing."""
+        fd = self._open(folder, create=True)
+        assert fd is not None
+        return fd
+
+    def open_existing(self, folder: _Folder) -> None:
+        """Open ``root/folder`` if it exists, refusing a link or a file on the way."""
+        self._open(folder, create=False)
+
+    def existing_depth(self, folder: _Folder) -> int:
+        """How many leading components of ``folder`` exist below ``root`` (-1: not even
+        ``root``), refusing a link or a file on the way."""
+        for depth in range(len(folder), -1, -1):
+            if self._open(folder[:depth], create=False) is not None:
+                return depth
+        return -1
+
+    def remove_created(self) -> None:
+        """Remove the folders this tree created (empty again after a rollback), deepest first."""
+        for folder in reversed(self._created):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder[-1], dir_fd=self._fds[folder[:-1]])
+        self._created.clear()
+
     def exists(self, folder: _Folder, name: str) -> bool:
         fd = self._open(folder, create=False)
         if fd is None:
@@ -163,23 +283,24 @@ class _Tree:
     def write(self, folder: _Folder, name: str, data: bytes | memoryview) -> None:
         """Write one file atomically (``atomic.replace_file_at``), failing with a
         ``WriteError``."""
-        fd = self._open(folder, create=True)
-        assert fd is not None
         try:
-            replace_file_at(fd, name, data)
+            replace_file_at(self.open(folder), name, data)
         except OSError as exc:
-            target = self.root.joinpath(*folder, name)
+            if isinstance(exc, WriteError):
+                raise
+            target = self.shown.joinpath(*folder, name)
             raise WriteError(
                 exc.errno or errno.EIO,
-                f"writing {target} failed: {exc.strerror or exc}; no partial file was left",
+                f"writing {target} failed: {exc.strerror or exc}; the export was undone "
+                "(nothing of it is left), free space or fix the cause and run it again",
             ) from exc
 
 
 def _plan(
-    pack: VOCPackReader, base: _Folder, files: dict[str, bytes]
+    pack: VOCPackReader, files: dict[str, bytes]
 ) -> Iterator[tuple[_Folder, str, int, int, bytes | None]]:
     """``(folder, name, record, field, None)`` per record file, ``(folder, name, -1, -1,
-    bytes)`` per list file, folders relative to the output folder. Raises on an unsafe id or
+    bytes)`` per list file, folders relative to ``out_root/<base_dir>``. Raises on an unsafe id or
     path; the caller lists the whole plan first."""
     flags = pack.columns["flags"]
     seen: set[str] = set()
@@ -192,7 +313,7 @@ def _plan(
         seen.add(image_id)
         for field, flag, folder, ext in _OUTPUTS:
             if flag == 0 or int(flags[record]) & flag:
-                yield (*base, folder), f"{image_id}{ext}", record, field, None
+                yield (folder,), f"{image_id}{ext}", record, field, None
     for name in sorted(files):
         parts = _safe_parts(name, f"{pack.path}: stored list file {name!r}")
         if parts[0] != "ImageSets" or len(parts) < 2:
@@ -200,7 +321,7 @@ def _plan(
                 f"{pack.path}: stored list file {name!r} is not under ImageSets/; refusing to "
                 "write it (the pack was not made by pack_voc, or is damaged)"
             )
-        yield (*base, *parts[:-1]), parts[-1], -1, -1, files[name]
+        yield parts[:-1], parts[-1], -1, -1, files[name]
 
 
 def _check_id(image_id: str, where: str) -> None:

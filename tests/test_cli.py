@@ -123,7 +123,7 @@ def test_pack_info_verify_export_round_trip(
     pack = tmp_path / "voc.tser"
     status, out, err = run(capsys, "pack", synthetic_devkit, pack)
     assert status == 0, err
-    assert "packing" in err  # the progress bar
+    assert "packing" not in err  # no progress bar: stderr is not a terminal here
     assert re.search(r"packed 24 samples of .*VOC2007\n", out)
     assert "  year     2007 (found in the folder names; --year picks another)" in out
     assert re.search(r"time .* samples/s, .* MB/s", out)
@@ -154,6 +154,29 @@ def test_pack_info_verify_export_round_trip(
     assert status == 2 and "already exists" in err and "Traceback" not in err
     status, _, err = run(capsys, "export", "--overwrite", "-q", pack, tmp_path / "restored")
     assert status == 0, err
+
+
+def test_progress_bars_only_on_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    synthetic_devkit: Path,
+    tmp_path: Path,
+) -> None:
+    """In a log or CI (stderr a pipe) every bar update was one more ``\\r`` line."""
+    logged = cli("pack", synthetic_devkit, tmp_path / "piped.tser")
+    assert logged.returncode == 0, logged.stderr
+    assert "\r" not in logged.stderr and "packing" not in logged.stderr
+    logged = cli("export", tmp_path / "piped.tser", tmp_path / "out")
+    assert logged.returncode == 0, logged.stderr
+    assert "\r" not in logged.stderr and "exporting" not in logged.stderr
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # capsys's stream, as a terminal
+    status, _, err = run(capsys, "pack", synthetic_devkit, tmp_path / "tty.tser")
+    assert status == 0 and "packing" in err
+    status, _, err = run(capsys, "pack", "-q", synthetic_devkit, tmp_path / "quiet.tser")
+    assert status == 0 and "packing" not in err
+    status, _, err = run(capsys, "export", tmp_path / "tty.tser", tmp_path / "out2")
+    assert status == 0 and "exporting" in err
 
 
 def test_info_json_matches_the_source(
@@ -311,9 +334,13 @@ def test_bad_source_data_points_cli_users_at_skip_bad(
 
 
 def test_pack_summary_and_progress_agree_with_info(
-    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    synthetic_devkit: Path,
+    tmp_path: Path,
 ) -> None:
     """One size (the files on disk) and one rate (those bytes over the whole pack)."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # show the bar
     for output, options in (("one.tser", []), ("shards", ["--shards", "3"])):
         status, out, err = run(capsys, "pack", synthetic_devkit, tmp_path / output, *options)
         assert status == 0, err

@@ -102,6 +102,12 @@ def _storage_options(text: str) -> dict[str, Any]:
     return value
 
 
+def _progress(args: argparse.Namespace) -> bool:
+    """Show a progress bar only on a terminal (tqdm's own rule), never with ``-q``: in a log
+    or a CI job each update of a bar would be one more line."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 def _remote(args: argparse.Namespace) -> dict[str, Any]:
     """The reader keywords of the remote options (``_remote_options``)."""
     return {
@@ -166,7 +172,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         max_size=args.max_size,
         check_images=args.check_images,
         on_error="skip" if args.skip_bad else "raise",
-        progress=not args.quiet,
+        progress=_progress(args),
         max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
         storage_options=args.storage_options,
     )
@@ -289,7 +295,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
         args.output,
         year=args.year,
         on_error="skip" if args.skip_bad else "raise",
-        progress=not args.quiet,
+        progress=_progress(args),
         workers=args.workers,
         replace_changed=args.replace_changed,
         checksum=args.checksum,
@@ -606,7 +612,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     remote = _remote(args)
     folder = export_voc(
-        args.path, args.out_root, overwrite=args.overwrite, progress=not args.quiet, **remote
+        args.path, args.out_root, overwrite=args.overwrite, progress=_progress(args), **remote
     )
     seconds = time.perf_counter() - started
     pack = VOCPackReader(args.path, **remote)
@@ -795,7 +801,9 @@ def _parser() -> argparse.ArgumentParser:
         help="with --append: accept a ROOT that lists none of the pack's ids (every sample "
         "retired; refused otherwise, as most likely the wrong folder)",
     )
-    pack.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pack.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar (shown only on a terminal)"
+    )
     pack.set_defaults(run=_cmd_pack)
 
     info = command(
@@ -835,7 +843,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--overwrite", action="store_true", help="replace files that exist in OUT_ROOT"
     )
-    export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    export.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar (shown only on a terminal)"
+    )
     export.set_defaults(run=_cmd_export)
 
     from .tools.benchmark.core import OPTIONAL_SCENARIOS, SCENARIOS

@@ -179,6 +179,18 @@ def test_progress_bars_only_on_a_terminal(
     assert status == 0 and "exporting" in err
 
 
+def test_cache_clear_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``cache clear --json`` took the flag and printed plain text."""
+    status, out, err = run(capsys, "cache", "clear", "--cache-dir", tmp_path, "--json")
+    assert status == 0, err
+    assert json.loads(out) == {
+        "packs_removed": 0,
+        "objects_removed": 0,
+        "bytes_freed": 0,
+        "objects_in_use": 0,
+    }
+
+
 def test_info_json_matches_the_source(
     capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
 ) -> None:

@@ -14,6 +14,7 @@ the traceback instead); ``verify`` exits 1 when it finds damage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import functools
 import json
@@ -230,6 +231,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     folder = args.cache_dir or default_cache_dir()
     if args.action == "clear":
         done = clear_cache(args.cache_dir, url=args.url)
+        if args.json:
+            print(json.dumps(dataclasses.asdict(done), indent=1))
+            return EXIT_OK
         print(
             f"removed {done.packs_removed} pack(s), {done.objects_removed} file(s), "
             f"{_mb(done.bytes_freed)} from {folder}"
@@ -893,7 +897,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the cache folder (default: $TORCH_SERIALIZED_CACHE, else ~/.cache/torch_serialized)",
     )
     cache.add_argument("--url", help="clear: only the packs of this URL")
-    cache.add_argument("--json", action="store_true", help="list: print JSON instead")
+    cache.add_argument("--json", action="store_true", help="print JSON instead")
     cache.set_defaults(run=_cmd_cache)
 
     prune = command(

@@ -146,3 +146,23 @@ def test_check_images_checks_masks_too(tmp_path, mask):
     )
     assert [s.id for s in skipped.skipped] == ["b"] and skipped.num_samples == 1
     assert pack_voc(root, tmp_path / "lax.tser", year="2007").num_samples == 2
+
+
+@pytest.mark.parametrize("check_images", [False, True])
+def test_an_unreadable_image_is_named_by_its_file(tmp_path: Path, check_images: bool) -> None:
+    """The message named Pillow's in-memory stream (``<_io.BytesIO object at 0x7f...>``)."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b"], **{"b.jpg": b"not an image at all"})
+    with pytest.raises(SourceDataError) as info:
+        pack_voc(root, tmp_path / "out.tser", year="2007", check_images=check_images)
+    message = str(info.value)
+    assert "JPEGImages/b.jpg: not a readable image (cannot identify image file)" in message
+    assert "BytesIO" not in message and " at 0x" not in message
+
+
+def test_an_unreadable_mask_is_named_by_its_file(tmp_path: Path) -> None:
+    root = _devkit_with_mask(tmp_path / "src", b"not a png at all")
+    with pytest.raises(SourceDataError) as info:
+        pack_voc(root, tmp_path / "out.tser", year="2007", check_images=True)
+    message = str(info.value)
+    assert "SegmentationClass/b.png: not a readable PNG mask" in message
+    assert "BytesIO" not in message and " at 0x" not in message

@@ -11,6 +11,7 @@ imports torch.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ SKIP_HINT = "(or leave such samples out: on_error='skip' in pack_voc, --skip-bad
 #: Start-of-frame markers (baseline, extended, progressive, lossless...): they hold the size.
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: How Pillow names the in-memory stream it was given ("cannot identify image file <...>").
+_STREAM_REPR = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def store_image(
             img = img.convert("RGB")  # decodes every pixel: truncated data fails here
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise SourceDataError(
-            f"{path}: not a readable image ({exc}); replace the file or remove its id "
+            f"{path}: not a readable image ({_reason(exc)}); replace the file or remove its id "
             f"from the lists {SKIP_HINT}"
         ) from None
     except Image.DecompressionBombError as exc:
@@ -109,11 +112,17 @@ def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
             img.load()
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise SourceDataError(
-            f"{path}: not a readable PNG mask ({exc}); replace the file or remove its id "
+            f"{path}: not a readable PNG mask ({_reason(exc)}); replace the file or remove its id "
             "from the lists (or pack with on_error='skip')"
         ) from None
     except Image.DecompressionBombError as exc:
         raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """Pillow's message without the stream it names (``<_io.BytesIO object at 0x7f...>``,
+    which tells a user nothing): the caller's message names the file."""
+    return _STREAM_REPR.sub("", str(exc)) or type(exc).__name__
 
 
 def png_size(data: bytes | memoryview) -> tuple[int, int] | None:

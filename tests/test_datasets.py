@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -827,6 +828,34 @@ def test_each_read_returns_fresh_samples(
     first, second = ours.__getitems__([with_objects, with_objects])
     _owned_and_fresh(first, second)
     _owned_and_fresh(ours.__getitems__([with_objects])[0], ours[with_objects])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("task", ["Main", "Segmentation"])
+def test_bad_indices_name_the_index_and_the_length(
+    synthetic_packs: Packed, task: str, layout: str
+) -> None:
+    """``ds[10000]`` said "index out of bounds on dimension 1" and ``ds["000002"]``
+    "memoryview: invalid slice key": neither named the index nor the length."""
+    ours = our_dataset(task, synthetic_packs.path(layout), "train", decode="none")
+    n, name = len(ours), type(ours).__name__
+    for bad in (n, 10000, -n - 1):
+        for call, argument in ((ours.__getitem__, bad), (ours.__getitems__, [0, bad])):
+            with pytest.raises(IndexError) as caught:
+                call(argument)
+            message = str(caught.value)
+            assert f"{name} index {bad} is out of range" in message
+            assert f"{n} samples" in message and "'train'" in message
+    for wrong in ("000002", 1.5, None):
+        for call, argument in ((ours.__getitem__, wrong), (ours.__getitems__, [wrong])):
+            with pytest.raises(TypeError) as caught:
+                call(argument)
+            assert f"{name} indices must be integers, not {type(wrong).__name__}" in str(
+                caught.value
+            )
+    with pytest.raises(TypeError, match=re.escape("ids.index('000002')")):
+        ours["000002"]
+    assert_same_value(ours[-1], ours[n - 1])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

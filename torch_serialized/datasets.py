@@ -179,7 +179,27 @@ class _PackedVOCBase:
         self._index = _index_of(self.records)
 
     def _record(self, index: int) -> int:
-        return self._index[index]  # type: ignore[no-any-return]  # IndexError as a list's
+        try:
+            return self._index[index]  # type: ignore[no-any-return]
+        except (IndexError, TypeError):
+            raise self._bad_index(index) from None
+
+    def _bad_index(self, index: object) -> Exception:
+        """The ``IndexError`` or ``TypeError`` a list raises for ``index``, naming the index
+        and the length (the index memoryview's own messages name neither). Error path only:
+        the lookups call it after the memoryview refused ``index``."""
+        name = type(self).__name__
+        if not hasattr(index, "__index__"):
+            hint = f"; to find an image id use dataset.ids.index({index!r})"
+            return TypeError(
+                f"{name} indices must be integers, not {type(index).__name__}"
+                + (hint if isinstance(index, str) else "")
+            )
+        n = len(self)
+        return IndexError(
+            f"{name} index {index} is out of range: image set {self.image_set!r} of "
+            f"{self.pack.path} has {n} samples (0 to {n - 1}, or -{n} to -1)"
+        )
 
     @property
     def ids(self) -> RecordNames:
@@ -265,7 +285,10 @@ class _PackedVOCBase:
         if type(self).__getitem__ not in _BATCHABLE:
             return [self[i] for i in indices]
         index = self._index
-        records = [index[i] for i in indices]  # IndexError before any read
+        try:
+            records = [index[i] for i in indices]  # IndexError before any read
+        except (IndexError, TypeError):
+            records = [self._record(i) for i in indices]  # raises, naming the first bad one
         if not records:
             return []
         rows = self._fetch_many(records)
@@ -368,7 +391,10 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         # the per-sample path, kept flat: each call or lookup saved is ~0.1 µs of a ~12 µs
         # bytes-level sample (benchmarks/README.md, "Measurements behind the code")
-        record = self._index[index]
+        try:
+            record = self._index[index]
+        except (IndexError, TypeError):  # free until raised: the message costs only then
+            raise self._bad_index(index) from None
         image, target = self._fetch_fields(record, self._fields)
         image, target = self._image_of(record, image), self._target_of(record, target)
         transforms = self.transforms
@@ -425,7 +451,10 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
         return self._targets
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        record = self._index[index]  # flat, as VOCSerializedDataset.__getitem__
+        try:
+            record = self._index[index]  # flat, as VOCSerializedDataset.__getitem__
+        except (IndexError, TypeError):
+            raise self._bad_index(index) from None
         image_data, mask_data = self._fetch_fields(record, self._fields)
         image, mask = self._image_of(record, image_data), self.decoder.mask(record, mask_data)
         transforms = self.transforms

@@ -445,6 +445,28 @@ def test_file_replaced_by_junk_raises_file_changed(tmp_path, content):
     check_pack(reader, 5)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_every_read_path_reads_the_mapped_file_after_a_replace(tmp_path, form):
+    """The ``pread`` paths (scatter reads, read hints, cache probes) use the descriptor of the
+    file that was mapped, as views do: they once opened the path on first use and raised
+    ``FileChangedError`` once the path named a new pack (while ``field`` worked)."""
+    out = write_pack(tmp_path / "out", 30, **FORMS[form])
+    reader = open_pack(out)
+    shards = [reader.shard(s) for s in range(reader.num_shards)]  # mapped, nothing read yet
+    write_pack(out, 30, seed=7, **FORMS[form])  # replaced atomically by a new pack
+    start = 0
+    for shard in shards:
+        records = list(range(len(shard)))
+        shard.advise(records)
+        shard.prefetch(records)
+        assert shard.cached(records) in (True, False)
+        rows = shard.read_records(records, [1, 0])
+        expected = [[payload(start + i, k, size_of(start + i, k)) for k in (1, 0)] for i in records]
+        assert [[row[0].tobytes(), row[1].tobytes()] for row in rows] == expected
+        start += len(shard)
+    check_pack(reader, 30)
+
+
 def test_a_run_is_read_in_bounded_sequential_calls(stream_packs, monkeypatch) -> None:
     """A multi-megabyte run is split into ``preadv`` calls of about ``_READ_SIZE`` bytes that
     follow each other through the file, so read-ahead streams the run (one whole-run call

@@ -4,13 +4,16 @@ A reader validates the header, footer, metadata and index when it is created, th
 the file with ``mmap``. The map belongs to one process: it is dropped when the reader is
 pickled (spawn/forkserver DataLoader workers) and reopened by the first access in a process
 whose pid differs from the one that mapped it (fork), so no setup is needed in workers.
-A reopen checks that the file on disk is still the one that was validated.
+A reopen checks that the file on disk is still the one that was validated. A map keeps the
+descriptor it was made from, and every read of it (views, ``pread``, read hints, cache
+probes) goes to that file, never to its path again: a process keeps reading the file it
+opened after the path was replaced.
 
 A shard folder opens from its manifest and its catalog alone; each shard is opened on first
 use, checked then against its manifest entry and its own binding, and kept in a bounded
 least-recently-used set, so a pack of any number of shards needs a bounded number of file
-descriptors (each map holds one: Python's ``mmap`` keeps a duplicate until 3.13's
-``trackfd=False``). This module never imports torch.
+descriptors (each map holds its own, and before 3.13's ``trackfd=False`` Python's ``mmap``
+keeps a duplicate: two). This module never imports torch.
 """
 
 # More than 400 lines: the reading half of the format (ContainerReader, PackReader), the
@@ -79,7 +82,8 @@ HINT_WINDOW = 4 << 20
 
 class _Mapped:
     """What one process holds of a container: the map, the index columns, the arrays and
-    (opened on first use) a descriptor for ``pread``. Never pickled, never shared."""
+    the descriptor the map was made from (owned: closed when this object goes), which
+    ``pread``, read hints and cache probes use. Never pickled, never shared."""
 
     __slots__ = (
         "pid",
@@ -97,12 +101,20 @@ class _Mapped:
     )
 
     def __init__(
-        self, mm: mmap.mmap, view: memoryview, index: np.ndarray, arrays: dict[str, np.ndarray]
+        self,
+        fd: int,
+        mm: mmap.mmap,
+        view: memoryview,
+        index: np.ndarray,
+        arrays: dict[str, np.ndarray],
     ) -> None:
         self.pid = os.getpid()
         self.mmap, self.view, self.arrays = mm, view, arrays
         self.offsets, self.lengths, self.crcs = index["offset"], index["length"], index["crc32"]
-        self.fd: int | None = None
+        #: the file that was mapped (and checked): reads never look its path up again, which
+        #: may name another file by now (a re-pack or an append renames a new one into place)
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
         #: the windows (``HINT_WINDOW``) of the file this map has hinted (``advise``; made on
         #: first use, windows without record bytes counted as hinted), and whether all are
         self.hinted: np.ndarray | None = None
@@ -171,9 +183,10 @@ class ContainerReader:
             self._read_metadata(fd, footer)
             if expect is not None:
                 self._check_expected(expect)
-            self._local = self._read_arrays(fd, check=True)
-        finally:
+            self._local = self._read_arrays(fd, check=True)  # owns ``fd`` from here
+        except BaseException:
             os.close(fd)
+            raise
 
     # -- opening: one step per section of docs/FORMAT.md ---------------------------------------
     def _open_fd(self) -> int:
@@ -262,7 +275,8 @@ class ContainerReader:
     def _read_arrays(self, fd: int, *, check: bool) -> _Mapped:
         """Arrays: map the file and view the record index and every array in it; with
         ``check`` (at creation), verify their descriptors and checksums and that the index
-        points inside the data, and keep the checked layout for later maps."""
+        points inside the data, and keep the checked layout for later maps. The map returned
+        owns ``fd``; on an error the caller still does."""
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ, **_MMAP_OPTIONS)
         view = memoryview(mm)
         if check:
@@ -274,7 +288,7 @@ class ContainerReader:
         if check:
             self._check_index(index)
         arrays = {layout[0]: array for layout, array in zip(self._layout[1:], views[1:])}
-        return _Mapped(mm, view, index, arrays)
+        return _Mapped(fd, mm, view, index, arrays)
 
     def _check_layout(
         self, view: memoryview
@@ -324,9 +338,10 @@ class ContainerReader:
         if local is None or local.pid != os.getpid():
             fd = self._open_same_file()
             try:
-                local = self._local = self._read_arrays(fd, check=False)
-            finally:
+                local = self._local = self._read_arrays(fd, check=False)  # owns ``fd``
+            except BaseException:
                 os.close(fd)
+                raise
         return local
 
     def _open_same_file(self) -> int:
@@ -354,14 +369,6 @@ class ContainerReader:
                 "create the dataset again to read the new file"
             )
         return fd
-
-    def _descriptor(self, local: _Mapped) -> int:
-        """This process's file descriptor for ``pread`` (``local``, which the caller holds
-        while it uses the descriptor, owns it), checked to be the validated file."""
-        if local.fd is None:
-            local.fd = self._open_same_file()
-            weakref.finalize(local, os.close, local.fd)
-        return local.fd
 
     def close(self) -> None:
         """Drop this process's map (and descriptors) of the file; the next access maps it
@@ -506,7 +513,7 @@ class ContainerReader:
             return
         hinted[windows] = True
         local.hinted_all = bool(hinted.all())
-        fd = self._descriptor(local)
+        fd = local.fd
         breaks = np.flatnonzero(np.diff(windows) != 1) + 1
         for run in np.split(windows, breaks):
             _willneed(fd, int(run[0]) * HINT_WINDOW, len(run) * HINT_WINDOW)
@@ -588,7 +595,7 @@ class ContainerReader:
             return
         local = self._mapped()
         start, end = self._span(local, records)
-        fd = self._descriptor(local)
+        fd = local.fd
         if end > start and _cached(fd, end - 1):
             return
         _willneed(fd, start, end - start)
@@ -604,7 +611,7 @@ class ContainerReader:
         start, end = self._span(local, records)
         if end <= start:
             return True
-        fd = self._descriptor(local)
+        fd = local.fd
         return _cached(fd, start) and _cached(fd, end - 1)
 
     def _span(self, local: _Mapped, records: Sequence[int] | np.ndarray) -> tuple[int, int]:
@@ -622,7 +629,7 @@ class ContainerReader:
 
     def _scatter_read(self, local: _Mapped, pieces: list[tuple[int, np.ndarray]]) -> None:
         """Fill each destination array from the file at its offset, in few ``preadv`` calls."""
-        fd = self._descriptor(local)
+        fd = local.fd
         pieces.sort(key=lambda piece: piece[0])
         gaps = [b[0] - (a[0] + len(a[1])) for a, b in zip(pieces, pieces[1:])]
         scratch = np.empty(max([0, *gaps]), dtype=np.uint8)

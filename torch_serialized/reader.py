@@ -782,9 +782,7 @@ class PackReader:
                 num_shards=len(manifest.shards),
             ),
         )
-        catalog = ContainerReader(
-            self._local_file(entry.file, expect), checked=self.checked, expect=expect
-        )
+        catalog = self._open_listed(entry.file, "the catalog", expect)
         for name, array in catalog.arrays().items():
             if catalog.is_per_record(name):
                 raise expect.mismatch(catalog.path, f"the catalog holds per-record array {name!r}")
@@ -989,28 +987,33 @@ class PackReader:
     def _open_shard(self, s: int) -> ContainerReader:
         expect = self._expected[s]
         assert expect is not None
-        path = self.shard_path(s)
-        try:
-            if self.remote is not None:
-                path = str(self._local_file(self.entries[s].file, expect))
-            shard = ContainerReader(path, checked=self.checked, expect=expect)
-        except (FileNotFoundError, FormatError) as exc:
-            if self._manifest_changed():
-                name = os.path.basename(path)
-                raise FileChangedError(
-                    f"{self.url or self.path} was replaced after it was opened ({name} is not the "
-                    "file "
-                    "its manifest named then); create the dataset again to read the new pack"
-                ) from None
-            if isinstance(exc, FileNotFoundError) and self.remote is None:
-                raise FileNotFoundError(
-                    f"{path}: shard {s} named by {self.manifest_path} is missing; the pack is "
-                    "incomplete: copy it again or re-pack the dataset"
-                ) from None
-            raise
+        shard = self._open_listed(self.entries[s].file, f"shard {s}", expect)
         if self.manifest is not None and self.manifest.version >= 2:
             self._check_columns(s, shard)
         return shard
+
+    def _open_listed(self, name: str, what: str, expect: Expected) -> ContainerReader:
+        """The manifest's file ``name`` (``what``: "shard 3", "the catalog"), opened and
+        checked against ``expect``. Missing or not the file listed: ``FileChangedError`` if
+        the manifest changed since it was read (the pack was replaced: its files are the new
+        pack's), else the pack is incomplete or damaged."""
+        path = os.path.join(self.path, name)
+        try:
+            if self.remote is not None:
+                path = str(self._local_file(name, expect))
+            return ContainerReader(path, checked=self.checked, expect=expect)
+        except (FileNotFoundError, FormatError) as exc:
+            if self._manifest_changed():
+                raise FileChangedError(
+                    f"{self.url or self.path} was replaced after it was opened ({name} is not the "
+                    "file its manifest named then); create the dataset again to read the new pack"
+                ) from None
+            if isinstance(exc, FileNotFoundError) and self.remote is None:
+                raise FileNotFoundError(
+                    f"{path}: {what} named by {self.manifest_path} is missing; the pack is "
+                    "incomplete: copy it again or re-pack the dataset"
+                ) from None
+            raise
 
     def _check_columns(self, s: int, shard: ContainerReader) -> None:
         """A shard holds its rows of the catalog's ``records`` (and no other per-record

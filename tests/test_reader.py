@@ -390,6 +390,22 @@ def test_a_pack_replaced_between_its_manifest_and_catalog_raises_file_changed(
     assert not isinstance(missing.value, FileChangedError)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_a_deleted_pack_is_reported_removed_not_replaced_by_a_new_one(tmp_path, form):
+    """A shard folder deleted under an open reader said "was replaced ... to read the new
+    pack": there is none. Both forms now say it was removed or replaced."""
+    out = write_pack(tmp_path / "out", 30, **FORMS[form])
+    reader = open_pack(out)
+    blob = pickle.dumps(reader)  # maps nothing: the file is opened again where it is read
+    shutil.rmtree(out) if out.is_dir() else out.unlink()
+    for gone in (reader, pickle.loads(blob)) if form == "shards" else (pickle.loads(blob),):
+        with pytest.raises(FileChangedError, match="removed or replaced") as info:
+            gone.field(29, 0)
+        message = str(info.value)
+        assert str(out) in message and "new pack" not in message
+        assert "re-pack it if it was deleted" in message
+
+
 def smaps() -> dict[str, int]:
     values = {}
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:

@@ -349,10 +349,7 @@ class ContainerReader:
         try:
             fd = self._open_fd()
         except (FileNotFoundError, FormatError):  # a re-pack removed it: never read a mix
-            raise FileChangedError(
-                f"{self.path} was removed or replaced after it was opened; "
-                "create the dataset again to read the new pack"
-            ) from None
+            raise FileChangedError(_gone(self.path)) from None
         size = os.fstat(fd).st_size
         tail = os.pread(fd, fmt.FOOTER_SIZE, max(size - fmt.FOOTER_SIZE, 0))
         try:
@@ -1004,6 +1001,9 @@ class PackReader:
             return ContainerReader(path, checked=self.checked, expect=expect)
         except (FileNotFoundError, FormatError) as exc:
             if self._manifest_changed():
+                assert self.manifest_path is not None
+                if self.remote is None and not os.path.lexists(self.manifest_path):
+                    raise FileChangedError(_gone(self.path, f" ({name} is gone)")) from None
                 raise FileChangedError(
                     f"{self.url or self.path} was replaced after it was opened ({name} is not the "
                     "file its manifest named then); create the dataset again to read the new pack"
@@ -1140,6 +1140,15 @@ class PackReader:
                 total += self.manifest.catalog.bytes
             total += self.manifest_path.stat().st_size
         return total
+
+
+def _gone(path: str, detail: str = "") -> str:
+    """What a reader says of a pack no longer at its path: deleted, or a re-pack under way
+    (a new pack may be there, or none)."""
+    return (
+        f"{path} was removed or replaced after it was opened{detail}; create the dataset "
+        "again to read the pack there now (re-pack it if it was deleted)"
+    )
 
 
 def _describe_binding(value: Any) -> str:

@@ -6,6 +6,7 @@ manifests); random damage is in test_reader_fuzz.py.
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import multiprocessing as mp
@@ -794,6 +795,36 @@ def test_ten_thousand_shards_read_under_ulimit_256(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["records"] == result["shards"] == 10_000 and result["fds"] < 256
+
+
+OPEN_UNTIL_EMFILE = """
+import json, resource, sys
+from torch_serialized.reader import open_pack
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+readers = []
+try:
+    for _ in range(64):
+        readers.append(open_pack(sys.argv[1]))
+except OSError as exc:
+    print(json.dumps({"opened": len(readers), "errno": exc.errno, "message": str(exc)}))
+"""
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_too_many_open_files_names_the_file_and_what_to_do(tmp_path, container_packs, form):
+    """Opening packs until the descriptor limit raised ``OSError: [Errno 24] Too many open
+    files`` from ``mmap``, naming no file (500 datasets under ``ulimit -n 1024``)."""
+    path = container_packs[form]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-c", OPEN_UNTIL_EMFILE, str(path)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert 5 < result["opened"] < 64 and result["errno"] == errno.EMFILE, result
+    assert str(path) in result["message"], result
+    assert "ulimit -n" in result["message"] and "fewer" in result["message"], result
 
 
 # -- issue #11 item 2: the manifest is protected, and so is what it points to -----------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import hashlib
 import mmap
 import os
@@ -199,6 +200,10 @@ class ContainerReader:
                     "or a shard folder written by torch_serialized"
                 ) from None
             raise FormatError(str(exc)) from None
+        except OSError as exc:
+            if exc.errno in _NO_MORE_FILES:
+                raise _too_many_files(self.path, exc) from None
+            raise
 
     def _read_header(self, fd: int) -> None:
         """Header: magic, checksum, alignment, and a major version this package reads."""
@@ -277,7 +282,12 @@ class ContainerReader:
         ``check`` (at creation), verify their descriptors and checksums and that the index
         points inside the data, and keep the checked layout for later maps. The map returned
         owns ``fd``; on an error the caller still does."""
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ, **_MMAP_OPTIONS)
+        try:
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ, **_MMAP_OPTIONS)
+        except OSError as exc:  # mmap's duplicate descriptor: an error naming no file
+            if exc.errno in _NO_MORE_FILES:
+                raise _too_many_files(self.path, exc) from None
+            raise
         view = memoryview(mm)
         if check:
             self._layout = self._check_layout(view)
@@ -1142,6 +1152,29 @@ class PackReader:
         return total
 
 
+#: ``errno`` values of a full descriptor table: this process's (``ulimit -n``) or the system's.
+_NO_MORE_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def _too_many_files(path: str | os.PathLike[str], exc: OSError) -> OSError:
+    """``exc`` (EMFILE or ENFILE, raised opening or mapping ``path``) as an ``OSError`` of the
+    same errno that names the file and says what to do."""
+    limit = ""
+    try:
+        import resource
+
+        limit = f" (`ulimit -n` is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+    except (ImportError, OSError, ValueError):
+        pass
+    return OSError(
+        exc.errno,
+        f"{os.fspath(path)}: cannot open or map it: {exc.strerror}{limit}. Each open pack file "
+        "holds two descriptors (one from Python 3.13): raise the limit (`ulimit -n`, "
+        "`resource.setrlimit`), keep fewer datasets open at once, or pass `open_pack` a lower "
+        "`max_open_shards`",
+    )
+
+
 def _gone(path: str, detail: str = "") -> str:
     """What a reader says of a pack no longer at its path: deleted, or a re-pack under way
     (a new pack may be there, or none)."""
@@ -1195,6 +1228,10 @@ def _locate(
             data = read_regular_file(manifest_path, fmt.MAX_MANIFEST_BYTES, "the manifest")
         except (FileKindError, FileSizeError) as exc:
             raise CorruptFileError(f"{exc}; the pack is damaged, re-pack it") from None
+        except OSError as exc:
+            if exc.errno in _NO_MORE_FILES:
+                raise _too_many_files(manifest_path, exc) from None
+            raise
         return path, manifest_path, data, remote
     if os.path.lexists(path):
         return path, None, None, remote

@@ -283,3 +283,15 @@ def test_hot_path_target_parser_is_the_schema_one() -> None:
         parsed = decode_module._parse_target(buffer)
         assert parsed == schema.decode_target(buffer) == target
         assert parsed is not decode_module._parse_target(buffer)
+
+
+@pytest.mark.parametrize("decode", ["pil", "tensor"])
+def test_undecodable_stored_bytes_are_named_without_pillows_stream(
+    pack: VOCPackReader, decode: str
+) -> None:
+    """Stored bytes no decoder reads raise our error naming the record; Pillow's text names
+    only the in-memory stream it was given (``<_io.BytesIO object at 0x...>``): left out."""
+    decoder = SampleDecoder(pack, decode=decode)  # type: ignore[arg-type]
+    with pytest.raises(FormatError, match="the stored image cannot be decoded") as failed:
+        decoder.image(0, b"no image format starts like this")
+    assert "BytesIO" not in str(failed.value) and pack.id(0) in str(failed.value)

@@ -32,7 +32,7 @@ from torchvision.transforms.functional import pil_to_tensor
 from .errors import FormatError, ImageTooLargeError
 from .voc import schema
 from .voc.classes import label_classes
-from .voc.images import check_pixels, declared_size, jpeg_size
+from .voc.images import check_pixels, declared_size, jpeg_size, pil_reason
 from .voc.reader import VOCPackReader
 
 __all__ = ["Decode", "TargetFormat", "Classes", "SampleDecoder", "label_names"]
@@ -346,7 +346,8 @@ class SampleDecoder:
 
 def _undecodable(where: str, what: str, exc: BaseException) -> FormatError:
     return FormatError(
-        f"{where}: the stored {what} cannot be decoded ({type(exc).__name__}: {exc}); the "
+        f"{where}: the stored {what} cannot be decoded ({type(exc).__name__}: "
+        f"{pil_reason(exc)}); the "
         "source file was damaged (pack with check_images=True to find such files) or the "
         "pack is, re-pack it"
     )

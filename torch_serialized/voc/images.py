@@ -75,7 +75,7 @@ def store_image(
             img = img.convert("RGB")  # decodes every pixel: truncated data fails here
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise SourceDataError(
-            f"{path}: not a readable image ({_reason(exc)}); replace the file or remove its id "
+            f"{path}: not a readable image ({pil_reason(exc)}); replace the file or remove its id "
             f"from the lists {SKIP_HINT}"
         ) from None
     except Image.DecompressionBombError as exc:
@@ -112,14 +112,14 @@ def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
             img.load()
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise SourceDataError(
-            f"{path}: not a readable PNG mask ({_reason(exc)}); replace the file or remove its id "
-            "from the lists (or pack with on_error='skip')"
+            f"{path}: not a readable PNG mask ({pil_reason(exc)}); replace the file or remove "
+            "its id from the lists (or pack with on_error='skip')"
         ) from None
     except Image.DecompressionBombError as exc:
         raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
 
 
-def _reason(exc: BaseException) -> str:
+def pil_reason(exc: BaseException) -> str:
     """Pillow's message without the stream it names (``<_io.BytesIO object at 0x7f...>``,
     which tells a user nothing): the caller's message names the file."""
     return _STREAM_REPR.sub("", str(exc)) or type(exc).__name__

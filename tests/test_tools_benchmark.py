@@ -103,17 +103,44 @@ def test_files_and_environment(quick: tuple[dict[str, Any], Path]) -> None:
 
 
 def test_a_set_too_small_to_time_is_flagged_above_the_table() -> None:
+    """Below ``SMALL_SET`` images the table says it is a smoke test and, as the targets do
+    not apply, marks no row MISSED and lists no missed targets."""
+    from dataclasses import asdict
+
+    from torch_serialized.tools.benchmark.core import Row, Stat
+
+    slow = Row(
+        key="k",
+        scenario="bytes",
+        name="a row",
+        unit="samples/s",
+        kind="rate",
+        baseline=Stat.of([100.0]),
+        ours=Stat.of([150.0]),
+        target=8.0,
+    ).finish()
+
     def table(num_images: int) -> str:
         environment = {"cpus_usable": 2, "cpu_model": "cpu", "torch": "t", "torchvision": "tv"}
         environment |= {"pillow": "p", "read_ahead_kb": 128, "date": "today"}
         config = {"num_images": num_images, "data": "synthetic", "repeats": 1}
-        result = {"environment": environment, "config": config, "scenarios": {}, "misses": []}
+        scenarios = {"bytes": {"rows": [asdict(slow)]}}
+        misses = ["a row: 1.50x vs target ≥ 8x"]
+        result = {
+            "environment": environment,
+            "config": config,
+            "scenarios": scenarios,
+            "misses": misses,
+        }
         return render_markdown(result)
 
+    assert slow.met is False
     small, enough = table(SMALL_SET - 1), table(SMALL_SET)
     assert f"Only {SMALL_SET - 1} images: read this table as a smoke test" in small
     assert small.index("smoke test") < small.index("| scenario |")
+    assert "MISSED" not in small and "Missed targets" not in small
     assert "smoke test" not in enough and "| scenario |" in enough
+    assert "**MISSED**" in enough and "Missed targets" in enough
 
 
 def test_scenario_subset_through_main(tmp_path: Path) -> None:

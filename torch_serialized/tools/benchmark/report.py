@@ -84,8 +84,10 @@ def _small_set_caveat(num_images: int) -> list[str]:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    """The results table (with environment line and misses) as Markdown."""
+    """The results table (with environment line and misses) as Markdown. A set too small to
+    time (``SMALL_SET``) gets no verdicts: its caveat says the targets do not apply."""
     env, cfg = result["environment"], result["config"]
+    small = cfg["num_images"] < SMALL_SET
     lines = [
         "# torch_serialized vs torchvision VOCDetection",
         "",
@@ -105,12 +107,13 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row.name} | {row.unit} | {_cell(row.baseline, row.unit)} | "
             f"{_peer_cell(row)} | {_ours_cell(row)} | {_ratio_cell(row)} | "
-            f"{_peer_ratio_cell(row)} | {_target_cell(row)} | {_verdict(row)} |"
+            f"{_peer_ratio_cell(row)} | {_target_cell(row)} | "
+            f"{'–' if small else _verdict(row)} |"
         )
     notes = [f"- {r['name']}: {r['note']}" for r in rows if r["note"]]
     if notes:
         lines += ["", "Notes:", "", *notes]
-    if result["misses"]:
+    if result["misses"] and not small:
         lines += ["", "Missed targets:", "", *[f"- {m}" for m in result["misses"]]]
     return "\n".join(lines) + "\n"
 

@@ -129,6 +129,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from .reader import open_pack
     from .voc.layout import find_voc_root, read_image_sets
     from .voc.pack import pack_voc
+    from .writer import member_refusal
 
     if args.append:
         return _cmd_append(args)
@@ -144,13 +145,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                 f"{args.output} already holds a pack; pass --overwrite to upload a new one "
                 "(readers of the old one keep working; `prune` removes its files later)",
             )
-    elif (member := _member(args.output)) is not None:  # --overwrite would not help
-        raise FileExistsError(
-            errno.EEXIST,
-            f"{output} is {member}, not a pack by itself: a new pack there would break that "
-            f"pack. To replace the whole pack, {member.advice} as OUTPUT (with --overwrite); "
-            "or choose another OUTPUT",
-        )
+    elif (refusal := member_refusal(Path(output))) is not None:  # --overwrite would not help
+        raise FileExistsError(errno.EEXIST, refusal)
     elif not args.overwrite and (Path(output).exists() or Path(output).is_symlink()):
         raise FileExistsError(
             errno.EEXIST,

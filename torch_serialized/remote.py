@@ -580,18 +580,24 @@ class RemoteStore:
 
     # -- reading
 
-    def size(self, key: str = "") -> int:
-        """Size in bytes of the object ``key``."""
+    def reported_size(self, key: str = "") -> int | None:
+        """Size in bytes of the object ``key`` as the server reports it; None when it reports
+        none (an HTTP server that sends no Content-Length)."""
         path = self._path(key)
         size = self.call("size", key, lambda: self.fs.size(path))
-        if size is None:  # an HTTP server that sends no Content-Length
+        return None if size is None else int(size)
+
+    def size(self, key: str = "") -> int:
+        """Size in bytes of the object ``key`` (``reported_size``, required)."""
+        size = self.reported_size(key)
+        if size is None:
             raise RemoteError(
                 f"{self.url_of(key)}: the server does not report the object's size (no "
                 "Content-Length), which reading it needs. Serve the pack with a server that "
                 "sends Content-Length (check any proxy or compression in between); callers of "
                 "RemoteStore.download may pass expected_size instead"
             )
-        return int(size)
+        return size
 
     def read_bytes(self, key: str = "", start: int | None = None, end: int | None = None) -> bytes:
         """The bytes of ``key`` (``[start, end)`` if given), for small objects (a manifest).
@@ -798,10 +804,9 @@ class RemoteStore:
         except FSTimeoutError as exc:
             if limit is None or time.monotonic() - began < limit:  # another limit fired
                 raise
-            raise FSTimeoutError(  # which deadline, and how far the stream got
+            raise FSTimeoutError(  # which deadline, and how far the stream got (_error advises)
                 f"the stream did not end within its deadline of {limit:.1f} s, with {written} "
-                f"of {size} bytes: slower than {self.retry.min_rate:g} bytes/s (for a slower "
-                f"link set {MIN_RATE_ENV} lower, or 0 for no deadline)"
+                f"of {size} bytes"
             ) from exc
 
     # -- writing

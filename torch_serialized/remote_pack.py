@@ -200,11 +200,10 @@ def _confirm_size(store: RemoteStore, key: str, expected: int) -> bool:
     makes the cache evict other packs' files for bytes that never come nor has a download
     retried as if the bytes it misses were an outage.
     """
-    path = store.fs_path(key)
-    size = store.call("size", key, lambda: store.fs.size(path))
+    size = store.reported_size(key)
     if size is None:  # an HTTP server that sends no Content-Length
         return False
-    if int(size) != expected:
+    if size != expected:
         raise RemoteError(
             f"{store.url_of(key)}: the object has {size} bytes, expected {expected}. The "
             "manifest and the object disagree: re-upload the pack (nothing was downloaded)"

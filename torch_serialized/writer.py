@@ -26,7 +26,15 @@ from .errors import WriteError
 from .reader import member_of, read_binding, read_manifest
 from .safeio import read_regular_file
 
-__all__ = ["ContainerWriter", "PackWriter", "Payload", "CREATED_BY", "is_pack", "replace_refusal"]
+__all__ = [
+    "ContainerWriter",
+    "PackWriter",
+    "Payload",
+    "CREATED_BY",
+    "is_pack",
+    "replace_refusal",
+    "member_refusal",
+]
 
 #: The ``created_by`` of every container and manifest written here.
 CREATED_BY = f"torch_serialized {__version__}"
@@ -232,15 +240,22 @@ def replace_refusal(path: Path) -> str | None:
             f"{path} exists and is not a torch_serialized pack: it {reason}. "
             "Refusing to replace it; remove it yourself or choose another output path"
         )
-    if path.is_file():
-        member = member_of(path, read_binding(path))
-        if member is not None:
-            return (
-                f"{path} is {member}, not a pack by itself: a new pack there would break "
-                f"that pack. Refusing to replace it; to replace the whole pack, "
-                f"{member.advice}, or choose another output path"
-            )
-    return None
+    return member_refusal(path)
+
+
+def member_refusal(path: Path) -> str | None:
+    """Why the file ``path`` may not be replaced when it is a shard or catalog of a shard
+    folder (``reader.member_of``: replacing it alone breaks that pack), else ``None``."""
+    if not path.is_file():
+        return None
+    member = member_of(path, read_binding(path))
+    if member is None:
+        return None
+    return (
+        f"{path} is {member}, not a pack by itself: a new pack there would break that pack. "
+        f"Refusing to replace it; to replace the whole pack, {member.advice}, or choose "
+        "another output path"
+    )
 
 
 def _not_a_pack(path: Path) -> str | None:

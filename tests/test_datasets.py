@@ -846,7 +846,7 @@ def test_bad_indices_name_the_index_and_the_length(
             message = str(caught.value)
             assert f"{name} index {bad} is out of range" in message
             assert f"{n} samples" in message and "'train'" in message
-    for wrong in ("000002", 1.5, None):
+    for wrong in ("000002", 1.5, None, slice(1, 3), (1,), [1], np.array([1])):
         for call, argument in ((ours.__getitem__, wrong), (ours.__getitems__, [wrong])):
             with pytest.raises(TypeError) as caught:
                 call(argument)
@@ -855,7 +855,12 @@ def test_bad_indices_name_the_index_and_the_length(
             )
     with pytest.raises(TypeError, match=re.escape("ids.index('000002')")):
         ours["000002"]
+    span = range(*slice(1, 3).indices(n))
+    with pytest.raises(TypeError, match=re.escape(f"Subset(dataset, {span})")):
+        ours[1:3]  # a memoryview slice went on as a record number: "'<=' not supported"
     assert_same_value(ours[-1], ours[n - 1])
+    for one in (True, np.int64(1), np.uint8(1), torch.tensor(1)):  # what a list accepts
+        assert_same_value(ours[one], ours[int(one)])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

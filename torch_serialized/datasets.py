@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from operator import index as _as_index
 from typing import Any
 
 import numpy as np
@@ -180,7 +181,7 @@ class _PackedVOCBase:
 
     def _record(self, index: int) -> int:
         try:
-            return self._index[index]  # type: ignore[no-any-return]
+            return self._index[_as_index(index)]  # type: ignore[no-any-return]
         except (IndexError, TypeError):
             raise self._bad_index(index) from None
 
@@ -189,12 +190,16 @@ class _PackedVOCBase:
         and the length (the index memoryview's own messages name neither). Error path only:
         the lookups call it after the memoryview refused ``index``."""
         name = type(self).__name__
-        if not hasattr(index, "__index__"):
-            hint = f"; to find an image id use dataset.ids.index({index!r})"
-            return TypeError(
-                f"{name} indices must be integers, not {type(index).__name__}"
-                + (hint if isinstance(index, str) else "")
-            )
+        try:
+            index = _as_index(index)
+        except TypeError:
+            hint = ""
+            if isinstance(index, str):
+                hint = f"; to find an image id use dataset.ids.index({index!r})"
+            elif isinstance(index, slice):
+                span = range(*index.indices(len(self)))
+                hint = f"; for a part of the dataset use torch.utils.data.Subset(dataset, {span})"
+            return TypeError(f"{name} indices must be integers, not {type(index).__name__}{hint}")
         n = len(self)
         return IndexError(
             f"{name} index {index} is out of range: image set {self.image_set!r} of "
@@ -286,7 +291,7 @@ class _PackedVOCBase:
             return [self[i] for i in indices]
         index = self._index
         try:
-            records = [index[i] for i in indices]  # IndexError before any read
+            records = [index[_as_index(i)] for i in indices]  # IndexError before any read
         except (IndexError, TypeError):
             records = [self._record(i) for i in indices]  # raises, naming the first bad one
         if not records:
@@ -392,7 +397,7 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         # the per-sample path, kept flat: each call or lookup saved is ~0.1 µs of a ~12 µs
         # bytes-level sample (benchmarks/README.md, "Measurements behind the code")
         try:
-            record = self._index[index]
+            record = self._index[_as_index(index)]  # a memoryview takes slices and tuples
         except (IndexError, TypeError):  # free until raised: the message costs only then
             raise self._bad_index(index) from None
         image, target = self._fetch_fields(record, self._fields)
@@ -452,7 +457,7 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         try:
-            record = self._index[index]  # flat, as VOCSerializedDataset.__getitem__
+            record = self._index[_as_index(index)]  # flat, as VOCSerializedDataset.__getitem__
         except (IndexError, TypeError):
             raise self._bad_index(index) from None
         image_data, mask_data = self._fetch_fields(record, self._fields)

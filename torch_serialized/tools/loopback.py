@@ -95,9 +95,12 @@ _S = TypeVar("_S", bound="LoopbackServer")
 
 
 class LoopbackServer:
-    """A server process on 127.0.0.1; ``url`` is its base URL. Stop it with :meth:`stop`."""
+    """A server process on 127.0.0.1; ``url`` is its base URL. Stop it with :meth:`stop`.
 
-    def __init__(self, kind: str, *args: Any, startup_timeout: float = 60.0) -> None:
+    ``startup_timeout`` bounds the wait for a fresh interpreter to import the server (moto,
+    aiohttp, torch): a few seconds on a quiet machine, once over 60 s on a loaded 2-core one."""
+
+    def __init__(self, kind: str, *args: Any, startup_timeout: float = 180.0) -> None:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads
         ready_r, ready_w = ctx.Pipe(duplex=False)
         alive_r, self._alive = ctx.Pipe(duplex=False)

@@ -108,7 +108,7 @@ HAS_ANNOTATION = 1
 HAS_MASK = 2
 HAS_OBJECT_MASK = 4
 
-#: One row per object; ``class_id`` indexes the pack's sorted class-name list.
+#: One row per object; ``class_id`` indexes the pack's ``classes`` list (its metadata).
 OBJECT_DTYPE = np.dtype(
     [
         ("box", "<f4", (4,)),  # xmin, ymin, xmax, ymax as written in the XML

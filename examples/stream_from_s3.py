@@ -1,15 +1,16 @@
 """Stream a packed VOC dataset from S3 (or any fsspec URL) through the local cache.
 
-    python examples/stream_from_s3.py [VOC_ROOT] [--num-images 200] [--workers 2]
+    python examples/stream_from_s3.py [VOC_ROOT] [--year 2007] [--num-images 200] [--workers 2]
     python examples/stream_from_s3.py --url s3://bucket/prefix/voc [--storage-options JSON]
 
 With ``--url``, streams the pack already at that URL with your usual credentials (AWS_PROFILE,
 ~/.aws, ``--storage-options``). Without it, no credentials are needed: the script starts a local
-S3 server (moto, on 127.0.0.1; ``pip install 'moto[server]' s3fs``), packs VOC_ROOT (or a
-generated synthetic sample) straight to ``s3://<bucket>/voc`` with ``pack_voc``, then streams
-it with ``VOCSerializedIterableDataset`` in a DataLoader: each worker downloads the shards it
-reads, ``--prefetch`` shards ahead, into a cache folder shared by all workers, and the samples
-are checked against the same pack read from local disk.
+S3 server (moto, on 127.0.0.1; ``pip install 'moto[server]' s3fs``), packs VOC_ROOT (its year
+found from the folder names unless --year is given; or a generated synthetic sample) straight
+to ``s3://<bucket>/voc`` with ``pack_voc``, then streams it with
+``VOCSerializedIterableDataset`` in a DataLoader: each worker downloads the shards it reads,
+``--prefetch`` shards ahead, into a cache folder shared by all workers, and the samples are
+checked against the same pack read from local disk.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", nargs="?", help="a VOC root to pack (default: synthetic)")
+    parser.add_argument("--year", help="VOC year of VOC_ROOT (default: found in its folders)")
     parser.add_argument("--url", help="stream this existing pack instead (your credentials)")
     parser.add_argument("--storage-options", type=json.loads, help="fsspec options (JSON)")
     parser.add_argument("--num-images", type=int, default=200)
@@ -95,17 +97,22 @@ def main() -> None:
         root = (
             Path(args.root)
             if args.root
-            else make_synthetic_voc(work / "voc", args.num_images, year="2007")
+            else make_synthetic_voc(work / "voc", args.num_images, year=args.year or "2007")
         )
         url = f"s3://{BUCKET}/voc"
-        result = pack_voc(root, url, max_samples_per_shard=25, storage_options=options)
-        print(f"packed {result.num_samples} samples to {url} (local S3 server {endpoint})")
+        result = pack_voc(
+            root, url, year=args.year, max_samples_per_shard=25, storage_options=options
+        )
+        print(
+            f"packed {result.num_samples} samples of VOC{result.year} to {url} "
+            f"(local S3 server {endpoint})"
+        )
         cache = work / "cache"
         started = time.perf_counter()
         names = stream(url, options, cache, args)
         seconds = time.perf_counter() - started
         print(f"streamed {len(names)} samples with {args.workers} workers in {seconds:.1f} s")
-        local = pack_voc(root, work / "local", max_samples_per_shard=25).path
+        local = pack_voc(root, work / "local", year=args.year, max_samples_per_shard=25).path
         same = stream(str(local), None, None, args) == names
         print(f"same samples, same order as the local pack: {same}")
         for pack in list_cache(cache):

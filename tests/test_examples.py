@@ -41,7 +41,7 @@ CASES = [
     (
         "stream_from_s3.py",
         ["--num-images", "60"],
-        ["packed 60 samples to s3://", "streamed 31 samples", "as the local pack: True"],
+        ["packed 60 samples of VOC2007 to s3://", "streamed 31 samples", "as the local pack: True"],
     ),
     (
         "segmentation.py",
@@ -77,7 +77,7 @@ SMALL_CASES = [
     (
         "stream_from_s3.py",
         [],
-        ["packed 3 samples to s3://", "streamed 3 samples", "as the local pack: True"],
+        ["packed 3 samples of VOC2007 to s3://", "streamed 3 samples", "as the local pack: True"],
     ),
     (
         "segmentation.py",
@@ -90,6 +90,15 @@ SMALL_CASES = [
 def test_every_example_is_tested() -> None:
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py"))
     assert scripts == sorted(c[0] for c in CASES) == sorted(c[0] for c in SMALL_CASES)
+
+
+def test_every_example_takes_a_year() -> None:
+    """README: every example finds the year, and ``--year`` picks one where a root holds
+    several (stream_from_s3.py took none: a two-year root could not be streamed)."""
+    for script in EXAMPLES.glob("*.py"):
+        source = script.read_text(encoding="utf-8")
+        assert 'add_argument("--year"' in source, script.name
+        assert "--year" in source.split('"""')[1], f"{script.name}: its docstring omits --year"
 
 
 def run_example(script: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:

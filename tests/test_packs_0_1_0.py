@@ -17,6 +17,7 @@ import pytest
 import torch
 from torchvision.datasets import VOCDetection, VOCSegmentation
 
+import torch_serialized
 from torch_serialized import (
     CorruptFileError,
     VOCSerializedDataset,
@@ -50,6 +51,18 @@ def test_the_golden_packs_are_what_0_1_0_wrote() -> None:
         assert reader.version == (1, 0) and len(reader) == 6, form
         assert reader.verify() == []
         assert (reader.manifest is None) == (form == "single")
+
+
+def test_packs_written_now_do_not_claim_0_1_0(tmp_path: Path) -> None:
+    """A format-1.1 pack said "torch_serialized 0.1.0" (the version was never raised after
+    the release), so nobody could tell it from a pack 0.1.0 wrote (format 1.0)."""
+    path = pack_voc(DEVKIT, tmp_path / "shards", year="2007", max_samples_per_shard=2).path
+    reader = open_pack(path)
+    manifest = json.loads((path / fmt.MANIFEST_NAME).read_text())
+    assert reader.version == (fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR) != (1, 0)
+    written_by = {manifest["created_by"], reader.user["packed_by"]}
+    assert written_by == {f"torch_serialized {torch_serialized.__version__}"}
+    assert "torch_serialized 0.1.0" not in written_by
 
 
 @pytest.mark.parametrize("form", sorted(PACKS))

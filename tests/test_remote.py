@@ -945,6 +945,32 @@ def test_the_range_probe_of_a_server_ignoring_range_gets_the_whole_objects_deadl
         assert s._ranges_ok is False  # and later downloads stream
 
 
+def test_the_range_probe_of_a_server_ignoring_range_streams_the_object(tmp_path: Path) -> None:
+    """The first download from a server that ignores Range gets the whole object in reply to
+    its Range probe: written to the file as it arrives, never held in memory (the client's
+    join of a whole body, then its bytes carried in an exception, held twice its size), and
+    kept: no second download. What stays is the client's socket buffers and one chunk read,
+    about 4.5 MiB whatever the object's size (twice its size before)."""
+    import tracemalloc
+
+    served = tmp_path / "served"
+    served.mkdir()
+    data = payload(32 << 20, seed=10)
+    (served / "obj.bin").write_bytes(data)
+    with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
+        s = RemoteStore(proxy.url, retry=FAST, part_size=PART)
+        s.fs  # noqa: B018 - imports and the HTTP session are not the download's memory
+        tracemalloc.start()
+        try:
+            s.download("obj.bin", tmp_path / "o", expected_size=len(data))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert (tmp_path / "o").read_bytes() == data
+        assert peak < len(data) // 4, f"peak {peak} bytes for a {len(data)}-byte object"
+        assert s._ranges_ok is False and proxy.count("GET", "/obj.bin") == 1
+
+
 def test_a_streams_other_timeouts_are_not_blamed_on_the_minimum_rate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,7 +29,9 @@ Design
   ``verify``), fsynced and renamed. A dropped connection costs one part, not the object; parallel
   requests hide per-request latency; every fsspec backend supports it. A server that ignores
   ``Range`` (``python -m http.server``) is detected once and read as one stream instead,
-  under the deadline of one read of the object's size.
+  under the deadline of one read of the object's size; over HTTP the probe (a request for the
+  first part) is itself read as a stream into the file, so the whole object it brings from
+  such a server is kept without being held in memory.
   A checksum mismatch re-downloads once, then raises
   :class:`~torch_serialized.errors.ChecksumError`.
 * **Uploads put the manifest last**, so a reader never sees a manifest naming missing shards.
@@ -782,8 +784,19 @@ class RemoteStore:
                 # a server that ignores Range answers with the whole object: the probe gets
                 # the deadline of the whole object's read (that many parts in flight)
                 start, end = parts[0]
-                self._fetch_part(key, fd, start, end, len(parts), ends)
-                self._ranges_ok = True
+                if self.protocol in ("http", "https"):  # the answer goes to fd as it comes
+                    honoured = self.call(
+                        "read", key, lambda: self._stream(key, fd, size, ends, end, len(parts))
+                    )
+                    self._ranges_ok = honoured
+                    if not honoured:  # the probe brought the whole object: kept
+                        log.warning(
+                            "%s: the server ignores Range requests; streaming", self.url_of(key)
+                        )
+                        return
+                else:  # object stores honour Range: a part's bytes
+                    self._fetch_part(key, fd, start, end, len(parts), ends)
+                    self._ranges_ok = True
                 parts = parts[1:]
             if self._ranges_ok:
                 self._fetch_parts(key, fd, parts, ends)
@@ -832,20 +845,38 @@ class RemoteStore:
                 for s, e in itertools.islice(waiting, len(done)):
                     running.add(pool.submit(self._fetch_part, key, fd, s, e, threads, ends))
 
-    def _stream(self, key: str, fd: int, size: int, ends: _CleanEnds) -> None:
+    def _stream(
+        self,
+        key: str,
+        fd: int,
+        size: int,
+        ends: _CleanEnds,
+        probe: int | None = None,
+        in_flight: int = 1,
+    ) -> bool:
         """One sequential read of the whole object (servers without Range support, which are
-        HTTP servers: object stores honour it), under the deadline of a ranged read of
-        ``size`` bytes (``_deadline``), so a server that drips the body times out and the
-        download is retried as a ranged read would be. A body that ends short goes to
-        ``ends``."""
+        HTTP servers: object stores honour it), written to ``fd`` chunk by chunk: the object
+        is never held in memory. Under the deadline of a ranged read of ``size`` bytes
+        (``_deadline``), so a server that drips the body times out and the download is
+        retried as a ranged read would be. A body that ends short goes to ``ends``.
+
+        With ``probe`` (HTTP), the Range probe: asks for the first ``probe`` bytes, under the
+        deadline of ``in_flight`` such parts, and returns True if the server sent them alone
+        (it honours Range); False once the whole object came instead (it ignores Range,
+        which ``_ranges_ok`` learns as soon as more bytes come, even from a body that is then
+        cut or ends short).
+        """
         from fsspec.exceptions import FSTimeoutError  # fsspec is loaded: ``fs`` is open
 
         os.ftruncate(fd, 0)
         os.ftruncate(fd, size)
-        limit = self._deadline(size).get("timeout")
+        limit = self._deadline(size if probe is None else probe, in_flight).get("timeout")
         options: dict[str, Any] = {}
         if self.protocol in ("http", "https"):
             options.update(block_size=0, size=size)  # a stream, and no HEAD asking the size
+            if probe is not None:  # the filesystem's headers (from storage_options), and ours
+                headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})
+                options["headers"] = {**headers, "Range": f"bytes=0-{probe - 1}"}
             if limit is not None:  # aiohttp ends the request, body included, by then
                 options.update(_http_deadline(self.storage_options, limit))
         written = 0
@@ -854,10 +885,12 @@ class RemoteStore:
             with self.fs.open(self._path(key), "rb", **options) as f:
                 while written < size:
                     chunk = f.read(min(_STREAM_CHUNK, size - written))
-                    if not chunk:  # no error: the object's size, or a cut not noticed
-                        raise ends.short(written, f"the body ended after {written} of {size} bytes")
+                    if not chunk:
+                        break
                     _pwrite_all(fd, chunk, written)
                     written += len(chunk)
+                    if probe is not None and written > probe:
+                        self._ranges_ok = False  # Range is ignored, whatever comes next
         except FSTimeoutError as exc:
             if limit is None or time.monotonic() - began < limit:  # another limit fired
                 raise
@@ -865,6 +898,11 @@ class RemoteStore:
                 f"the stream did not end within its deadline of {limit:.1f} s, with {written} "
                 f"of {size} bytes"
             ) from exc
+        if probe is not None and written == probe:
+            return True  # the part asked for, then the end: Range is honoured
+        if written < size:  # no error: the object's size, or a cut not noticed
+            raise ends.short(written, f"the body ended after {written} of {size} bytes")
+        return False
 
     # -- writing
 

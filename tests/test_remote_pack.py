@@ -173,6 +173,29 @@ def test_a_huge_false_size_fails_at_once_without_retries(
         assert not list(pack.path.glob(".b.tser.*"))
 
 
+def test_a_false_size_a_server_cannot_refute_fails_after_one_confirming_read(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server without Content-Length cannot refute a manifest's size before the download;
+    a body that then ends cleanly short of it is reported as the object's size, not retried
+    as an outage."""
+    patient = RetryPolicy(attempts=5, base_delay=0.01, max_delay=0.02)
+    url = remote.url
+    with resolve(url, remote.storage_options, tmp_path, retry=patient, part_size=PART) as pack:
+        monkeypatch.setattr(pack.store.fs, "size", lambda path: None)  # no Content-Length
+        claimed = len(shards["b.tser"]) + 100
+        with pytest.raises(RemoteError) as caught:
+            pack.fetch_shard("b.tser", claimed)
+        first = str(caught.value).splitlines()[0]
+        assert first.startswith(
+            f"{pack.store.url_of('b.tser')}: the object has {len(shards['b.tser'])} bytes, "
+            f"the manifest says {claimed}"
+        )
+        assert "re-upload" in first and "times" not in first
+        assert remote.proxy.count("GET", remote.path("b.tser")) == 4  # 3 parts, 1 confirming
+        assert not list(pack.path.glob("*b.tser*"))
+
+
 def test_a_folder_without_a_manifest(remote: Remote, tmp_path: Path) -> None:
     with pytest.raises(RemoteNotFoundError, match=r"manifest\.json.*\.tser"):
         open_pack(remote, tmp_path)

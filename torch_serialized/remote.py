@@ -13,7 +13,9 @@ Design
   s3fs/botocore, gcsfs, fsspec's HTTP filesystem (aiohttp) and the OS raise to a
   :class:`Fault`: transient faults (connection reset/refused, timeouts, truncated bodies, HTTP 408,
   429 and 5xx) are retried with exponential backoff and jitter under a :class:`RetryPolicy`;
-  404 and 401/403 raise at once. For S3 the backends' own retries (botocore's and s3fs's) are
+  404 and 401/403 raise at once. A body that ends cleanly short of the expected size is read
+  once more; the same end twice is the object's size (a wrong manifest) and raises at once,
+  see :class:`_CleanEnds`. For S3 the backends' own retries (botocore's and s3fs's) are
   turned off unless ``storage_options`` sets them, otherwise their counts multiply ours and a dead
   endpoint hangs for minutes whatever the policy says. gcsfs keeps its own retries. A read of
   known length must end within 60 s plus its size at the policy's ``min_rate`` (16 KiB/s,
@@ -27,7 +29,9 @@ Design
   ``verify``), fsynced and renamed. A dropped connection costs one part, not the object; parallel
   requests hide per-request latency; every fsspec backend supports it. A server that ignores
   ``Range`` (``python -m http.server``) is detected once and read as one stream instead,
-  under the deadline of one read of the object's size.
+  under the deadline of one read of the object's size; over HTTP the probe (a request for the
+  first part) is itself read as a stream into the file, so the whole object it brings from
+  such a server is kept without being held in memory.
   A checksum mismatch re-downloads once, then raises
   :class:`~torch_serialized.errors.ChecksumError`.
 * **Uploads put the manifest last**, so a reader never sees a manifest naming missing shards.
@@ -128,6 +132,39 @@ class Fault(enum.Enum):
 
 class ShortReadError(ConnectionError):
     """A response body ended before the bytes asked for: a cut connection, retried."""
+
+
+class _CleanEnds:
+    """Where the bodies of one download ended cleanly (no connection error) before the
+    bytes asked for, as the object's size each one shows.
+
+    A client cannot always tell such an end from a cut: a body delimited by the connection's
+    close (or re-framed by a proxy) ends the same way. Once is therefore retried as a cut; a
+    second body ending at the same byte (a cut lands there twice only by chance) shows the
+    object's size, and fails at once instead of using up the retries as an outage would.
+    """
+
+    def __init__(self, url: str, claimed: int) -> None:
+        self.url = url
+        self.claimed = claimed
+        self._seen: set[int] = set()
+
+    def short(self, size: int, detail: str) -> ShortReadError:
+        """The error of a body that ended cleanly with the object's first ``size`` bytes:
+        ``ShortReadError`` (retried) the first time; raises ``RemoteError`` (not retried) the
+        second."""
+        self.note(size)
+        return ShortReadError(f"{detail}; the body ended cleanly, reading once more to confirm")
+
+    def note(self, size: int) -> None:
+        """Count a clean end at ``size`` bytes; the second at that byte raises."""
+        if size in self._seen:
+            raise RemoteError(
+                f"{self.url}: the object has {size} bytes, the manifest says {self.claimed} "
+                "(two reads ended cleanly at that byte: not a cut connection). The manifest "
+                "and the object disagree: re-upload the pack (or pack it again)"
+            )
+        self._seen.add(size)
 
 
 class _RangeIgnoredError(Exception):
@@ -521,6 +558,8 @@ class RemoteStore:
         for attempt in range(1, policy.attempts + 1):
             try:
                 return fn()
+            except RemoteError:
+                raise  # ours already: it names the URL and says what to do
             except Exception as exc:
                 fault = classify_error(exc)
                 if fault is Fault.TRANSIENT and attempt < policy.attempts:
@@ -620,10 +659,16 @@ class RemoteStore:
             ) from None
 
     def _read_bytes(
-        self, key: str, start: int | None, end: int | None, in_flight: int = 1
+        self,
+        key: str,
+        start: int | None,
+        end: int | None,
+        in_flight: int = 1,
+        ends: _CleanEnds | None = None,
     ) -> bytes:
         """``read_bytes``, but a server that ignores ``Range`` raises ``_RangeIgnoredError``;
-        ``in_flight``: reads running together, sharing the link (``_deadline``)."""
+        ``in_flight``: reads running together, sharing the link (``_deadline``); ``ends``: a
+        download's clean short bodies, which a second one at the same byte confirms."""
         path = self._path(key)
         nbytes = None if start is None or end is None else end - start
         deadline = self._deadline(nbytes, in_flight)
@@ -632,7 +677,10 @@ class RemoteStore:
             data = bytes(self.fs.cat_file(path, start=start, end=end, **deadline))
             if start is not None and end is not None and len(data) != end - start:
                 if len(data) < end - start:
-                    raise ShortReadError(f"got {len(data)} of {end - start} bytes")
+                    detail = f"got {len(data)} of {end - start} bytes"
+                    if ends is not None:  # Range was honoured: the object ends there
+                        raise ends.short(start + len(data), detail)
+                    raise ShortReadError(detail)
                 raise _RangeIgnoredError(data)
             return data
 
@@ -710,6 +758,7 @@ class RemoteStore:
         os.ftruncate(fd, size)
         if size == 0:
             return
+        ends = _CleanEnds(self.url_of(key), size)
         parts = [(s, min(s + self.part_size, size)) for s in range(0, size, self.part_size)]
         if len(parts) == 1:
             path = self._path(key)
@@ -718,11 +767,8 @@ class RemoteStore:
 
             def whole() -> bytes:  # no Range header: works with any server
                 data = bytes(self.fs.cat_file(path, **deadline))
-                if len(data) < size:  # a cut body the client did not notice: retried
-                    raise ShortReadError(
-                        f"got {len(data)} of {size} bytes (if this persists, the object is "
-                        "shorter than its manifest says: re-upload the pack)"
-                    )
+                if len(data) < size:  # no error: the object's size, or a cut not noticed
+                    raise ends.short(len(data), f"got {len(data)} of {size} bytes")
                 return data
 
             data = self.call("read", key, whole)
@@ -738,11 +784,22 @@ class RemoteStore:
                 # a server that ignores Range answers with the whole object: the probe gets
                 # the deadline of the whole object's read (that many parts in flight)
                 start, end = parts[0]
-                self._fetch_part(key, fd, start, end, in_flight=len(parts))
-                self._ranges_ok = True
+                if self.protocol in ("http", "https"):  # the answer goes to fd as it comes
+                    honoured = self.call(
+                        "read", key, lambda: self._stream(key, fd, size, ends, end, len(parts))
+                    )
+                    self._ranges_ok = honoured
+                    if not honoured:  # the probe brought the whole object: kept
+                        log.warning(
+                            "%s: the server ignores Range requests; streaming", self.url_of(key)
+                        )
+                        return
+                else:  # object stores honour Range: a part's bytes
+                    self._fetch_part(key, fd, start, end, len(parts), ends)
+                    self._ranges_ok = True
                 parts = parts[1:]
             if self._ranges_ok:
-                self._fetch_parts(key, fd, parts)
+                self._fetch_parts(key, fd, parts, ends)
                 return
         except _RangeIgnoredError as exc:
             self._ranges_ok = False
@@ -750,12 +807,24 @@ class RemoteStore:
             if len(exc.data) == size:  # the probe brought the whole object: keep it
                 _pwrite_all(fd, exc.data, 0)
                 return
-        self.call("download", key, lambda: self._stream(key, fd, size))
+            if len(exc.data) < size:  # a whole body, ended cleanly: the stream confirms it
+                ends.note(len(exc.data))
+        self.call("download", key, lambda: self._stream(key, fd, size, ends))
 
-    def _fetch_part(self, key: str, fd: int, start: int, end: int, in_flight: int = 1) -> None:
-        _pwrite_all(fd, self._read_bytes(key, start, end, in_flight), start)
+    def _fetch_part(
+        self,
+        key: str,
+        fd: int,
+        start: int,
+        end: int,
+        in_flight: int = 1,
+        ends: _CleanEnds | None = None,
+    ) -> None:
+        _pwrite_all(fd, self._read_bytes(key, start, end, in_flight, ends), start)
 
-    def _fetch_parts(self, key: str, fd: int, parts: list[tuple[int, int]]) -> None:
+    def _fetch_parts(
+        self, key: str, fd: int, parts: list[tuple[int, int]], ends: _CleanEnds | None = None
+    ) -> None:
         """Fetch ``parts`` with ``max_concurrency`` threads, submitting a part only when one
         ends: the first failure raises (once the parts running end) and nothing more starts;
         bookkeeping stays bounded whatever the part count (a size claimed wrongly: 2^17
@@ -766,7 +835,7 @@ class RemoteStore:
         waiting = iter(parts)
         with ThreadPoolExecutor(threads) as pool:
             running = {
-                pool.submit(self._fetch_part, key, fd, s, e, threads)
+                pool.submit(self._fetch_part, key, fd, s, e, threads, ends)
                 for s, e in itertools.islice(waiting, threads)
             }
             while running:
@@ -774,21 +843,40 @@ class RemoteStore:
                 for future in done:
                     future.result()
                 for s, e in itertools.islice(waiting, len(done)):
-                    running.add(pool.submit(self._fetch_part, key, fd, s, e, threads))
+                    running.add(pool.submit(self._fetch_part, key, fd, s, e, threads, ends))
 
-    def _stream(self, key: str, fd: int, size: int) -> None:
+    def _stream(
+        self,
+        key: str,
+        fd: int,
+        size: int,
+        ends: _CleanEnds,
+        probe: int | None = None,
+        in_flight: int = 1,
+    ) -> bool:
         """One sequential read of the whole object (servers without Range support, which are
-        HTTP servers: object stores honour it), under the deadline of a ranged read of
-        ``size`` bytes (``_deadline``), so a server that drips the body times out and the
-        download is retried as a ranged read would be."""
+        HTTP servers: object stores honour it), written to ``fd`` chunk by chunk: the object
+        is never held in memory. Under the deadline of a ranged read of ``size`` bytes
+        (``_deadline``), so a server that drips the body times out and the download is
+        retried as a ranged read would be. A body that ends short goes to ``ends``.
+
+        With ``probe`` (HTTP), the Range probe: asks for the first ``probe`` bytes, under the
+        deadline of ``in_flight`` such parts, and returns True if the server sent them alone
+        (it honours Range); False once the whole object came instead (it ignores Range,
+        which ``_ranges_ok`` learns as soon as more bytes come, even from a body that is then
+        cut or ends short).
+        """
         from fsspec.exceptions import FSTimeoutError  # fsspec is loaded: ``fs`` is open
 
         os.ftruncate(fd, 0)
         os.ftruncate(fd, size)
-        limit = self._deadline(size).get("timeout")
+        limit = self._deadline(size if probe is None else probe, in_flight).get("timeout")
         options: dict[str, Any] = {}
         if self.protocol in ("http", "https"):
             options.update(block_size=0, size=size)  # a stream, and no HEAD asking the size
+            if probe is not None:  # the filesystem's headers (from storage_options), and ours
+                headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})
+                options["headers"] = {**headers, "Range": f"bytes=0-{probe - 1}"}
             if limit is not None:  # aiohttp ends the request, body included, by then
                 options.update(_http_deadline(self.storage_options, limit))
         written = 0
@@ -798,9 +886,11 @@ class RemoteStore:
                 while written < size:
                     chunk = f.read(min(_STREAM_CHUNK, size - written))
                     if not chunk:
-                        raise ShortReadError(f"the body ended after {written} of {size} bytes")
+                        break
                     _pwrite_all(fd, chunk, written)
                     written += len(chunk)
+                    if probe is not None and written > probe:
+                        self._ranges_ok = False  # Range is ignored, whatever comes next
         except FSTimeoutError as exc:
             if limit is None or time.monotonic() - began < limit:  # another limit fired
                 raise
@@ -808,6 +898,11 @@ class RemoteStore:
                 f"the stream did not end within its deadline of {limit:.1f} s, with {written} "
                 f"of {size} bytes"
             ) from exc
+        if probe is not None and written == probe:
+            return True  # the part asked for, then the end: Range is honoured
+        if written < size:  # no error: the object's size, or a cut not noticed
+            raise ends.short(written, f"the body ended after {written} of {size} bytes")
+        return False
 
     # -- writing
 

@@ -293,6 +293,28 @@ def test_pack_usage_errors(
     assert status == 2 and "No Pascal VOC folder" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("append", [[], ["--append"]])
+def test_pack_refuses_an_empty_or_dash_output(
+    capsys: pytest.CaptureFixture[str],
+    synthetic_devkit: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    append: list[str],
+) -> None:
+    """``pack ROOT ""`` said ". already exists; pass --overwrite"; ``pack ROOT -`` wrote a file
+    named ``-``, where many tools would write to standard output, which a pack cannot be."""
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run(capsys, "pack", "-q", synthetic_devkit, "", *append)
+    assert status == 2 and "OUTPUT is empty" in err and "already exists" not in err
+    assert "the .tser file (or shard folder)" in err
+    status, _, err = run(capsys, "pack", "-q", synthetic_devkit, "-", *append)
+    assert status == 2 and "standard output" in err and "./-" in err, err
+    assert list(tmp_path.iterdir()) == []
+    if not append:  # ./- is a file named "-", as asked
+        status, out, err = run(capsys, "pack", "-q", synthetic_devkit, "./-")
+        assert status == 0 and (tmp_path / "-").is_file(), err
+
+
 def test_pack_says_which_year_and_where_several_need_one(
     capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
 ) -> None:

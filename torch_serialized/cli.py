@@ -131,6 +131,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from .voc.pack import pack_voc
     from .writer import member_refusal
 
+    _check_output(args.output)
     if args.append:
         return _cmd_append(args)
     for flag in ("replace_changed", "checksum", "retire_all"):
@@ -195,6 +196,24 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
     return EXIT_OK
+
+
+def _check_output(output: str) -> None:
+    """Refuse an OUTPUT of ``""`` (``Path`` reads it as the current folder) or ``-``: many
+    tools read ``-`` as standard output, but a pack is a file or folder on disk, written
+    beside its destination, mapped and renamed into place, so it cannot go to a pipe. The
+    Python API takes ``"-"`` as a file name, as ``open`` does; here ``./-`` says that."""
+    if output == "":
+        raise ValueError(
+            "OUTPUT is empty: pass the .tser file (or shard folder) to write or, with "
+            "--append, to grow, e.g. voc.tser, or a URL"
+        )
+    if output == "-":
+        raise ValueError(
+            "OUTPUT '-' is not standard output here: a pack cannot be written to a pipe (it is "
+            "written to disk, mapped and renamed into place). Pass the .tser file (or shard "
+            "folder) to write; for a file named '-' in this folder, pass ./-"
+        )
 
 
 def _remote_pack_exists(url: str, storage_options: dict[str, Any] | None) -> bool:

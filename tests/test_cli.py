@@ -315,6 +315,26 @@ def test_pack_refuses_an_empty_or_dash_output(
         assert status == 0 and (tmp_path / "-").is_file(), err
 
 
+def test_prune_on_a_local_path_says_what_prune_is_for(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    """``prune o.tser`` said "'o.tser' is not a URL (a local path is read without
+    RemoteStore)": internal terms, and nothing on what to do."""
+    for path in (synthetic_packs.single, synthetic_packs.shards, tmp_path / "none.tser"):
+        status, out, err = run(capsys, "prune", path)
+        assert status == 2 and out == "", err
+        text = " ".join(err.split())
+        assert f"{path} is a local path" in text and "RemoteStore" not in text
+        assert "files that earlier packs left at a URL" in text
+        assert "A local pack needs no pruning: a re-pack replaces its files" in text
+        assert ("prune file://" in text) == path.is_dir()
+    # the URL it suggests for a folder is one prune takes (nothing to delete there)
+    url = synthetic_packs.shards.absolute().as_uri()
+    assert f"prune {url}" in " ".join(run(capsys, "prune", synthetic_packs.shards)[2].split())
+    status, out, err = run(capsys, "prune", url, "--dry-run")
+    assert status == 0 and "would delete 0 file(s)" in out, err
+
+
 def test_pack_says_which_year_and_where_several_need_one(
     capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
 ) -> None:

@@ -191,6 +191,24 @@ def test_cache_clear_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     }
 
 
+def test_cache_commands_refuse_a_file_and_call_a_missing_folder_empty(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``cache list --cache-dir FILE`` said "FILE/v1: Not a directory"; ``cache clear``
+    reported "removed 0 pack(s) ... from FILE"."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    for action in ("list", "clear"):
+        status, out, err = run(capsys, "cache", action, "--cache-dir", file)
+        assert status == 2 and out == "", out
+        assert f"{file} is not a folder" in err and "/v1" not in err
+    assert file.read_text() == "mine"
+    status, out, err = run(capsys, "cache", "list", "--cache-dir", tmp_path / "none")
+    assert status == 0, err
+    assert out == f"{tmp_path / 'none'}: 0 pack(s), 0.0 MB (no such folder yet: nothing cached)\n"
+    assert not (tmp_path / "none").exists()
+
+
 def test_info_json_matches_the_source(
     capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
 ) -> None:

@@ -260,9 +260,9 @@ def _local_prune(path: str) -> str:
 
 # -- cache --------------------------------------------------------------------------------------
 def _cmd_cache(args: argparse.Namespace) -> int:
-    from .cache import clear_cache, default_cache_dir, list_cache
+    from .cache import cache_folder, clear_cache, list_cache
 
-    folder = args.cache_dir or default_cache_dir()
+    folder = cache_folder(args.cache_dir)  # a file given as the folder is refused, named
     if args.action == "clear":
         done = clear_cache(args.cache_dir, url=args.url)
         if args.json:
@@ -292,7 +292,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
     total = sum(p.bytes for p in packs)
-    print(f"{folder}: {len(packs)} pack(s), {_mb(total)}")
+    missing = "" if folder.exists() else " (no such folder yet: nothing cached)"
+    print(f"{folder}: {len(packs)} pack(s), {_mb(total)}{missing}")
     for p in packs:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.last_used)) if p.last_used else "-"
         busy = f", {p.in_use} in use" if p.in_use else ""

@@ -361,6 +361,11 @@ def test_pack_says_which_year_and_where_several_need_one(
     )
     assert status == 0, err
     assert "  year     2007 (as asked)" in out
+    status, _, err = run(
+        capsys, "pack", "-q", synthetic_devkit, tmp_path / "c.tser", "--year", 2012
+    )
+    assert status == 2 and "No Pascal VOC 2012 folder found" in err
+    assert "Found VOC2007" in err and "--year 2007" in err and "leave the year out" in err
     both = tmp_path / "both"
     shutil.copytree(synthetic_devkit / "VOCdevkit" / "VOC2007", both / "VOCdevkit" / "VOC2007")
     shutil.copytree(synthetic_devkit / "VOCdevkit" / "VOC2007", both / "VOCdevkit" / "VOC2012")

@@ -337,6 +337,28 @@ def test_list_and_clear(tmp_path: Path) -> None:
     assert clear_cache(tmp_path / "never-made").packs_removed == 0
 
 
+def test_a_cache_dir_that_is_a_file_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cache list --cache-dir FILE`` failed with "FILE/v1: Not a directory" and ``cache
+    clear`` reported "removed 0 pack(s)" from it; a reader said "Not a directory:
+    'FILE/v1/<key>/.locks'"."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    monkeypatch.setenv(CACHE_ENV, str(file))
+    for call in (
+        lambda: list_cache(file),
+        lambda: clear_cache(file),
+        lambda: clear_cache(file, url=URL),
+        lambda: Cache(file),
+        lambda: list_cache(),  # $TORCH_SERIALIZED_CACHE
+    ):
+        with pytest.raises(NotADirectoryError, match="is not a folder") as info:
+            call()
+        assert str(file) in str(info.value) and info.value.filename == str(file)
+    assert file.read_text() == "mine" and sorted(tmp_path.iterdir()) == [file]
+
+
 def test_a_new_version_removes_the_other_versions_of_its_url_not_in_use(tmp_path: Path) -> None:
     source = Source({"a.tser": blob(100), "b.tser": blob(200, 1)})
     cache = Cache(tmp_path)

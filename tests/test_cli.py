@@ -191,6 +191,24 @@ def test_cache_clear_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     }
 
 
+def test_cache_commands_refuse_a_file_and_call_a_missing_folder_empty(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``cache list --cache-dir FILE`` said "FILE/v1: Not a directory"; ``cache clear``
+    reported "removed 0 pack(s) ... from FILE"."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    for action in ("list", "clear"):
+        status, out, err = run(capsys, "cache", action, "--cache-dir", file)
+        assert status == 2 and out == "", out
+        assert f"{file} is not a folder" in err and "/v1" not in err
+    assert file.read_text() == "mine"
+    status, out, err = run(capsys, "cache", "list", "--cache-dir", tmp_path / "none")
+    assert status == 0, err
+    assert out == f"{tmp_path / 'none'}: 0 pack(s), 0.0 MB (no such folder yet: nothing cached)\n"
+    assert not (tmp_path / "none").exists()
+
+
 def test_info_json_matches_the_source(
     capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
 ) -> None:
@@ -293,6 +311,48 @@ def test_pack_usage_errors(
     assert status == 2 and "No Pascal VOC folder" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("append", [[], ["--append"]])
+def test_pack_refuses_an_empty_or_dash_output(
+    capsys: pytest.CaptureFixture[str],
+    synthetic_devkit: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    append: list[str],
+) -> None:
+    """``pack ROOT ""`` said ". already exists; pass --overwrite"; ``pack ROOT -`` wrote a file
+    named ``-``, where many tools would write to standard output, which a pack cannot be."""
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run(capsys, "pack", "-q", synthetic_devkit, "", *append)
+    assert status == 2 and "OUTPUT is empty" in err and "already exists" not in err
+    assert "the .tser file (or shard folder)" in err
+    status, _, err = run(capsys, "pack", "-q", synthetic_devkit, "-", *append)
+    assert status == 2 and "standard output" in err and "./-" in err, err
+    assert list(tmp_path.iterdir()) == []
+    if not append:  # ./- is a file named "-", as asked
+        status, out, err = run(capsys, "pack", "-q", synthetic_devkit, "./-")
+        assert status == 0 and (tmp_path / "-").is_file(), err
+
+
+def test_prune_on_a_local_path_says_what_prune_is_for(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    """``prune o.tser`` said "'o.tser' is not a URL (a local path is read without
+    RemoteStore)": internal terms, and nothing on what to do."""
+    for path in (synthetic_packs.single, synthetic_packs.shards, tmp_path / "none.tser"):
+        status, out, err = run(capsys, "prune", path)
+        assert status == 2 and out == "", err
+        text = " ".join(err.split())
+        assert f"{path} is a local path" in text and "RemoteStore" not in text
+        assert "files that earlier packs left at a URL" in text
+        assert "A local pack needs no pruning: a re-pack replaces its files" in text
+        assert ("prune file://" in text) == path.is_dir()
+    # the URL it suggests for a folder is one prune takes (nothing to delete there)
+    url = synthetic_packs.shards.absolute().as_uri()
+    assert f"prune {url}" in " ".join(run(capsys, "prune", synthetic_packs.shards)[2].split())
+    status, out, err = run(capsys, "prune", url, "--dry-run")
+    assert status == 0 and "would delete 0 file(s)" in out, err
+
+
 def test_pack_says_which_year_and_where_several_need_one(
     capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, tmp_path: Path
 ) -> None:
@@ -301,6 +361,11 @@ def test_pack_says_which_year_and_where_several_need_one(
     )
     assert status == 0, err
     assert "  year     2007 (as asked)" in out
+    status, _, err = run(
+        capsys, "pack", "-q", synthetic_devkit, tmp_path / "c.tser", "--year", 2012
+    )
+    assert status == 2 and "No Pascal VOC 2012 folder found" in err
+    assert "Found VOC2007" in err and "--year 2007" in err and "leave the year out" in err
     both = tmp_path / "both"
     shutil.copytree(synthetic_devkit / "VOCdevkit" / "VOC2007", both / "VOCdevkit" / "VOC2007")
     shutil.copytree(synthetic_devkit / "VOCdevkit" / "VOC2007", both / "VOCdevkit" / "VOC2012")

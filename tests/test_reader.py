@@ -391,6 +391,67 @@ def test_a_pack_replaced_between_its_manifest_and_catalog_raises_file_changed(
     assert not isinstance(missing.value, FileChangedError)
 
 
+def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, monkeypatch):
+    """A re-pack swaps a shard folder with two renames (the old one aside, the new one in).
+    An open in between said "... does not exist; pack a VOC dataset first" or "... is a
+    folder without manifest.json" (2 of ~9,000 opens under a re-pack loop,
+    t4_open_during_rename.py): now it looks again a few ms later and opens the pack there,
+    or says the pack is being replaced."""
+    from torch_serialized import reader as reader_module
+    from torch_serialized.atomic import temp_sibling
+
+    out = write_pack(tmp_path / "out", 30, **SHARDED)
+    new = write_pack(tmp_path / "new", 30, seed=7, **SHARDED)
+    pauses: list[float] = []
+
+    def swap_in(seconds: float) -> None:  # the writer's second rename, while the reader waits
+        pauses.append(seconds)
+        if new.exists():
+            os.replace(new, out)
+
+    monkeypatch.setattr(reader_module, "_pause", swap_in)
+    aside = temp_sibling(out, "old")
+    os.replace(out, aside)  # between the two renames: no folder at the path
+    check_pack(open_pack(out), 30, seed=7)
+    assert len(pauses) == 1
+    shutil.rmtree(aside)
+
+    # the folder moved aside while its manifest is read: looked up again, the new one opens
+    new = write_pack(tmp_path / "new", 30, seed=3, **SHARDED)
+    read = reader_module.read_regular_file
+
+    def moved_while_read(path: Any, *args: Any) -> bytes:
+        if Path(path).parent == out and not aside.exists():
+            os.replace(out, aside)
+        return read(path, *args)
+
+    monkeypatch.setattr(reader_module, "read_regular_file", moved_while_read)
+    check_pack(open_pack(out), 30, seed=3)
+    assert len(pauses) == 2
+    monkeypatch.setattr(reader_module, "read_regular_file", read)
+    shutil.rmtree(aside)
+
+    # nothing comes: a writer killed between its renames (or a very slow one)
+    os.replace(out, aside)
+    with pytest.raises(FileChangedError, match="is being replaced") as info:
+        open_pack(out)
+    message = str(info.value)
+    assert str(out) in message and aside.name in message and "open it again" in message
+    assert "pack a VOC dataset first" not in message
+    assert len(pauses) == 2 + len(reader_module._SWAP_PAUSES)
+
+    # no swap: a missing path and a folder that is no pack are said so at once
+    os.replace(aside, out)
+    with pytest.raises(FileNotFoundError, match="does not exist") as missing:
+        open_pack(tmp_path / "none")
+    assert not isinstance(missing.value, FileChangedError)
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(FormatError, match="folder without manifest.json"):
+        open_pack(tmp_path / "plain")
+    assert len(pauses) == 2 + len(reader_module._SWAP_PAUSES)
+    check_pack(open_pack(out), 30, seed=3)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_a_deleted_pack_is_reported_removed_not_replaced_by_a_new_one(tmp_path, form):
     """A shard folder deleted under an open reader said "was replaced ... to read the new

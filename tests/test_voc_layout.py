@@ -10,6 +10,7 @@ import pytest
 from torchvision.datasets import VOCDetection, VOCSegmentation
 from vocfactory import build_corner_case_devkit, real_voc_roots, real_voc_skip_reason, write_voc
 
+import torch_serialized as ts
 from torch_serialized.errors import SourceDataError
 from torch_serialized.voc.layout import find_voc_root, read_image_sets
 
@@ -194,8 +195,47 @@ def test_find_not_found_lists_what_was_looked_for(tmp_path: Path) -> None:
         find_voc_root(tmp_path, "2012")
     with pytest.raises(SourceDataError, match="not a directory"):
         find_voc_root(tmp_path / "missing", None)
-    with pytest.raises(SourceDataError, match="4-digit string"):
+    with pytest.raises(SourceDataError, match="4 digits"):
         find_voc_root(tmp_path, "07")
+
+
+def test_a_year_not_there_names_the_years_that_are(tmp_path: Path) -> None:
+    """``--year 2007`` on a root holding only VOC2012 listed where it looked, not what it found."""
+    write_voc(tmp_path, "2012", [], {"Main": {"train": ["a"]}})
+    found = tmp_path / "VOCdevkit" / "VOC2012"
+    for root in (tmp_path, tmp_path / "VOCdevkit", found):
+        with pytest.raises(SourceDataError, match="No Pascal VOC 2007 folder found") as info:
+            find_voc_root(root, "2007")
+        text = str(info.value)
+        assert f"Found VOC2012 ({str(found)!r})" in text
+        assert "pass year='2012' (--year 2012 on the command line) or leave the year out" in text
+    write_voc(tmp_path, "2008", [], {"Main": {"train": ["a"]}})
+    with pytest.raises(SourceDataError, match="Found VOC2008, VOC2012 ") as info:
+        find_voc_root(tmp_path, "2007")
+    assert "pass year='2008' or '2012' (--year on the command line)" in str(info.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SourceDataError, match="No Pascal VOC 2007 folder found") as info:
+        find_voc_root(empty, "2007")
+    assert "Found" not in str(info.value)
+
+
+@pytest.mark.parametrize("year", [2012, 2012.0, b"2012", None])
+def test_a_year_that_is_not_a_string_is_a_value_error_as_in_torchvision(
+    tmp_path: Path, year: object
+) -> None:
+    """torchvision's VOCDetection refuses ``year=2012`` with ``ValueError`` ("Expected type
+    str for argument year"); so does ``pack_voc``, naming the type and the string to pass
+    (``SourceDataError`` is a ``ValueError``: ``except ValueError`` catches both alike)."""
+    write_voc(tmp_path, "2012", [], {"Main": {"train": ["a"]}})
+    if year is None:
+        assert find_voc_root(tmp_path, None)[1] == "2012"
+        return
+    with pytest.raises(ValueError, match=f"year must be a string .*, got {type(year).__name__} "):
+        find_voc_root(tmp_path, year)  # type: ignore[arg-type]
+    with pytest.raises(ValueError) as info:
+        ts.pack_voc(tmp_path, tmp_path / "out.tser", year=year)  # type: ignore[arg-type]
+    assert "pass year='2012'" in str(info.value) and not (tmp_path / "out.tser").exists()
 
 
 def test_corner_case_devkit_loads_in_torchvision(corner_root: Path) -> None:

@@ -184,6 +184,31 @@ def test_pack_voc_never_replaces_what_it_did_not_write(tmp_path: Path, output: s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
+@pytest.mark.parametrize("output", ["", ".", "/"])
+def test_an_output_that_names_no_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str
+) -> None:
+    """``pack_voc(root, "")`` raised "PosixPath('.') has an empty name"; the command line said
+    ". already exists": an empty output is the current folder, never a pack to write."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="the .tser file \\(or shard folder\\) to write") as info:
+        ts.pack_voc(root, output, year="2007")
+    assert ("empty" in str(info.value)) == (output == "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_dash_output_is_a_file_named_dash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In Python a path is a path: ``pack_voc(root, "-")`` writes a file named ``-``, as
+    ``open("-", "wb")`` would (the command line refuses ``-``; README, Command line)."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b"])
+    monkeypatch.chdir(tmp_path)
+    result = ts.pack_voc(root, "-", year="2007")
+    assert result.path == tmp_path / "-" and len(VOCPackReader("-")) == 2
+
+
 @pytest.mark.parametrize(
     ("name", "content", "check_images", "expected"),
     [

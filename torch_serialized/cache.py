@@ -40,6 +40,7 @@ Design
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -65,6 +66,7 @@ __all__ = [
     "CachedPack",
     "ClearResult",
     "PackCache",
+    "cache_folder",
     "clear_cache",
     "default_cache_dir",
     "list_cache",
@@ -82,6 +84,22 @@ def default_cache_dir() -> Path:
     """``$TORCH_SERIALIZED_CACHE`` if set, else ``~/.cache/torch_serialized``."""
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "torch_serialized"
+
+
+def cache_folder(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """The cache folder ``cache_dir`` names (default: :func:`default_cache_dir`), which may not
+    exist yet (it is made on first download), but must not be something else: a path that
+    exists and is not a folder raises ``NotADirectoryError`` naming it, before anything under
+    it is looked up."""
+    folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"{folder} is not a folder: the cache of remote packs is a folder (cache_dir, "
+            f"--cache-dir or ${CACHE_ENV}); pass a folder, or a path where one can be made",
+            str(folder),
+        )
+    return folder
 
 
 def pack_key(url: str, identity: str) -> str:
@@ -245,7 +263,7 @@ class Cache:
     ) -> None:
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError(f"cache_limit_bytes must be >= 0 or None, got {limit_bytes}")
-        self.directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.directory = cache_folder(cache_dir)
         self.limit_bytes = limit_bytes
         self._warned = False
 
@@ -618,7 +636,7 @@ def _same_url(stored: str, given: str) -> bool:
 
 def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPack]:
     """Every pack in the cache folder (default: :func:`default_cache_dir`), by URL."""
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root = cache_folder(cache_dir)
     out = []
     for pack_dir in _pack_dirs(root):
         info = _info(pack_dir)
@@ -648,7 +666,7 @@ def clear_cache(
     downloading are left, and counted in ``objects_in_use``. ``url`` matches as
     :func:`list_cache` shows it: passwords and query strings are not compared.
     """
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root = cache_folder(cache_dir)
     return _clear_packs(
         root,
         lambda pack_dir: url is None or _same_url(str(_info(pack_dir).get("url", "")), url),

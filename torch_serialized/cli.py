@@ -131,6 +131,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from .voc.pack import pack_voc
     from .writer import member_refusal
 
+    _check_output(args.output)
     if args.append:
         return _cmd_append(args)
     for flag in ("replace_changed", "checksum", "retire_all"):
@@ -197,6 +198,24 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_output(output: str) -> None:
+    """Refuse an OUTPUT of ``""`` (``Path`` reads it as the current folder) or ``-``: many
+    tools read ``-`` as standard output, but a pack is a file or folder on disk, written
+    beside its destination, mapped and renamed into place, so it cannot go to a pipe. The
+    Python API takes ``"-"`` as a file name, as ``open`` does; here ``./-`` says that."""
+    if output == "":
+        raise ValueError(
+            "OUTPUT is empty: pass the .tser file (or shard folder) to write or, with "
+            "--append, to grow, e.g. voc.tser, or a URL"
+        )
+    if output == "-":
+        raise ValueError(
+            "OUTPUT '-' is not standard output here: a pack cannot be written to a pipe (it is "
+            "written to disk, mapped and renamed into place). Pass the .tser file (or shard "
+            "folder) to write; for a file named '-' in this folder, pass ./-"
+        )
+
+
 def _remote_pack_exists(url: str, storage_options: dict[str, Any] | None) -> bool:
     from .errors import RemoteNotFoundError
     from .remote import RemoteStore
@@ -212,6 +231,8 @@ def _remote_pack_exists(url: str, storage_options: dict[str, Any] | None) -> boo
 def _cmd_prune(args: argparse.Namespace) -> int:
     from .upload import prune_remote
 
+    if not _is_url(args.url):
+        raise ValueError(_local_prune(args.url))
     stale = prune_remote(args.url, args.storage_options, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {len(stale)} file(s) of earlier packs under {args.url}")
@@ -220,11 +241,28 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _local_prune(path: str) -> str:
+    """What ``prune PATH`` says of a local path: what prune is for, why a local pack needs
+    none, and for a folder the ``file://`` URL to prune if it was written through one."""
+    message = (
+        f"{path} is a local path: prune deletes the shard and catalog files that earlier packs "
+        "left at a URL (s3://, gs://, file://...), where a re-pack uploads new files beside "
+        "the old ones for the readers still using them. A local pack needs no pruning: a "
+        "re-pack replaces its files, an append keeps only the previous catalog (the next "
+        "append removes it), and the next pack or append of the same path removes what an "
+        "interrupted one left"
+    )
+    if Path(path).is_dir():
+        url = Path(path).absolute().as_uri()
+        message += f". If this folder was written through a file:// URL, run {PROG} prune {url}"
+    return message
+
+
 # -- cache --------------------------------------------------------------------------------------
 def _cmd_cache(args: argparse.Namespace) -> int:
-    from .cache import clear_cache, default_cache_dir, list_cache
+    from .cache import cache_folder, clear_cache, list_cache
 
-    folder = args.cache_dir or default_cache_dir()
+    folder = cache_folder(args.cache_dir)  # a file given as the folder is refused, named
     if args.action == "clear":
         done = clear_cache(args.cache_dir, url=args.url)
         if args.json:
@@ -254,7 +292,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
     total = sum(p.bytes for p in packs)
-    print(f"{folder}: {len(packs)} pack(s), {_mb(total)}")
+    missing = "" if folder.exists() else " (no such folder yet: nothing cached)"
+    print(f"{folder}: {len(packs)} pack(s), {_mb(total)}{missing}")
     for p in packs:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.last_used)) if p.last_used else "-"
         busy = f", {p.in_use} in use" if p.in_use else ""
@@ -901,7 +940,8 @@ def _parser() -> argparse.ArgumentParser:
         "delete the files earlier packs left at a URL",
         "A pack written to a URL over an earlier one leaves the earlier shards and catalog in "
         "place, so readers that opened it keep working. Delete the shard and catalog files "
-        "that the current manifest does not name, once no reader of an earlier pack is left.",
+        "that the current manifest does not name, once no reader of an earlier pack is left. "
+        "A pack at a local path needs none: a re-pack replaces its files.",
         url=True,
     )
     prune.add_argument("url", help="the shard folder's URL")

@@ -27,8 +27,10 @@ import errno
 import hashlib
 import mmap
 import os
+import stat
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,6 +42,7 @@ import numpy as np
 
 from . import format as fmt
 from . import oscompat
+from .atomic import is_temporary
 from .errors import (
     ChecksumError,
     CorruptFileError,
@@ -1220,25 +1223,101 @@ def _locate(
         path = remote.path
     else:
         path = Path(location)
+    for pause in (*_SWAP_PAUSES, None):
+        found = _look(path)
+        if found is not None:
+            return (*found, remote)
+        if pause is not None:
+            _pause(pause)
+    if path.name == fmt.MANIFEST_NAME:
+        path = path.parent
+    aside = _moved_aside(path)
+    if aside is None:  # swapped at every look: re-packed again and again
+        raise FileChangedError(
+            f"{path} is being replaced by new packs faster than it can be opened; open it again"
+        )
+    raise FileChangedError(
+        f"{path} is being replaced: a re-pack moved the previous pack aside to {aside.name} and "
+        "has not renamed the new one into place yet; open it again. If no pack of it is "
+        f"running, one was killed between the two renames: rename {aside.name} back to "
+        f"{path.name} (the next pack of {path.name} does)"
+    )
+
+
+#: The pauses (seconds) between looks at a shard folder that a re-pack is swapping: about
+#: 31 ms in all. ``atomic.AtomicOutput.commit`` moves the old folder aside and renames the new
+#: one into place right after (two renames, nothing between), so the folder is missing for
+#: microseconds, unless the writer is descheduled between them; an open that sees the swap
+#: looks again rather than calling the path empty or no pack. Only taken when a swap is seen.
+_SWAP_PAUSES = (0.001, 0.002, 0.004, 0.008, 0.016)
+
+
+def _pause(seconds: float) -> None:
+    """Wait between two looks at a folder being swapped (a seam for the tests)."""
+    time.sleep(seconds)
+
+
+def _look(path: Path) -> tuple[Path, Path | None, bytes | None] | None:
+    """One look at the local pack at ``path``: ``(path, manifest path, manifest bytes)`` for
+    a shard folder, ``(path, None, None)`` for anything else (a file, a folder without a
+    manifest: ``ContainerReader`` says what it is). ``None`` when a re-pack is swapping the
+    folder right now: it is missing and moved aside, or it was swapped while its manifest
+    was read. ``path`` may also be a shard folder's ``manifest.json``."""
     if path.name == fmt.MANIFEST_NAME and not path.is_dir() and os.path.lexists(path):
         path = path.parent
+    try:
+        before = os.stat(path)
+    except OSError as exc:
+        folder = path.parent if path.name == fmt.MANIFEST_NAME else path
+        if isinstance(exc, FileNotFoundError) and _moved_aside(folder) is not None:
+            return None
+        if os.path.lexists(path):  # a dangling link, say: opening it names what is wrong
+            return path, None, None
+        raise FileNotFoundError(
+            f"{path} does not exist; pack a VOC dataset first with torch_serialized.pack_voc "
+            "or `torch-serialized pack`"
+        ) from None
+    if not stat.S_ISDIR(before.st_mode):
+        return path, None, None
     manifest_path = path / fmt.MANIFEST_NAME
-    if path.is_dir() and os.path.lexists(manifest_path):
-        try:
-            data = read_regular_file(manifest_path, fmt.MAX_MANIFEST_BYTES, "the manifest")
-        except (FileKindError, FileSizeError) as exc:
-            raise CorruptFileError(f"{exc}; the pack is damaged, re-pack it") from None
-        except OSError as exc:
-            if exc.errno in _NO_MORE_FILES:
-                raise _too_many_files(manifest_path, exc) from None
+    try:
+        data = read_regular_file(manifest_path, fmt.MAX_MANIFEST_BYTES, "the manifest")
+    except (FileKindError, FileSizeError) as exc:
+        raise CorruptFileError(f"{exc}; the pack is damaged, re-pack it") from None
+    except FileNotFoundError:
+        if not _same_file(path, before):
+            return None  # the folder was swapped while it was read: look again
+        if os.path.lexists(manifest_path):  # a dangling link named manifest.json
             raise
-        return path, manifest_path, data, remote
-    if os.path.lexists(path):
-        return path, None, None, remote
-    raise FileNotFoundError(
-        f"{path} does not exist; pack a VOC dataset first with torch_serialized.pack_voc "
-        "or `torch-serialized pack`"
-    )
+        return path, None, None
+    except OSError as exc:
+        if exc.errno in _NO_MORE_FILES:
+            raise _too_many_files(manifest_path, exc) from None
+        raise
+    return path, manifest_path, data
+
+
+def _same_file(path: Path, before: os.stat_result) -> bool:
+    """Whether ``path`` is still the file or folder ``before`` describes."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino)
+
+
+def _moved_aside(path: Path) -> Path | None:
+    """The folder (or file) a writer moved aside to replace ``path`` with a new pack, if
+    there is one: ``.{name}.old-{pid}-{hex}`` beside it (``atomic.temp_sibling``)."""
+    prefix = f".{path.name}.old-"
+    try:
+        with os.scandir(path.parent) as entries:
+            for entry in entries:
+                if entry.name.startswith(prefix) and is_temporary(entry.name):
+                    return path.parent / entry.name
+    except OSError:
+        pass
+    return None
 
 
 def intact(expect: Expected | None = None) -> Callable[[Path], bool]:

@@ -34,6 +34,7 @@ __all__ = [
     "is_pack",
     "replace_refusal",
     "member_refusal",
+    "check_output_name",
 ]
 
 #: The ``created_by`` of every container and manifest written here.
@@ -223,6 +224,23 @@ class ContainerWriter:
         return desc
 
 
+def check_output_name(output: str | os.PathLike[str]) -> None:
+    """Refuse an output path that names no file of its own: ``""`` (which ``Path`` reads as the
+    current folder), ``.`` or ``/``. A pack is a file or folder written beside its siblings
+    and renamed into place, so its path must end in a name (``ValueError``, saying so)."""
+    text = os.fspath(output)
+    if text == "":
+        raise ValueError(
+            "the output path is empty: pass the .tser file (or shard folder) to write, "
+            "e.g. 'voc.tser'"
+        )
+    if Path(text).name == "":
+        raise ValueError(
+            f"output {text!r} is a folder itself, not a name in it: pass the .tser file "
+            f"(or shard folder) to write, e.g. {os.path.join(text, 'voc.tser')!r}"
+        )
+
+
 def replace_refusal(path: Path) -> str | None:
     """Why ``path`` may not be replaced by a new pack (a message saying what to do instead),
     or ``None`` when it may.
@@ -331,6 +349,7 @@ class PackWriter:
             if limit is not None and limit < 1:
                 raise ValueError(f"{name} must be a positive integer, got {limit}")
         _check_options(fields, alignment, columns)
+        check_output_name(output)
         self.output = Path(output).absolute()
         self.sharded = max_records_per_shard is not None or max_shard_bytes is not None
         self._fields = list(fields)

@@ -55,8 +55,8 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
     ``(voc_root, year)``.
     """
     root = Path(root)
-    if year is not None and (not isinstance(year, str) or not _YEAR.fullmatch(year)):
-        raise SourceDataError(f"year must be a 4-digit string such as '2007', got {year!r}.")
+    if year is not None:
+        _check_year(year)
     if not root.is_dir():
         error = SourceDataError if os.path.lexists(root) else SourceNotFoundError
         raise error(f"VOC root {str(root)!r} is not a directory; pass an existing folder.")
@@ -67,9 +67,43 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
         if candidate.is_dir():
             return candidate, year
     looked = ", ".join(repr(str(c)) for c in candidates)
-    raise SourceNotFoundError(
-        f"No Pascal VOC {year} folder found: looked for {looked}. Pass torchvision's root "
-        f"(the folder holding VOCdevkit/VOC{year}) or the VOC{year} folder itself."
+    found = _found(root)
+    if not found:
+        advice = (
+            f"Pass torchvision's root (the folder holding VOCdevkit/VOC{year}) or the "
+            f"VOC{year} folder itself."
+        )
+    elif len(found) == 1:
+        other = found[0].name[3:]
+        advice = (
+            f"Found VOC{other} ({str(found[0])!r}): pass year={other!r} (--year {other} on the "
+            "command line) or leave the year out."
+        )
+    else:
+        names = ", ".join(path.name for path in found)
+        listed = ", ".join(repr(str(path)) for path in found)
+        years = " or ".join(repr(path.name[3:]) for path in found)
+        advice = f"Found {names} ({listed}): pass year={years} (--year on the command line)."
+    raise SourceNotFoundError(f"No Pascal VOC {year} folder found: looked for {looked}. {advice}")
+
+
+def _check_year(year: object) -> None:
+    """Refuse a ``year`` that is not 4 digits in a ``str``: torchvision's ``VOCDetection``
+    refuses anything but a string too (``ValueError``, as ``SourceDataError`` is)."""
+    if isinstance(year, str):
+        if not _YEAR.fullmatch(year):
+            raise SourceDataError(f"year must be 4 digits such as '2007', got {year!r}.")
+        return
+    if isinstance(year, bytes):
+        text = year.decode("ascii", "replace")
+    elif isinstance(year, float) and year.is_integer():
+        text = str(int(year))
+    else:
+        text = str(year)
+    hint = f": pass year={text!r}" if _YEAR.fullmatch(text) else ""
+    raise SourceDataError(
+        f"year must be a string such as '2007', as for torchvision's VOCDetection, got "
+        f"{type(year).__name__} {year!r}{hint}."
     )
 
 
@@ -84,8 +118,10 @@ def _candidates(root: Path, year: str) -> list[Path]:
     return candidates
 
 
-def _infer(root: Path) -> tuple[Path, str]:
-    """``(voc_root, year)`` when the caller gave no year."""
+def _found(root: Path) -> list[Path]:
+    """The ``VOC<year>`` folders ``root`` holds, sorted: under ``VOCdevkit/`` and
+    ``TrainVal/VOCdevkit/``, else directly in ``root`` if it is a ``VOCdevkit`` folder, else
+    ``root`` itself if it is one."""
     found = sorted(
         {
             path
@@ -94,11 +130,16 @@ def _infer(root: Path) -> tuple[Path, str]:
         }
     )
     if not found and root.name == "VOCdevkit":
-        found = _voc_folders(root)
+        found = sorted(_voc_folders(root))
+    if not found and _VOC_FOLDER.fullmatch(root.name) and root.is_dir():
+        found = [root]
+    return found
+
+
+def _infer(root: Path) -> tuple[Path, str]:
+    """``(voc_root, year)`` when the caller gave no year."""
+    found = _found(root)
     if not found:
-        match = _VOC_FOLDER.fullmatch(root.name)
-        if match:
-            return root, match.group(1)
         raise SourceNotFoundError(
             f"No Pascal VOC folder found under {str(root)!r}: looked for VOCdevkit/VOC<year>, "
             "TrainVal/VOCdevkit/VOC<year> and a folder named VOC<year>. Pass torchvision's root "

@@ -37,7 +37,7 @@ from ..parallel import Record, Spilled, SpillPool, pays_off
 from ..remote import is_url
 from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
 from ..upload import write_then_upload
-from ..writer import PackWriter
+from ..writer import PackWriter, check_output_name
 from . import schema
 from .images import ImageOptions
 from .layout import base_dir, find_voc_root, image_set_files, read_image_sets
@@ -200,6 +200,7 @@ def pack_voc(
             report=lambda r: r.report,
         )
         return dataclasses.replace(result, url=str(output))
+    check_output_name(output)
     if image_storage not in ("original", "raw"):
         raise ValueError(f"image_storage must be 'original' or 'raw', got {image_storage!r}")
     if max_size is not None and max_size < 1:

@@ -185,7 +185,7 @@ class _PackedVOCBase:
         except (IndexError, TypeError):
             raise self._bad_index(index) from None
 
-    def _bad_index(self, index: object) -> Exception:
+    def _bad_index(self, index: Any) -> Exception:
         """The ``IndexError`` or ``TypeError`` a list raises for ``index``, naming the index
         and the length (the index memoryview's own messages name neither). Error path only:
         the lookups call it after the memoryview refused ``index``."""

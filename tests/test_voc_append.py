@@ -258,17 +258,15 @@ def test_a_pack_without_object_classes_recounts_them_from_its_shards(
     tmp_path, source, form, monkeypatch
 ):
     # Packs written before the catalog kept every object's class: read from the shards.
-    from torch_serialized.voc import append as append_module
-
     source.cut()
     with monkeypatch.context() as m:  # written under another name: as if not written at all
         m.setattr(schema, "OBJECT_CLASSES_ARRAY", "objects/not-this-one")
         path = pack(source, tmp_path / "pack", form)
     assert schema.OBJECT_CLASSES_ARRAY not in VOCPackReader(path).reader.arrays()
     calls = []
-    read = append_module._object_classes_from_shards
+    read = VOCPackReader._object_classes_from_shards
     monkeypatch.setattr(
-        append_module, "_object_classes_from_shards", lambda old: calls.append(1) or read(old)
+        VOCPackReader, "_object_classes_from_shards", lambda old: calls.append(1) or read(old)
     )
     source.grow()
     append_voc(source.root, path)

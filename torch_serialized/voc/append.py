@@ -266,7 +266,7 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     new pack numbers them follow from their position): ids, class ids, statistics, digests."""
     books = Books(classes={name: c for c, name in enumerate(old.classes)})
     names = schema.decode_ids(*old.id_table())
-    classes, counts = _object_classes(old)
+    classes, counts = old.object_classes()  # the catalog's, or read from old shards
     chosen = np.asarray(records, dtype=np.int64)
     books.base_classes = classes[np.repeat(np.isin(np.arange(len(counts)), chosen), counts)]
     books.base_counts = counts[chosen]
@@ -276,48 +276,6 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     sizes = plan.stats[plan.kept, :, 0]
     books.source_bytes = int(sizes[sizes > 0].sum())
     return books
-
-
-def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
-    """The class id of every stored object of every record, in record order, and how many
-    objects each record has: from the catalog's ``objects/class_id`` (no shard is read), or,
-    in packs written before it, read shard by shard in one pass (the objects field only)."""
-    stored = old.reader.arrays().get(schema.OBJECT_CLASSES_ARRAY)
-    if stored is None:
-        return _object_classes_from_shards(old)
-    counts = old.columns["num_objects"].astype(np.int64)
-    if stored.ndim != 1 or stored.dtype.kind not in "iu" or int(counts.sum()) != len(stored):
-        raise FormatError(
-            f"{old.path}: {schema.OBJECT_CLASSES_ARRAY} is not one integer class id per stored "
-            f"object ({len(stored)} {stored.dtype} values, {int(counts.sum())} objects counted "
-            "by the records); re-pack it"
-        )
-    return _checked_classes(old, stored.astype(np.int64)), counts
-
-
-def _object_classes_from_shards(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
-    parts: list[bytes] = []
-    lengths: list[np.ndarray] = []
-    for s in range(old.reader.num_shards):
-        shard = old.reader.shard(s)
-        everything = np.arange(len(shard))
-        lengths.append(shard.index_rows(everything)["length"][:, schema.OBJECTS])
-        parts.append(b"".join([v[0] for v in shard.views(everything, [schema.OBJECTS])]))
-    size = schema.OBJECT_DTYPE.itemsize
-    sizes = np.concatenate(lengths).astype(np.int64) if lengths else np.empty(0, np.int64)
-    if np.any(sizes % size):
-        raise FormatError(f"{old.path}: a record's stored objects are not whole rows; re-pack it")
-    counts = sizes // size
-    rows = np.frombuffer(b"".join(parts), dtype=schema.OBJECT_DTYPE)
-    return _checked_classes(old, rows["class_id"].astype(np.int64)), counts
-
-
-def _checked_classes(old: VOCPackReader, classes: np.ndarray) -> np.ndarray:
-    if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= len(old.classes)):
-        raise FormatError(
-            f"{old.path}: a stored object names a class the pack does not have; re-pack it"
-        )
-    return classes
 
 
 def _metadata(

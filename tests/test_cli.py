@@ -726,3 +726,22 @@ def test_a_closed_pipe_ends_quietly(synthetic_packs: Packed, command: list[str])
     finally:
         os.close(write)
     assert proc.stderr == "" and proc.returncode == 141
+
+
+@pytest.mark.parametrize(("asked", "written"), [(10, 10), (7, 7), (24, 24), (30, 24)])
+def test_pack_shards_n_writes_n_shards_of_even_sizes(
+    capsys: pytest.CaptureFixture[str],
+    synthetic_devkit: Path,
+    tmp_path: Path,
+    asked: int,
+    written: int,
+) -> None:
+    # 24 samples: --shards 10 used to give 8 shards of 3 (ceil(24 / ceil(24 / 10)))
+    out_dir = tmp_path / "s"
+    status, out, err = run(capsys, "pack", "-q", synthetic_devkit, out_dir, "--shards", asked)
+    assert status == 0, err
+    assert f"({written} shards)" in out
+    reader = VOCPackReader(out_dir).reader
+    sizes = [len(reader.shard(s)) for s in range(reader.num_shards)]
+    assert len(sizes) == written and sum(sizes) == 24 and max(sizes) - min(sizes) <= 1
+    assert ("only 24 samples" in out) == (asked > 24)

@@ -18,7 +18,6 @@ import dataclasses
 import errno
 import functools
 import json
-import math
 import os
 import re
 import sys
@@ -38,6 +37,7 @@ from .safeio import DEFAULT_MAX_FILE_BYTES
 
 if TYPE_CHECKING:
     from .reader import Member
+    from .voc.pack import PackResult
 
 __all__ = ["main", "parse_size"]
 
@@ -127,8 +127,7 @@ def _is_url(path: str) -> bool:
 # -- pack ---------------------------------------------------------------------------------------
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .reader import open_pack
-    from .voc.layout import find_voc_root, read_image_sets
-    from .voc.pack import pack_voc
+    from .voc.pack import pack_voc, pack_voc_in_shards
     from .writer import member_refusal
 
     _check_output(args.output)
@@ -153,17 +152,14 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             errno.EEXIST,
             f"{output} already exists; pass --overwrite to replace it (or choose another OUTPUT)",
         )
-    per_shard = args.samples_per_shard
-    if args.shards is not None:
-        voc_root, _ = find_voc_root(args.root, args.year)
-        image_sets = read_image_sets(voc_root)
-        ids = {i for sets in image_sets.values() for listed in sets.values() for i in listed}
-        per_shard = max(1, math.ceil(len(ids) / args.shards))
-    result = pack_voc(
+    pack: Callable[..., PackResult] = pack_voc
+    if args.shards is not None:  # exactly N shards, their sizes differing by at most one
+        pack = functools.partial(pack_voc_in_shards, num_shards=args.shards)
+    result = pack(
         args.root,
         output,
         year=args.year,
-        max_samples_per_shard=per_shard,
+        max_samples_per_shard=args.samples_per_shard,
         max_shard_bytes=args.shard_size,
         workers=args.workers,
         image_storage=args.image_storage or "original",
@@ -195,6 +191,11 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if result.skipped:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
+    if args.shards is not None and result.num_samples < args.shards:
+        print(
+            f"  note     --shards {args.shards} asked, but only {result.num_samples} samples "
+            "were packed: one shard each"
+        )
     return EXIT_OK
 
 
@@ -773,7 +774,13 @@ def _parser() -> argparse.ArgumentParser:
         "required when there are several)",
     )
     limit = pack.add_mutually_exclusive_group()
-    limit.add_argument("--shards", type=_positive_int, metavar="N", help="write N shards")
+    limit.add_argument(
+        "--shards",
+        type=_positive_int,
+        metavar="N",
+        help="write N shards, their sample counts differing by at most one (one a sample "
+        "when there are fewer than N)",
+    )
     limit.add_argument(
         "--shard-size",
         type=parse_size,

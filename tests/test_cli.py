@@ -311,6 +311,24 @@ def test_pack_usage_errors(
     assert status == 2 and "No Pascal VOC folder" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("option", [["--cache-dir", "c"], ["--cache-limit", "1GB"]])
+def test_cache_options_are_refused_where_they_would_do_nothing(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path, option: list[str]
+) -> None:
+    # only an append to a URL stages through the cache: a pack, or an append to a local
+    # path, would ignore them; prune reads no pack through the cache
+    root = synthetic_packs.root
+    status, _, err = run(capsys, "pack", root, tmp_path / "p.tser", "-q", *option)
+    assert status == 2 and option[0] in err and "--append to a URL" in err
+    assert not (tmp_path / "p.tser").exists()
+    grown = tmp_path / "grown.tser"
+    shutil.copyfile(synthetic_packs.single, grown)
+    status, _, err = run(capsys, "pack", root, grown, "--append", "-q", *option)
+    assert status == 2 and option[0] in err and "--append to a URL" in err
+    status, _, err = run(capsys, "prune", "s3://bucket/voc", *option)
+    assert status == 2 and "unrecognized arguments" in err
+
+
 @pytest.mark.parametrize("append", [[], ["--append"]])
 def test_pack_refuses_an_empty_or_dash_output(
     capsys: pytest.CaptureFixture[str],

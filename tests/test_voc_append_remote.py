@@ -23,7 +23,13 @@ from test_voc_append import (
     edit_annotation,
 )
 
-from torch_serialized import SourceDataError, VOCSerializedDataset, append_voc, pack_voc
+from torch_serialized import (
+    CacheLimitWarning,
+    SourceDataError,
+    VOCSerializedDataset,
+    append_voc,
+    pack_voc,
+)
 from torch_serialized.cli import main
 from torch_serialized.errors import RemoteError, WriteError
 from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV, RemoteStore
@@ -457,6 +463,17 @@ def test_cli_append_to_a_url(
     fresh = pack_voc(source.root, tmp_path / "fresh", year=YEAR, on_error="skip")
     grown = VOCPackReader(download(s3_remote, url, tmp_path / "grown"))
     assert grown.meta["splits"] == VOCPackReader(fresh.path).meta["splits"]
+
+
+def test_cli_append_to_a_url_bounds_the_cache_it_stages_through(
+    s3_remote: Remote, source: Source, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = pack_at(source, s3_remote, "shards")
+    argv = ["--storage-options", json.dumps(s3_remote.storage_options)]
+    argv += ["--cache-dir", str(tmp_path / "cache"), "--cache-limit", "1"]
+    with pytest.warns(CacheLimitWarning, match="cache_limit_bytes=1"):  # the limit is used
+        assert main(["pack", str(source.root), url, "--append", "--quiet", *argv]) == 0
+    assert "up to date" in capsys.readouterr().out
 
 
 # -- killed --------------------------------------------------------------------------------------

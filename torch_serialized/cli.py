@@ -131,6 +131,13 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from .writer import member_refusal
 
     _check_output(args.output)
+    cache = [flag for dest, flag in _CACHE_OPTIONS.items() if getattr(args, dest) is not None]
+    if cache and not (args.append and _is_url(args.output)):
+        raise ValueError(
+            f"{' and '.join(cache)} only apply with --append to a URL, which stages the pack "
+            "through the cache: a pack is written in $TMPDIR and uploaded, and a local pack is "
+            "appended to in place, neither through the cache"
+        )
     if args.append:
         return _cmd_append(args)
     for flag in ("replace_changed", "checksum", "retire_all"):
@@ -308,6 +315,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: The cache options of ``pack``, which only an append to a URL uses (dest -> flag).
+_CACHE_OPTIONS = {"cache_dir": "--cache-dir", "cache_limit": "--cache-limit"}
+
 #: ``pack`` options an append cannot take: the pack keeps its own (dest -> flag).
 _PACK_ONLY = {
     "shards": "--shards",
@@ -343,6 +353,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
         retire_all=args.retire_all,
         storage_options=args.storage_options,
         cache_dir=args.cache_dir,
+        cache_limit_bytes=args.cache_limit,
     )
     new = result.added - len(result.replaced)
     dropped = len(result.retired)
@@ -724,33 +735,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    remote = argparse.ArgumentParser(add_help=False)
-    group = remote.add_argument_group("packs at URLs (s3://, gs://, https://...)")
-    group.add_argument(
-        "--storage-options",
-        type=_storage_options,
-        metavar="JSON",
-        help='fsspec options as a JSON object, e.g. \'{"endpoint_url": "http://..."}\' '
-        "(default: the backend's usual configuration)",
-    )
-    group.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        help="local cache of remote packs (default: $TORCH_SERIALIZED_CACHE, else "
-        "~/.cache/torch_serialized)",
-    )
-    group.add_argument(
-        "--cache-limit",
-        type=parse_size,
-        metavar="SIZE",
-        help="bound the cache (e.g. 20GB); least recently used files no process reads go first",
-    )
-
     def command(
-        name: str, help: str, description: str, *, url: bool = False
+        name: str, help: str, description: str, *, url: bool = False, cache: bool = True
     ) -> argparse.ArgumentParser:
-        parents = [common, remote] if url else [common]
-        return commands.add_parser(name, help=help, description=description, parents=parents)
+        """A command; ``url``: it takes URLs (``--storage-options``), and with ``cache`` reads
+        them through the cache (``--cache-dir``, ``--cache-limit``)."""
+        parser = commands.add_parser(name, help=help, description=description, parents=[common])
+        if url:
+            _remote_options(parser, cache=cache)
+        return parser
 
     pack = command(
         "pack",
@@ -953,6 +946,7 @@ def _parser() -> argparse.ArgumentParser:
         "that the current manifest does not name, once no reader of an earlier pack is left. "
         "A pack at a local path needs none: a re-pack replaces its files.",
         url=True,
+        cache=False,
     )
     prune.add_argument("url", help="the shard folder's URL")
     prune.add_argument("--dry-run", action="store_true", help="list, delete nothing")
@@ -978,6 +972,33 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", metavar="DIR", help="keep the data here (default: a temp folder)")
     demo.set_defaults(run=_cmd_demo)
     return parser
+
+
+def _remote_options(parser: argparse.ArgumentParser, *, cache: bool) -> None:
+    """The options of a command that takes URLs (read by ``_remote``); ``cache``: with the
+    cache's, for commands that read a pack through it."""
+    group = parser.add_argument_group("packs at URLs (s3://, gs://, https://...)")
+    group.add_argument(
+        "--storage-options",
+        type=_storage_options,
+        metavar="JSON",
+        help='fsspec options as a JSON object, e.g. \'{"endpoint_url": "http://..."}\' '
+        "(default: the backend's usual configuration)",
+    )
+    if not cache:
+        return
+    group.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="local cache of remote packs (default: $TORCH_SERIALIZED_CACHE, else "
+        "~/.cache/torch_serialized)",
+    )
+    group.add_argument(
+        "--cache-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="bound the cache (e.g. 20GB); least recently used files no process reads go first",
+    )
 
 
 def printable(text: str, *, json_text: bool = False) -> str:

@@ -77,6 +77,7 @@ def append_voc(
     retire_all: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
 ) -> PackResult:
     """Bring the pack at ``pack`` up to date with the VOC source at ``root``; return what
     was done (``added``, ``replaced``, ``retired``, ``notes``, ``bytes_written``).
@@ -94,8 +95,9 @@ def append_voc(
     ``on_error``, ``progress``, ``workers`` and ``max_file_bytes`` are ``pack_voc``'s. An
     interrupted append leaves the pack as it was.
 
-    ``pack`` may be a writable URL (``s3://bucket/prefix/voc``; ``storage_options`` and
-    ``cache_dir`` as the readers take them): the pack is staged through the cache, grown
+    ``pack`` may be a writable URL (``s3://bucket/prefix/voc``; ``storage_options``,
+    ``cache_dir`` and ``cache_limit_bytes`` as the readers take them; all three are ignored
+    for a local path): the pack is staged through the cache, grown
     locally by these same rules, and only its new files are uploaded, the manifest last
     (``append_remote``).
     """
@@ -132,7 +134,12 @@ def append_voc(
             retire_all=retire_all,
         )
         return append_to_url(
-            str(pack), local, compare, storage_options=storage_options, cache_dir=cache_dir
+            str(pack),
+            local,
+            compare,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
     return grow(pack, check_shards=True)
 

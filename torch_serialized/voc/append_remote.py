@@ -67,6 +67,7 @@ def append_to_url(
     *,
     storage_options: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
 ) -> PackResult:
     """Grow the pack at ``url`` with ``append(local_pack)`` (the local ``append_voc``, bound to
     its source and options) and upload the result; return its ``PackResult`` with ``url`` set
@@ -84,9 +85,14 @@ def append_to_url(
             "and serve that"
         )
     store = RemoteStore(url, storage_options)
-    cache = Cache(cache_dir)
+    cache = Cache(cache_dir, cache_limit_bytes)
     with _staging(cache.directory) as folder:
-        voc = VOCPackReader(url, storage_options=storage_options, cache_dir=cache_dir)
+        voc = VOCPackReader(
+            url,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )
         reader = voc.reader
         try:
             local = folder / (store.url.rsplit("/", 1)[-1] or "pack")

@@ -329,6 +329,16 @@ def test_cache_options_are_refused_where_they_would_do_nothing(
     assert status == 2 and "unrecognized arguments" in err
 
 
+@pytest.mark.parametrize("append", [[], ["--append"], ["--overwrite"]])
+def test_pack_to_an_https_url_is_refused_up_front(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, append: list[str]
+) -> None:
+    # port 9 (discard): nothing listens; a refusal that asked the server would retry first
+    url = "https://127.0.0.1:9/voc"
+    status, _, err = run(capsys, "pack", synthetic_devkit, url, "-q", *append)
+    assert status == 2 and url in err and "read-only" in err and "s3://" in err
+
+
 @pytest.mark.parametrize("append", [[], ["--append"]])
 def test_pack_refuses_an_empty_or_dash_output(
     capsys: pytest.CaptureFixture[str],

@@ -90,6 +90,18 @@ def test_pack_voc_in_shards_writes_exactly_n_even_shards(
         pack_voc_in_shards(synthetic_devkit, tmp_path / "t", 3, max_shard_bytes=10**6)
 
 
+@pytest.mark.parametrize("url", ["https://127.0.0.1:9/voc", "HTTP://127.0.0.1:9/voc.tser"])
+def test_pack_to_an_http_url_is_refused_before_packing(
+    synthetic_devkit: Path, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch_serialized.voc import pack as pack_module
+
+    # refused up front, naming the URL: not a 405 from the server once the pack is built
+    monkeypatch.setattr(pack_module, "plan", lambda *a, **k: pytest.fail("packed first"))
+    with pytest.raises(ValueError, match=r"127\.0\.0\.1:9/voc.*read-only.*s3://"):
+        ts.pack_voc(synthetic_devkit, url)
+
+
 def test_raw_storage_returns_torchvision_pixels(synthetic_devkit: Path, tmp_path: Path) -> None:
     raw = ts.pack_voc(synthetic_devkit, tmp_path / "raw.tser", year="2007", image_storage="raw")
     tv = VOCDetection(synthetic_devkit, "2007", "train")

@@ -127,6 +127,7 @@ def _is_url(path: str) -> bool:
 # -- pack ---------------------------------------------------------------------------------------
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .reader import open_pack
+    from .upload import check_writable
     from .voc.pack import pack_voc, pack_voc_in_shards
     from .writer import member_refusal
 
@@ -146,6 +147,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     remote = _is_url(args.output)
     output: str | Path = args.output if remote else Path(args.output)
     if remote:
+        check_writable(args.output, "pack")  # before asking the server, or packing
         if not args.overwrite and _remote_pack_exists(args.output, args.storage_options):
             raise FileExistsError(
                 errno.EEXIST,

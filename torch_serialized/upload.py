@@ -20,12 +20,14 @@ from typing import Any, TypeVar
 
 from . import format as fmt
 from .errors import RemoteError
-from .remote import RemoteStore
+from .remote import RemoteStore, redact_url
 
-__all__ = ["prune_remote", "write_then_upload"]
+__all__ = ["READ_ONLY_PROTOCOLS", "check_writable", "prune_remote", "write_then_upload"]
 
-# Protocols whose fsspec filesystem cannot delete (fsspec's HTTP filesystem only reads).
-_NO_DELETE = {"http", "https"}
+#: URL schemes packs are read from but never written to (fsspec's HTTP filesystem only reads).
+READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
+# Protocols whose fsspec filesystem cannot delete.
+_NO_DELETE = READ_ONLY_PROTOCOLS
 #: What a file of a pack written by torch_serialized is called (shards and catalogs), the only
 #: names ``prune_remote`` ever deletes.
 _PACK_FILE = re.compile(r"^(shard-\d+|catalog)(-[0-9a-f]+)?\.tser$")
@@ -33,6 +35,18 @@ _PACK_FILE = re.compile(r"^(shard-\d+|catalog)(-[0-9a-f]+)?\.tser$")
 REPORT_SUFFIX = ".skipped.json"
 
 R = TypeVar("R")
+
+
+def check_writable(url: str, verb: str) -> None:
+    """Refuse, before any work, to ``verb`` ("pack", "append") a pack at a read-only URL
+    (``READ_ONLY_PROTOCOLS``): otherwise the upload fails only once the pack is built."""
+    protocol = url.split("://", 1)[0].lower() if "://" in url else ""
+    if protocol in READ_ONLY_PROTOCOLS:
+        raise ValueError(
+            f"{redact_url(url)}: packs at {protocol}:// URLs are read-only here (HTTP has no "
+            f"uploads); {verb} to a writable URL (s3://, gs://, file://...) or to a local "
+            "path, and serve that"
+        )
 
 
 def write_then_upload(

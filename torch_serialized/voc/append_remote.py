@@ -48,13 +48,12 @@ from ..errors import WriteError
 from ..reader import PackReader, read_manifest
 from ..remote import RemoteStore, is_url, redact_url
 from ..remote_pack import file_identity, file_tail, local_file_identity
+from ..upload import READ_ONLY_PROTOCOLS, check_writable
 from .pack import REPORT_SUFFIX, PackResult
 from .reader import VOCPackReader
 
 __all__ = ["append_to_url", "READ_ONLY_PROTOCOLS"]
 
-#: URL schemes packs are read from but never written to.
-READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
 _UPLOAD_THREADS = 4
 #: The name staging folders in the cache folder are temporaries of (``atomic.temp_sibling``).
 _STAGING = "append-staging"
@@ -77,13 +76,7 @@ def append_to_url(
     if not is_url(url):
         raise ValueError(f"{url!r} is not a URL")
     url = _pack_url(url)
-    protocol = url.split("://", 1)[0].lower()
-    if protocol in READ_ONLY_PROTOCOLS:
-        raise ValueError(
-            f"{redact_url(url)}: packs at {protocol}:// URLs are read-only (HTTP has no uploads "
-            "here); append to a copy at a writable URL (s3://, gs://...) or to a local copy "
-            "and serve that"
-        )
+    check_writable(url, "append")
     store = RemoteStore(url, storage_options)
     cache = Cache(cache_dir, cache_limit_bytes)
     with _staging(cache.directory) as folder:

@@ -36,7 +36,7 @@ from ..errors import SourceDataError, WriteError
 from ..parallel import Record, Spilled, SpillPool, pays_off
 from ..remote import is_url
 from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
-from ..upload import write_then_upload
+from ..upload import check_writable, write_then_upload
 from ..writer import ContainerWriter, PackWriter, check_output_name
 from . import schema
 from .images import ImageOptions
@@ -230,6 +230,7 @@ def _pack_voc(
 ) -> PackResult:
     """``pack_voc``, and ``pack_voc_in_shards`` with ``num_shards``."""
     if is_url(output):
+        check_writable(str(output), "pack")
         local = functools.partial(
             _pack_voc,
             root,

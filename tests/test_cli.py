@@ -773,3 +773,28 @@ def test_pack_shards_n_writes_n_shards_of_even_sizes(
     sizes = [len(reader.shard(s)) for s in range(reader.num_shards)]
     assert len(sizes) == written and sum(sizes) == 24 and max(sizes) - min(sizes) <= 1
     assert ("only 24 samples" in out) == (asked > 24)
+
+
+def test_export_and_info_count_live_samples_not_retired_records(
+    capsys: pytest.CaptureFixture[str], voc8: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "src"
+    shutil.copytree(voc8, root)
+    pack = tmp_path / "shards"
+    assert run(capsys, "pack", root, pack, "--samples-per-shard", 3, "-q")[0] == 0
+    reader = VOCPackReader(pack)
+    gone = {reader.id(r) for r in range(3)}  # every sample of the first shard
+    for listed in (root / "VOCdevkit" / "VOC2007" / "ImageSets").rglob("*.txt"):
+        lines = listed.read_text().splitlines(keepends=True)
+        listed.write_text("".join(ln for ln in lines if ln.split(" ")[0].strip() not in gone))
+    assert run(capsys, "pack", root, pack, "--append", "-q")[0] == 0
+    status, out, _ = run(capsys, "export", pack, tmp_path / "out", "-q")
+    images = list((tmp_path / "out").rglob("*.jpg"))
+    assert status == 0 and len(images) == 5 and out.startswith("exported 5 samples")
+    status, out, _ = run(capsys, "info", pack)
+    first = next(line for line in out.splitlines() if "shard-00000" in line)
+    assert status == 0 and " 0 samples (3 retired)" in first
+    assert "  samples      5 " in out
+    status, out, _ = run(capsys, "info", pack, "--json")
+    shards = json.loads(out)["shards"]
+    assert [(s["records"], s["samples"]) for s in shards] == [(3, 0), (3, 3), (2, 2)]

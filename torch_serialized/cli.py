@@ -426,9 +426,11 @@ def _pack_info(path: str, remote: dict[str, Any]) -> dict[str, Any]:
         "bytes": reader.nbytes,
         "source_bytes": meta.get("source_bytes"),
         "sharded": reader.manifest is not None,
-        "shards": [
-            {"file": entry.file, "records": entry.num_records, "bytes": entry.bytes}
-            for entry in reader.entries
+        "shards": [  # records: stored; samples: those a reader shows (not retired)
+            {"file": entry.file, "records": entry.num_records, "samples": n, "bytes": entry.bytes}
+            for entry, n in zip(
+                reader.entries, np.diff(np.searchsorted(live, reader.starts)).tolist()
+            )
         ],
         "skipped": meta.get("skipped", []),
         "history": meta.get("history", []),
@@ -534,7 +536,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"{'shards' if info['sharded'] else 'file'}{ratio}",
     ]
     if info["sharded"]:
-        lines += [f"    {s['file']}  {s['records']} samples  {_mb(s['bytes'])}" for s in shards]
+        lines += [
+            f"    {s['file']}  {s['samples']} samples"
+            + (f" ({s['records'] - s['samples']} retired)" if s["records"] > s["samples"] else "")
+            + f"  {_mb(s['bytes'])}"
+            for s in shards
+        ]
     if info["retired"]:
         lines.append(
             f"  retired      {info['retired']} records replaced or dropped by appends (their "
@@ -673,7 +680,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     pack = VOCPackReader(args.path, **remote)
     print(
-        f"exported {len(pack)} samples and {len(pack.files())} list files to {folder} in "
+        f"exported {len(pack.live)} samples and {len(pack.files())} list files to {folder} in "
         f"{seconds:.2f} s; torchvision reads it with root={str(args.out_root)!r}, "
         f"year={pack.year!r}"
     )

@@ -28,6 +28,7 @@ from torch_serialized import (
     SourceDataError,
     VOCSerializedDataset,
     append_voc,
+    open_pack,
     pack_voc,
 )
 from torch_serialized.cli import main
@@ -437,6 +438,22 @@ def test_truncated_downloads_of_the_old_shards_leave_the_pack_and_a_rerun_comple
     assert s3_remote.proxy.stats()["faults"] == {"truncate": 1}
     assert result.num_samples == len(source.listed())
     assert_same_as_repack(download(s3_remote, url, tmp_path / "grown"), source, tmp_path, "shards")
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_the_result_of_an_append_to_a_url_gives_the_size_of_the_pack_there(
+    s3_remote: Remote, source: Source, tmp_path: Path, form: str
+) -> None:
+    # not the size of the staged copy, which holds the new files and those read only
+    source.cut()
+    url = pack_at(source, s3_remote, form)
+    source.grow()
+    options = {"storage_options": s3_remote.storage_options, "cache_dir": tmp_path / "cache"}
+    for _ in range(2):  # an append, then one with nothing to write
+        result = append_voc(source.root, url, **options)
+        assert result.num_bytes == open_pack(url, **options).nbytes
+        assert result.bytes_written < result.num_bytes or form == "single"
+    assert result.bytes_written == 0
 
 
 # -- command line --------------------------------------------------------------------------------

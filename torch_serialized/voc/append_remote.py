@@ -70,7 +70,8 @@ def append_to_url(
 ) -> PackResult:
     """Grow the pack at ``url`` with ``append(local_pack)`` (the local ``append_voc``, bound to
     its source and options) and upload the result; return its ``PackResult`` with ``url`` set
-    (``path`` and ``report`` are the staged copies, removed by then). ``compare(reader)`` sorts
+    and ``num_bytes`` the size of the pack at the URL (``path`` and ``report`` are the staged
+    copies, removed by then). ``compare(reader)`` sorts
     the source against the pack at the URL as ``append`` will (the quick check): the shards it
     reads to compare contents are the only ones downloaded and staged."""
     if not is_url(url):
@@ -101,7 +102,8 @@ def append_to_url(
         with _naming(local, url):
             result = append(local)
         notes = [note.replace(str(local), redact_url(url)) for note in result.notes]
-        result = dataclasses.replace(result, url=url, notes=notes)
+        # the size of the pack at the URL, not of the staged copy (new files and those read)
+        result = dataclasses.replace(result, url=url, notes=notes, num_bytes=_pack_bytes(local))
         if result.bytes_written == 0:  # up to date: nothing was written, nothing goes up
             return result
         if local.is_dir():
@@ -113,6 +115,17 @@ def append_to_url(
             RemoteStore(store.url + REPORT_SUFFIX, storage_options).upload_file(result.report)
         _seed_cache(cache, store, local)
     return result
+
+
+def _pack_bytes(local: Path) -> int:
+    """Bytes of the pack staged at ``local`` as it is at the URL: a single file's, or every
+    file its manifest names and the manifest (``PackReader.nbytes``), staged or not."""
+    if not local.is_dir():
+        return local.stat().st_size
+    manifest = read_manifest(local / fmt.MANIFEST_NAME)
+    named = sum(entry.bytes for entry in manifest.shards)
+    named += manifest.catalog.bytes if manifest.catalog is not None else 0
+    return named + (local / fmt.MANIFEST_NAME).stat().st_size
 
 
 def _pack_url(url: str) -> str:

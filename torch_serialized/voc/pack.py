@@ -99,9 +99,11 @@ class PackResult:
     retired: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     bytes_written: int = 0
-    #: where the pack was uploaded (``pack_voc`` or ``append_voc`` to a URL); ``path`` and
-    #: ``report`` are then the local staging copies, removed after the upload (the report went
-    #: up beside the pack, as ``url + ".skipped.json"``)
+    #: where the pack was uploaded (``pack_voc`` or ``append_voc`` to a URL). ``num_bytes`` is
+    #: then the size of the pack at the URL (every file its manifest names, as ``info URL``
+    #: reports it) and ``bytes_written`` what went up; ``path`` and ``report`` are the local
+    #: temporary copies the pack was written or grown in, removed before the call returns
+    #: (so open ``url``, not ``path``; the report went up as ``url + ".skipped.json"``)
     url: str | None = None
 
     @property

@@ -661,6 +661,35 @@ def test_cli_append_and_info_history(tmp_path, source, capsys):
     assert np.array_equal(VOCPackReader(path).retired, VOCPackReader(path).retired)
 
 
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_result_history_and_summary_count_added_replaced_and_retired_alike(tmp_path, source, form):
+    # added: new ids; replaced: changed ids packed again; retired: ids no longer listed
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    packed = {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
+    source.grow()
+    changed, gone = sorted(packed)[:2]
+    edit_annotation(source, changed)
+    for listed in (source.voc / "ImageSets").rglob("*.txt"):
+        kept = [ln for ln in listed.read_text().splitlines() if ln.split(" ")[0] != gone]
+        listed.write_text("".join(f"{ln}\n" for ln in kept))
+    new = {i for i in source.listed() if i != gone} - packed
+    (tmp_path / "copy").mkdir()
+    copy = tmp_path / "copy" / path.name
+    (shutil.copytree if path.is_dir() else shutil.copyfile)(path, copy)
+
+    result = append_voc(source.root, path, replace_changed=True)
+    assert (result.added, result.replaced, result.retired) == (len(new), [changed], [gone])
+    assert result.num_samples == len(packed) + result.added - len(result.retired)
+    history = VOCPackReader(path).meta["history"][-1]
+    assert (history["added"], history["replaced"], history["retired"]) == (len(new), 1, 1)
+    text = _run_cli(["pack", str(source.root), str(copy), "--append", "--replace-changed", "-q"])
+    assert f"added    {len(new)} new samples, 1 changed samples replaced" in text
+    assert "retired  1 samples no longer listed" in text
+    info = _run_cli(["info", str(copy)])
+    assert f"(+{len(new)} new, 1 replaced, 1 retired)" in info
+
+
 # -- readers open while another process appends -------------------------------------------------
 def _append_in_another_process(source: Source, path: Path) -> None:
     code = (

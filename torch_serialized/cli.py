@@ -357,12 +357,10 @@ def _cmd_append(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         cache_limit_bytes=args.cache_limit,
     )
-    new = result.added - len(result.replaced)
-    dropped = len(result.retired)
     where = f"{result.url} (new files uploaded, manifest last)" if result.url else result.path
     print(f"appended to {where} from {result.voc_root}")
-    print(f"  added    {new} new samples, {len(result.replaced)} changed samples replaced")
-    print(f"  retired  {dropped} samples no longer listed in the source")
+    print(f"  added    {result.added} new samples, {len(result.replaced)} changed samples replaced")
+    print(f"  retired  {len(result.retired)} samples no longer listed in the source")
     print(
         f"  pack     {result.num_samples} samples, {_mb(result.num_bytes)} "
         f"{'at the URL' if result.url else 'on disk'} "

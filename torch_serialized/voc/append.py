@@ -80,7 +80,9 @@ def append_voc(
     cache_limit_bytes: int | None = None,
 ) -> PackResult:
     """Bring the pack at ``pack`` up to date with the VOC source at ``root``; return what
-    was done (``added``, ``replaced``, ``retired``, ``notes``, ``bytes_written``).
+    was done: ``added`` (how many new ids were packed), ``replaced`` (the ids packed again
+    because their files changed), ``retired`` (the ids no longer listed), ``notes``,
+    ``bytes_written``; the pack's history (``torch-serialized info``) counts the same three.
 
     New ids become new records; unchanged ids are left alone; an id whose image, annotation
     or masks changed raises ``SourceDataError`` naming it, the file and the change, unless
@@ -180,7 +182,7 @@ def _append_local(
     sharded = old.reader.manifest is not None
     if sharded and check_shards:
         _check_shards(old)
-    books, written, new_meta = (_grow_shards if sharded else _rewrite_file)(
+    books, bytes_written, new_meta = (_grow_shards if sharded else _rewrite_file)(
         old,
         plan_,
         voc_root,
@@ -192,6 +194,8 @@ def _append_local(
         max_file_bytes,
     )
     write_report(report, books.skipped)
+    replaced = [job.id for job in plan_.replaced if job.id in books.record_of]
+    written = len(books.ids) - (len(old) if sharded else len(plan_.kept))  # records
     return PackResult(
         path=path,
         num_samples=len(books.record_of),
@@ -202,11 +206,11 @@ def _append_local(
         report=report if books.skipped else None,
         year=old.year,
         voc_root=voc_root,
-        added=len(books.ids) - (len(old) if sharded else len(plan_.kept)),
-        replaced=[job.id for job in plan_.replaced if job.id in books.record_of],
+        added=written - len(replaced),
+        replaced=replaced,
         retired=plan_.dropped,
         notes=plan_.notes,
-        bytes_written=written,
+        bytes_written=bytes_written,
     )
 
 
@@ -307,7 +311,7 @@ def _metadata(
             len(books.record_of),
             added - replaced,
             replaced,
-            len(old.live) - len(plan.kept),
+            len(plan.dropped),  # as PackResult counts them: ids, not records
         )
     )
     meta.update(

@@ -91,9 +91,13 @@ class PackResult:
     report: Path | None = None
     year: str = ""
     voc_root: Path | None = None
-    #: what the write did: records added (an append: new ids and new versions of changed
-    #: ones), ids whose old record was replaced, ids retired (no longer listed), notes
-    #: (``append_voc``), and the bytes of the files it wrote
+    #: what the write did, in samples (ids): ``added`` how many were new (a pack: all),
+    #: ``replaced`` the ids packed again because their files changed (their old records
+    #: retired), ``retired`` the ids no longer listed, whose records were retired; so
+    #: ``num_samples`` is the previous count plus ``added`` minus ``len(retired)`` (less any
+    #: changed id ``on_error="skip"`` left out). The pack's history (``info``) and the
+    #: ``pack --append`` summary count the same. Then ``notes`` (``append_voc``), and the
+    #: bytes of the files it wrote
     added: int = 0
     replaced: list[str] = field(default_factory=list)
     retired: list[str] = field(default_factory=list)

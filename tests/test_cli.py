@@ -509,6 +509,31 @@ def test_info_and_verify_on_the_catalog_of_a_folder(
     assert f"verify {folder} checks the whole pack" in out
 
 
+def test_info_on_the_catalog_an_append_kept_says_it_is_an_earlier_version(
+    capsys: pytest.CaptureFixture[str], voc8: Path, tmp_path: Path
+) -> None:
+    # README: info and verify take the catalog file of a shard folder; an append keeps the
+    # previous generation's for the readers that opened it, and verify took it already
+    folder = tmp_path / "shards"
+    assert run(capsys, "pack", voc8, folder, "--samples-per-shard", 3, "-q")[0] == 0
+    first = next(folder.glob("catalog-*.tser"))
+    edit = next((voc8 / "VOCdevkit" / "VOC2007" / "ImageSets" / "Main").glob("train.txt"))
+    root = tmp_path / "src"
+    shutil.copytree(voc8, root)
+    (root / edit.relative_to(voc8)).write_text("")  # a list changed: a new catalog is written
+    assert run(capsys, "pack", root, folder, "--append", "-q")[0] == 0
+    assert first.exists() and len(list(folder.glob("catalog-*.tser"))) == 2
+    status, out, err = run(capsys, "info", first)
+    assert status == 0, err
+    assert f"catalog      of an earlier version of the pack at {folder}" in out
+    assert f"info {folder}" in out
+    status, out, _ = run(capsys, "info", "--json", first)
+    info = json.loads(out)
+    assert (info["catalog_of"], info["records"], info["current"]) == (str(folder), 0, False)
+    status, out, _ = run(capsys, "verify", first)
+    assert status == 0 and "an earlier version" in out
+
+
 @pytest.mark.parametrize(
     ("member", "what"), [("shard", "shard 5 of 5"), ("catalog", "the catalog")]
 )

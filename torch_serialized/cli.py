@@ -477,28 +477,49 @@ def _member_info(path: str, member: Member) -> dict[str, Any]:
     where: dict[str, Any] = {"catalog_of": member.folder}
     if member.role == fmt.ROLE_SHARD:
         where = {"shard_of": member.folder, "shard": member.index, "num_shards": member.num_shards}
-    return {"path": str(path), **where, "records": records, "bytes": os.path.getsize(path)}
+    return {
+        "path": str(path),
+        **where,
+        # named by the folder's manifest; false: an earlier version's, or outside its folder
+        "current": member.num_shards is not None,
+        "records": records,
+        "bytes": os.path.getsize(path),
+    }
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     member = _member(args.path)
-    if member is not None and member.num_shards is not None:
-        # one piece of a pack its manifest names: describe the piece, point at the pack
+    if member is not None:  # one piece of a pack: describe the piece, point at the pack
         info = _member_info(args.path, member)
         if args.json:
             print(json.dumps(info, indent=1, ensure_ascii=False))
             return EXIT_OK
-        place = (
-            f"shard        {member.index + 1} of {member.num_shards} of the pack"
-            if member.role == fmt.ROLE_SHARD and member.index is not None
-            else "catalog      of the pack"
+        label = "shard" if member.role == fmt.ROLE_SHARD else "catalog"
+        if member.num_shards is not None:
+            place = (
+                f"{member.index + 1} of {member.num_shards} of the pack"
+                if member.role == fmt.ROLE_SHARD and member.index is not None
+                else "of the pack"
+            )
+            place += f" {member.folder} (its manifest.json names it)"
+        elif member.folder is not None:  # kept by an append for readers that opened it
+            place = (
+                f"of an earlier version of the pack at {member.folder} (an append kept it "
+                "for the readers that opened that version; its manifest.json names another)"
+            )
+        else:
+            place = "of a shard folder (its metadata says so; it is not in that folder)"
+        whole = (
+            f"{PROG} info {member.folder}"
+            if member.folder is not None
+            else "the folder with its manifest.json"
         )
         print(
             printable(
                 f"{info['path']}\n"
-                f"  {place} {member.folder} (its manifest.json names it)\n"
+                f"  {label:<12} {place}\n"
                 f"  holds        {info['records']} records, {_mb(info['bytes'])}\n"
-                f"The dataset is the whole folder: {PROG} info {member.folder}"
+                f"The dataset is the whole folder: {whole}"
             )
         )
         return EXIT_OK

@@ -137,3 +137,17 @@ def test_info_of_a_url_downloads_only_the_manifest_and_the_catalog(
     assert fetched == {"manifest.json", catalog}
     status, out, _ = run(capsys, "info", remote.url, *argv)
     assert status == 0 and "classes" in out
+
+
+@pytest.mark.parametrize("remote", ["http"], indirect=True)
+def test_prune_dry_run_over_http_without_a_listing_says_so(
+    remote: Remote, voc8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the loopback HTTP server serves files, no folder listing: prune cannot find stale
+    # files there, which is no fault of the URL (no "check the bucket name")
+    pack = pack_voc(voc8, tmp_path / "p", max_samples_per_shard=3).path
+    for f in pack.iterdir():
+        remote.put(f.name, f.read_bytes())
+    status, out, err = run(capsys, "prune", remote.url, "--dry-run")
+    assert status == 2 and remote.url in err and "lists no files" in err
+    assert "bucket" not in err and "server's disk" in err

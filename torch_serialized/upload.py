@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import format as fmt
-from .errors import RemoteError
+from .errors import RemoteError, RemoteNotFoundError
 from .remote import RemoteStore, redact_url
 
 __all__ = ["READ_ONLY_PROTOCOLS", "check_writable", "prune_remote", "write_then_upload"]
@@ -84,27 +84,39 @@ def prune_remote(
 
     Run it when no reader of an earlier pack is still reading: such a reader fetches shards
     of the manifest it opened, and would fail on one that was pruned. Only files named like
-    a pack's files are considered; ``dry_run`` lists without deleting.
+    a pack's files are considered; ``dry_run`` lists without deleting. Over HTTP only a dry
+    run works, and only where the server lists the folder (``python -m http.server`` does);
+    elsewhere ``RemoteError`` says where to look instead.
     """
     store = RemoteStore(url, storage_options)
     if not dry_run and store.protocol in _NO_DELETE:
         raise RemoteError(
             f"{store.url_of()}: {store.protocol}:// cannot delete files, so prune cannot remove "
-            "stale ones here (a dry run lists them). Prune where the pack is stored: its folder "
-            "on the server's disk (delete the listed files), or the s3:// or gs:// URL it was "
-            "uploaded to"
+            "stale ones here (a dry run lists them where the server lists the folder). Prune "
+            "where the pack is stored: its folder on the server's disk (delete the listed "
+            "files), or the s3:// or gs:// URL it was uploaded to"
         )
     manifest = fmt.parse_manifest(
         store.read_bytes(fmt.MANIFEST_NAME), store.url_of(fmt.MANIFEST_NAME)
     )
     keep = set(manifest.files())
     root = store.fs_path("")
-    names = store.call("list", "", lambda: store.fs.ls(root, detail=False))
-    stale = sorted(
-        base
-        for base in (os.path.basename(str(n).rstrip("/")) for n in names)
-        if _PACK_FILE.match(base) and base not in keep
-    )
+    try:
+        names = store.call("list", "", lambda: store.fs.ls(root, detail=False))
+    except RemoteNotFoundError:
+        if store.protocol not in READ_ONLY_PROTOCOLS:
+            raise
+        names = []  # an HTTP server that serves files but no listing of their folder
+    bases = [os.path.basename(str(n).rstrip("/")) for n in names]
+    if store.protocol in READ_ONLY_PROTOCOLS and fmt.MANIFEST_NAME not in bases:
+        raise RemoteError(
+            f"{store.url_of()}: the server lists no files there (it served manifest.json, so "
+            "the URL is right, but no listing of the folder), so prune cannot find the files "
+            "earlier packs left. Look where the pack is stored: in its folder on the server's "
+            "disk, the shard-*.tser and catalog-*.tser files manifest.json does not name are "
+            "stale; or prune the s3:// or gs:// URL it was uploaded to"
+        )
+    stale = sorted(base for base in bases if _PACK_FILE.match(base) and base not in keep)
     if not dry_run:
         for base in stale:
             _delete(store, base)

@@ -311,6 +311,34 @@ def test_pack_usage_errors(
     assert status == 2 and "No Pascal VOC folder" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("option", [["--cache-dir", "c"], ["--cache-limit", "1GB"]])
+def test_cache_options_are_refused_where_they_would_do_nothing(
+    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path, option: list[str]
+) -> None:
+    # only an append to a URL stages through the cache: a pack, or an append to a local
+    # path, would ignore them; prune reads no pack through the cache
+    root = synthetic_packs.root
+    status, _, err = run(capsys, "pack", root, tmp_path / "p.tser", "-q", *option)
+    assert status == 2 and option[0] in err and "--append to a URL" in err
+    assert not (tmp_path / "p.tser").exists()
+    grown = tmp_path / "grown.tser"
+    shutil.copyfile(synthetic_packs.single, grown)
+    status, _, err = run(capsys, "pack", root, grown, "--append", "-q", *option)
+    assert status == 2 and option[0] in err and "--append to a URL" in err
+    status, _, err = run(capsys, "prune", "s3://bucket/voc", *option)
+    assert status == 2 and "unrecognized arguments" in err
+
+
+@pytest.mark.parametrize("append", [[], ["--append"], ["--overwrite"]])
+def test_pack_to_an_https_url_is_refused_up_front(
+    capsys: pytest.CaptureFixture[str], synthetic_devkit: Path, append: list[str]
+) -> None:
+    # port 9 (discard): nothing listens; a refusal that asked the server would retry first
+    url = "https://127.0.0.1:9/voc"
+    status, _, err = run(capsys, "pack", synthetic_devkit, url, "-q", *append)
+    assert status == 2 and url in err and "read-only" in err and "s3://" in err
+
+
 @pytest.mark.parametrize("append", [[], ["--append"]])
 def test_pack_refuses_an_empty_or_dash_output(
     capsys: pytest.CaptureFixture[str],
@@ -479,6 +507,31 @@ def test_info_and_verify_on_the_catalog_of_a_folder(
     assert status == 0 and out.startswith("OK "), out
     assert f"This file is the catalog of the pack at {folder}; " in out
     assert f"verify {folder} checks the whole pack" in out
+
+
+def test_info_on_the_catalog_an_append_kept_says_it_is_an_earlier_version(
+    capsys: pytest.CaptureFixture[str], voc8: Path, tmp_path: Path
+) -> None:
+    # README: info and verify take the catalog file of a shard folder; an append keeps the
+    # previous generation's for the readers that opened it, and verify took it already
+    folder = tmp_path / "shards"
+    assert run(capsys, "pack", voc8, folder, "--samples-per-shard", 3, "-q")[0] == 0
+    first = next(folder.glob("catalog-*.tser"))
+    edit = next((voc8 / "VOCdevkit" / "VOC2007" / "ImageSets" / "Main").glob("train.txt"))
+    root = tmp_path / "src"
+    shutil.copytree(voc8, root)
+    (root / edit.relative_to(voc8)).write_text("")  # a list changed: a new catalog is written
+    assert run(capsys, "pack", root, folder, "--append", "-q")[0] == 0
+    assert first.exists() and len(list(folder.glob("catalog-*.tser"))) == 2
+    status, out, err = run(capsys, "info", first)
+    assert status == 0, err
+    assert f"catalog      of an earlier version of the pack at {folder}" in out
+    assert f"info {folder}" in out
+    status, out, _ = run(capsys, "info", "--json", first)
+    info = json.loads(out)
+    assert (info["catalog_of"], info["records"], info["current"]) == (str(folder), 0, False)
+    status, out, _ = run(capsys, "verify", first)
+    assert status == 0 and "an earlier version" in out
 
 
 @pytest.mark.parametrize(
@@ -726,3 +779,47 @@ def test_a_closed_pipe_ends_quietly(synthetic_packs: Packed, command: list[str])
     finally:
         os.close(write)
     assert proc.stderr == "" and proc.returncode == 141
+
+
+@pytest.mark.parametrize(("asked", "written"), [(10, 10), (7, 7), (24, 24), (30, 24)])
+def test_pack_shards_n_writes_n_shards_of_even_sizes(
+    capsys: pytest.CaptureFixture[str],
+    synthetic_devkit: Path,
+    tmp_path: Path,
+    asked: int,
+    written: int,
+) -> None:
+    # 24 samples: --shards 10 used to give 8 shards of 3 (ceil(24 / ceil(24 / 10)))
+    out_dir = tmp_path / "s"
+    status, out, err = run(capsys, "pack", "-q", synthetic_devkit, out_dir, "--shards", asked)
+    assert status == 0, err
+    assert f"({written} shards)" in out
+    reader = VOCPackReader(out_dir).reader
+    sizes = [len(reader.shard(s)) for s in range(reader.num_shards)]
+    assert len(sizes) == written and sum(sizes) == 24 and max(sizes) - min(sizes) <= 1
+    assert ("only 24 samples" in out) == (asked > 24)
+
+
+def test_export_and_info_count_live_samples_not_retired_records(
+    capsys: pytest.CaptureFixture[str], voc8: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "src"
+    shutil.copytree(voc8, root)
+    pack = tmp_path / "shards"
+    assert run(capsys, "pack", root, pack, "--samples-per-shard", 3, "-q")[0] == 0
+    reader = VOCPackReader(pack)
+    gone = {reader.id(r) for r in range(3)}  # every sample of the first shard
+    for listed in (root / "VOCdevkit" / "VOC2007" / "ImageSets").rglob("*.txt"):
+        lines = listed.read_text().splitlines(keepends=True)
+        listed.write_text("".join(ln for ln in lines if ln.split(" ")[0].strip() not in gone))
+    assert run(capsys, "pack", root, pack, "--append", "-q")[0] == 0
+    status, out, _ = run(capsys, "export", pack, tmp_path / "out", "-q")
+    images = list((tmp_path / "out").rglob("*.jpg"))
+    assert status == 0 and len(images) == 5 and out.startswith("exported 5 samples")
+    status, out, _ = run(capsys, "info", pack)
+    first = next(line for line in out.splitlines() if "shard-00000" in line)
+    assert status == 0 and " 0 samples (3 retired)" in first
+    assert "  samples      5 " in out
+    status, out, _ = run(capsys, "info", pack, "--json")
+    shards = json.loads(out)["shards"]
+    assert [(s["records"], s["samples"]) for s in shards] == [(3, 0), (3, 3), (2, 2)]

@@ -112,3 +112,42 @@ def test_cache_list_hides_passwords_and_shows_partial_downloads(
     status, out, _ = run(capsys, "cache", "list", "--cache-dir", tmp_path, "--json")
     assert "S3cretPW" not in out and "T0ken" not in out
     assert json.loads(out)[0]["partial_bytes"] == 300_000
+
+
+def test_info_of_a_url_downloads_only_the_manifest_and_the_catalog(
+    remote: Remote, voc8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # README: opening reads manifest.json and the catalog; `info` needs nothing else, its
+    # class histogram included (the catalog holds every object's class id)
+    pack = pack_voc(voc8, tmp_path / "p", max_samples_per_shard=3).path
+    for f in sorted(pack.iterdir(), key=lambda f: f.name == "manifest.json"):
+        remote.put(f.name, f.read_bytes())
+    catalog = next(f.name for f in pack.iterdir() if f.name.startswith("catalog-"))
+    options = json.dumps(remote.storage_options)
+    argv = ["--storage-options", options, "--cache-dir", tmp_path / "cache"]
+    local = json.loads(run(capsys, "info", pack, "--json")[1])
+    remote.proxy.reset()
+    status, out, _ = run(capsys, "info", remote.url, "--json", *argv)
+    assert status == 0 and json.loads(out)["classes"] == local["classes"] != {}
+    fetched = {
+        line.split(" ", 1)[1].rsplit("/", 1)[-1]
+        for line in remote.proxy.stats()["log"]
+        if line.startswith("GET ")
+    }
+    assert fetched == {"manifest.json", catalog}
+    status, out, _ = run(capsys, "info", remote.url, *argv)
+    assert status == 0 and "classes" in out
+
+
+@pytest.mark.parametrize("remote", ["http"], indirect=True)
+def test_prune_dry_run_over_http_without_a_listing_says_so(
+    remote: Remote, voc8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the loopback HTTP server serves files, no folder listing: prune cannot find stale
+    # files there, which is no fault of the URL (no "check the bucket name")
+    pack = pack_voc(voc8, tmp_path / "p", max_samples_per_shard=3).path
+    for f in pack.iterdir():
+        remote.put(f.name, f.read_bytes())
+    status, out, err = run(capsys, "prune", remote.url, "--dry-run")
+    assert status == 2 and remote.url in err and "lists no files" in err
+    assert "bucket" not in err and "server's disk" in err

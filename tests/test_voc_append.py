@@ -258,17 +258,15 @@ def test_a_pack_without_object_classes_recounts_them_from_its_shards(
     tmp_path, source, form, monkeypatch
 ):
     # Packs written before the catalog kept every object's class: read from the shards.
-    from torch_serialized.voc import append as append_module
-
     source.cut()
     with monkeypatch.context() as m:  # written under another name: as if not written at all
         m.setattr(schema, "OBJECT_CLASSES_ARRAY", "objects/not-this-one")
         path = pack(source, tmp_path / "pack", form)
     assert schema.OBJECT_CLASSES_ARRAY not in VOCPackReader(path).reader.arrays()
     calls = []
-    read = append_module._object_classes_from_shards
+    read = VOCPackReader._object_classes_from_shards
     monkeypatch.setattr(
-        append_module, "_object_classes_from_shards", lambda old: calls.append(1) or read(old)
+        VOCPackReader, "_object_classes_from_shards", lambda old: calls.append(1) or read(old)
     )
     source.grow()
     append_voc(source.root, path)
@@ -661,6 +659,35 @@ def test_cli_append_and_info_history(tmp_path, source, capsys):
     assert main(["pack", str(source.root), str(tmp_path / "x.tser"), "--checksum"]) == 2
     assert "--checksum only applies with --append" in capsys.readouterr().err
     assert np.array_equal(VOCPackReader(path).retired, VOCPackReader(path).retired)
+
+
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_result_history_and_summary_count_added_replaced_and_retired_alike(tmp_path, source, form):
+    # added: new ids; replaced: changed ids packed again; retired: ids no longer listed
+    source.cut()
+    path = pack(source, tmp_path / "pack", form)
+    packed = {VOCPackReader(path).id(r) for r in range(len(VOCPackReader(path)))}
+    source.grow()
+    changed, gone = sorted(packed)[:2]
+    edit_annotation(source, changed)
+    for listed in (source.voc / "ImageSets").rglob("*.txt"):
+        kept = [ln for ln in listed.read_text().splitlines() if ln.split(" ")[0] != gone]
+        listed.write_text("".join(f"{ln}\n" for ln in kept))
+    new = {i for i in source.listed() if i != gone} - packed
+    (tmp_path / "copy").mkdir()
+    copy = tmp_path / "copy" / path.name
+    (shutil.copytree if path.is_dir() else shutil.copyfile)(path, copy)
+
+    result = append_voc(source.root, path, replace_changed=True)
+    assert (result.added, result.replaced, result.retired) == (len(new), [changed], [gone])
+    assert result.num_samples == len(packed) + result.added - len(result.retired)
+    history = VOCPackReader(path).meta["history"][-1]
+    assert (history["added"], history["replaced"], history["retired"]) == (len(new), 1, 1)
+    text = _run_cli(["pack", str(source.root), str(copy), "--append", "--replace-changed", "-q"])
+    assert f"added    {len(new)} new samples, 1 changed samples replaced" in text
+    assert "retired  1 samples no longer listed" in text
+    info = _run_cli(["info", str(copy)])
+    assert f"(+{len(new)} new, 1 replaced, 1 retired)" in info
 
 
 # -- readers open while another process appends -------------------------------------------------

@@ -23,7 +23,14 @@ from test_voc_append import (
     edit_annotation,
 )
 
-from torch_serialized import SourceDataError, VOCSerializedDataset, append_voc, pack_voc
+from torch_serialized import (
+    CacheLimitWarning,
+    SourceDataError,
+    VOCSerializedDataset,
+    append_voc,
+    open_pack,
+    pack_voc,
+)
 from torch_serialized.cli import main
 from torch_serialized.errors import RemoteError, WriteError
 from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV, RemoteStore
@@ -433,6 +440,22 @@ def test_truncated_downloads_of_the_old_shards_leave_the_pack_and_a_rerun_comple
     assert_same_as_repack(download(s3_remote, url, tmp_path / "grown"), source, tmp_path, "shards")
 
 
+@pytest.mark.parametrize("form", PACK_FORMS)
+def test_the_result_of_an_append_to_a_url_gives_the_size_of_the_pack_there(
+    s3_remote: Remote, source: Source, tmp_path: Path, form: str
+) -> None:
+    # not the size of the staged copy, which holds the new files and those read only
+    source.cut()
+    url = pack_at(source, s3_remote, form)
+    source.grow()
+    options = {"storage_options": s3_remote.storage_options, "cache_dir": tmp_path / "cache"}
+    for _ in range(2):  # an append, then one with nothing to write
+        result = append_voc(source.root, url, **options)
+        assert result.num_bytes == open_pack(url, **options).nbytes
+        assert result.bytes_written < result.num_bytes or form == "single"
+    assert result.bytes_written == 0
+
+
 # -- command line --------------------------------------------------------------------------------
 def test_cli_append_to_a_url(
     s3_remote: Remote, source: Source, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -457,6 +480,17 @@ def test_cli_append_to_a_url(
     fresh = pack_voc(source.root, tmp_path / "fresh", year=YEAR, on_error="skip")
     grown = VOCPackReader(download(s3_remote, url, tmp_path / "grown"))
     assert grown.meta["splits"] == VOCPackReader(fresh.path).meta["splits"]
+
+
+def test_cli_append_to_a_url_bounds_the_cache_it_stages_through(
+    s3_remote: Remote, source: Source, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = pack_at(source, s3_remote, "shards")
+    argv = ["--storage-options", json.dumps(s3_remote.storage_options)]
+    argv += ["--cache-dir", str(tmp_path / "cache"), "--cache-limit", "1"]
+    with pytest.warns(CacheLimitWarning, match="cache_limit_bytes=1"):  # the limit is used
+        assert main(["pack", str(source.root), url, "--append", "--quiet", *argv]) == 0
+    assert "up to date" in capsys.readouterr().out
 
 
 # -- killed --------------------------------------------------------------------------------------

@@ -72,6 +72,36 @@ def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) ->
     )
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pack_voc_in_shards_writes_exactly_n_even_shards(
+    synthetic_devkit: Path, tmp_path: Path, workers: int
+) -> None:
+    from torch_serialized.voc.pack import pack_voc_in_shards
+
+    out = tmp_path / "s"
+    result = pack_voc_in_shards(synthetic_devkit, out, 10, workers=workers)  # 24 samples
+    pack = VOCPackReader(result.path)
+    sizes = [len(pack.reader.shard(s)) for s in range(pack.reader.num_shards)]
+    assert sizes == [3] * 4 + [2] * 6
+    assert pack.meta["options"]["max_samples_per_shard"] == 3  # what an append's shards hold
+    plain = VOCPackReader(ts.pack_voc(synthetic_devkit, tmp_path / "plain.tser").path)
+    assert [pack.id(r) for r in range(len(pack))] == [plain.id(r) for r in range(len(plain))]
+    with pytest.raises(ValueError, match="another shard limit"):
+        pack_voc_in_shards(synthetic_devkit, tmp_path / "t", 3, max_shard_bytes=10**6)
+
+
+@pytest.mark.parametrize("url", ["https://127.0.0.1:9/voc", "HTTP://127.0.0.1:9/voc.tser"])
+def test_pack_to_an_http_url_is_refused_before_packing(
+    synthetic_devkit: Path, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch_serialized.voc import pack as pack_module
+
+    # refused up front, naming the URL: not a 405 from the server once the pack is built
+    monkeypatch.setattr(pack_module, "plan", lambda *a, **k: pytest.fail("packed first"))
+    with pytest.raises(ValueError, match=r"127\.0\.0\.1:9/voc.*read-only.*s3://"):
+        ts.pack_voc(synthetic_devkit, url)
+
+
 def test_raw_storage_returns_torchvision_pixels(synthetic_devkit: Path, tmp_path: Path) -> None:
     raw = ts.pack_voc(synthetic_devkit, tmp_path / "raw.tser", year="2007", image_storage="raw")
     tv = VOCDetection(synthetic_devkit, "2007", "train")

@@ -18,7 +18,6 @@ import dataclasses
 import errno
 import functools
 import json
-import math
 import os
 import re
 import sys
@@ -38,6 +37,7 @@ from .safeio import DEFAULT_MAX_FILE_BYTES
 
 if TYPE_CHECKING:
     from .reader import Member
+    from .voc.pack import PackResult
 
 __all__ = ["main", "parse_size"]
 
@@ -127,11 +127,18 @@ def _is_url(path: str) -> bool:
 # -- pack ---------------------------------------------------------------------------------------
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .reader import open_pack
-    from .voc.layout import find_voc_root, read_image_sets
-    from .voc.pack import pack_voc
+    from .upload import check_writable
+    from .voc.pack import pack_voc, pack_voc_in_shards
     from .writer import member_refusal
 
     _check_output(args.output)
+    cache = [flag for dest, flag in _CACHE_OPTIONS.items() if getattr(args, dest) is not None]
+    if cache and not (args.append and _is_url(args.output)):
+        raise ValueError(
+            f"{' and '.join(cache)} only apply with --append to a URL, which stages the pack "
+            "through the cache: a pack is written in $TMPDIR and uploaded, and a local pack is "
+            "appended to in place, neither through the cache"
+        )
     if args.append:
         return _cmd_append(args)
     for flag in ("replace_changed", "checksum", "retire_all"):
@@ -140,6 +147,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     remote = _is_url(args.output)
     output: str | Path = args.output if remote else Path(args.output)
     if remote:
+        check_writable(args.output, "pack")  # before asking the server, or packing
         if not args.overwrite and _remote_pack_exists(args.output, args.storage_options):
             raise FileExistsError(
                 errno.EEXIST,
@@ -153,17 +161,14 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             errno.EEXIST,
             f"{output} already exists; pass --overwrite to replace it (or choose another OUTPUT)",
         )
-    per_shard = args.samples_per_shard
-    if args.shards is not None:
-        voc_root, _ = find_voc_root(args.root, args.year)
-        image_sets = read_image_sets(voc_root)
-        ids = {i for sets in image_sets.values() for listed in sets.values() for i in listed}
-        per_shard = max(1, math.ceil(len(ids) / args.shards))
-    result = pack_voc(
+    pack: Callable[..., PackResult] = pack_voc
+    if args.shards is not None:  # exactly N shards, their sizes differing by at most one
+        pack = functools.partial(pack_voc_in_shards, num_shards=args.shards)
+    result = pack(
         args.root,
         output,
         year=args.year,
-        max_samples_per_shard=per_shard,
+        max_samples_per_shard=args.samples_per_shard,
         max_shard_bytes=args.shard_size,
         workers=args.workers,
         image_storage=args.image_storage or "original",
@@ -195,6 +200,11 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if result.skipped:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
+    if args.shards is not None and result.num_samples < args.shards:
+        print(
+            f"  note     --shards {args.shards} asked, but only {result.num_samples} samples "
+            "were packed: one shard each"
+        )
     return EXIT_OK
 
 
@@ -307,6 +317,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: The cache options of ``pack``, which only an append to a URL uses (dest -> flag).
+_CACHE_OPTIONS = {"cache_dir": "--cache-dir", "cache_limit": "--cache-limit"}
+
 #: ``pack`` options an append cannot take: the pack keeps its own (dest -> flag).
 _PACK_ONLY = {
     "shards": "--shards",
@@ -342,13 +355,12 @@ def _cmd_append(args: argparse.Namespace) -> int:
         retire_all=args.retire_all,
         storage_options=args.storage_options,
         cache_dir=args.cache_dir,
+        cache_limit_bytes=args.cache_limit,
     )
-    new = result.added - len(result.replaced)
-    dropped = len(result.retired)
     where = f"{result.url} (new files uploaded, manifest last)" if result.url else result.path
     print(f"appended to {where} from {result.voc_root}")
-    print(f"  added    {new} new samples, {len(result.replaced)} changed samples replaced")
-    print(f"  retired  {dropped} samples no longer listed in the source")
+    print(f"  added    {result.added} new samples, {len(result.replaced)} changed samples replaced")
+    print(f"  retired  {len(result.retired)} samples no longer listed in the source")
     print(
         f"  pack     {result.num_samples} samples, {_mb(result.num_bytes)} "
         f"{'at the URL' if result.url else 'on disk'} "
@@ -374,9 +386,12 @@ def _pack_info(path: str, remote: dict[str, Any]) -> dict[str, Any]:
     live = pack.live  # records an append retired are not samples
     columns = pack.columns[live]
     flags = columns["flags"].astype(np.int64)
-    histogram: Counter[str] = Counter()
-    for record in live.tolist():
-        histogram.update(pack.classes[c] for c in pack.objects(record)["class_id"].tolist())
+    # from the catalog's class id of every object: no shard is read (a URL: none downloaded)
+    classes, counts = pack.object_classes()
+    alive = np.zeros(len(pack), dtype=bool)
+    alive[live] = True
+    per_class = np.bincount(classes[np.repeat(alive, counts)], minlength=len(pack.classes))
+    histogram = Counter({pack.classes[c]: int(n) for c, n in enumerate(per_class.tolist()) if n})
     sizes = Counter(zip(columns["width"].tolist(), columns["height"].tolist()))
     num_objects = columns["num_objects"]
     major, minor = reader.version
@@ -409,9 +424,11 @@ def _pack_info(path: str, remote: dict[str, Any]) -> dict[str, Any]:
         "bytes": reader.nbytes,
         "source_bytes": meta.get("source_bytes"),
         "sharded": reader.manifest is not None,
-        "shards": [
-            {"file": entry.file, "records": entry.num_records, "bytes": entry.bytes}
-            for entry in reader.entries
+        "shards": [  # records: stored; samples: those a reader shows (not retired)
+            {"file": entry.file, "records": entry.num_records, "samples": n, "bytes": entry.bytes}
+            for entry, n in zip(
+                reader.entries, np.diff(np.searchsorted(live, reader.starts)).tolist()
+            )
         ],
         "skipped": meta.get("skipped", []),
         "history": meta.get("history", []),
@@ -460,28 +477,49 @@ def _member_info(path: str, member: Member) -> dict[str, Any]:
     where: dict[str, Any] = {"catalog_of": member.folder}
     if member.role == fmt.ROLE_SHARD:
         where = {"shard_of": member.folder, "shard": member.index, "num_shards": member.num_shards}
-    return {"path": str(path), **where, "records": records, "bytes": os.path.getsize(path)}
+    return {
+        "path": str(path),
+        **where,
+        # named by the folder's manifest; false: an earlier version's, or outside its folder
+        "current": member.num_shards is not None,
+        "records": records,
+        "bytes": os.path.getsize(path),
+    }
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     member = _member(args.path)
-    if member is not None and member.num_shards is not None:
-        # one piece of a pack its manifest names: describe the piece, point at the pack
+    if member is not None:  # one piece of a pack: describe the piece, point at the pack
         info = _member_info(args.path, member)
         if args.json:
             print(json.dumps(info, indent=1, ensure_ascii=False))
             return EXIT_OK
-        place = (
-            f"shard        {member.index + 1} of {member.num_shards} of the pack"
-            if member.role == fmt.ROLE_SHARD and member.index is not None
-            else "catalog      of the pack"
+        label = "shard" if member.role == fmt.ROLE_SHARD else "catalog"
+        if member.num_shards is not None:
+            place = (
+                f"{member.index + 1} of {member.num_shards} of the pack"
+                if member.role == fmt.ROLE_SHARD and member.index is not None
+                else "of the pack"
+            )
+            place += f" {member.folder} (its manifest.json names it)"
+        elif member.folder is not None:  # kept by an append for readers that opened it
+            place = (
+                f"of an earlier version of the pack at {member.folder} (an append kept it "
+                "for the readers that opened that version; its manifest.json names another)"
+            )
+        else:
+            place = "of a shard folder (its metadata says so; it is not in that folder)"
+        whole = (
+            f"{PROG} info {member.folder}"
+            if member.folder is not None
+            else "the folder with its manifest.json"
         )
         print(
             printable(
                 f"{info['path']}\n"
-                f"  {place} {member.folder} (its manifest.json names it)\n"
+                f"  {label:<12} {place}\n"
                 f"  holds        {info['records']} records, {_mb(info['bytes'])}\n"
-                f"The dataset is the whole folder: {PROG} info {member.folder}"
+                f"The dataset is the whole folder: {whole}"
             )
         )
         return EXIT_OK
@@ -517,7 +555,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"{'shards' if info['sharded'] else 'file'}{ratio}",
     ]
     if info["sharded"]:
-        lines += [f"    {s['file']}  {s['records']} samples  {_mb(s['bytes'])}" for s in shards]
+        lines += [
+            f"    {s['file']}  {s['samples']} samples"
+            + (f" ({s['records'] - s['samples']} retired)" if s["records"] > s["samples"] else "")
+            + f"  {_mb(s['bytes'])}"
+            for s in shards
+        ]
     if info["retired"]:
         lines.append(
             f"  retired      {info['retired']} records replaced or dropped by appends (their "
@@ -656,7 +699,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     pack = VOCPackReader(args.path, **remote)
     print(
-        f"exported {len(pack)} samples and {len(pack.files())} list files to {folder} in "
+        f"exported {len(pack.live)} samples and {len(pack.files())} list files to {folder} in "
         f"{seconds:.2f} s; torchvision reads it with root={str(args.out_root)!r}, "
         f"year={pack.year!r}"
     )
@@ -720,33 +763,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    remote = argparse.ArgumentParser(add_help=False)
-    group = remote.add_argument_group("packs at URLs (s3://, gs://, https://...)")
-    group.add_argument(
-        "--storage-options",
-        type=_storage_options,
-        metavar="JSON",
-        help='fsspec options as a JSON object, e.g. \'{"endpoint_url": "http://..."}\' '
-        "(default: the backend's usual configuration)",
-    )
-    group.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        help="local cache of remote packs (default: $TORCH_SERIALIZED_CACHE, else "
-        "~/.cache/torch_serialized)",
-    )
-    group.add_argument(
-        "--cache-limit",
-        type=parse_size,
-        metavar="SIZE",
-        help="bound the cache (e.g. 20GB); least recently used files no process reads go first",
-    )
-
     def command(
-        name: str, help: str, description: str, *, url: bool = False
+        name: str, help: str, description: str, *, url: bool = False, cache: bool = True
     ) -> argparse.ArgumentParser:
-        parents = [common, remote] if url else [common]
-        return commands.add_parser(name, help=help, description=description, parents=parents)
+        """A command; ``url``: it takes URLs (``--storage-options``), and with ``cache`` reads
+        them through the cache (``--cache-dir``, ``--cache-limit``)."""
+        parser = commands.add_parser(name, help=help, description=description, parents=[common])
+        if url:
+            _remote_options(parser, cache=cache)
+        return parser
 
     pack = command(
         "pack",
@@ -770,7 +795,13 @@ def _parser() -> argparse.ArgumentParser:
         "required when there are several)",
     )
     limit = pack.add_mutually_exclusive_group()
-    limit.add_argument("--shards", type=_positive_int, metavar="N", help="write N shards")
+    limit.add_argument(
+        "--shards",
+        type=_positive_int,
+        metavar="N",
+        help="write N shards, their sample counts differing by at most one (one a sample "
+        "when there are fewer than N)",
+    )
     limit.add_argument(
         "--shard-size",
         type=parse_size,
@@ -943,6 +974,7 @@ def _parser() -> argparse.ArgumentParser:
         "that the current manifest does not name, once no reader of an earlier pack is left. "
         "A pack at a local path needs none: a re-pack replaces its files.",
         url=True,
+        cache=False,
     )
     prune.add_argument("url", help="the shard folder's URL")
     prune.add_argument("--dry-run", action="store_true", help="list, delete nothing")
@@ -968,6 +1000,33 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", metavar="DIR", help="keep the data here (default: a temp folder)")
     demo.set_defaults(run=_cmd_demo)
     return parser
+
+
+def _remote_options(parser: argparse.ArgumentParser, *, cache: bool) -> None:
+    """The options of a command that takes URLs (read by ``_remote``); ``cache``: with the
+    cache's, for commands that read a pack through it."""
+    group = parser.add_argument_group("packs at URLs (s3://, gs://, https://...)")
+    group.add_argument(
+        "--storage-options",
+        type=_storage_options,
+        metavar="JSON",
+        help='fsspec options as a JSON object, e.g. \'{"endpoint_url": "http://..."}\' '
+        "(default: the backend's usual configuration)",
+    )
+    if not cache:
+        return
+    group.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="local cache of remote packs (default: $TORCH_SERIALIZED_CACHE, else "
+        "~/.cache/torch_serialized)",
+    )
+    group.add_argument(
+        "--cache-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="bound the cache (e.g. 20GB); least recently used files no process reads go first",
+    )
 
 
 def printable(text: str, *, json_text: bool = False) -> str:

@@ -19,13 +19,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import format as fmt
-from .errors import RemoteError
-from .remote import RemoteStore
+from .errors import RemoteError, RemoteNotFoundError
+from .remote import RemoteStore, redact_url
 
-__all__ = ["prune_remote", "write_then_upload"]
+__all__ = ["READ_ONLY_PROTOCOLS", "check_writable", "prune_remote", "write_then_upload"]
 
-# Protocols whose fsspec filesystem cannot delete (fsspec's HTTP filesystem only reads).
-_NO_DELETE = {"http", "https"}
+#: URL schemes packs are read from but never written to (fsspec's HTTP filesystem only reads).
+READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
+# Protocols whose fsspec filesystem cannot delete.
+_NO_DELETE = READ_ONLY_PROTOCOLS
 #: What a file of a pack written by torch_serialized is called (shards and catalogs), the only
 #: names ``prune_remote`` ever deletes.
 _PACK_FILE = re.compile(r"^(shard-\d+|catalog)(-[0-9a-f]+)?\.tser$")
@@ -33,6 +35,18 @@ _PACK_FILE = re.compile(r"^(shard-\d+|catalog)(-[0-9a-f]+)?\.tser$")
 REPORT_SUFFIX = ".skipped.json"
 
 R = TypeVar("R")
+
+
+def check_writable(url: str, verb: str) -> None:
+    """Refuse, before any work, to ``verb`` ("pack", "append") a pack at a read-only URL
+    (``READ_ONLY_PROTOCOLS``): otherwise the upload fails only once the pack is built."""
+    protocol = url.split("://", 1)[0].lower() if "://" in url else ""
+    if protocol in READ_ONLY_PROTOCOLS:
+        raise ValueError(
+            f"{redact_url(url)}: packs at {protocol}:// URLs are read-only here (HTTP has no "
+            f"uploads); {verb} to a writable URL (s3://, gs://, file://...) or to a local "
+            "path, and serve that"
+        )
 
 
 def write_then_upload(
@@ -70,27 +84,39 @@ def prune_remote(
 
     Run it when no reader of an earlier pack is still reading: such a reader fetches shards
     of the manifest it opened, and would fail on one that was pruned. Only files named like
-    a pack's files are considered; ``dry_run`` lists without deleting.
+    a pack's files are considered; ``dry_run`` lists without deleting. Over HTTP only a dry
+    run works, and only where the server lists the folder (``python -m http.server`` does);
+    elsewhere ``RemoteError`` says where to look instead.
     """
     store = RemoteStore(url, storage_options)
     if not dry_run and store.protocol in _NO_DELETE:
         raise RemoteError(
             f"{store.url_of()}: {store.protocol}:// cannot delete files, so prune cannot remove "
-            "stale ones here (a dry run lists them). Prune where the pack is stored: its folder "
-            "on the server's disk (delete the listed files), or the s3:// or gs:// URL it was "
-            "uploaded to"
+            "stale ones here (a dry run lists them where the server lists the folder). Prune "
+            "where the pack is stored: its folder on the server's disk (delete the listed "
+            "files), or the s3:// or gs:// URL it was uploaded to"
         )
     manifest = fmt.parse_manifest(
         store.read_bytes(fmt.MANIFEST_NAME), store.url_of(fmt.MANIFEST_NAME)
     )
     keep = set(manifest.files())
     root = store.fs_path("")
-    names = store.call("list", "", lambda: store.fs.ls(root, detail=False))
-    stale = sorted(
-        base
-        for base in (os.path.basename(str(n).rstrip("/")) for n in names)
-        if _PACK_FILE.match(base) and base not in keep
-    )
+    try:
+        names = store.call("list", "", lambda: store.fs.ls(root, detail=False))
+    except RemoteNotFoundError:
+        if store.protocol not in READ_ONLY_PROTOCOLS:
+            raise
+        names = []  # an HTTP server that serves files but no listing of their folder
+    bases = [os.path.basename(str(n).rstrip("/")) for n in names]
+    if store.protocol in READ_ONLY_PROTOCOLS and fmt.MANIFEST_NAME not in bases:
+        raise RemoteError(
+            f"{store.url_of()}: the server lists no files there (it served manifest.json, so "
+            "the URL is right, but no listing of the folder), so prune cannot find the files "
+            "earlier packs left. Look where the pack is stored: in its folder on the server's "
+            "disk, the shard-*.tser and catalog-*.tser files manifest.json does not name are "
+            "stale; or prune the s3:// or gs:// URL it was uploaded to"
+        )
+    stale = sorted(base for base in bases if _PACK_FILE.match(base) and base not in keep)
     if not dry_run:
         for base in stale:
             _delete(store, base)

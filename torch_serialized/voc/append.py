@@ -77,9 +77,12 @@ def append_voc(
     retire_all: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
 ) -> PackResult:
     """Bring the pack at ``pack`` up to date with the VOC source at ``root``; return what
-    was done (``added``, ``replaced``, ``retired``, ``notes``, ``bytes_written``).
+    was done: ``added`` (how many new ids were packed), ``replaced`` (the ids packed again
+    because their files changed), ``retired`` (the ids no longer listed), ``notes``,
+    ``bytes_written``; the pack's history (``torch-serialized info``) counts the same three.
 
     New ids become new records; unchanged ids are left alone; an id whose image, annotation
     or masks changed raises ``SourceDataError`` naming it, the file and the change, unless
@@ -94,8 +97,9 @@ def append_voc(
     ``on_error``, ``progress``, ``workers`` and ``max_file_bytes`` are ``pack_voc``'s. An
     interrupted append leaves the pack as it was.
 
-    ``pack`` may be a writable URL (``s3://bucket/prefix/voc``; ``storage_options`` and
-    ``cache_dir`` as the readers take them): the pack is staged through the cache, grown
+    ``pack`` may be a writable URL (``s3://bucket/prefix/voc``; ``storage_options``,
+    ``cache_dir`` and ``cache_limit_bytes`` as the readers take them; all three are ignored
+    for a local path): the pack is staged through the cache, grown
     locally by these same rules, and only its new files are uploaded, the manifest last
     (``append_remote``).
     """
@@ -132,7 +136,12 @@ def append_voc(
             retire_all=retire_all,
         )
         return append_to_url(
-            str(pack), local, compare, storage_options=storage_options, cache_dir=cache_dir
+            str(pack),
+            local,
+            compare,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
     return grow(pack, check_shards=True)
 
@@ -173,7 +182,7 @@ def _append_local(
     sharded = old.reader.manifest is not None
     if sharded and check_shards:
         _check_shards(old)
-    books, written, new_meta = (_grow_shards if sharded else _rewrite_file)(
+    books, bytes_written, new_meta = (_grow_shards if sharded else _rewrite_file)(
         old,
         plan_,
         voc_root,
@@ -185,6 +194,8 @@ def _append_local(
         max_file_bytes,
     )
     write_report(report, books.skipped)
+    replaced = [job.id for job in plan_.replaced if job.id in books.record_of]
+    written = len(books.ids) - (len(old) if sharded else len(plan_.kept))  # records
     return PackResult(
         path=path,
         num_samples=len(books.record_of),
@@ -195,11 +206,11 @@ def _append_local(
         report=report if books.skipped else None,
         year=old.year,
         voc_root=voc_root,
-        added=len(books.ids) - (len(old) if sharded else len(plan_.kept)),
-        replaced=[job.id for job in plan_.replaced if job.id in books.record_of],
+        added=written - len(replaced),
+        replaced=replaced,
         retired=plan_.dropped,
         notes=plan_.notes,
-        bytes_written=written,
+        bytes_written=bytes_written,
     )
 
 
@@ -266,7 +277,7 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     new pack numbers them follow from their position): ids, class ids, statistics, digests."""
     books = Books(classes={name: c for c, name in enumerate(old.classes)})
     names = schema.decode_ids(*old.id_table())
-    classes, counts = _object_classes(old)
+    classes, counts = old.object_classes()  # the catalog's, or read from old shards
     chosen = np.asarray(records, dtype=np.int64)
     books.base_classes = classes[np.repeat(np.isin(np.arange(len(counts)), chosen), counts)]
     books.base_counts = counts[chosen]
@@ -276,48 +287,6 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     sizes = plan.stats[plan.kept, :, 0]
     books.source_bytes = int(sizes[sizes > 0].sum())
     return books
-
-
-def _object_classes(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
-    """The class id of every stored object of every record, in record order, and how many
-    objects each record has: from the catalog's ``objects/class_id`` (no shard is read), or,
-    in packs written before it, read shard by shard in one pass (the objects field only)."""
-    stored = old.reader.arrays().get(schema.OBJECT_CLASSES_ARRAY)
-    if stored is None:
-        return _object_classes_from_shards(old)
-    counts = old.columns["num_objects"].astype(np.int64)
-    if stored.ndim != 1 or stored.dtype.kind not in "iu" or int(counts.sum()) != len(stored):
-        raise FormatError(
-            f"{old.path}: {schema.OBJECT_CLASSES_ARRAY} is not one integer class id per stored "
-            f"object ({len(stored)} {stored.dtype} values, {int(counts.sum())} objects counted "
-            "by the records); re-pack it"
-        )
-    return _checked_classes(old, stored.astype(np.int64)), counts
-
-
-def _object_classes_from_shards(old: VOCPackReader) -> tuple[np.ndarray, np.ndarray]:
-    parts: list[bytes] = []
-    lengths: list[np.ndarray] = []
-    for s in range(old.reader.num_shards):
-        shard = old.reader.shard(s)
-        everything = np.arange(len(shard))
-        lengths.append(shard.index_rows(everything)["length"][:, schema.OBJECTS])
-        parts.append(b"".join([v[0] for v in shard.views(everything, [schema.OBJECTS])]))
-    size = schema.OBJECT_DTYPE.itemsize
-    sizes = np.concatenate(lengths).astype(np.int64) if lengths else np.empty(0, np.int64)
-    if np.any(sizes % size):
-        raise FormatError(f"{old.path}: a record's stored objects are not whole rows; re-pack it")
-    counts = sizes // size
-    rows = np.frombuffer(b"".join(parts), dtype=schema.OBJECT_DTYPE)
-    return _checked_classes(old, rows["class_id"].astype(np.int64)), counts
-
-
-def _checked_classes(old: VOCPackReader, classes: np.ndarray) -> np.ndarray:
-    if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= len(old.classes)):
-        raise FormatError(
-            f"{old.path}: a stored object names a class the pack does not have; re-pack it"
-        )
-    return classes
 
 
 def _metadata(
@@ -342,7 +311,7 @@ def _metadata(
             len(books.record_of),
             added - replaced,
             replaced,
-            len(old.live) - len(plan.kept),
+            len(plan.dropped),  # as PackResult counts them: ids, not records
         )
     )
     meta.update(

@@ -48,13 +48,12 @@ from ..errors import WriteError
 from ..reader import PackReader, read_manifest
 from ..remote import RemoteStore, is_url, redact_url
 from ..remote_pack import file_identity, file_tail, local_file_identity
+from ..upload import READ_ONLY_PROTOCOLS, check_writable
 from .pack import REPORT_SUFFIX, PackResult
 from .reader import VOCPackReader
 
 __all__ = ["append_to_url", "READ_ONLY_PROTOCOLS"]
 
-#: URL schemes packs are read from but never written to.
-READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
 _UPLOAD_THREADS = 4
 #: The name staging folders in the cache folder are temporaries of (``atomic.temp_sibling``).
 _STAGING = "append-staging"
@@ -67,26 +66,27 @@ def append_to_url(
     *,
     storage_options: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
 ) -> PackResult:
     """Grow the pack at ``url`` with ``append(local_pack)`` (the local ``append_voc``, bound to
     its source and options) and upload the result; return its ``PackResult`` with ``url`` set
-    (``path`` and ``report`` are the staged copies, removed by then). ``compare(reader)`` sorts
+    and ``num_bytes`` the size of the pack at the URL (``path`` and ``report`` are the staged
+    copies, removed by then). ``compare(reader)`` sorts
     the source against the pack at the URL as ``append`` will (the quick check): the shards it
     reads to compare contents are the only ones downloaded and staged."""
     if not is_url(url):
         raise ValueError(f"{url!r} is not a URL")
     url = _pack_url(url)
-    protocol = url.split("://", 1)[0].lower()
-    if protocol in READ_ONLY_PROTOCOLS:
-        raise ValueError(
-            f"{redact_url(url)}: packs at {protocol}:// URLs are read-only (HTTP has no uploads "
-            "here); append to a copy at a writable URL (s3://, gs://...) or to a local copy "
-            "and serve that"
-        )
+    check_writable(url, "append")
     store = RemoteStore(url, storage_options)
-    cache = Cache(cache_dir)
+    cache = Cache(cache_dir, cache_limit_bytes)
     with _staging(cache.directory) as folder:
-        voc = VOCPackReader(url, storage_options=storage_options, cache_dir=cache_dir)
+        voc = VOCPackReader(
+            url,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )
         reader = voc.reader
         try:
             local = folder / (store.url.rsplit("/", 1)[-1] or "pack")
@@ -102,7 +102,8 @@ def append_to_url(
         with _naming(local, url):
             result = append(local)
         notes = [note.replace(str(local), redact_url(url)) for note in result.notes]
-        result = dataclasses.replace(result, url=url, notes=notes)
+        # the size of the pack at the URL, not of the staged copy (new files and those read)
+        result = dataclasses.replace(result, url=url, notes=notes, num_bytes=_pack_bytes(local))
         if result.bytes_written == 0:  # up to date: nothing was written, nothing goes up
             return result
         if local.is_dir():
@@ -114,6 +115,17 @@ def append_to_url(
             RemoteStore(store.url + REPORT_SUFFIX, storage_options).upload_file(result.report)
         _seed_cache(cache, store, local)
     return result
+
+
+def _pack_bytes(local: Path) -> int:
+    """Bytes of the pack staged at ``local`` as it is at the URL: a single file's, or every
+    file its manifest names and the manifest (``PackReader.nbytes``), staged or not."""
+    if not local.is_dir():
+        return local.stat().st_size
+    manifest = read_manifest(local / fmt.MANIFEST_NAME)
+    named = sum(entry.bytes for entry in manifest.shards)
+    named += manifest.catalog.bytes if manifest.catalog is not None else 0
+    return named + (local / fmt.MANIFEST_NAME).stat().st_size
 
 
 def _pack_url(url: str) -> str:

@@ -36,8 +36,8 @@ from ..errors import SourceDataError, WriteError
 from ..parallel import Record, Spilled, SpillPool, pays_off
 from ..remote import is_url
 from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
-from ..upload import write_then_upload
-from ..writer import PackWriter, check_output_name
+from ..upload import check_writable, write_then_upload
+from ..writer import ContainerWriter, PackWriter, check_output_name
 from . import schema
 from .images import ImageOptions
 from .layout import base_dir, find_voc_root, image_set_files, read_image_sets
@@ -45,6 +45,7 @@ from .source import Job, LoadedSample, load, plan
 
 __all__ = [
     "pack_voc",
+    "pack_voc_in_shards",
     "PackResult",
     "SkippedSample",
     "ImageStorage",
@@ -90,17 +91,23 @@ class PackResult:
     report: Path | None = None
     year: str = ""
     voc_root: Path | None = None
-    #: what the write did: records added (an append: new ids and new versions of changed
-    #: ones), ids whose old record was replaced, ids retired (no longer listed), notes
-    #: (``append_voc``), and the bytes of the files it wrote
+    #: what the write did, in samples (ids): ``added`` how many were new (a pack: all),
+    #: ``replaced`` the ids packed again because their files changed (their old records
+    #: retired), ``retired`` the ids no longer listed, whose records were retired; so
+    #: ``num_samples`` is the previous count plus ``added`` minus ``len(retired)`` (less any
+    #: changed id ``on_error="skip"`` left out). The pack's history (``info``) and the
+    #: ``pack --append`` summary count the same. Then ``notes`` (``append_voc``), and the
+    #: bytes of the files it wrote
     added: int = 0
     replaced: list[str] = field(default_factory=list)
     retired: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     bytes_written: int = 0
-    #: where the pack was uploaded (``pack_voc`` or ``append_voc`` to a URL); ``path`` and
-    #: ``report`` are then the local staging copies, removed after the upload (the report went
-    #: up beside the pack, as ``url + ".skipped.json"``)
+    #: where the pack was uploaded (``pack_voc`` or ``append_voc`` to a URL). ``num_bytes`` is
+    #: then the size of the pack at the URL (every file its manifest names, as ``info URL``
+    #: reports it) and ``bytes_written`` what went up; ``path`` and ``report`` are the local
+    #: temporary copies the pack was written or grown in, removed before the call returns
+    #: (so open ``url``, not ``path``; the report went up as ``url + ".skipped.json"``)
     url: str | None = None
 
     @property
@@ -177,9 +184,61 @@ def pack_voc(
     (``upload.write_then_upload``), so readers never see a partial pack and readers of an
     earlier pack at that URL keep working.
     """
+    return _pack_voc(
+        root,
+        output,
+        year=year,
+        max_samples_per_shard=max_samples_per_shard,
+        max_shard_bytes=max_shard_bytes,
+        workers=workers,
+        image_storage=image_storage,
+        max_size=max_size,
+        check_images=check_images,
+        on_error=on_error,
+        progress=progress,
+        max_file_bytes=max_file_bytes,
+        storage_options=storage_options,
+    )
+
+
+def pack_voc_in_shards(
+    root: str | os.PathLike[str], output: str | os.PathLike[str], num_shards: int, **options: Any
+) -> PackResult:
+    """``pack_voc(root, output, **options)`` into exactly ``num_shards`` shards whose sample
+    counts differ by at most one (``torch-serialized pack --shards N``), or one shard per
+    sample when there are fewer samples (and fewer when samples are skipped). No
+    ``max_samples_per_shard`` expresses that (24 samples in 10 shards: 3 a shard gives 8); the
+    pack records the largest shard's count as its ``max_samples_per_shard``, which the shards
+    an append adds then hold at most."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be a positive number, got {num_shards}")
+    if options.get("max_samples_per_shard") is not None or options.get("max_shard_bytes"):
+        raise ValueError("num_shards cannot be combined with another shard limit")
+    return _pack_voc(root, output, num_shards=num_shards, **options)
+
+
+def _pack_voc(
+    root: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    year: str | None = None,
+    max_samples_per_shard: int | None = None,
+    max_shard_bytes: int | None = None,
+    workers: int = 1,
+    image_storage: ImageStorage = "original",
+    max_size: int | None = None,
+    check_images: bool = False,
+    on_error: Literal["raise", "skip"] = "raise",
+    progress: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    storage_options: Mapping[str, Any] | None = None,
+    num_shards: int | None = None,
+) -> PackResult:
+    """``pack_voc``, and ``pack_voc_in_shards`` with ``num_shards``."""
     if is_url(output):
+        check_writable(str(output), "pack")
         local = functools.partial(
-            pack_voc,
+            _pack_voc,
             root,
             year=year,
             max_samples_per_shard=max_samples_per_shard,
@@ -191,6 +250,7 @@ def pack_voc(
             on_error=on_error,
             progress=progress,
             max_file_bytes=max_file_bytes,
+            num_shards=num_shards,
         )
         result = write_then_upload(
             str(output),
@@ -216,6 +276,12 @@ def pack_voc(
     image_sets = read_image_sets(voc_root, max_file_bytes)
     options = ImageOptions(image_storage, max_size, check_images)
     jobs = plan(voc_root, image_sets, options, max_file_bytes)
+    ends: list[int] = []  # with num_shards: the record counts after which a shard ends
+    if num_shards is not None:
+        count = max(1, min(num_shards, len(jobs)))
+        sizes = [len(jobs) // count + (k < len(jobs) % count) for k in range(count)]
+        ends = list(itertools.accumulate(sizes))
+        max_samples_per_shard = max(1, sizes[0])
     output = Path(output)
     report = output.with_name(output.name + REPORT_SUFFIX)
     check_report_path(report)  # before any work: never overwrite someone's file with it
@@ -229,9 +295,10 @@ def pack_voc(
         bar = outer.enter_context(progress_bar(len(jobs), output.name, progress))
         with contextlib.ExitStack() as stack:
             writer = stack.enter_context(
-                PackWriter(
+                _EvenShards(
                     output,
                     schema.FIELDS,
+                    ends=ends,
                     columns=schema.COLUMNS,
                     max_records_per_shard=max_samples_per_shard,
                     max_shard_bytes=max_shard_bytes,
@@ -288,6 +355,21 @@ def pack_voc(
         # The bar's last figure is the summary's: all bytes on disk over the whole time.
         bar.set_postfix_str(rate(result.num_bytes, result.seconds), refresh=False)
     return result
+
+
+class _EvenShards(PackWriter):
+    """A ``PackWriter`` that, given ``ends``, starts a new shard after exactly those numbers
+    of records (``pack_voc_in_shards``) instead of when a shard is full; without, a plain
+    ``PackWriter``."""
+
+    def __init__(self, *args: Any, ends: Sequence[int], **kwargs: Any) -> None:
+        self._ends = frozenset(ends)
+        super().__init__(*args, **kwargs)
+
+    def _shard_full(self, writer: ContainerWriter, sizes: Sequence[int]) -> bool:
+        if not self._ends:
+            return super()._shard_full(writer, sizes)
+        return writer.num_records > 0 and self.num_records in self._ends
 
 
 def utc_now() -> str:

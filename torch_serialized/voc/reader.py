@@ -121,6 +121,51 @@ class VOCPackReader:
             )
         return rows
 
+    def object_classes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The class id of every stored object of every record (retired ones included), in
+        record order, and how many objects each record has (int64 both): from the catalog's
+        ``objects/class_id``, so no shard is read; a pack written before that array (0.1.0)
+        has its shards read instead, each shard's objects field in one pass (a pack at a URL:
+        every shard downloaded). Raises ``FormatError`` when they disagree with the records."""
+        stored = self.reader.arrays().get(schema.OBJECT_CLASSES_ARRAY)
+        if stored is None:
+            classes, counts = self._object_classes_from_shards()
+        else:
+            counts = self.columns["num_objects"].astype(np.int64)
+            if (
+                stored.ndim != 1
+                or stored.dtype.kind not in "iu"
+                or int(counts.sum()) != len(stored)
+            ):
+                raise FormatError(
+                    f"{self.path}: {schema.OBJECT_CLASSES_ARRAY} is not one integer class id "
+                    f"per stored object ({len(stored)} {stored.dtype} values, "
+                    f"{int(counts.sum())} objects counted by the records); re-pack it"
+                )
+            classes = stored.astype(np.int64)
+        if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= len(self.classes)):
+            raise FormatError(
+                f"{self.path}: a stored object names a class the pack does not have; re-pack it"
+            )
+        return classes, counts
+
+    def _object_classes_from_shards(self) -> tuple[np.ndarray, np.ndarray]:
+        parts: list[bytes] = []
+        lengths: list[np.ndarray] = []
+        for s in range(self.reader.num_shards):
+            shard = self.reader.shard(s)
+            everything = np.arange(len(shard))
+            lengths.append(shard.index_rows(everything)["length"][:, schema.OBJECTS])
+            parts.append(b"".join([v[0] for v in shard.views(everything, [schema.OBJECTS])]))
+        size = schema.OBJECT_DTYPE.itemsize
+        sizes = np.concatenate(lengths).astype(np.int64) if lengths else np.empty(0, np.int64)
+        if np.any(sizes % size):
+            raise FormatError(
+                f"{self.path}: a record's stored objects are not whole rows; re-pack it"
+            )
+        rows = np.frombuffer(b"".join(parts), dtype=schema.OBJECT_DTYPE)
+        return rows["class_id"].astype(np.int64), sizes // size
+
     def where(self, record: int) -> str:
         """``"<pack>: record 5 (id '2008_000123')"``, for messages about one record."""
         return f"{self.path}: record {record} (id {self.id(record)!r})"

@@ -73,21 +73,27 @@ def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_pack_voc_in_shards_writes_exactly_n_even_shards(
+def test_num_shards_writes_exactly_n_even_shards(
     synthetic_devkit: Path, tmp_path: Path, workers: int
 ) -> None:
-    from torch_serialized.voc.pack import pack_voc_in_shards
-
+    """No ``max_samples_per_shard`` gives N shards (24 samples, 3 a shard: 8, not 10)."""
     out = tmp_path / "s"
-    result = pack_voc_in_shards(synthetic_devkit, out, 10, workers=workers)  # 24 samples
+    result = ts.pack_voc(synthetic_devkit, out, num_shards=10, workers=workers)  # 24 samples
     pack = VOCPackReader(result.path)
     sizes = [len(pack.reader.shard(s)) for s in range(pack.reader.num_shards)]
     assert sizes == [3] * 4 + [2] * 6
     assert pack.meta["options"]["max_samples_per_shard"] == 3  # what an append's shards hold
     plain = VOCPackReader(ts.pack_voc(synthetic_devkit, tmp_path / "plain.tser").path)
     assert [pack.id(r) for r in range(len(pack))] == [plain.id(r) for r in range(len(plain))]
-    with pytest.raises(ValueError, match="another shard limit"):
-        pack_voc_in_shards(synthetic_devkit, tmp_path / "t", 3, max_shard_bytes=10**6)
+    many = VOCPackReader(ts.pack_voc(synthetic_devkit, tmp_path / "m", num_shards=100).path)
+    assert many.reader.num_shards == 24  # one a sample
+    for wrong, message in (
+        ({"num_shards": 0}, "positive"),
+        ({"num_shards": 3, "max_shard_bytes": 10**6}, "cannot be combined"),
+        ({"num_shards": 3, "max_samples_per_shard": 2}, "cannot be combined"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ts.pack_voc(synthetic_devkit, tmp_path / "t", **wrong)
 
 
 @pytest.mark.parametrize("url", ["https://127.0.0.1:9/voc", "HTTP://127.0.0.1:9/voc.tser"])

@@ -37,7 +37,6 @@ from .safeio import DEFAULT_MAX_FILE_BYTES
 
 if TYPE_CHECKING:
     from .reader import Member
-    from .voc.pack import PackResult
 
 __all__ = ["main", "parse_size"]
 
@@ -128,7 +127,7 @@ def _is_url(path: str) -> bool:
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .reader import open_pack
     from .upload import check_writable
-    from .voc.pack import pack_voc, pack_voc_in_shards
+    from .voc.pack import pack_voc
     from .writer import member_refusal
 
     _check_output(args.output)
@@ -161,15 +160,13 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             errno.EEXIST,
             f"{output} already exists; pass --overwrite to replace it (or choose another OUTPUT)",
         )
-    pack: Callable[..., PackResult] = pack_voc
-    if args.shards is not None:  # exactly N shards, their sizes differing by at most one
-        pack = functools.partial(pack_voc_in_shards, num_shards=args.shards)
-    result = pack(
+    result = pack_voc(
         args.root,
         output,
         year=args.year,
         max_samples_per_shard=args.samples_per_shard,
         max_shard_bytes=args.shard_size,
+        num_shards=args.shards,
         workers=args.workers,
         image_storage=args.image_storage or "original",
         max_size=args.max_size,

@@ -314,7 +314,8 @@ def is_pack(path: Path) -> bool:
 class PackWriter:
     """Writes records to ``output``: one file, or shards plus manifest when a limit is set.
 
-    With ``max_records_per_shard`` or ``max_shard_bytes``, ``output`` becomes a folder of
+    With ``max_records_per_shard``, ``max_shard_bytes`` or ``shard_ends`` (the record
+    counts after which a shard ends: shards of chosen sizes), ``output`` becomes a folder of
     ``shard-NNNNN-<token>.tser`` files, a ``catalog-<token>.tser`` and ``manifest.json``
     (version 2; ``token`` is new for every write, so no name is ever reused). Arrays added
     with ``add_array`` are dataset-level: they go into the single file, or into the catalog
@@ -336,6 +337,7 @@ class PackWriter:
         columns: np.dtype | None = None,
         max_records_per_shard: int | None = None,
         max_shard_bytes: int | None = None,
+        shard_ends: Sequence[int] = (),
         alignment: int = fmt.DEFAULT_ALIGNMENT,
         before_finish: Callable[[], None] | None = None,
         pack_id: str | None = None,
@@ -351,7 +353,12 @@ class PackWriter:
         _check_options(fields, alignment, columns)
         check_output_name(output)
         self.output = Path(output).absolute()
-        self.sharded = max_records_per_shard is not None or max_shard_bytes is not None
+        self.sharded = (
+            max_records_per_shard is not None or max_shard_bytes is not None or bool(shard_ends)
+        )
+        #: with ``shard_ends``, a shard ends after exactly these record counts (the limits
+        #: above are then only recorded)
+        self._ends = frozenset(shard_ends)
         self._fields = list(fields)
         self._columns = columns
         self._alignment = alignment
@@ -454,6 +461,8 @@ class PackWriter:
     def _shard_full(self, writer: ContainerWriter, sizes: Sequence[int]) -> bool:
         if not self.sharded or writer.num_records == 0:
             return False
+        if self._ends:
+            return self.num_records in self._ends
         if self._max_records is not None and writer.num_records >= self._max_records:
             return True
         if self._max_bytes is not None:

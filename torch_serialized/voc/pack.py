@@ -37,7 +37,7 @@ from ..parallel import Record, Spilled, SpillPool, pays_off
 from ..remote import is_url
 from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
 from ..upload import check_writable, write_then_upload
-from ..writer import ContainerWriter, PackWriter, check_output_name
+from ..writer import PackWriter, check_output_name
 from . import schema
 from .images import ImageOptions
 from .layout import base_dir, find_voc_root, image_set_files, read_image_sets
@@ -45,7 +45,6 @@ from .source import Job, LoadedSample, load, plan
 
 __all__ = [
     "pack_voc",
-    "pack_voc_in_shards",
     "PackResult",
     "SkippedSample",
     "ImageStorage",
@@ -150,6 +149,7 @@ def pack_voc(
     year: str | None = None,
     max_samples_per_shard: int | None = None,
     max_shard_bytes: int | None = None,
+    num_shards: int | None = None,
     workers: int = 1,
     image_storage: ImageStorage = "original",
     max_size: int | None = None,
@@ -165,6 +165,11 @@ def pack_voc(
     ``VOCdevkit/VOC20xx`` folder itself. ``year=None`` (the default) detects the year from
     the folder names (``voc.layout.find_voc_root``): the one ``VOC<year>`` folder there is,
     an error naming them when there are several; the result says which year was packed.
+    A shard limit makes ``output`` a shard folder: ``max_samples_per_shard``,
+    ``max_shard_bytes``, or ``num_shards``, exactly that many shards whose sample counts
+    differ by at most one (one a sample when there are fewer samples, and fewer shards when
+    samples are skipped; the pack records the largest shard's count as its
+    ``max_samples_per_shard``, which the shards an append adds then hold at most).
     ``image_storage="raw"``
     stores decoded RGB pixels (no decode at read time, larger file); ``max_size`` resizes
     images so their longer side is at most that many pixels, scaling boxes and sizes with
@@ -184,61 +189,10 @@ def pack_voc(
     (``upload.write_then_upload``), so readers never see a partial pack and readers of an
     earlier pack at that URL keep working.
     """
-    return _pack_voc(
-        root,
-        output,
-        year=year,
-        max_samples_per_shard=max_samples_per_shard,
-        max_shard_bytes=max_shard_bytes,
-        workers=workers,
-        image_storage=image_storage,
-        max_size=max_size,
-        check_images=check_images,
-        on_error=on_error,
-        progress=progress,
-        max_file_bytes=max_file_bytes,
-        storage_options=storage_options,
-    )
-
-
-def pack_voc_in_shards(
-    root: str | os.PathLike[str], output: str | os.PathLike[str], num_shards: int, **options: Any
-) -> PackResult:
-    """``pack_voc(root, output, **options)`` into exactly ``num_shards`` shards whose sample
-    counts differ by at most one (``torch-serialized pack --shards N``), or one shard per
-    sample when there are fewer samples (and fewer when samples are skipped). No
-    ``max_samples_per_shard`` expresses that (24 samples in 10 shards: 3 a shard gives 8); the
-    pack records the largest shard's count as its ``max_samples_per_shard``, which the shards
-    an append adds then hold at most."""
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be a positive number, got {num_shards}")
-    if options.get("max_samples_per_shard") is not None or options.get("max_shard_bytes"):
-        raise ValueError("num_shards cannot be combined with another shard limit")
-    return _pack_voc(root, output, num_shards=num_shards, **options)
-
-
-def _pack_voc(
-    root: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    *,
-    year: str | None = None,
-    max_samples_per_shard: int | None = None,
-    max_shard_bytes: int | None = None,
-    workers: int = 1,
-    image_storage: ImageStorage = "original",
-    max_size: int | None = None,
-    check_images: bool = False,
-    on_error: Literal["raise", "skip"] = "raise",
-    progress: bool = False,
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-    storage_options: Mapping[str, Any] | None = None,
-    num_shards: int | None = None,
-) -> PackResult:
-    """``pack_voc``, and ``pack_voc_in_shards`` with ``num_shards``."""
     if is_url(output):
         check_writable(str(output), "pack")
         local = functools.partial(
-            _pack_voc,
+            pack_voc,
             root,
             year=year,
             max_samples_per_shard=max_samples_per_shard,
@@ -261,6 +215,13 @@ def _pack_voc(
         )
         return dataclasses.replace(result, url=str(output))
     check_output_name(output)
+    if num_shards is not None:
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be a positive number, got {num_shards}")
+        if max_samples_per_shard is not None or max_shard_bytes is not None:
+            raise ValueError(
+                "num_shards cannot be combined with max_samples_per_shard or max_shard_bytes"
+            )
     if image_storage not in ("original", "raw"):
         raise ValueError(f"image_storage must be 'original' or 'raw', got {image_storage!r}")
     if max_size is not None and max_size < 1:
@@ -295,10 +256,10 @@ def _pack_voc(
         bar = outer.enter_context(progress_bar(len(jobs), output.name, progress))
         with contextlib.ExitStack() as stack:
             writer = stack.enter_context(
-                _EvenShards(
+                PackWriter(
                     output,
                     schema.FIELDS,
-                    ends=ends,
+                    shard_ends=ends,
                     columns=schema.COLUMNS,
                     max_records_per_shard=max_samples_per_shard,
                     max_shard_bytes=max_shard_bytes,
@@ -355,21 +316,6 @@ def _pack_voc(
         # The bar's last figure is the summary's: all bytes on disk over the whole time.
         bar.set_postfix_str(rate(result.num_bytes, result.seconds), refresh=False)
     return result
-
-
-class _EvenShards(PackWriter):
-    """A ``PackWriter`` that, given ``ends``, starts a new shard after exactly those numbers
-    of records (``pack_voc_in_shards``) instead of when a shard is full; without, a plain
-    ``PackWriter``."""
-
-    def __init__(self, *args: Any, ends: Sequence[int], **kwargs: Any) -> None:
-        self._ends = frozenset(ends)
-        super().__init__(*args, **kwargs)
-
-    def _shard_full(self, writer: ContainerWriter, sizes: Sequence[int]) -> bool:
-        if not self._ends:
-            return super()._shard_full(writer, sizes)
-        return writer.num_records > 0 and self.num_records in self._ends
 
 
 def utc_now() -> str:

@@ -81,6 +81,25 @@ def test_shards_are_fetched_once_and_verified(
     assert remote.proxy.count("GET", remote.path("b.tser")) == 3
 
 
+def test_a_download_asks_the_size_once(remote: Remote, tmp_path: Path) -> None:
+    """README: a shard's size is compared with its manifest's in one HEAD request. s3fs asks
+    the size again (a second HEAD) before a GET without a range, as a one-part download was."""
+    data = {"a.tser": blob(PART // 2, 1), "b.tser": blob(3 * PART, 2), "one.tser": blob(99, 3)}
+    remote.put("manifest.json", MANIFEST)
+    for name, content in data.items():
+        remote.put(name, content)
+    with open_pack(remote, tmp_path) as pack:
+        for name in ("a.tser", "b.tser"):
+            assert pack.fetch_shard(name, len(data[name])).read_bytes() == data[name]
+    url = f"{remote.url}/one.tser"  # a single file: its size (one HEAD), footer, whole file
+    with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as one:
+        assert one.path.read_bytes() == data["one.tser"]
+    heads = {name: remote.proxy.count("HEAD", remote.path(name)) for name in data}
+    gets = {name: remote.proxy.count("GET", remote.path(name)) for name in data}
+    assert heads == {"a.tser": 1, "b.tser": 1, "one.tser": 1}
+    assert gets == {"a.tser": 1, "b.tser": 3, "one.tser": 2}
+
+
 def test_prefetch_downloads_in_the_background(
     remote: Remote, shards: dict[str, bytes], tmp_path: Path
 ) -> None:

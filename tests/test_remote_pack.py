@@ -20,9 +20,9 @@ from torch_serialized.errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from torch_serialized.remote import RetryPolicy, digest_verifier
-from torch_serialized.remote_pack import RemotePack, ShardRequest, resolve
-from torch_serialized.tools.loopback import start_http_server
+from torch_serialized.remote import RemoteStore, RetryPolicy, digest_verifier
+from torch_serialized.remote_pack import RemotePack, ShardRequest, file_tail, resolve
+from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -291,6 +291,37 @@ def test_a_single_file_pack_on_a_server_without_range_support(tmp_path: Path) ->
         url = f"{server.url}/one.tser"
         with resolve(url, None, tmp_path / "cache", retry=FAST, part_size=PART) as pack:
             assert pack.path.read_bytes() == data
+
+
+def test_a_single_file_on_a_server_without_range_support_is_never_held(tmp_path: Path) -> None:
+    """Its footer is a ranged read, which such a server answers with the whole file: kept
+    whole (by the client's join of the body, then in an exception), the footer of a 32 MiB
+    file held 64 MiB at the peak; the file is now streamed and only the footer kept."""
+    import tracemalloc
+
+    served = tmp_path / "served"
+    served.mkdir()
+    data = blob(32 << 20, 9)
+    (served / "one.tser").write_bytes(data)
+    with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
+        url = f"{proxy.url}/one.tser"
+        store = RemoteStore(url, retry=FAST, part_size=PART)
+        store.fs  # noqa: B018 - imports and the HTTP session are not the read's memory
+        peaks = []
+        for step in (lambda: file_tail(store), lambda: resolve(url, None, tmp_path, retry=FAST)):
+            tracemalloc.start()
+            try:
+                got = step()
+                peaks.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+            if isinstance(got, RemotePack):
+                assert got.path.read_bytes() == data
+                got.close()
+            else:
+                assert got == (len(data), data[-64:])
+        assert max(peaks) < len(data) // 4, f"peaks {peaks} bytes for a {len(data)}-byte file"
+        assert proxy.count("GET", "/one.tser") == 3  # the footer's, then the footer's, the file's
 
 
 def test_a_damaged_manifest_is_read_again_and_never_cached(remote: Remote, tmp_path: Path) -> None:

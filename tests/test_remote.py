@@ -703,6 +703,8 @@ def test_a_ranged_read_from_a_server_without_range_support(tmp_path: Path) -> No
     with start_http_server(served, ranges=False) as server:
         s = RemoteStore(server.url, retry=FAST, part_size=PART)
         assert s.read_bytes("obj.bin", len(data) - 64, len(data)) == data[-64:]  # a footer
+        for start, end in ((0, 5), (5, 7), (10, PART + 10), (PART - 3, 2 * PART + 1)):
+            assert s.read_bytes("obj.bin", start, end) == data[start:end]  # streamed, cut out
         assert s.download("obj.bin", tmp_path / "o").read_bytes() == data  # then streamed
         with pytest.raises(RemoteError, match=r"obj\.bin.*ignored the range.*shorter"):
             s.read_bytes("obj.bin", 10, len(data) + 5)

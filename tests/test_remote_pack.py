@@ -20,9 +20,9 @@ from torch_serialized.errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from torch_serialized.remote import RetryPolicy, digest_verifier
-from torch_serialized.remote_pack import RemotePack, ShardRequest, resolve
-from torch_serialized.tools.loopback import start_http_server
+from torch_serialized.remote import RemoteStore, RetryPolicy, digest_verifier
+from torch_serialized.remote_pack import RemotePack, ShardRequest, file_tail, resolve
+from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -79,6 +79,25 @@ def test_shards_are_fetched_once_and_verified(
         assert again.fetch_shard("b.tser", len(shards["b.tser"])).read_bytes() == shards["b.tser"]
     assert remote.proxy.count("GET", remote.path("a.tser")) == 3
     assert remote.proxy.count("GET", remote.path("b.tser")) == 3
+
+
+def test_a_download_asks_the_size_once(remote: Remote, tmp_path: Path) -> None:
+    """README: a shard's size is compared with its manifest's in one HEAD request. s3fs asks
+    the size again (a second HEAD) before a GET without a range, as a one-part download was."""
+    data = {"a.tser": blob(PART // 2, 1), "b.tser": blob(3 * PART, 2), "one.tser": blob(99, 3)}
+    remote.put("manifest.json", MANIFEST)
+    for name, content in data.items():
+        remote.put(name, content)
+    with open_pack(remote, tmp_path) as pack:
+        for name in ("a.tser", "b.tser"):
+            assert pack.fetch_shard(name, len(data[name])).read_bytes() == data[name]
+    url = f"{remote.url}/one.tser"  # a single file: its size (one HEAD), footer, whole file
+    with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as one:
+        assert one.path.read_bytes() == data["one.tser"]
+    heads = {name: remote.proxy.count("HEAD", remote.path(name)) for name in data}
+    gets = {name: remote.proxy.count("GET", remote.path(name)) for name in data}
+    assert heads == {"a.tser": 1, "b.tser": 1, "one.tser": 1}
+    assert gets == {"a.tser": 1, "b.tser": 3, "one.tser": 2}
 
 
 def test_prefetch_downloads_in_the_background(
@@ -272,6 +291,37 @@ def test_a_single_file_pack_on_a_server_without_range_support(tmp_path: Path) ->
         url = f"{server.url}/one.tser"
         with resolve(url, None, tmp_path / "cache", retry=FAST, part_size=PART) as pack:
             assert pack.path.read_bytes() == data
+
+
+def test_a_single_file_on_a_server_without_range_support_is_never_held(tmp_path: Path) -> None:
+    """Its footer is a ranged read, which such a server answers with the whole file: kept
+    whole (by the client's join of the body, then in an exception), the footer of a 32 MiB
+    file held 64 MiB at the peak; the file is now streamed and only the footer kept."""
+    import tracemalloc
+
+    served = tmp_path / "served"
+    served.mkdir()
+    data = blob(32 << 20, 9)
+    (served / "one.tser").write_bytes(data)
+    with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
+        url = f"{proxy.url}/one.tser"
+        store = RemoteStore(url, retry=FAST, part_size=PART)
+        store.fs  # noqa: B018 - imports and the HTTP session are not the read's memory
+        peaks = []
+        for step in (lambda: file_tail(store), lambda: resolve(url, None, tmp_path, retry=FAST)):
+            tracemalloc.start()
+            try:
+                got = step()
+                peaks.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+            if isinstance(got, RemotePack):
+                assert got.path.read_bytes() == data
+                got.close()
+            else:
+                assert got == (len(data), data[-64:])
+        assert max(peaks) < len(data) // 4, f"peaks {peaks} bytes for a {len(data)}-byte file"
+        assert proxy.count("GET", "/one.tser") == 3  # the footer's, then the footer's, the file's
 
 
 def test_a_damaged_manifest_is_read_again_and_never_cached(remote: Remote, tmp_path: Path) -> None:

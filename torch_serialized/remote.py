@@ -31,7 +31,8 @@ Design
   ``Range`` (``python -m http.server``) is detected once and read as one stream instead,
   under the deadline of one read of the object's size; over HTTP the probe (a request for the
   first part) is itself read as a stream into the file, so the whole object it brings from
-  such a server is kept without being held in memory.
+  such a server is kept without being held in memory; a ranged read (a footer) is streamed
+  too, keeping only its range.
   A checksum mismatch re-downloads once, then raises
   :class:`~torch_serialized.errors.ChecksumError`.
 * **Uploads put the manifest last**, so a reader never sees a manifest naming missing shards.
@@ -642,8 +643,12 @@ class RemoteStore:
         """The bytes of ``key`` (``[start, end)`` if given), for small objects (a manifest).
 
         On a server that ignores ``Range`` a ranged read gets the whole object and returns the
-        range asked for out of it (and later downloads stream).
+        range asked for out of it (and later downloads stream); over HTTP it is read as a
+        stream (``_read_range``), so that only the range is held, never the object.
         """
+        http = self.protocol in ("http", "https")
+        if http and start is not None and end is not None and 0 <= start < end:
+            return self.call("read", key, lambda: self._read_range(key, start, end))
         try:
             return self._read_bytes(key, start, end)
         except _RangeIgnoredError as exc:
@@ -657,6 +662,53 @@ class RemoteStore:
                 "than expected. It changed while being read (open it again), or the manifest and "
                 "the object disagree (re-upload the pack)"
             ) from None
+
+    def _read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` over HTTP, read as a stream: a server that ignores
+        ``Range`` sends the object from its first byte, of which the bytes before ``start`` are
+        dropped as they come and the rest is left unread past ``end``, so memory holds the range
+        and a chunk whatever the object's size. The body's length tells which it sent: the
+        range alone (``end - start`` bytes, then the end), or more (the object). Until Range is
+        known to be honoured, the read has the deadline of ``end`` bytes (the object up to it)."""
+        n = end - start
+        limit = self._deadline(n if self._ranges_ok else end).get("timeout")
+        headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})  # kept, as ours
+        options: dict[str, Any] = {
+            "block_size": 0,  # a stream
+            "size": end,  # no HEAD asking the size
+            "headers": {**headers, "Range": f"bytes={start}-{end - 1}"},
+        }
+        if limit is not None:  # aiohttp ends the request, body included, by then
+            options.update(_http_deadline(self.storage_options, limit))
+        body = bytearray()  # the body's bytes from ``dropped`` on
+        received = dropped = 0
+        whole = False  # more than the range came: the object, from its first byte
+        with self.fs.open(self._path(key), "rb", **options) as f:
+            while not whole or received < end:
+                chunk = f.read(_STREAM_CHUNK)
+                if not chunk:
+                    break
+                body += chunk
+                received += len(chunk)
+                whole = whole or received > n
+                if whole and dropped < start:  # the object's bytes before the range
+                    cut = min(start - dropped, len(body))
+                    del body[:cut]
+                    dropped += cut
+        if not whole:
+            if received < n:  # no error: a cut not noticed, or the object ends there
+                raise ShortReadError(f"got {received} of {n} bytes")
+            return bytes(body)
+        self._ranges_ok = False
+        if received < end:
+            raise RemoteError(
+                f"{self.url_of(key)}: asked for bytes {start} to {end}, the server ignored the "
+                f"range and sent the whole object, {received} bytes: the object is shorter than "
+                "expected. It changed while being read (open it again), or the manifest and the "
+                "object disagree (re-upload the pack)"
+            )
+        log.warning("%s: the server ignores Range requests", self.url_of(key))
+        return bytes(body[:n])
 
     def _read_bytes(
         self,
@@ -762,11 +814,14 @@ class RemoteStore:
         parts = [(s, min(s + self.part_size, size)) for s in range(0, size, self.part_size)]
         if len(parts) == 1:
             path = self._path(key)
-
             deadline = self._deadline(size)
+            # HTTP: no Range header, which works with any server. Object stores honour Range,
+            # and given no range s3fs asks the size (a HEAD) before its GET: the size is known
+            # (confirmed by a HEAD of ours), so they get it as the range, as the parts do.
+            span = {} if self.protocol in ("http", "https") else {"start": 0, "end": size}
 
-            def whole() -> bytes:  # no Range header: works with any server
-                data = bytes(self.fs.cat_file(path, **deadline))
+            def whole() -> bytes:
+                data = bytes(self.fs.cat_file(path, **span, **deadline))
                 if len(data) < size:  # no error: the object's size, or a cut not noticed
                     raise ends.short(len(data), f"got {len(data)} of {size} bytes")
                 return data

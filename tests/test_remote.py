@@ -680,6 +680,30 @@ def test_bodies_cut_at_different_places_are_still_retried(
         s.download("obj.bin", tmp_path / "o", expected_size=len(data))
 
 
+@pytest.mark.parametrize("size", [PART // 2, 3 * PART], ids=["one part", "parts"])
+def test_empty_bodies_are_retried_as_cuts_not_taken_for_the_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """A busy proxy that sends headers and closes gives empty bodies that end cleanly, at
+    the same byte each time: two of them said "the object has 0 bytes ... re-upload the
+    pack" and stopped the retries (review of the clean-ends check)."""
+    data = payload(size)
+    s = RemoteStore(f"memory://empty-{os.getpid()}-{size}", retry=PATIENT, part_size=PART)
+    s.fs.pipe_file(s.fs_path("obj.bin"), data)
+    real = s.fs.cat_file
+    empty = [2]
+
+    def busy(path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
+        if empty[0]:
+            empty[0] -= 1
+            return b""
+        return real(path, start=start, end=end)
+
+    monkeypatch.setattr(s.fs, "cat_file", busy)
+    assert s.download("obj.bin", tmp_path / "o", expected_size=size).read_bytes() == data
+    assert empty[0] == 0
+
+
 def test_a_server_without_range_support_is_read_whole(tmp_path: Path) -> None:
     served = tmp_path / "served"
     served.mkdir()

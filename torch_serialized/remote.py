@@ -142,7 +142,9 @@ class _CleanEnds:
     A client cannot always tell such an end from a cut: a body delimited by the connection's
     close (or re-framed by a proxy) ends the same way. Once is therefore retried as a cut; a
     second body ending at the same byte (a cut lands there twice only by chance) shows the
-    object's size, and fails at once instead of using up the retries as an outage would.
+    object's size, and fails at once instead of using up the retries as an outage would. An
+    empty body shows nothing: a busy server or proxy that sends headers and closes does that
+    again and again, so it stays a cut, retried to the end of the policy.
     """
 
     def __init__(self, url: str, claimed: int) -> None:
@@ -150,20 +152,25 @@ class _CleanEnds:
         self.claimed = claimed
         self._seen: set[int] = set()
 
-    def short(self, size: int, detail: str) -> ShortReadError:
-        """The error of a body that ended cleanly with the object's first ``size`` bytes:
-        ``ShortReadError`` (retried) the first time; raises ``RemoteError`` (not retried) the
-        second."""
-        self.note(size)
+    def short(self, size: int, detail: str, received: int) -> ShortReadError:
+        """The error of a body of ``received`` bytes that ended cleanly with the object's
+        first ``size`` bytes: ``ShortReadError`` (retried) the first time; raises
+        ``RemoteError`` (not retried) the second."""
+        self.note(size, received)
         return ShortReadError(f"{detail}; the body ended cleanly, reading once more to confirm")
 
-    def note(self, size: int) -> None:
-        """Count a clean end at ``size`` bytes; the second at that byte raises."""
+    def note(self, size: int, received: int) -> None:
+        """Count a clean end at ``size`` bytes of a body of ``received`` bytes (an empty one
+        counts for nothing); the second at that byte raises."""
+        if not received:
+            return
         if size in self._seen:
             raise RemoteError(
-                f"{self.url}: the object has {size} bytes, the manifest says {self.claimed} "
-                "(two reads ended cleanly at that byte: not a cut connection). The manifest "
-                "and the object disagree: re-upload the pack (or pack it again)"
+                f"{self.url}: the object has {size} bytes, the manifest says {self.claimed}: "
+                "two reads ended cleanly at that byte, with no connection error. The manifest "
+                "and the object disagree: re-upload the pack (or pack it again). (If a proxy "
+                "between you and the server cuts bodies at a fixed size, that is the cause "
+                "instead.)"
             )
         self._seen.add(size)
 
@@ -731,7 +738,7 @@ class RemoteStore:
                 if len(data) < end - start:
                     detail = f"got {len(data)} of {end - start} bytes"
                     if ends is not None:  # Range was honoured: the object ends there
-                        raise ends.short(start + len(data), detail)
+                        raise ends.short(start + len(data), detail, len(data))
                     raise ShortReadError(detail)
                 raise _RangeIgnoredError(data)
             return data
@@ -823,7 +830,7 @@ class RemoteStore:
             def whole() -> bytes:
                 data = bytes(self.fs.cat_file(path, **span, **deadline))
                 if len(data) < size:  # no error: the object's size, or a cut not noticed
-                    raise ends.short(len(data), f"got {len(data)} of {size} bytes")
+                    raise ends.short(len(data), f"got {len(data)} of {size} bytes", len(data))
                 return data
 
             data = self.call("read", key, whole)
@@ -863,7 +870,7 @@ class RemoteStore:
                 _pwrite_all(fd, exc.data, 0)
                 return
             if len(exc.data) < size:  # a whole body, ended cleanly: the stream confirms it
-                ends.note(len(exc.data))
+                ends.note(len(exc.data), len(exc.data))
         self.call("download", key, lambda: self._stream(key, fd, size, ends))
 
     def _fetch_part(
@@ -956,7 +963,7 @@ class RemoteStore:
         if probe is not None and written == probe:
             return True  # the part asked for, then the end: Range is honoured
         if written < size:  # no error: the object's size, or a cut not noticed
-            raise ends.short(written, f"the body ended after {written} of {size} bytes")
+            raise ends.short(written, f"the body ended after {written} of {size} bytes", written)
         return False
 
     # -- writing

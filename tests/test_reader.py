@@ -452,6 +452,41 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
     check_pack(open_pack(out), 30, seed=3)
 
 
+def test_an_open_through_a_link_mid_swap_and_a_denied_folder(tmp_path, monkeypatch):
+    """Review of the swap retry: a link to a shard folder being swapped said "[Errno 2] No
+    such file or directory" (its manifest.json: "does not exist; pack a VOC dataset
+    first"), since the moved-aside folder was looked for beside the link; and a folder that
+    may not be searched (EACCES) was said not to exist instead of raising PermissionError."""
+    from torch_serialized import reader as reader_module
+    from torch_serialized.atomic import temp_sibling
+
+    (tmp_path / "real").mkdir()
+    out = write_pack(tmp_path / "real" / "out", 30, **SHARDED)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    monkeypatch.setattr(reader_module, "_pause", lambda seconds: None)
+    aside = temp_sibling(out, "old")
+    os.replace(out, aside)
+    for given in (link, link / fmt.MANIFEST_NAME):
+        with pytest.raises(FileChangedError, match="is being replaced") as info:
+            open_pack(given)
+        assert f"rename {aside.name} back to out" in str(info.value)
+    os.replace(aside, out)
+    check_pack(open_pack(link), 30)
+    check_pack(open_pack(link / fmt.MANIFEST_NAME), 30)
+
+    real_stat = os.stat
+
+    def denied(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if str(path) == str(out):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module.os, "stat", denied)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        open_pack(out)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_a_deleted_pack_is_reported_removed_not_replaced_by_a_new_one(tmp_path, form):
     """A shard folder deleted under an open reader said "was replaced ... to read the new

@@ -1236,11 +1236,12 @@ def _locate(
         raise FileChangedError(
             f"{path} is being replaced by new packs faster than it can be opened; open it again"
         )
+    real = aside.parent / _real(path).name  # a link's target is what was swapped
     raise FileChangedError(
-        f"{path} is being replaced: a re-pack moved the previous pack aside to {aside.name} and "
+        f"{path} is being replaced: a re-pack moved the previous pack aside to {aside} and "
         "has not renamed the new one into place yet; open it again. If no pack of it is "
         f"running, one was killed between the two renames: rename {aside.name} back to "
-        f"{path.name} (the next pack of {path.name} does)"
+        f"{real.name} (the next pack of {real} does)"
     )
 
 
@@ -1267,7 +1268,7 @@ def _look(path: Path) -> tuple[Path, Path | None, bytes | None] | None:
         path = path.parent
     try:
         before = os.stat(path)
-    except OSError as exc:
+    except (FileNotFoundError, NotADirectoryError) as exc:  # others (EACCES) say themselves
         folder = path.parent if path.name == fmt.MANIFEST_NAME else path
         if isinstance(exc, FileNotFoundError) and _moved_aside(folder) is not None:
             return None
@@ -1306,9 +1307,17 @@ def _same_file(path: Path, before: os.stat_result) -> bool:
     return (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino)
 
 
+def _real(path: Path) -> Path:
+    """``path`` with its links followed, as far as they lead (a link to a folder being
+    swapped points at a name that is missing for the moment)."""
+    return Path(os.path.realpath(path))
+
+
 def _moved_aside(path: Path) -> Path | None:
-    """The folder (or file) a writer moved aside to replace ``path`` with a new pack, if
-    there is one: ``.{name}.old-{pid}-{hex}`` beside it (``atomic.temp_sibling``)."""
+    """The folder (or file) a writer moved aside to replace ``path`` (a link: its target)
+    with a new pack, if there is one: ``.{name}.old-{pid}-{hex}`` beside it
+    (``atomic.temp_sibling``)."""
+    path = _real(path)
     prefix = f".{path.name}.old-"
     try:
         with os.scandir(path.parent) as entries:

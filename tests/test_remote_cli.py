@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -141,7 +142,11 @@ def test_info_of_a_url_downloads_only_the_manifest_and_the_catalog(
 
 @pytest.mark.parametrize("remote", ["http"], indirect=True)
 def test_prune_dry_run_over_http_without_a_listing_says_so(
-    remote: Remote, voc8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    remote: Remote,
+    voc8: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # the loopback HTTP server serves files, no folder listing: prune cannot find stale
     # files there, which is no fault of the URL (no "check the bucket name")
@@ -151,3 +156,12 @@ def test_prune_dry_run_over_http_without_a_listing_says_so(
     status, out, err = run(capsys, "prune", remote.url, "--dry-run")
     assert status == 2 and remote.url in err and "lists no files" in err
     assert "bucket" not in err and "server's disk" in err
+    # nginx with listing off answers 403 for the folder: no "check the credentials" either
+    from fsspec.implementations.http import HTTPFileSystem
+
+    async def forbidden(self: Any, url: str, detail: bool = True, **kwargs: Any) -> Any:
+        raise PermissionError(errno.EACCES, "Forbidden", url)
+
+    monkeypatch.setattr(HTTPFileSystem, "_ls_real", forbidden)
+    status, out, err = run(capsys, "prune", remote.url, "--dry-run")
+    assert status == 2 and "lists no files" in err and "credentials" not in err

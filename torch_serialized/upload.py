@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import format as fmt
-from .errors import RemoteError, RemoteNotFoundError
+from .errors import RemoteAccessError, RemoteError, RemoteNotFoundError
 from .remote import RemoteStore, redact_url
 
 __all__ = ["READ_ONLY_PROTOCOLS", "check_writable", "prune_remote", "write_then_upload"]
@@ -103,10 +103,10 @@ def prune_remote(
     root = store.fs_path("")
     try:
         names = store.call("list", "", lambda: store.fs.ls(root, detail=False))
-    except RemoteNotFoundError:
+    except (RemoteNotFoundError, RemoteAccessError):
         if store.protocol not in READ_ONLY_PROTOCOLS:
             raise
-        names = []  # an HTTP server that serves files but no listing of their folder
+        names = []  # an HTTP server that serves files but no listing (404, or nginx's 403)
     bases = [os.path.basename(str(n).rstrip("/")) for n in names]
     if store.protocol in READ_ONLY_PROTOCOLS and fmt.MANIFEST_NAME not in bases:
         raise RemoteError(

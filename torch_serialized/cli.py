@@ -797,7 +797,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         metavar="N",
         help="write N shards, their sample counts differing by at most one (one a sample "
-        "when there are fewer than N)",
+        "when there are fewer than N; samples --skip-bad leaves out make theirs smaller)",
     )
     limit.add_argument(
         "--shard-size",

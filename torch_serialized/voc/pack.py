@@ -167,8 +167,9 @@ def pack_voc(
     an error naming them when there are several; the result says which year was packed.
     A shard limit makes ``output`` a shard folder: ``max_samples_per_shard``,
     ``max_shard_bytes``, or ``num_shards``, exactly that many shards whose sample counts
-    differ by at most one (one a sample when there are fewer samples, and fewer shards when
-    samples are skipped; the pack records the largest shard's count as its
+    differ by at most one (one a sample when there are fewer samples; planned before the
+    samples are read, so samples skipped with ``on_error="skip"`` leave their shards smaller,
+    or fewer shards; the pack records the largest shard's count as its
     ``max_samples_per_shard``, which the shards an append adds then hold at most).
     ``image_storage="raw"``
     stores decoded RGB pixels (no decode at read time, larger file); ``max_size`` resizes

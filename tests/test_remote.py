@@ -971,6 +971,28 @@ def test_the_range_probe_of_a_server_ignoring_range_gets_the_whole_objects_deadl
         assert s._ranges_ok is False  # and later downloads stream
 
 
+def test_a_server_ignoring_range_with_an_object_one_part_long_is_not_taken_for_ranges(
+    tmp_path: Path,
+) -> None:
+    """Review: an object exactly one part long on a server that ignores Range, with a
+    manifest claiming more, answered the probe with exactly the part's bytes: taken for a
+    server honouring Range, the download then wrote the object three times over (found only
+    by the checksum, blamed on damage), and every later download believed it too. The
+    answer's status (200, not 206) now decides."""
+    served = tmp_path / "served"
+    served.mkdir()
+    data = payload(PART, seed=4)
+    (served / "obj.bin").write_bytes(data)
+    with start_http_server(served, ranges=False) as server:
+        s = RemoteStore(server.url, retry=PATIENT, part_size=PART)
+        with pytest.raises(RemoteError) as failed:
+            s.download("obj.bin", tmp_path / "o", expected_size=3 * PART)
+        _says_the_object_is_shorter(failed.value, s.url_of("obj.bin"), PART, 3 * PART)
+        assert s._ranges_ok is False
+        assert s.download("obj.bin", tmp_path / "p", expected_size=PART).read_bytes() == data
+        assert leftovers(tmp_path) == ["p", "served"]
+
+
 def test_the_range_probe_of_a_server_ignoring_range_streams_the_object(tmp_path: Path) -> None:
     """The first download from a server that ignores Range gets the whole object in reply to
     its Range probe: written to the file as it arrives, never held in memory (the client's

@@ -945,6 +945,11 @@ class RemoteStore:
         began = time.monotonic()
         try:
             with self.fs.open(self._path(key), "rb", **options) as f:
+                # the answer's status, where fsspec's stream shows it: 200 to a ranged request
+                # is the whole object (Range ignored), whatever the body's length
+                whole = probe is not None and getattr(getattr(f, "r", None), "status", 0) == 200
+                if whole:
+                    self._ranges_ok = False
                 while written < size:
                     chunk = f.read(min(_STREAM_CHUNK, size - written))
                     if not chunk:
@@ -960,7 +965,7 @@ class RemoteStore:
                 f"the stream did not end within its deadline of {limit:.1f} s, with {written} "
                 f"of {size} bytes"
             ) from exc
-        if probe is not None and written == probe:
+        if probe is not None and written == probe and not whole:
             return True  # the part asked for, then the end: Range is honoured
         if written < size:  # no error: the object's size, or a cut not noticed
             raise ends.short(written, f"the body ended after {written} of {size} bytes", written)

@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -811,6 +812,33 @@ def _owned_and_fresh(first: Any, second: Any) -> None:
         target["labels"].add_(1)
         target.clear()
     assert_same_value(snapshot, second)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("task", ["Main", "Segmentation"])
+def test_a_batch_holds_one_decoded_image_at_a_time(
+    synthetic_packs: Packed, task: str, layout: str
+) -> None:
+    """``__getitems__`` with a transform decoded the whole batch, then transformed it: every
+    decoded image of the batch stayed alive until the last transform ran (the drop-in's
+    32 PIL images, ~18 MB per worker, on top of the tensors made from them), where a
+    per-index fetch holds one. Each image is now transformed as soon as it is decoded."""
+    alive: list[int] = []
+    seen: list[weakref.ref[Any]] = []
+
+    def to_tensor(image: Any, target: Any) -> tuple[Any, Any]:
+        seen.append(weakref.ref(image))
+        alive.append(sum(ref() is not None for ref in seen))
+        return pil_to_tensor(image), target
+
+    ours = our_dataset(task, synthetic_packs.path(layout), "train", transforms=to_tensor)
+    plain = our_dataset(task, synthetic_packs.path(layout), "train")
+    indices = list(range(len(ours)))[::-1]
+    batch = ours.__getitems__(indices)
+    assert len(alive) == len(indices) > 1 and max(alive) == 1
+    for i, (image, target) in zip(indices, batch):
+        assert torch.equal(image, pil_to_tensor(plain[i][0]))
+        assert_same_value(target, plain[i][1])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

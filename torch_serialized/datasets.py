@@ -302,12 +302,13 @@ class _PackedVOCBase:
         # are copied once (into the block) instead of twice (by us, then into the block).
         view_of = self._view_of if worker and transforms is None else None
         image_of = view_of or self._image_of
-        images = [image_of(r, row[0]) for r, row in zip(records, rows)]
         targets = self._batch_targets(records, [row[1] for row in rows])
         if transforms is None:
-            samples = list(zip(images, targets))
-        else:
-            samples = [transforms(img, target) for img, target in zip(images, targets)]
+            samples = [(image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets)]
+        else:  # each image decoded, then transformed: one decoded image alive at a time
+            samples = [
+                transforms(image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets)
+            ]
         if not worker:
             return samples
         return share_batch(samples, borrowed=None if view_of is None else 0)

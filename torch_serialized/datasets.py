@@ -29,7 +29,7 @@ from .reader import ContainerReader
 from .voc import schema
 from .voc.names import RecordNames, record_names
 from .voc.reader import VOCPackReader
-from .workers import in_worker, share_batch
+from .workers import SharedBlock, in_worker, share_batch
 
 __all__ = [
     "VOCSerializedDataset",
@@ -303,7 +303,13 @@ class _PackedVOCBase:
         view_of = self._view_of if worker and transforms is None else None
         image_of = view_of or self._image_of
         targets = self._batch_targets(records, [row[1] for row in rows])
-        if transforms is None:
+        sizes = self.decoder.decoded_nbytes(records) if worker and len(records) > 1 else None
+        block = None if sizes is None or transforms is not None else SharedBlock.of(sizes)
+        if block is not None:  # decoded images go into shared memory as they are made
+            samples = [
+                (block.put(image_of(r, row[0])), t) for r, row, t in zip(records, rows, targets)
+            ]
+        elif transforms is None:
             samples = [(image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets)]
         else:  # each image decoded, then transformed: one decoded image alive at a time
             samples = [

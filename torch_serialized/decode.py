@@ -153,6 +153,15 @@ class SampleDecoder:
             return None
         return self._raw_view if self.raw else self._view_image
 
+    def decoded_nbytes(self, records: Sequence[int]) -> list[int] | None:
+        """Bytes of each record's image once decoded, where known before decoding it
+        (``decode="tensor"`` of stored JPEGs: 3 x height x width from the pack's columns);
+        None otherwise. A worker sizes the batch's shared block by it (``SharedBlock``)."""
+        if self.decode != "tensor" or self.raw:
+            return None
+        sizes = self._sizes[np.asarray(records, dtype=np.int64)]
+        return (3 * sizes[:, 0] * sizes[:, 1]).tolist()  # type: ignore[no-any-return]
+
     def target_reader(self) -> Callable[[int, Buffer], Any]:
         """``target`` with its dispatch done once (see ``image_reader``)."""
         return self._dict_target if self.target_format == "dict" else self.target

@@ -17,6 +17,7 @@ from torch.utils.data import get_worker_info
 from torchvision import tv_tensors
 
 __all__ = [
+    "SharedBlock",
     "worker_init_fn",
     "reopen_dataset",
     "in_worker",
@@ -95,23 +96,58 @@ def share_batch(samples: list[Any], *, borrowed: int | None = None) -> list[Any]
     ]
     if len(picks) < 2:  # one tensor is shared as cheaply by torch itself
         return _owned(samples, borrowed)
-    sizes = [-(-item.numel() * item.element_size() // _ALIGN) * _ALIGN for _, _, item in picks]
-    try:
-        block = torch.UntypedStorage._new_shared(sum(sizes))
-    except (AttributeError, RuntimeError):  # no shared memory here: torch shares them itself
+    block = SharedBlock.of(item.numel() * item.element_size() for *_, item in picks)
+    if block is None:  # no shared memory here: torch shares them itself
         return _owned(samples, borrowed)
     out: list[Any] = [list(sample) if type(sample) is tuple else sample for sample in samples]
-    offset = 0
-    for (i, j, item), size in zip(picks, sizes):
-        # a dense tensor's own strides lay its elements out in exactly numel() places
-        view = torch.empty(0, dtype=item.dtype).set_(
-            block, offset // item.element_size(), item.shape, item.stride()
-        )
-        view.copy_(item)
-        out[i][j] = view if type(item) is torch.Tensor else view.as_subclass(type(item))
-        offset += size
+    for i, j, item in picks:
+        out[i][j] = block.put(item)
     shared = [tuple(new) if type(old) is tuple else new for old, new in zip(samples, out)]
     return _owned(shared, borrowed, samples)
+
+
+class SharedBlock:
+    """One block of shared memory that tensors are copied into, each returned as a view of
+    it with the same values, type, shape and strides (see ``share_batch``).
+
+    A worker that knows a batch's sizes before making its tensors (decoded images: the
+    pack's columns give them) copies each one in as soon as it is made, so only one private
+    tensor is alive at a time instead of the whole batch, which glibc would keep as its
+    high-water mark; ``share_batch`` then leaves them where they are."""
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self._storage = storage
+        self._offset = 0
+
+    @classmethod
+    def of(cls, sizes: Iterable[int]) -> SharedBlock | None:
+        """A block with room for tensors of these sizes in bytes (each aligned), or None
+        where there is no shared memory (torch then shares each tensor itself)."""
+        try:
+            return cls(torch.UntypedStorage._new_shared(sum(_room(n) for n in sizes)))
+        except (AttributeError, RuntimeError):
+            return None
+
+    def put(self, item: Any) -> Any:
+        """``item`` copied into the block, as a view of it; ``item`` itself when it cannot be
+        viewed in place (``_movable``) or does not fit in what is left."""
+        if not isinstance(item, torch.Tensor) or not _movable(item):
+            return item
+        nbytes = item.numel() * item.element_size()
+        if self._offset + nbytes > self._storage.nbytes():
+            return item
+        # a dense tensor's own strides lay its elements out in exactly numel() places
+        view = torch.empty(0, dtype=item.dtype).set_(
+            self._storage, self._offset // item.element_size(), item.shape, item.stride()
+        )
+        view.copy_(item)
+        self._offset += _room(nbytes)
+        return view if type(item) is torch.Tensor else view.as_subclass(type(item))
+
+
+def _room(nbytes: int) -> int:
+    """Bytes a tensor of ``nbytes`` takes in a block: rounded up to ``_ALIGN``."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _owned(samples: list[Any], borrowed: int | None, before: list[Any] | None = None) -> list[Any]:

@@ -40,7 +40,7 @@ from .state import Stateful
 from .topology import Topology, distributed_info, seeded_rng
 from .voc import schema
 from .voc.layout import TASKS
-from .workers import SHARED_RUN, in_worker, share_runs
+from .workers import SHARED_RUN, SharedBlock, in_worker, share_runs
 
 __all__ = ["VOCSerializedIterableDataset"]
 
@@ -277,11 +277,14 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         if in_worker():  # the tensors of each run of samples travel in one shared block
             # images read as views of the map are copied once, into the block (datasets.py)
             views = self.decoder.view_reader() if self.transforms is None else None
-            samples = share_runs(
-                self._decoded(items, views),
-                SHARED_RUN,
-                borrowed=None if views is None else 0,
-            )
+            if self.transforms is None and self.decoder.decoded_nbytes([]) is not None:
+                samples = self._decoded_into_blocks(items)
+            else:
+                samples = share_runs(
+                    self._decoded(items, views),
+                    SHARED_RUN,
+                    borrowed=None if views is None else 0,
+                )
         else:
             samples = self._decoded(items)
         for sample in samples:
@@ -308,6 +311,17 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
                 data = read_block(reader, np.array([record]), fields)[record]
             img, tgt = image(record, data[0]), target(record, data[1])
             yield (img, tgt) if transforms is None else transforms(img, tgt)
+
+    def _decoded_into_blocks(self, items: Iterator[Item]) -> Iterator[tuple[Any, Any]]:
+        """``share_runs`` of the decoded samples, for decoded images whose sizes the pack's
+        columns give (``decode="tensor"``): each run's shared block is made before its images
+        are decoded, and each image is copied in as soon as it is decoded, so a worker holds
+        one decoded image, not a run of them (see ``datasets.__getitems__``)."""
+        while run := list(itertools.islice(items, SHARED_RUN)):
+            sizes = self.decoder.decoded_nbytes([record for record, _ in run])
+            block = SharedBlock.of(sizes) if len(run) > 1 and sizes is not None else None
+            for image, target in self._decoded(run):
+                yield (image if block is None else block.put(image), target)
 
     # -- resumption (``state``: torchdata's Stateful protocol) --------------------------------
     def _settings(self) -> dict[str, Any]:

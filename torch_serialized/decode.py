@@ -154,13 +154,11 @@ class SampleDecoder:
         return self._raw_view if self.raw else self._view_image
 
     def decoded_nbytes(self, records: Sequence[int]) -> list[int] | None:
-        """Bytes of each record's image once decoded, where known before decoding it
-        (``decode="tensor"`` of stored JPEGs: 3 x height x width from the pack's columns);
-        None otherwise. A worker sizes the batch's shared block by it (``SharedBlock``)."""
+        """Each record's decoded image size in bytes where the pack's columns give it
+        (``decode="tensor"`` of JPEGs: 3 x height x width), else None (``SharedBlock``)."""
         if self.decode != "tensor" or self.raw:
             return None
-        sizes = self._sizes[np.asarray(records, dtype=np.int64)]
-        return (3 * sizes[:, 0] * sizes[:, 1]).tolist()  # type: ignore[no-any-return]
+        return [3 * h * w for h, w in self._sizes[np.asarray(records, dtype=np.int64)].tolist()]
 
     def target_reader(self) -> Callable[[int, Buffer], Any]:
         """``target`` with its dispatch done once (see ``image_reader``)."""
@@ -356,9 +354,8 @@ class SampleDecoder:
 def _undecodable(where: str, what: str, exc: BaseException) -> FormatError:
     return FormatError(
         f"{where}: the stored {what} cannot be decoded ({type(exc).__name__}: "
-        f"{pil_reason(exc)}); the "
-        "source file was damaged (pack with check_images=True to find such files) or the "
-        "pack is, re-pack it"
+        f"{pil_reason(exc)}); the source file was damaged (pack with check_images=True to "
+        "find such files) or the pack is, re-pack it"
     )
 
 

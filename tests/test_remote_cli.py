@@ -34,11 +34,14 @@ def test_pack_info_verify_export_prune_and_cache_over_s3(
     url = s3_remote.url + "/voc"
     options = json.dumps(s3_remote.storage_options)
     cache = tmp_path / "cache"
-    remote = ["--storage-options", options, "--cache-dir", cache]
-    status, out, _ = run(capsys, "pack", voc8, url, "--samples-per-shard", 3, "-q", *remote)
+    writing = ["--storage-options", options]  # pack and prune do not read through the cache
+    remote = [*writing, "--cache-dir", cache]
+    status, out, _ = run(capsys, "pack", voc8, url, "--samples-per-shard", 3, "-q", *writing)
     assert status == 0 and f"{url} (uploaded, manifest last)" in out
-    status, _, err = run(capsys, "pack", voc8, url, "--samples-per-shard", 3, "-q", *remote)
+    status, _, err = run(capsys, "pack", voc8, url, "--samples-per-shard", 3, "-q", *writing)
     assert status == 2 and "--overwrite" in err
+    status, _, err = run(capsys, "pack", voc8, url, "-q", "--overwrite", *remote)
+    assert status == 2 and "only apply with --append to a URL" in err
     status, out, _ = run(capsys, "info", url, "--json", *remote)
     info = json.loads(out)
     assert status == 0 and info["path"] == url and info["num_samples"] == 8
@@ -49,11 +52,11 @@ def test_pack_info_verify_export_prune_and_cache_over_s3(
     assert status == 0
     exported = sorted(p.name for p in (tmp_path / "out").rglob("*.xml"))
     assert exported == sorted(p.name for p in voc8.rglob("*.xml"))
-    status, _, _ = run(capsys, "pack", voc8, url, "--shards", 2, "-q", "--overwrite", *remote)
+    status, _, _ = run(capsys, "pack", voc8, url, "--shards", 2, "-q", "--overwrite", *writing)
     assert status == 0
-    status, out, _ = run(capsys, "prune", url, "--dry-run", *remote)
+    status, out, _ = run(capsys, "prune", url, "--dry-run", *writing)
     assert status == 0 and "would delete 4 file(s)" in out  # 3 shards and a catalog
-    status, out, _ = run(capsys, "prune", url, *remote)
+    status, out, _ = run(capsys, "prune", url, *writing)
     assert status == 0 and "deleted 4 file(s)" in out
     status, out, _ = run(capsys, "verify", url, *remote)
     assert status == 0 and "in 2 shards" in out

@@ -370,6 +370,31 @@ def test_a_workers_batch_of_decoded_images_holds_one_at_a_time(
             assert all(torch.equal(target[k], expected_target[k]) for k in expected_target)
 
 
+@pytest.mark.parametrize("limit", ["default", "off"])
+def test_a_workers_block_is_never_sized_past_the_pixel_limit(
+    synthetic_packs: Any, monkeypatch: pytest.MonkeyPatch, limit: str
+) -> None:
+    """Review: the decoded sizes come from the pack's columns, which a crafted pack may set
+    to anything: the block was allocated before any pixel check (the decode path checks
+    first), and 2^32 x 2^32 columns raised torch's OverflowError in the worker only. Sizes
+    past the limit now fall back to the batch path, which decodes the JPEG's own header."""
+    from PIL import Image
+
+    if limit == "off":
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    ds = ts.VOCSerializedDataset(synthetic_packs.single, "trainval", decode="tensor")
+    expected = [ds[i] for i in range(3)]
+    sizes = ds.decoder._sizes.copy()
+    sizes[:] = 2**32 - 1
+    monkeypatch.setattr(ds.decoder, "_sizes", sizes)
+    if limit == "default":
+        assert ds.decoder.decoded_nbytes([0, 1]) is None
+    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    got = ds.__getitems__([0, 1, 2])
+    for (image, target), (expected_image, expected_target) in zip(got, expected, strict=True):
+        assert torch.equal(image, expected_image) and target == expected_target
+
+
 @pytest.mark.parametrize("decode", ["none", "tensor"])
 def test_a_workers_batch_of_raw_pixels_copies_each_image_once(
     synthetic_devkit: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decode: str

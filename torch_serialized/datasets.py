@@ -303,8 +303,10 @@ class _PackedVOCBase:
         view_of = self._view_of if worker and transforms is None else None
         image_of = view_of or self._image_of
         targets = self._batch_targets(records, [row[1] for row in rows])
-        sizes = self.decoder.decoded_nbytes(records) if worker and len(records) > 1 else None
-        block = None if sizes is None or transforms is not None else SharedBlock.of(sizes)
+        block = None  # decoded images' shared block, made first when their sizes are known
+        if worker and transforms is None and len(records) > 1:
+            sizes = self.decoder.decoded_nbytes(records)
+            block = None if sizes is None else SharedBlock.of(sizes)
         if block is not None:  # decoded images go into shared memory as they are made
             samples = [
                 (block.put(image_of(r, row[0])), t) for r, row, t in zip(records, rows, targets)

@@ -59,7 +59,6 @@ Classes = Literal["packed"] | Sequence[str] | None
 #: Bytes of one record field: a read-only view into the map, or a private array.
 Buffer = memoryview | np.ndarray | bytes
 
-_JPEG_SOI = b"\xff\xd8"
 #: the per-sample calls of the bytes path, bound once (module attribute lookups add up there)
 _tensor_over, _TORCH_UINT8 = torch.frombuffer, torch.uint8
 #: ``schema.decode_target``'s parser itself, saving a call per sample (tests pin the two equal)
@@ -155,10 +154,13 @@ class SampleDecoder:
 
     def decoded_nbytes(self, records: Sequence[int]) -> list[int] | None:
         """Each record's decoded image size in bytes where the pack's columns give it
-        (``decode="tensor"`` of JPEGs: 3 x height x width), else None (``SharedBlock``)."""
+        (``decode="tensor"`` of JPEGs: 3 x height x width; not past the pixel limit, which
+        decoding checks first), else None (``SharedBlock``)."""
         if self.decode != "tensor" or self.raw:
             return None
-        return [3 * h * w for h, w in self._sizes[np.asarray(records, dtype=np.int64)].tolist()]
+        pixels = [h * w for h, w in self._sizes[np.asarray(records, dtype=np.int64)].tolist()]
+        limit = Image.MAX_IMAGE_PIXELS
+        return None if limit and max(pixels, default=0) > limit else [3 * p for p in pixels]
 
     def target_reader(self) -> Callable[[int, Buffer], Any]:
         """``target`` with its dispatch done once (see ``image_reader``)."""
@@ -209,7 +211,7 @@ class SampleDecoder:
         if size is not None:
             self._check_pixels(record, size, warn=False)  # PIL itself warns below
         try:
-            return Image.open(_stream(data))
+            return Image.open(io.BytesIO(_view(data)))  # shares bytes, copies other buffers
         except Image.DecompressionBombError as exc:
             raise ImageTooLargeError(f"{self._where(record)}: the {what}: {exc}") from None
         except (OSError, ValueError, SyntaxError) as exc:
@@ -381,11 +383,6 @@ def _boxes(tensor: torch.Tensor, canvas_size: tuple[int, int]) -> tv_tensors.Bou
 
 def _view(data: Buffer) -> memoryview | bytes:
     return data.data if isinstance(data, np.ndarray) else data
-
-
-def _stream(data: Buffer) -> io.BytesIO:
-    """A file object over ``data`` for PIL (shares ``bytes``, copies other buffers)."""
-    return io.BytesIO(_view(data))
 
 
 def _owned_tensor(data: Buffer) -> torch.Tensor:

@@ -257,7 +257,8 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
     ) -> Iterator[tuple[Any, Any]]:
         gate = Gate(open=skip == 0)
         reader = self.pack.reader
-        in_flight = self.shuffle_buffer + (AHEAD + 1) * self.block_size
+        # views held at once: the shuffle buffer, the blocks read ahead, a worker's run
+        in_flight = self.shuffle_buffer + (AHEAD + 1) * self.block_size + SHARED_RUN
         items: Iterator[Item] = read_blocks(
             blocks,
             self.records,

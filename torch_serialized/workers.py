@@ -125,7 +125,7 @@ class SharedBlock:
         where there is no shared memory (torch then shares each tensor itself)."""
         try:
             return cls(torch.UntypedStorage._new_shared(sum(_room(n) for n in sizes)))
-        except (AttributeError, RuntimeError):
+        except (AttributeError, RuntimeError, OverflowError):  # OverflowError: past int64
             return None
 
     def put(self, item: Any) -> Any:

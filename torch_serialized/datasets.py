@@ -16,7 +16,7 @@ the iterable dataset, so both kinds open packs and apply transforms the same way
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import index as _as_index
 from typing import Any
 
@@ -29,7 +29,7 @@ from .reader import ContainerReader
 from .voc import schema
 from .voc.names import RecordNames, record_names
 from .voc.reader import VOCPackReader
-from .workers import SharedBlock, in_worker, share_batch
+from .workers import in_worker, share_as_made
 
 __all__ = [
     "VOCSerializedDataset",
@@ -303,23 +303,15 @@ class _PackedVOCBase:
         view_of = self._view_of if worker and transforms is None else None
         image_of = view_of or self._image_of
         targets = self._batch_targets(records, [row[1] for row in rows])
-        block = None  # decoded images' shared block, made first when their sizes are known
-        if worker and transforms is None and len(records) > 1:
-            sizes = self.decoder.decoded_nbytes(records)
-            block = None if sizes is None else SharedBlock.of(sizes)
-        if block is not None:  # decoded images go into shared memory as they are made
-            samples = [
-                (block.put(image_of(r, row[0])), t) for r, row, t in zip(records, rows, targets)
-            ]
-        elif transforms is None:
-            samples = [(image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets)]
-        else:  # each image decoded, then transformed: one decoded image alive at a time
-            samples = [
-                transforms(image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets)
-            ]
+        made: Iterator[tuple[Any, Any]]  # samples made as taken: one decoded image at a time
+        if transforms is None:
+            made = ((image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets))
+        else:
+            made = (transforms(image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets))
         if not worker:
-            return samples
-        return share_batch(samples, borrowed=None if view_of is None else 0)
+            return list(made)
+        sizes = self.decoder.decoded_nbytes(records) if transforms is None else None
+        return share_as_made(made, sizes, borrowed=None if view_of is None else 0)
 
     def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
         raise NotImplementedError

@@ -40,7 +40,7 @@ from .state import Stateful
 from .topology import Topology, distributed_info, seeded_rng
 from .voc import schema
 from .voc.layout import TASKS
-from .workers import SHARED_RUN, SharedBlock, in_worker, share_runs
+from .workers import SHARED_RUN, in_worker, share_as_made
 
 __all__ = ["VOCSerializedIterableDataset"]
 
@@ -275,19 +275,8 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         for _ in itertools.islice(items, skip):
             pass
         gate.open = True
-        if in_worker():  # the tensors of each run of samples travel in one shared block
-            # images read as views of the map are copied once, into the block (datasets.py)
-            views = self.decoder.view_reader() if self.transforms is None else None
-            if self.transforms is None and self.decoder.decoded_nbytes([]) is not None:
-                samples = self._decoded_into_blocks(items)
-            else:
-                samples = share_runs(
-                    self._decoded(items, views),
-                    SHARED_RUN,
-                    borrowed=None if views is None else 0,
-                )
-        else:
-            samples = self._decoded(items)
+        # in a worker the tensors of each run of samples travel in one shared block
+        samples = self._shared_runs(items) if in_worker() else self._decoded(items)
         for sample in samples:
             self._yielded += 1  # counted when handed out: a state taken now resumes after it
             yield sample
@@ -313,16 +302,16 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             img, tgt = image(record, data[0]), target(record, data[1])
             yield (img, tgt) if transforms is None else transforms(img, tgt)
 
-    def _decoded_into_blocks(self, items: Iterator[Item]) -> Iterator[tuple[Any, Any]]:
-        """``share_runs`` of the decoded samples, for decoded images whose sizes the pack's
-        columns give (``decode="tensor"``): each run's shared block is made before its images
-        are decoded, and each image is copied in as soon as it is decoded, so a worker holds
-        one decoded image, not a run of them (see ``datasets.__getitems__``)."""
+    def _shared_runs(self, items: Iterator[Item]) -> Iterator[tuple[Any, Any]]:
+        """A worker's samples, each run of ``SHARED_RUN`` sharing one block of shared memory
+        (``share_as_made``, as a map-style batch): stored bytes read as views of the map are
+        copied once, into the block, and decoded images go in as they are decoded."""
+        views = self.decoder.view_reader() if self.transforms is None else None
+        borrowed = None if views is None else 0
         while run := list(itertools.islice(items, SHARED_RUN)):
-            sizes = self.decoder.decoded_nbytes([record for record, _ in run])
-            block = SharedBlock.of(sizes) if len(run) > 1 and sizes is not None else None
-            for image, target in self._decoded(run):
-                yield (image if block is None else block.put(image), target)
+            records = [record for record, _ in run]
+            sizes = self.decoder.decoded_nbytes(records) if self.transforms is None else None
+            yield from share_as_made(self._decoded(run, views), sizes, borrowed=borrowed)
 
     # -- resumption (``state``: torchdata's Stateful protocol) --------------------------------
     def _settings(self) -> dict[str, Any]:

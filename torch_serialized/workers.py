@@ -9,7 +9,7 @@ worker and rank a process is: see ``topology``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ __all__ = [
     "reopen_dataset",
     "in_worker",
     "share_batch",
-    "share_runs",
+    "share_as_made",
     "SHARED_RUN",
 ]
 
@@ -164,23 +164,30 @@ def _owned(samples: list[Any], borrowed: int | None, before: list[Any] | None = 
     return out
 
 
-#: Samples of a stream put in one shared block (``share_runs``): a typical batch, so a batch
+def share_as_made(
+    samples: Iterable[tuple[Any, ...]],
+    sizes: Sequence[int] | None,
+    *,
+    borrowed: int | None = None,
+) -> list[Any]:
+    """``share_batch`` of ``samples``, which are made as they are taken. With ``sizes`` (the
+    bytes of each sample's first item, known before it is made: decoded images, from the
+    pack's columns) the block is made first and each first item copied into it as soon as
+    its sample is made (``SharedBlock``), so one private image is alive at a time, not the
+    batch; without, the samples are made, then shared (``borrowed`` as in ``share_batch``)."""
+    block = SharedBlock.of(sizes) if sizes is not None and len(sizes) > 1 else None
+    if block is None:
+        return share_batch(list(samples), borrowed=borrowed)
+    shared = []
+    for first, *rest in samples:
+        shared.append((block.put(first), *rest))
+        del first  # the private copy goes now, not when the next sample has been made
+    return shared
+
+
+#: Samples of a stream put in one shared block (``share_as_made``): a typical batch, so a batch
 #: of the DataLoader spans one or two blocks and holds at most two alive in the main process.
 SHARED_RUN = 32
-
-
-def share_runs(samples: Iterable[Any], size: int, *, borrowed: int | None = None) -> Iterator[Any]:
-    """``samples`` in order, each run of ``size`` of them passed through ``share_batch``
-    (``borrowed`` as there): for a stream (an ``IterableDataset``), whose batches the
-    DataLoader gathers one sample at a time. A run is read ahead of its first sample, so it
-    holds ``size`` samples at most."""
-    run: list[Any] = []
-    for sample in samples:
-        run.append(sample)
-        if len(run) == size:
-            yield from share_batch(run, borrowed=borrowed)
-            run = []
-    yield from share_batch(run, borrowed=borrowed)
 
 
 def _movable(item: Any) -> bool:

@@ -52,23 +52,29 @@ def is_temporary(name: str) -> bool:
     return _TEMPORARY.fullmatch(name) is not None
 
 
+def temporaries(final: Path) -> list[tuple[str, int, Path]]:
+    """The temporaries of ``final`` there are now (``temp_sibling``): ``(kind, pid, path)``.
+    A reader uses it too: a missing ``final`` with an ``old`` one is a replacement under way."""
+    found = []
+    for entry in final.parent.glob(f".{_glob_escape(final.name)}.*-*-*"):
+        kind_pid = entry.name[len(final.name) + 2 :].split("-")
+        if len(kind_pid) != 3 or kind_pid[0] not in _KINDS or not kind_pid[1].isdigit():
+            continue
+        found.append((kind_pid[0], int(kind_pid[1]), entry))
+    return found
+
+
 def clean_stale(final: Path) -> None:
     """Remove the temporaries of ``final`` left by processes that no longer run.
 
     A writer killed between the two renames of a folder replacement leaves ``final``
     missing and the previous output under its ``.old-*`` name: that is moved back first.
     """
-    stale: list[tuple[str, Path]] = []
-    for entry in final.parent.glob(f".{_glob_escape(final.name)}.*-*-*"):
-        kind_pid = entry.name[len(final.name) + 2 :].split("-")
-        if len(kind_pid) != 3 or kind_pid[0] not in _KINDS:
-            continue
-        try:
-            pid = int(kind_pid[1])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            stale.append((kind_pid[0], entry))
+    stale = [
+        (kind, entry)
+        for kind, pid, entry in temporaries(final)
+        if pid != os.getpid() and not _pid_alive(pid)
+    ]
     olds = [entry for kind, entry in stale if kind == "old"]
     if olds and not os.path.lexists(final):
         with contextlib.suppress(FileNotFoundError):  # another writer got there first

@@ -42,7 +42,7 @@ import numpy as np
 
 from . import format as fmt
 from . import oscompat
-from .atomic import is_temporary
+from .atomic import temporaries
 from .errors import (
     ChecksumError,
     CorruptFileError,
@@ -1317,16 +1317,7 @@ def _moved_aside(path: Path) -> Path | None:
     """The folder (or file) a writer moved aside to replace ``path`` (a link: its target)
     with a new pack, if there is one: ``.{name}.old-{pid}-{hex}`` beside it
     (``atomic.temp_sibling``)."""
-    path = _real(path)
-    prefix = f".{path.name}.old-"
-    try:
-        with os.scandir(path.parent) as entries:
-            for entry in entries:
-                if entry.name.startswith(prefix) and is_temporary(entry.name):
-                    return path.parent / entry.name
-    except OSError:
-        pass
-    return None
+    return next((entry for kind, _, entry in temporaries(_real(path)) if kind == "old"), None)
 
 
 def intact(expect: Expected | None = None) -> Callable[[Path], bool]:

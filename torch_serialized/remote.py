@@ -679,14 +679,7 @@ class RemoteStore:
         known to be honoured, the read has the deadline of ``end`` bytes (the object up to it)."""
         n = end - start
         limit = self._deadline(n if self._ranges_ok else end).get("timeout")
-        headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})  # kept, as ours
-        options: dict[str, Any] = {
-            "block_size": 0,  # a stream
-            "size": end,  # no HEAD asking the size
-            "headers": {**headers, "Range": f"bytes={start}-{end - 1}"},
-        }
-        if limit is not None:  # aiohttp ends the request, body included, by then
-            options.update(_http_deadline(self.storage_options, limit))
+        options = self._http_stream(end, limit, (start, end))
         body = bytearray()  # the body's bytes from ``dropped`` on
         received = dropped = 0
         whole = False  # more than the range came: the object, from its first byte
@@ -873,6 +866,21 @@ class RemoteStore:
                 ends.note(len(exc.data), len(exc.data))
         self.call("download", key, lambda: self._stream(key, fd, size, ends))
 
+    def _http_stream(
+        self, size: int, limit: float | None, byte_range: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
+        """fsspec ``open`` options for one HTTP GET read as a stream: ``size`` given (no HEAD
+        asking it), for ``byte_range`` (``[start, end)``) a ``Range`` header beside the
+        filesystem's own headers (from ``storage_options``), and the whole request, body
+        included, ended by aiohttp within ``limit`` seconds."""
+        options: dict[str, Any] = {"block_size": 0, "size": size}
+        if byte_range is not None:
+            headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})
+            options["headers"] = {**headers, "Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"}
+        if limit is not None:
+            options.update(_http_deadline(self.storage_options, limit))
+        return options
+
     def _fetch_part(
         self,
         key: str,
@@ -935,12 +943,7 @@ class RemoteStore:
         limit = self._deadline(size if probe is None else probe, in_flight).get("timeout")
         options: dict[str, Any] = {}
         if self.protocol in ("http", "https"):
-            options.update(block_size=0, size=size)  # a stream, and no HEAD asking the size
-            if probe is not None:  # the filesystem's headers (from storage_options), and ours
-                headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})
-                options["headers"] = {**headers, "Range": f"bytes=0-{probe - 1}"}
-            if limit is not None:  # aiohttp ends the request, body included, by then
-                options.update(_http_deadline(self.storage_options, limit))
+            options = self._http_stream(size, limit, None if probe is None else (0, probe))
         written = 0
         began = time.monotonic()
         try:

@@ -245,6 +245,22 @@ def test_share_batch_moves_tensors_into_one_block_and_keeps_each_value(
                 )
 
 
+def test_share_batch_moves_a_tensor_found_twice_once() -> None:
+    """A transform that returns one tensor in two places (or two samples holding the same
+    one) gets one view of one copy back in every place, as the main process gets the same
+    object: not a copy per place, which would double its memory and break ``is``."""
+    image, other = torch.arange(1000, dtype=torch.uint8), torch.ones(3, 5)
+    out = share_batch([(image, image), (image, other)])
+    assert out[0][0] is out[0][1] is out[1][0]
+    assert out[0][0].is_shared() and torch.equal(out[0][0], image)
+    assert torch.equal(out[1][1], other)
+    block = out[0][0].untyped_storage()
+    assert out[1][1].untyped_storage().data_ptr() == block.data_ptr()
+    assert block.nbytes() == 1024 + 64, "the block holds each tensor once (64-byte aligned)"
+    same = share_batch([(image, image)])  # one tensor, however often: torch shares it itself
+    assert same[0][0] is same[0][1] is image
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.lists(batch_items(), min_size=1, max_size=3).map(tuple), max_size=6))
 def test_share_batch_never_hands_on_a_borrowed_tensor(samples: list[tuple[Any, ...]]) -> None:

@@ -81,7 +81,9 @@ def share_batch(samples: list[Any], *, borrowed: int | None = None) -> list[Any]
     avoids that by stacking a batch into one shared tensor; detection batches are lists
     (image sizes differ), so the batch is put in one block here, one copy per tensor.
     A tensor that cannot be viewed in place (not dense, requires grad, already shared, not
-    on the CPU, a subclass with metadata) is left as it is, and so are the other items.
+    on the CPU, a subclass with metadata) is left as it is, and so are the other items. A
+    tensor found in several places (a transform that returns it twice) is copied once, and
+    every place gets the same view, as the main process would get the same object.
 
     ``borrowed``: the position in each sample of a tensor that may be a read-only view of a
     map, read so that the copy into the block is its only copy; one left out of the block
@@ -94,14 +96,16 @@ def share_batch(samples: list[Any], *, borrowed: int | None = None) -> list[Any]
         for j, item in enumerate(sample)
         if _movable(item)
     ]
-    if len(picks) < 2:  # one tensor is shared as cheaply by torch itself
+    distinct = {id(item): item for *_, item in picks}  # a tensor in two places moves once
+    if len(distinct) < 2:  # one tensor is shared as cheaply by torch itself
         return _owned(samples, borrowed)
-    block = SharedBlock.of(item.numel() * item.element_size() for *_, item in picks)
+    block = SharedBlock.of(item.numel() * item.element_size() for item in distinct.values())
     if block is None:  # no shared memory here: torch shares them itself
         return _owned(samples, borrowed)
+    moved = {key: block.put(item) for key, item in distinct.items()}
     out: list[Any] = [list(sample) if type(sample) is tuple else sample for sample in samples]
     for i, j, item in picks:
-        out[i][j] = block.put(item)
+        out[i][j] = moved[id(item)]
     shared = [tuple(new) if type(old) is tuple else new for old, new in zip(samples, out)]
     return _owned(shared, borrowed, samples)
 

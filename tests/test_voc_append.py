@@ -275,6 +275,32 @@ def test_a_pack_without_object_classes_recounts_them_from_its_shards(
     assert schema.OBJECT_CLASSES_ARRAY in VOCPackReader(path).reader.arrays()  # written now
 
 
+def test_append_to_an_empty_path_says_so_and_touches_nothing(tmp_path, source, monkeypatch):
+    """``append_voc(root, "")`` said "'.' is a folder without manifest.json": ``Path("")``
+    is the current folder. It now names the empty path and what to pass."""
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match="the pack path is empty: pass the .tser file"):
+        append_voc(source.root, "")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_prune_remote_on_a_local_path_says_what_pruning_is_for(tmp_path, source) -> None:
+    """``prune_remote("local/path")`` said "is not a URL (a local path is read without
+    RemoteStore)"; it now says what the CLI says, and for a folder which URL to pass."""
+    from torch_serialized.upload import prune_remote
+
+    folder = pack(source, tmp_path / "pack", "shards")
+    for path in (folder, tmp_path / "none.tser"):
+        with pytest.raises(ValueError) as raised:
+            prune_remote(str(path))
+        text = " ".join(str(raised.value).split())
+        assert f"{path} is a local path" in text and "RemoteStore" not in text
+        assert "A local pack needs no pruning" in text
+        assert (f"pass {folder.absolute().as_uri()}" in text) == path.is_dir()
+    assert prune_remote(folder.absolute().as_uri(), dry_run=True) == []
+
+
 @pytest.mark.parametrize("form", PACK_FORMS)
 def test_append_with_nothing_new_writes_nothing(tmp_path, source, form):
     path = pack(source, tmp_path / "pack", form)

@@ -236,33 +236,16 @@ def _remote_pack_exists(url: str, storage_options: dict[str, Any] | None) -> boo
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from .upload import prune_remote
+    from .upload import local_prune_refusal, prune_remote
 
     if not _is_url(args.url):
-        raise ValueError(_local_prune(args.url))
+        raise ValueError(local_prune_refusal(args.url, f"run {PROG} prune"))
     stale = prune_remote(args.url, args.storage_options, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {len(stale)} file(s) of earlier packs under {args.url}")
     for name in stale:
         print(f"  {printable(name)}")
     return EXIT_OK
-
-
-def _local_prune(path: str) -> str:
-    """What ``prune PATH`` says of a local path: what prune is for, why a local pack needs
-    none, and for a folder the ``file://`` URL to prune if it was written through one."""
-    message = (
-        f"{path} is a local path: prune deletes the shard and catalog files that earlier packs "
-        "left at a URL (s3://, gs://, file://...), where a re-pack uploads new files beside "
-        "the old ones for the readers still using them. A local pack needs no pruning: a "
-        "re-pack replaces its files, an append keeps only the previous catalog (the next "
-        "append removes it), and the next pack or append of the same path removes what an "
-        "interrupted one left"
-    )
-    if Path(path).is_dir():
-        url = Path(path).absolute().as_uri()
-        message += f". If this folder was written through a file:// URL, run {PROG} prune {url}"
-    return message
 
 
 # -- cache --------------------------------------------------------------------------------------

@@ -20,9 +20,15 @@ from typing import Any, TypeVar
 
 from . import format as fmt
 from .errors import RemoteAccessError, RemoteError, RemoteNotFoundError
-from .remote import RemoteStore, redact_url
+from .remote import RemoteStore, is_url, redact_url
 
-__all__ = ["READ_ONLY_PROTOCOLS", "check_writable", "prune_remote", "write_then_upload"]
+__all__ = [
+    "READ_ONLY_PROTOCOLS",
+    "check_writable",
+    "local_prune_refusal",
+    "prune_remote",
+    "write_then_upload",
+]
 
 #: URL schemes packs are read from but never written to (fsspec's HTTP filesystem only reads).
 READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
@@ -76,6 +82,27 @@ def write_then_upload(
     return result
 
 
+def local_prune_refusal(path: str | os.PathLike[str], retry: str) -> str:
+    """Why a local ``path`` is not pruned: what pruning is for, why a local pack needs none,
+    and for a folder the ``file://`` URL to prune if it was written through one (``retry``
+    says how: "pass" from Python, "run torch-serialized prune" from the command line)."""
+    text = os.fspath(path)
+    message = (
+        f"{text} is a local path: pruning deletes the shard and catalog files that earlier "
+        "packs left at a URL (s3://, gs://, file://...), where a re-pack uploads new files "
+        "beside the old ones for the readers still using them. A local pack needs no pruning: "
+        "a re-pack replaces its files, an append keeps only the previous catalog (the next "
+        "append removes it), and the next pack or append of the same path removes what an "
+        "interrupted one left"
+    )
+    if Path(text).is_dir():
+        message += (
+            f". If this folder was written through a file:// URL, {retry} "
+            f"{Path(text).absolute().as_uri()}"
+        )
+    return message
+
+
 def prune_remote(
     url: str, storage_options: Mapping[str, Any] | None = None, *, dry_run: bool = False
 ) -> list[str]:
@@ -86,8 +113,11 @@ def prune_remote(
     of the manifest it opened, and would fail on one that was pruned. Only files named like
     a pack's files are considered; ``dry_run`` lists without deleting. Over HTTP only a dry
     run works, and only where the server lists the folder (``python -m http.server`` does);
-    elsewhere ``RemoteError`` says where to look instead.
+    elsewhere ``RemoteError`` says where to look instead. A local path raises ``ValueError``
+    saying why a local pack needs no pruning.
     """
+    if not is_url(url):
+        raise ValueError(local_prune_refusal(url, "pass"))
     store = RemoteStore(url, storage_options)
     if not dry_run and store.protocol in _NO_DELETE:
         raise RemoteError(

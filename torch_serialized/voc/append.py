@@ -109,6 +109,11 @@ def append_voc(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if max_file_bytes < 1:
         raise ValueError(f"max_file_bytes must be a positive number, got {max_file_bytes}")
+    if os.fspath(pack) == "":  # Path("") is the current folder: never grow that by accident
+        raise ValueError(
+            "the pack path is empty: pass the .tser file (or shard folder) to grow, e.g. "
+            "'voc.tser', or its URL"
+        )
     grow = functools.partial(
         _append_local,
         root,

@@ -174,6 +174,11 @@ def test_append_new_ids_reads_as_a_full_repack_and_as_torchvision(tmp_path, sour
     assert result.added == len(source.listed()) - packed > 0
     assert result.replaced == [] and result.retired == []
     assert result.num_samples == len(source.listed())
+    # the pack's size as info reports it; a shard folder also keeps the previous catalog for
+    # readers of the old manifest, which is not the pack's
+    assert result.num_bytes == open_pack(path).nbytes
+    if form == "shards":
+        assert result.num_bytes < sum(p.stat().st_size for p in path.iterdir())
     assert_same_as_repack(path, source, tmp_path, form)
     assert_same_as_torchvision(path, source)
     after = hashes(path)

@@ -49,7 +49,7 @@ from ..reader import PackReader, read_manifest
 from ..remote import RemoteStore, is_url, redact_url
 from ..remote_pack import file_identity, file_tail, local_file_identity
 from ..upload import READ_ONLY_PROTOCOLS, check_writable
-from .pack import REPORT_SUFFIX, PackResult
+from .pack import REPORT_SUFFIX, PackResult, size_on_disk
 from .reader import VOCPackReader
 
 __all__ = ["append_to_url", "READ_ONLY_PROTOCOLS"]
@@ -103,7 +103,7 @@ def append_to_url(
             result = append(local)
         notes = [note.replace(str(local), redact_url(url)) for note in result.notes]
         # the size of the pack at the URL, not of the staged copy (new files and those read)
-        result = dataclasses.replace(result, url=url, notes=notes, num_bytes=_pack_bytes(local))
+        result = dataclasses.replace(result, url=url, notes=notes, num_bytes=size_on_disk(local))
         if result.bytes_written == 0:  # up to date: nothing was written, nothing goes up
             return result
         if local.is_dir():
@@ -115,17 +115,6 @@ def append_to_url(
             RemoteStore(store.url + REPORT_SUFFIX, storage_options).upload_file(result.report)
         _seed_cache(cache, store, local)
     return result
-
-
-def _pack_bytes(local: Path) -> int:
-    """Bytes of the pack staged at ``local`` as it is at the URL: a single file's, or every
-    file its manifest names and the manifest (``PackReader.nbytes``), staged or not."""
-    if not local.is_dir():
-        return local.stat().st_size
-    manifest = read_manifest(local / fmt.MANIFEST_NAME)
-    named = sum(entry.bytes for entry in manifest.shards)
-    named += manifest.catalog.bytes if manifest.catalog is not None else 0
-    return named + (local / fmt.MANIFEST_NAME).stat().st_size
 
 
 def _pack_url(url: str) -> str:

@@ -30,10 +30,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .. import format as fmt
 from .._version import __version__
 from ..atomic import replace_file
 from ..errors import SourceDataError, WriteError
 from ..parallel import Record, Spilled, SpillPool, pays_off
+from ..reader import read_manifest
 from ..remote import is_url
 from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
 from ..upload import check_writable, write_then_upload
@@ -352,10 +354,15 @@ def rate(num_bytes: int, seconds: float) -> str:
 
 
 def size_on_disk(path: Path) -> int:
-    """Bytes of the output: the file, or every file of the shard folder (manifest included)."""
+    """Bytes of the pack at ``path`` as ``info`` counts them (``PackReader.nbytes``): a single
+    file's, or every file its manifest names and the manifest. Not the folder's other files:
+    the previous catalog an append keeps for readers of the old manifest is not the pack's."""
     if not path.is_dir():
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    manifest = read_manifest(path / fmt.MANIFEST_NAME)
+    named = sum(entry.bytes for entry in manifest.shards)
+    named += manifest.catalog.bytes if manifest.catalog is not None else 0
+    return named + (path / fmt.MANIFEST_NAME).stat().st_size
 
 
 def write_report(report: Path, skipped: Sequence[SkippedSample]) -> None:

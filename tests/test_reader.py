@@ -48,6 +48,7 @@ from _container_helpers import (
 from _reliability_helpers import (
     PACK_FORMS,
     crc_reader,
+    dead_pid,
     out_name,
     read_pickled,
     read_records,
@@ -450,6 +451,32 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
         open_pack(tmp_path / "plain")
     assert len(pauses) == 2 + len(reader_module._SWAP_PAUSES)
     check_pack(open_pack(out), 30, seed=3)
+
+
+def test_an_open_beside_a_pack_an_interrupted_re_pack_moved_aside(tmp_path, monkeypatch):
+    """A re-pack killed between its two renames leaves no pack at the path and the previous
+    one under ``.NAME.old-PID-*``. An open then said "is being replaced ... open it again"
+    after 31 ms of looking, also when the user had since deleted the pack on purpose. With
+    the writer's process gone it now says at once that the path does not exist, which pack
+    is beside it, and both ways out (rename it back, or delete it)."""
+    from torch_serialized import reader as reader_module
+
+    out = write_pack(tmp_path / "out", 30, **SHARDED)
+    aside = tmp_path / f".out.old-{dead_pid()}-0123abcd"
+    os.replace(out, aside)
+    pauses: list[float] = []
+    monkeypatch.setattr(reader_module, "_pause", pauses.append)
+    for given in (out, out / fmt.MANIFEST_NAME):
+        with pytest.raises(FileNotFoundError) as info:
+            open_pack(given)
+        message = " ".join(str(info.value).split())
+        assert not isinstance(info.value, FileChangedError)
+        assert f"{out} does not exist" in message and "open it again" in message
+        assert f"rename {aside.name} to out to read that pack" in message
+        assert "or delete it if out was removed on purpose" in message
+    assert pauses == [], "no looking again for a writer that is gone"
+    os.replace(aside, out)
+    check_pack(open_pack(out), 30)
 
 
 def test_an_open_through_a_link_mid_swap_and_a_denied_folder(tmp_path, monkeypatch):

@@ -32,6 +32,8 @@ __all__ = [
     "replace_file",
     "replace_file_at",
     "remove",
+    "temporaries",
+    "pid_alive",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ def clean_stale(final: Path) -> None:
     stale = [
         (kind, entry)
         for kind, pid, entry in temporaries(final)
-        if pid != os.getpid() and not _pid_alive(pid)
+        if pid != os.getpid() and not pid_alive(pid)
     ]
     olds = [entry for kind, entry in stale if kind == "old"]
     if olds and not os.path.lexists(final):
@@ -218,7 +220,9 @@ def _glob_escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (a writer named in a temporary's name:
+    one that is gone left its temporaries behind)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -42,7 +42,7 @@ import numpy as np
 
 from . import format as fmt
 from . import oscompat
-from .atomic import temporaries
+from .atomic import pid_alive, temporaries
 from .errors import (
     ChecksumError,
     CorruptFileError,
@@ -1231,17 +1231,32 @@ def _locate(
             _pause(pause)
     if path.name == fmt.MANIFEST_NAME:
         path = path.parent
-    aside = _moved_aside(path)
-    if aside is None:  # swapped at every look: re-packed again and again
+    moved = _moved_aside(path)
+    if moved is None:  # swapped at every look: re-packed again and again
         raise FileChangedError(
             f"{path} is being replaced by new packs faster than it can be opened; open it again"
         )
+    aside, pid = moved
     real = aside.parent / _real(path).name  # a link's target is what was swapped
     raise FileChangedError(
-        f"{path} is being replaced: a re-pack moved the previous pack aside to {aside} and "
-        "has not renamed the new one into place yet; open it again. If no pack of it is "
-        f"running, one was killed between the two renames: rename {aside.name} back to "
-        f"{real.name} (the next pack of {real} does)"
+        f"{path} is being replaced: a re-pack (process {pid}) moved the previous pack aside "
+        f"to {aside} and has not renamed the new one into place yet; open it again. If no pack "
+        f"of it is running (process {pid} is another program now), rename {aside.name} back "
+        f"to {real.name} (the next pack of {real} does)"
+    )
+
+
+def _left_aside(path: Path, aside: Path, pid: int) -> str:
+    """What an open says of a missing ``path`` beside the previous pack that a re-pack moved
+    aside and never replaced: its process is gone (killed between its two renames), or the
+    user removed the new pack since."""
+    real = aside.parent / _real(path).name
+    return (
+        f"{path} does not exist. Beside it, {aside.name} holds the pack that a re-pack "
+        f"(process {pid}, not running on this machine) moved aside to replace it, and it was "
+        f"never replaced: rename {aside.name} to {real.name} to read that pack (the next pack "
+        f"of {real} does so before it writes), or delete it if {real.name} was removed on "
+        "purpose. If a pack on another machine is writing it, open it again"
     )
 
 
@@ -1270,8 +1285,11 @@ def _look(path: Path) -> tuple[Path, Path | None, bytes | None] | None:
         before = os.stat(path)
     except (FileNotFoundError, NotADirectoryError) as exc:  # others (EACCES) say themselves
         folder = path.parent if path.name == fmt.MANIFEST_NAME else path
-        if isinstance(exc, FileNotFoundError) and _moved_aside(folder) is not None:
-            return None
+        aside = _moved_aside(folder) if isinstance(exc, FileNotFoundError) else None
+        if aside is not None and pid_alive(aside[1]):
+            return None  # a swap under way: look again
+        if aside is not None:
+            raise FileNotFoundError(_left_aside(folder, *aside)) from None
         if os.path.lexists(path):  # a dangling link, say: opening it names what is wrong
             return path, None, None
         raise FileNotFoundError(
@@ -1313,11 +1331,12 @@ def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def _moved_aside(path: Path) -> Path | None:
+def _moved_aside(path: Path) -> tuple[Path, int] | None:
     """The folder (or file) a writer moved aside to replace ``path`` (a link: its target)
-    with a new pack, if there is one: ``.{name}.old-{pid}-{hex}`` beside it
-    (``atomic.temp_sibling``)."""
-    return next((entry for kind, _, entry in temporaries(_real(path)) if kind == "old"), None)
+    with a new pack, and the writer's pid, if there is one: ``.{name}.old-{pid}-{hex}``
+    beside it (``atomic.temp_sibling``); one whose writer runs first."""
+    found = [(entry, pid) for kind, pid, entry in temporaries(_real(path)) if kind == "old"]
+    return max(found, key=lambda moved: pid_alive(moved[1]), default=None)
 
 
 def intact(expect: Expected | None = None) -> Callable[[Path], bool]:

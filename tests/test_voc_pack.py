@@ -152,6 +152,33 @@ def test_max_size_scales_images_boxes_and_sizes(synthetic_devkit: Path, tmp_path
         assert np.allclose(dict_boxes, expected, atol=0.01)
 
 
+def test_max_size_scales_every_coordinate_of_the_target(tmp_path: Path) -> None:
+    """``max_size`` scaled each object's ``bndbox`` but left a person's ``part`` boxes and an
+    action annotation's ``point`` at the source image's coordinates (FORMAT.md: every
+    coordinate is the resized image's)."""
+    parts = (
+        "<part><name>head</name><bndbox><xmin>4</xmin><ymin>2</ymin><xmax>8</xmax>"
+        "<ymax>6</ymax></bndbox></part>"
+        "<part><name>hand</name><bndbox><xmin>10</xmin><ymin>12</ymin><xmax>14</xmax>"
+        "<ymax>16</ymax></bndbox></part>"
+    )
+    xml = voc_xml("a.jpg", 32, 24, [obj("person", (2, 2, 20, 20))]).replace(
+        b"</bndbox>", b"</bndbox>" + parts.encode() + b"<point><x>16</x><y>12</y></point>", 1
+    )
+    root = tiny_devkit(tmp_path / "src", ["a"], **{"a.xml": xml})
+    small = ts.pack_voc(root, tmp_path / "small.tser", year="2007", max_size=16)
+    (target_tv,) = [VOCDetection(root, "2007", "train")[0][1]]
+    target = ts.VOCSerializedDataset(small.path, "train")[0][1]
+    before, after = target_tv["annotation"]["object"][0], target["annotation"]["object"][0]
+    assert after["bndbox"] == {"xmin": "1", "ymin": "1", "xmax": "10", "ymax": "10"}
+    assert [p["bndbox"] for p in after["part"]] == [
+        {"xmin": "2", "ymin": "1", "xmax": "4", "ymax": "3"},
+        {"xmin": "5", "ymin": "6", "xmax": "7", "ymax": "8"},
+    ]
+    assert after["point"] == {"x": "8", "y": "6"}
+    assert [p["name"] for p in after["part"]] == [p["name"] for p in before["part"]]
+
+
 def test_missing_annotation_fails_and_skip_mode_reports(tmp_path: Path) -> None:
     root = tiny_devkit(tmp_path / "src", ["a", "b", "c"])
     (root / "VOCdevkit/VOC2007/Annotations/c.xml").unlink()

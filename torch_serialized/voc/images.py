@@ -204,17 +204,46 @@ def scale_objects(objects: VOCObjects, scale: tuple[float, float]) -> VOCObjects
 def scale_target(
     target: dict[str, Any], scale: tuple[float, float], width: int, height: int
 ) -> None:
-    """Rewrite size and bndbox strings of a target dict for a resized image."""
+    """Rewrite the size and every coordinate of a target dict for a resized image: each
+    object's ``bndbox``, and those nested in it (a person's ``part`` boxes), and the ``point``
+    of an action annotation."""
     annotation = target.get("annotation")
     if not isinstance(annotation, dict):
         return
     size = annotation.get("size")
     if isinstance(size, dict):
         size["width"], size["height"] = str(width), str(height)
-    for obj in annotation.get("object", []):
-        box = obj.get("bndbox") if isinstance(obj, dict) else None
-        if isinstance(box, dict):
-            for key, factor in (("xmin", 0), ("xmax", 0), ("ymin", 1), ("ymax", 1)):
-                if key in box:
-                    value = float(box[key]) * scale[factor]
-                    box[key] = f"{value:.2f}".rstrip("0").rstrip(".")
+    _scale_coordinates(annotation.get("object", []), scale)
+
+
+#: The coordinate elements of a VOC annotation and the axis of each of their children.
+_COORDINATE_AXES = {
+    "bndbox": {"xmin": 0, "xmax": 0, "ymin": 1, "ymax": 1},
+    "point": {"x": 0, "y": 1},
+}
+
+
+def _scale_coordinates(node: Any, scale: tuple[float, float]) -> None:
+    """Scale, in place, every coordinate element below ``node`` (parsed XML: dicts, lists,
+    strings); a value that is not a number is left as it is (the pack checked the ones it
+    stores)."""
+    if isinstance(node, list):
+        for item in node:
+            _scale_coordinates(item, scale)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        axes = _COORDINATE_AXES.get(key)
+        if axes is None:
+            _scale_coordinates(value, scale)
+            continue
+        for element in value if isinstance(value, list) else [value]:
+            if not isinstance(element, dict):
+                continue
+            for name, axis in axes.items():
+                try:
+                    scaled = float(element[name]) * scale[axis]
+                except (KeyError, TypeError, ValueError):
+                    continue
+                element[name] = f"{scaled:.2f}".rstrip("0").rstrip(".")

@@ -33,6 +33,7 @@ from vocfactory import (
 )
 
 import torch_serialized as ts
+from torch_serialized.tools.synthetic import make_synthetic_voc
 from torch_serialized.voc.reader import VOCPackReader
 
 
@@ -150,6 +151,40 @@ def test_max_size_scales_images_boxes_and_sizes(synthetic_devkit: Path, tmp_path
             for o in my_target["annotation"]["object"]
         ]
         assert np.allclose(dict_boxes, expected, atol=0.01)
+
+
+def test_max_size_resizes_masks_with_their_images(tmp_path: Path) -> None:
+    """With ``max_size`` the images were resized and their masks stored as they were, so
+    ``VOCSerializedSegmentation`` paired a 200-pixel image with a 500-pixel mask. Masks (class
+    and object) are now resized with them, nearest-neighbour: the same size as their image,
+    mode P with the source's palette, every pixel a class index of the source mask."""
+    from torchvision.datasets import VOCSegmentation
+
+    root = make_synthetic_voc(tmp_path / "src", 8, year="2012", segmentation_every=2)
+    small = ts.pack_voc(root, tmp_path / "small.tser", year="2012", max_size=200)
+    tv = VOCSegmentation(root, "2012", "train")
+    ours = ts.VOCSerializedSegmentation(small.path, "train")
+    assert len(ours) == len(tv) > 0
+    for i in range(len(tv)):
+        image, mask = ours[i]
+        source_image, source_mask = tv[i]
+        assert max(image.size) == 200 < max(source_image.size)
+        assert mask.size == image.size and mask.mode == source_mask.mode == "P"
+        assert mask.getpalette() == source_mask.getpalette()
+        expected = source_mask.resize(mask.size, Image.Resampling.NEAREST)
+        assert np.array_equal(np.asarray(mask), np.asarray(expected))
+    from torch_serialized.voc import schema
+
+    reader = VOCPackReader(small.path).reader  # the object masks, as stored
+    stored = [bytes(reader.field(r, schema.OBJECT_MASK)) for r in range(len(reader))]
+    assert sum(map(bool, stored)) >= len(tv)  # train and val
+    for r, data in enumerate(stored):
+        if data:
+            with (
+                Image.open(io.BytesIO(bytes(reader.field(r, schema.IMAGE)))) as image,
+                Image.open(io.BytesIO(data)) as object_mask,
+            ):
+                assert object_mask.size == image.size and object_mask.mode == "P"
 
 
 def test_max_size_scales_every_coordinate_of_the_target(tmp_path: Path) -> None:

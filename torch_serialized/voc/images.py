@@ -32,6 +32,7 @@ __all__ = [
     "check_pixels",
     "scale_objects",
     "scale_target",
+    "resize_mask",
 ]
 
 #: JPEG quality of images re-encoded after resizing (``max_size`` with original storage).
@@ -247,3 +248,24 @@ def _scale_coordinates(node: Any, scale: tuple[float, float]) -> None:
                 except (KeyError, TypeError, ValueError):
                     continue
                 element[name] = f"{scaled:.2f}".rstrip("0").rstrip(".")
+
+
+def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
+    """A segmentation mask PNG resized by ``scale`` as its image was (``max_size``), with
+    nearest-neighbour sampling so every pixel keeps a class index of the source: same mode
+    (P, its palette) and, for a mask the size of its image, exactly the image's new size."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            size = (max(1, round(img.width * scale[0])), max(1, round(img.height * scale[1])))
+            resized = img.resize(size, Image.Resampling.NEAREST)
+            info = {k: img.info[k] for k in ("transparency",) if k in img.info}
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise SourceDataError(
+            f"{path}: not a readable PNG mask ({pil_reason(exc)}); replace the file or remove "
+            "its id from the lists (or pack with on_error='skip')"
+        ) from None
+    except Image.DecompressionBombError as exc:
+        raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
+    out = io.BytesIO()
+    resized.save(out, format="PNG", **info)
+    return out.getvalue()

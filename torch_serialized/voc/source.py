@@ -27,6 +27,7 @@ from .images import (
     SKIP_HINT,
     ImageOptions,
     check_mask,
+    resize_mask,
     scale_objects,
     scale_target,
     store_image,
@@ -280,6 +281,9 @@ def load(job: Job) -> LoadedSample:
     if scale is not None and objects is not None and target is not None:
         objects = scale_objects(objects, scale)
         scale_target(target, scale, width, height)
+    if scale is not None:  # the masks of a resized image are resized with it
+        mask = mask and resize_mask(mask, mask_path, scale)
+        object_mask = object_mask and resize_mask(object_mask, object_path, scale)
     if target is not None:
         target_json = schema.encode_target(target)
     payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]

@@ -280,6 +280,27 @@ def test_a_pack_without_object_classes_recounts_them_from_its_shards(
     assert schema.OBJECT_CLASSES_ARRAY in VOCPackReader(path).reader.arrays()  # written now
 
 
+def test_append_compares_the_resized_masks_of_a_max_size_pack(tmp_path) -> None:
+    """A ``max_size`` pack stores its masks resized, so comparing them with the source files'
+    bytes called every mask whose quick check failed (a touched file) "changed content".
+    A mask is compared with what packing it again stores: a touched file is unchanged, a
+    repainted one is still a change."""
+    from PIL import Image
+
+    root = make_synthetic_voc(tmp_path / "src", 8, year="2012", segmentation_every=2)
+    path = pack_voc(root, tmp_path / "p.tser", year="2012", max_size=200).path
+    mask = sorted((root / "VOCdevkit" / "VOC2012" / "SegmentationClass").glob("*.png"))[0]
+    os.utime(mask, ns=(1_000_000_000, 1_000_000_000))
+    result = append_voc(root, path)
+    assert (result.added, result.replaced, result.retired) == (0, [], [])
+    with Image.open(mask) as image:
+        blank = Image.new("P", image.size)
+        blank.putpalette(image.getpalette())
+    blank.save(mask)
+    with pytest.raises(SourceDataError, match=f"SegmentationClass/{mask.name} changed"):
+        append_voc(root, path)
+
+
 def test_append_to_an_empty_path_says_so_and_touches_nothing(tmp_path, source, monkeypatch):
     """``append_voc(root, "")`` said "'.' is a folder without manifest.json": ``Path("")``
     is the current folder. It now names the empty path and what to pass."""

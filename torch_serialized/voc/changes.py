@@ -218,6 +218,9 @@ def _same_content(
     old: VOCPackReader, record: int, job: Job, k: int, data: bytes, verdict: Verdict
 ) -> bool:
     """Whether ``data`` (source file ``k`` of ``job``, now) is what ``record`` was made from."""
+    if k in (schema.MASK, schema.OBJECT_MASK) and job.options.max_size:
+        # masks of resized images are stored resized: compare with what packing stores now
+        return old.field(record, k) == load(job).payloads[k]
     if k != schema.IMAGE or not stores_digest(job.options):
         return old.field(record, k) == data  # stored as the file's own bytes
     now = hashlib.sha256(data).digest()

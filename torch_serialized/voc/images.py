@@ -3,8 +3,8 @@
 By default an image is stored as its file's bytes and only its size is needed, read from the
 JPEG header (``jpeg_size``) rather than through Pillow. ``ImageOptions`` can ask for more:
 ``check_images`` decodes every image, ``image_storage="raw"`` stores decoded RGB pixels and
-``max_size`` shrinks large images (boxes and target dicts are scaled with ``scale_objects`` and
-``scale_target``). Pillow's decompression-bomb limit applies either way. This module never
+``max_size`` shrinks large images (target dicts are scaled with ``scale_target``, masks with
+``resize_mask``). Pillow's decompression-bomb limit applies either way. This module never
 imports torch.
 """
 
@@ -16,11 +16,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import SourceDataError
-from .xml import VOCObjects
 
 __all__ = [
     "ImageOptions",
@@ -30,7 +28,6 @@ __all__ = [
     "png_size",
     "declared_size",
     "check_pixels",
-    "scale_objects",
     "scale_target",
     "resize_mask",
 ]
@@ -192,14 +189,6 @@ def check_pixels(size: tuple[int, int], where: str, error: type[Exception]) -> N
             Image.DecompressionBombWarning,
             stacklevel=3,
         )
-
-
-def scale_objects(objects: VOCObjects, scale: tuple[float, float]) -> VOCObjects:
-    """``objects`` with their boxes scaled by ``(x, y)`` factors."""
-    boxes = objects.boxes * np.array([scale[0], scale[1], scale[0], scale[1]], np.float32)
-    return VOCObjects(
-        boxes=boxes, names=objects.names, difficult=objects.difficult, truncated=objects.truncated
-    )
 
 
 def scale_target(

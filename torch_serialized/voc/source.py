@@ -28,7 +28,6 @@ from .images import (
     ImageOptions,
     check_mask,
     resize_mask,
-    scale_objects,
     scale_target,
     store_image,
 )
@@ -279,8 +278,9 @@ def load(job: Job) -> LoadedSample:
 
     stored, width, height, scale = store_image(image, image_path, job.options)
     if scale is not None and objects is not None and target is not None:
-        objects = scale_objects(objects, scale)
         scale_target(target, scale, width, height)
+        # the object table read from the scaled target: its boxes are the dict's numbers
+        objects = extract_objects(target, source=xml_path)
     if scale is not None:  # the masks of a resized image are resized with it
         mask = mask and resize_mask(mask, mask_path, scale)
         object_mask = object_mask and resize_mask(object_mask, object_path, scale)

@@ -10,9 +10,11 @@ imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,12 +104,20 @@ def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
         check_pixels(size, path, SourceDataError)
     if not options.check_images:
         return
+    with _mask_image(data, path) as img:
+        if img.format != "PNG":
+            raise ValueError(f"a {img.format} image, not a PNG")
+        check_pixels(img.size, path, SourceDataError)
+        img.load()
+
+
+@contextlib.contextmanager
+def _mask_image(data: bytes, path: str) -> Iterator[Image.Image]:
+    """The mask in ``data`` opened by Pillow; what Pillow cannot read (or what the caller
+    finds wrong with it, as a ``ValueError``) raises ``SourceDataError`` naming ``path``."""
     try:
         with Image.open(io.BytesIO(data)) as img:
-            if img.format != "PNG":
-                raise ValueError(f"a {img.format} image, not a PNG")
-            check_pixels(img.size, path, SourceDataError)
-            img.load()
+            yield img
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise SourceDataError(
             f"{path}: not a readable PNG mask ({pil_reason(exc)}); replace the file or remove "
@@ -243,18 +253,10 @@ def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
     """A segmentation mask PNG resized by ``scale`` as its image was (``max_size``), with
     nearest-neighbour sampling so every pixel keeps a class index of the source: same mode
     (P, its palette) and, for a mask the size of its image, exactly the image's new size."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            size = (max(1, round(img.width * scale[0])), max(1, round(img.height * scale[1])))
-            resized = img.resize(size, Image.Resampling.NEAREST)
-            info = {k: img.info[k] for k in ("transparency",) if k in img.info}
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise SourceDataError(
-            f"{path}: not a readable PNG mask ({pil_reason(exc)}); replace the file or remove "
-            "its id from the lists (or pack with on_error='skip')"
-        ) from None
-    except Image.DecompressionBombError as exc:
-        raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
+    with _mask_image(data, path) as img:
+        size = (max(1, round(img.width * scale[0])), max(1, round(img.height * scale[1])))
+        resized = img.resize(size, Image.Resampling.NEAREST)
+        info = {k: img.info[k] for k in ("transparency",) if k in img.info}
     out = io.BytesIO()
     resized.save(out, format="PNG", **info)
     return out.getvalue()

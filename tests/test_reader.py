@@ -455,28 +455,44 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
 
 def test_an_open_beside_a_pack_an_interrupted_re_pack_moved_aside(tmp_path, monkeypatch):
     """A re-pack killed between its two renames leaves no pack at the path and the previous
-    one under ``.NAME.old-PID-*``. An open then said "is being replaced ... open it again"
-    after 31 ms of looking, also when the user had since deleted the pack on purpose. With
-    the writer's process gone it now says at once that the path does not exist, which pack
-    is beside it, and both ways out (rename it back, or delete it)."""
+    one under ``.NAME.old-PID-*``. An open then said "is being replaced ... open it again",
+    also when the user had since deleted the pack on purpose. With the writer's process not
+    running here it still looks again for a while (the writer may run on another machine of
+    a shared file system, and its new pack then opens), then says that the path does not
+    exist, which pack is beside it (a link: beside its target) and both ways out."""
     from torch_serialized import reader as reader_module
 
-    out = write_pack(tmp_path / "out", 30, **SHARDED)
-    aside = tmp_path / f".out.old-{dead_pid()}-0123abcd"
+    (tmp_path / "real").mkdir()
+    out = write_pack(tmp_path / "real" / "out", 30, **SHARDED)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    new = write_pack(tmp_path / "new", 30, seed=7, **SHARDED)
+    aside = out.parent / f".out.old-{dead_pid()}-0123abcd"
     os.replace(out, aside)
-    pauses: list[float] = []
-    monkeypatch.setattr(reader_module, "_pause", pauses.append)
-    for given in (out, out / fmt.MANIFEST_NAME):
+
+    def swap_in(seconds: float) -> None:  # another machine's writer renames its new pack in
+        if new.exists():
+            os.replace(new, out)
+
+    monkeypatch.setattr(reader_module, "_pause", swap_in)
+    check_pack(open_pack(out), 30, seed=7)
+    shutil.rmtree(out)  # then deleted on purpose: only the old pack is left, aside
+    monkeypatch.setattr(reader_module, "_pause", lambda seconds: None)
+    for given, said in ((out, f"{out} does not exist"), (link, f"{link} links to {out}, which")):
         with pytest.raises(FileNotFoundError) as info:
             open_pack(given)
         message = " ".join(str(info.value).split())
         assert not isinstance(info.value, FileChangedError)
-        assert f"{out} does not exist" in message and "open it again" in message
-        assert f"rename {aside.name} to out to read that pack" in message
+        assert message.startswith(said)
+        assert f"{aside} holds the pack" in message and f"rename it to {out}" in message
         assert "or delete it if out was removed on purpose" in message
-    assert pauses == [], "no looking again for a writer that is gone"
-    os.replace(aside, out)
-    check_pack(open_pack(out), 30)
+        assert "open it again" in message
+    huge = out.parent / ".out.old-99999999999-0123abcd"  # no pid is that large
+    os.replace(aside, huge)
+    with pytest.raises(FileNotFoundError, match="process 99999999999, not running"):
+        open_pack(out)
+    os.replace(huge, out)
+    check_pack(open_pack(link), 30)
 
 
 def test_an_open_through_a_link_mid_swap_and_a_denied_folder(tmp_path, monkeypatch):

@@ -225,7 +225,7 @@ def pid_alive(pid: int) -> bool:
     one that is gone left its temporaries behind)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
         return False
     except PermissionError:
         return True

@@ -1238,25 +1238,20 @@ def _locate(
         )
     aside, pid = moved
     real = aside.parent / _real(path).name  # a link's target is what was swapped
+    if not pid_alive(pid):  # killed between its two renames, or the new pack deleted since
+        missing = f"{path} links to {real}, which" if os.path.islink(path) else f"{path}"
+        raise FileNotFoundError(
+            f"{missing} does not exist, and {aside} holds the pack that a re-pack (process "
+            f"{pid}, not running on this machine) moved aside to replace it and never "
+            f"replaced: rename it to {real} to read that pack (the next pack of {real} does "
+            f"so before it writes), or delete it if {real.name} was removed on purpose. If a "
+            "pack on another machine is writing it, open it again"
+        )
     raise FileChangedError(
         f"{path} is being replaced: a re-pack (process {pid}) moved the previous pack aside "
         f"to {aside} and has not renamed the new one into place yet; open it again. If no pack "
         f"of it is running (process {pid} is another program now), rename {aside.name} back "
         f"to {real.name} (the next pack of {real} does)"
-    )
-
-
-def _left_aside(path: Path, aside: Path, pid: int) -> str:
-    """What an open says of a missing ``path`` beside the previous pack that a re-pack moved
-    aside and never replaced: its process is gone (killed between its two renames), or the
-    user removed the new pack since."""
-    real = aside.parent / _real(path).name
-    return (
-        f"{path} does not exist. Beside it, {aside.name} holds the pack that a re-pack "
-        f"(process {pid}, not running on this machine) moved aside to replace it, and it was "
-        f"never replaced: rename {aside.name} to {real.name} to read that pack (the next pack "
-        f"of {real} does so before it writes), or delete it if {real.name} was removed on "
-        "purpose. If a pack on another machine is writing it, open it again"
     )
 
 
@@ -1285,11 +1280,8 @@ def _look(path: Path) -> tuple[Path, Path | None, bytes | None] | None:
         before = os.stat(path)
     except (FileNotFoundError, NotADirectoryError) as exc:  # others (EACCES) say themselves
         folder = path.parent if path.name == fmt.MANIFEST_NAME else path
-        aside = _moved_aside(folder) if isinstance(exc, FileNotFoundError) else None
-        if aside is not None and pid_alive(aside[1]):
-            return None  # a swap under way: look again
-        if aside is not None:
-            raise FileNotFoundError(_left_aside(folder, *aside)) from None
+        if isinstance(exc, FileNotFoundError) and _moved_aside(folder) is not None:
+            return None  # a swap under way (its writer may run on another machine): look again
         if os.path.lexists(path):  # a dangling link, say: opening it names what is wrong
             return path, None, None
         raise FileNotFoundError(

@@ -10,7 +10,6 @@ worker and rank a process is: see ``topology``.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -193,9 +192,11 @@ def share_as_made(
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS). Looked
+    up among the symbols the process already has (``CDLL(None)``): no library search, which
+    would run ``ldconfig`` at every import, in every spawned worker."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim  # type: ignore[no-any-return]
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
     except (OSError, AttributeError):
         return None
 

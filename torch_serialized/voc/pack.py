@@ -79,9 +79,9 @@ class SkippedSample:
 
 @dataclass(frozen=True)
 class PackResult:
-    """What ``pack_voc`` wrote: ``num_bytes`` is the output's size on disk (every file,
-    as ``torch-serialized info`` reports it); ``year`` the VOC year packed (given, or
-    detected), from the folder ``voc_root``."""
+    """What ``pack_voc`` wrote: ``num_bytes`` is the pack's size on disk as ``torch-serialized
+    info`` reports it (the file, or the files its manifest names and the manifest); ``year``
+    the VOC year packed (given, or detected), from the folder ``voc_root``."""
 
     path: Path
     num_samples: int

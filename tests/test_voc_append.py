@@ -301,6 +301,35 @@ def test_append_compares_the_resized_masks_of_a_max_size_pack(tmp_path) -> None:
         append_voc(root, path)
 
 
+@pytest.mark.parametrize("stored_as", ["file bytes (before masks were resized)", "other PNG"])
+def test_append_compares_masks_of_max_size_packs_as_masks(tmp_path, monkeypatch, stored_as):
+    """Review of the resized masks: a ``max_size`` pack made before masks were resized holds
+    the files' own bytes, and another Pillow may compress the same mask otherwise; neither
+    is a change of the source when a touched mask file is checked again."""
+    import io
+
+    from PIL import Image
+
+    from torch_serialized.voc import images, source
+
+    def stored(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
+        if stored_as.startswith("file"):
+            return data
+        with Image.open(io.BytesIO(images.resize_mask(data, path, scale))) as mask:
+            out = io.BytesIO()
+            mask.save(out, format="PNG", compress_level=1)
+            return out.getvalue()
+
+    root = make_synthetic_voc(tmp_path / "src", 8, year="2012", segmentation_every=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(source, "resize_mask", stored)
+        path = pack_voc(root, tmp_path / "p.tser", year="2012", max_size=200).path
+    for mask in (root / "VOCdevkit" / "VOC2012" / "SegmentationClass").glob("*.png"):
+        os.utime(mask, ns=(1_000_000_000, 1_000_000_000))
+    result = append_voc(root, path)
+    assert (result.added, result.replaced, result.retired) == (0, [], [])
+
+
 def test_append_to_an_empty_path_says_so_and_touches_nothing(tmp_path, source, monkeypatch):
     """``append_voc(root, "")`` said "'.' is a folder without manifest.json": ``Path("")``
     is the current folder. It now names the empty path and what to pass."""

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import SourceDataError
 from ..safeio import read_regular_file
 from . import schema
+from .images import same_mask
 from .reader import VOCPackReader
 from .source import Job, Planned, load, reads, source_paths, stores_digest
 
@@ -219,8 +220,11 @@ def _same_content(
 ) -> bool:
     """Whether ``data`` (source file ``k`` of ``job``, now) is what ``record`` was made from."""
     if k in (schema.MASK, schema.OBJECT_MASK) and job.options.max_size:
-        # masks of resized images are stored resized: compare with what packing stores now
-        return old.field(record, k) == load(job).payloads[k]
+        # masks of resized images are stored resized: compared, as pixels and palette (not
+        # PNG bytes, which another Pillow may encode otherwise), with what packing stores
+        # now; a pack from before masks were resized stored the file's own bytes
+        stored = old.field(record, k)
+        return stored == data or same_mask(stored, load(job).payloads[k])
     if k != schema.IMAGE or not stores_digest(job.options):
         return old.field(record, k) == data  # stored as the file's own bytes
     now = hashlib.sha256(data).digest()

@@ -32,6 +32,7 @@ __all__ = [
     "check_pixels",
     "scale_target",
     "resize_mask",
+    "same_mask",
 ]
 
 #: JPEG quality of images re-encoded after resizing (``max_size`` with original storage).
@@ -255,8 +256,22 @@ def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
     (P, its palette) and, for a mask the size of its image, exactly the image's new size."""
     with _mask_image(data, path) as img:
         size = (max(1, round(img.width * scale[0])), max(1, round(img.height * scale[1])))
-        resized = img.resize(size, Image.Resampling.NEAREST)
-        info = {k: img.info[k] for k in ("transparency",) if k in img.info}
+        resized = img.resize(size, Image.Resampling.NEAREST)  # keeps palette and info
     out = io.BytesIO()
-    resized.save(out, format="PNG", **info)
+    resized.save(out, format="PNG")
     return out.getvalue()
+
+
+def same_mask(a: bytes | memoryview, b: bytes | memoryview) -> bool:
+    """Whether two mask PNGs hold the same mask: size, mode, palette and pixels (however
+    each was compressed); unreadable bytes are never the same as anything."""
+    try:
+        with Image.open(io.BytesIO(a)) as one, Image.open(io.BytesIO(b)) as two:
+            return (
+                one.size == two.size
+                and one.mode == two.mode
+                and one.getpalette() == two.getpalette()
+                and one.tobytes() == two.tobytes()
+            )
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return False

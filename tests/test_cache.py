@@ -214,6 +214,42 @@ def test_lru_eviction_never_takes_a_held_object(tmp_path: Path) -> None:
     assert pc.path("s0.tser").read_bytes() == objects["s0.tser"]
 
 
+def test_two_downloads_at_once_do_not_fit_on_the_same_free_bytes(tmp_path: Path) -> None:
+    """Room for a download was made, then its partial file grew from nothing, so a second
+    download starting meanwhile counted it at 0 bytes: both fitted on the same free bytes
+    and the cache ended one object over its limit (a streaming test with two prefetch
+    threads saw 4.5 shards in a 4-shard limit). Room is now reserved until the download is
+    in, so the second one evicts one more old object and the cache stays within its limit."""
+    import threading
+
+    objects = {f"s{i}.tser": blob(1000, i) for i in range(4)}
+    source = Source(objects)
+    cache = Cache(tmp_path, limit_bytes=3000)
+    pc = cache.pack(URL, "i")
+    for i, name in enumerate(["s0.tser", "s1.tser"]):
+        age(fetch(pc, source, name), 100 - i)
+        pc.release(name)
+    started, go_on = threading.Event(), threading.Event()
+
+    def slow(dest: Path) -> None:  # room is made; the bytes come later
+        started.set()
+        assert go_on.wait(10)
+        source("s2.tser")(dest)
+
+    first = threading.Thread(target=pc.fetch, args=("s2.tser", 1000, slow))
+    first.start()
+    assert started.wait(10)
+    try:
+        fetch(pc, source, "s3.tser")  # meanwhile: s2's room is counted, so s0 goes
+    finally:
+        go_on.set()
+        first.join()
+    names = sorted(p.name for p in pc.directory.glob("*.tser"))
+    assert names == ["s1.tser", "s2.tser", "s3.tser"]
+    assert sum(p.bytes for p in list_cache(tmp_path)) <= 3000
+    assert not list(pc.directory.glob(".*.partial")), "no reservation is left behind"
+
+
 def test_the_limit_spans_every_pack_in_the_folder(tmp_path: Path) -> None:
     cache = Cache(tmp_path, limit_bytes=2500)
     a, b = cache.pack(URL, "a"), cache.pack("s3://bucket/other", "b")

@@ -19,7 +19,8 @@ Design
 * **Readers hold what they use.** :meth:`PackCache.fetch` returns the object's path while this
   process holds a shared ``flock`` on it, until :meth:`PackCache.release` (or ``close``).
 * **Bounded, least recently used out.** With ``limit_bytes`` set, room for a download is made
-  first (under ``<cache_dir>/.evict.lock``, so evictions do not race): partial files of killed
+  first (under ``<cache_dir>/.evict.lock``, so evictions do not race) and reserved until the
+  download is in (a sparse partial file of its full size): partial files of killed
   downloads (in any pack: their object's lock is free) go first, then objects oldest use first
   (an object's mtime is its last fetch), each only if an exclusive non-blocking ``flock``
   succeeds, so an object some process holds is never removed. When what is held and in flight
@@ -221,6 +222,21 @@ def _objects(pack_dir: Path) -> list[_Entry]:
     return out
 
 
+def _counted_bytes(entries: list[_Entry]) -> int:
+    """What ``entries`` take against the limit: every object, and each object's partial files
+    (its download's reservation and the download itself) as the largest of them, so a
+    download is counted at its full size from the moment room was made for it, once."""
+    partials: dict[Path, int] = {}
+    total = 0
+    for entry in entries:
+        if entry.partial:
+            lock = _download_lock(entry.path)
+            partials[lock] = max(partials.get(lock, 0), entry.size)
+        else:
+            total += entry.size
+    return total + sum(partials.values())
+
+
 def _download_lock(partial: Path) -> Path:
     """The lock a partial file's writer holds: that of its object (``.<name>.<random>.partial``)."""
     name = partial.name[1:].rsplit(".", 2)[0]
@@ -274,8 +290,14 @@ class Cache:
         """The cache of one pack, identified by its URL and identity (its manifest's checksum)."""
         return PackCache(self, url, identity)
 
-    def make_room(self, need: int) -> None:
-        """Evict least recently used objects no process holds until ``need`` more bytes fit."""
+    def make_room(self, need: int, reserve: Path | None = None) -> None:
+        """Evict least recently used objects no process holds until ``need`` more bytes fit.
+
+        ``reserve``: a partial file's name for the download the room is for, created (sparse,
+        ``need`` bytes long) before the eviction lock is let go, so that the next download's
+        room counts this one at its full size while its own partial file is still short:
+        two downloads at once never fit the limit on the same free bytes. The caller removes
+        it once the download is in (a killed one's goes as any partial file does)."""
         if self.limit_bytes is None:
             return
         if need > self.limit_bytes:
@@ -291,10 +313,10 @@ class Cache:
         self.directory.mkdir(parents=True, exist_ok=True)
         with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
             entries = [e for d in _pack_dirs(self.directory) for e in _objects(d)]
-            total = sum(e.size for e in entries)
-            for entry in entries:  # partial files of killed downloads first: nobody wants them
-                if entry.partial and _try_remove_partial(entry.path):
-                    total -= entry.size
+            # partial files of killed downloads first: nobody wants them
+            gone = {e.path for e in entries if e.partial and _try_remove_partial(e.path)}
+            entries = [e for e in entries if e.path not in gone]
+            total = _counted_bytes(entries)
             for entry in sorted((e for e in entries if not e.partial), key=lambda e: e.mtime):
                 if total + need <= self.limit_bytes:
                     break
@@ -308,6 +330,12 @@ class Cache:
                     "grows past the limit; raise the limit or read fewer shards at once "
                     "(fewer workers or less prefetch)"
                 )
+            if reserve is not None and need > 0:
+                fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                try:
+                    os.ftruncate(fd, need)  # sparse: counted, not written
+                finally:
+                    os.close(fd)
 
     def _warn(self, message: str) -> None:
         """Warn that the limit is exceeded, once per :class:`Cache`."""
@@ -483,9 +511,13 @@ class PackCache:
                         for stale in self.directory.glob(f".{name}.*{_PARTIAL}"):
                             stale.unlink(missing_ok=True)  # its writer died: we hold the lock
                         confirmed = confirm_size is None or confirm_size()
+                        reservation = self.directory / f".{name}.reserved{_PARTIAL}"
                         if confirmed:
-                            self.cache.make_room(expected_size or 0)
-                        download(path)
+                            self.cache.make_room(expected_size or 0, reservation)
+                        try:
+                            download(path)
+                        finally:
+                            reservation.unlink(missing_ok=True)
                         if not confirmed:  # its bytes are in: room for them (our lock keeps it)
                             self.cache.make_room(0)
                         fd = self._open_held(path, expected_size)

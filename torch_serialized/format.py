@@ -642,6 +642,11 @@ class Manifest:
         """Every file the manifest names (catalog first), the manifest itself excluded."""
         return [*([self.catalog.file] if self.catalog else []), *(s.file for s in self.shards)]
 
+    def files_bytes(self) -> int:
+        """The bytes of every file the manifest names, as it records them (the manifest
+        itself excluded): with the manifest's own size, the pack's size on disk."""
+        return sum(s.bytes for s in self.shards) + (self.catalog.bytes if self.catalog else 0)
+
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
     """``"sha256:<hex>"`` of the canonical JSON of every key of ``manifest`` but ``checksum``:

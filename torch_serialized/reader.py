@@ -1146,13 +1146,10 @@ class PackReader:
     @property
     def nbytes(self) -> int:
         """Bytes on disk, all files included (as the manifest lists them)."""
-        total = sum(entry.bytes for entry in self.entries)
-        if self.manifest is not None:
-            assert self.manifest_path is not None
-            if self.manifest.catalog is not None:
-                total += self.manifest.catalog.bytes
-            total += self.manifest_path.stat().st_size
-        return total
+        if self.manifest is None:
+            return sum(entry.bytes for entry in self.entries)
+        assert self.manifest_path is not None
+        return self.manifest.files_bytes() + self.manifest_path.stat().st_size
 
 
 #: ``errno`` values of a full descriptor table: this process's (``ulimit -n``) or the system's.

@@ -79,7 +79,9 @@ __all__ = [
     "classify_error",
     "digest_verifier",
     "is_url",
+    "protocol_of",
     "redact_url",
+    "HTTP_PROTOCOLS",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,16 @@ _LOCAL = {"file", "local"}
 def is_url(location: str | os.PathLike[str]) -> bool:
     """True if ``location`` is an fsspec URL; a path object or a plain path is local."""
     return isinstance(location, str) and _URL.match(location) is not None
+
+
+#: URL schemes of fsspec's HTTP filesystem: reads only, streamed GETs, servers that may
+#: ignore ``Range``.
+HTTP_PROTOCOLS = frozenset({"http", "https"})
+
+
+def protocol_of(url: str) -> str:
+    """The scheme of ``url``, lower case (``""`` for a local path)."""
+    return url.split("://", 1)[0].lower() if "://" in url else ""
 
 
 def redact_url(url: str) -> str:
@@ -487,7 +499,7 @@ class RemoteStore:
         if part_size < 1 or max_concurrency < 1:
             raise ValueError("part_size and max_concurrency must be >= 1")
         self.url = url.rstrip("/") if not url.endswith("://") else url
-        self.protocol = url.split("://", 1)[0].lower()
+        self.protocol = protocol_of(url)
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         self.retry = retry or RetryPolicy.from_env()
         self.part_size = part_size
@@ -653,7 +665,7 @@ class RemoteStore:
         range asked for out of it (and later downloads stream); over HTTP it is read as a
         stream (``_read_range``), so that only the range is held, never the object.
         """
-        http = self.protocol in ("http", "https")
+        http = self.protocol in HTTP_PROTOCOLS
         if http and start is not None and end is not None and 0 <= start < end:
             return self.call("read", key, lambda: self._read_range(key, start, end))
         try:
@@ -818,7 +830,7 @@ class RemoteStore:
             # HTTP: no Range header, which works with any server. Object stores honour Range,
             # and given no range s3fs asks the size (a HEAD) before its GET: the size is known
             # (confirmed by a HEAD of ours), so they get it as the range, as the parts do.
-            span = {} if self.protocol in ("http", "https") else {"start": 0, "end": size}
+            span = {} if self.protocol in HTTP_PROTOCOLS else {"start": 0, "end": size}
 
             def whole() -> bytes:
                 data = bytes(self.fs.cat_file(path, **span, **deadline))
@@ -839,7 +851,7 @@ class RemoteStore:
                 # a server that ignores Range answers with the whole object: the probe gets
                 # the deadline of the whole object's read (that many parts in flight)
                 start, end = parts[0]
-                if self.protocol in ("http", "https"):  # the answer goes to fd as it comes
+                if self.protocol in HTTP_PROTOCOLS:  # the answer goes to fd as it comes
                     honoured = self.call(
                         "read", key, lambda: self._stream(key, fd, size, ends, end, len(parts))
                     )
@@ -942,7 +954,7 @@ class RemoteStore:
         os.ftruncate(fd, size)
         limit = self._deadline(size if probe is None else probe, in_flight).get("timeout")
         options: dict[str, Any] = {}
-        if self.protocol in ("http", "https"):
+        if self.protocol in HTTP_PROTOCOLS:
             options = self._http_stream(size, limit, None if probe is None else (0, probe))
         written = 0
         began = time.monotonic()
@@ -1038,7 +1050,7 @@ def _with_default_timeouts(protocol: str, options: Mapping[str, Any]) -> dict[st
         config = dict(out.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         out["config_kwargs"] = config
-    elif protocol in ("http", "https"):
+    elif protocol in HTTP_PROTOCOLS:
         import aiohttp  # the backend of this URL: needed now anyway
 
         client = dict(out.get("client_kwargs") or {})

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from . import format as fmt
 from .errors import RemoteAccessError, RemoteError, RemoteNotFoundError
-from .remote import RemoteStore, is_url, redact_url
+from .remote import HTTP_PROTOCOLS, RemoteStore, is_url, protocol_of, redact_url
 
 __all__ = [
     "READ_ONLY_PROTOCOLS",
@@ -30,10 +30,9 @@ __all__ = [
     "write_then_upload",
 ]
 
-#: URL schemes packs are read from but never written to (fsspec's HTTP filesystem only reads).
-READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
-# Protocols whose fsspec filesystem cannot delete.
-_NO_DELETE = READ_ONLY_PROTOCOLS
+#: URL schemes packs are read from but never written to or deleted at (fsspec's HTTP
+#: filesystem only reads).
+READ_ONLY_PROTOCOLS = HTTP_PROTOCOLS
 #: What a file of a pack written by torch_serialized is called (shards and catalogs), the only
 #: names ``prune_remote`` ever deletes.
 _PACK_FILE = re.compile(r"^(shard-\d+|catalog)(-[0-9a-f]+)?\.tser$")
@@ -46,7 +45,7 @@ R = TypeVar("R")
 def check_writable(url: str, verb: str) -> None:
     """Refuse, before any work, to ``verb`` ("pack", "append") a pack at a read-only URL
     (``READ_ONLY_PROTOCOLS``): otherwise the upload fails only once the pack is built."""
-    protocol = url.split("://", 1)[0].lower() if "://" in url else ""
+    protocol = protocol_of(url)
     if protocol in READ_ONLY_PROTOCOLS:
         raise ValueError(
             f"{redact_url(url)}: packs at {protocol}:// URLs are read-only here (HTTP has no "
@@ -119,7 +118,7 @@ def prune_remote(
     if not is_url(url):
         raise ValueError(local_prune_refusal(url, "pass"))
     store = RemoteStore(url, storage_options)
-    if not dry_run and store.protocol in _NO_DELETE:
+    if not dry_run and store.protocol in READ_ONLY_PROTOCOLS:
         raise RemoteError(
             f"{store.url_of()}: {store.protocol}:// cannot delete files, so prune cannot remove "
             "stale ones here (a dry run lists them where the server lists the folder). Prune "

@@ -359,10 +359,8 @@ def size_on_disk(path: Path) -> int:
     the previous catalog an append keeps for readers of the old manifest is not the pack's."""
     if not path.is_dir():
         return path.stat().st_size
-    manifest = read_manifest(path / fmt.MANIFEST_NAME)
-    named = sum(entry.bytes for entry in manifest.shards)
-    named += manifest.catalog.bytes if manifest.catalog is not None else 0
-    return named + (path / fmt.MANIFEST_NAME).stat().st_size
+    manifest = path / fmt.MANIFEST_NAME
+    return read_manifest(manifest).files_bytes() + manifest.stat().st_size
 
 
 def write_report(report: Path, skipped: Sequence[SkippedSample]) -> None:

@@ -43,7 +43,9 @@ def test_the_tree() -> None:
     assert issubclass(errors.SourceNotFoundError, errors.SourceDataError)
     assert issubclass(errors.SourceNotFoundError, ValueError)
     assert issubclass(errors.RemoteAccessError, errors.RemoteError)
-    assert sorted(errors.__all__) == sorted(["TorchSerializedError", "CacheLimitWarning", *BUILTIN])
+    assert sorted(errors.__all__) == sorted(
+        ["TorchSerializedError", "CacheLimitWarning", "UntypedObjectsWarning", *BUILTIN]
+    )
 
 
 def test_cache_limit_is_a_warning_not_an_error() -> None:

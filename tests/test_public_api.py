@@ -53,6 +53,7 @@ PUBLIC = [
     "RemoteNotFoundError",
     "RemoteAccessError",
     "CacheLimitWarning",
+    "UntypedObjectsWarning",
 ]
 
 

@@ -25,6 +25,7 @@ from .errors import (
     TorchSerializedError,
     TruncatedFileError,
     UnsupportedVersionError,
+    UntypedObjectsWarning,
     WriteError,
 )
 
@@ -96,6 +97,7 @@ __all__ = [
     "RemoteNotFoundError",
     "RemoteAccessError",
     "CacheLimitWarning",
+    "UntypedObjectsWarning",
 ]
 
 

@@ -14,6 +14,7 @@ the traceback instead); ``verify`` exits 1 when it finds damage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -23,8 +24,9 @@ import re
 import sys
 import time
 import unicodedata
+import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +34,7 @@ import numpy as np
 
 from . import format as fmt
 from ._version import __version__
-from .errors import ChecksumError, FormatError, TorchSerializedError
+from .errors import ChecksumError, FormatError, TorchSerializedError, UntypedObjectsWarning
 from .safeio import DEFAULT_MAX_FILE_BYTES
 
 if TYPE_CHECKING:
@@ -160,22 +162,23 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             errno.EEXIST,
             f"{output} already exists; pass --overwrite to replace it (or choose another OUTPUT)",
         )
-    result = pack_voc(
-        args.root,
-        output,
-        year=args.year,
-        max_samples_per_shard=args.samples_per_shard,
-        max_shard_bytes=args.shard_size,
-        num_shards=args.shards,
-        workers=args.workers,
-        image_storage=args.image_storage or "original",
-        max_size=args.max_size,
-        check_images=args.check_images,
-        on_error="skip" if args.skip_bad else "raise",
-        progress=_progress(args),
-        max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
-        storage_options=args.storage_options,
-    )
+    with _untyped_printed():  # said in the summary below, not as a warning too
+        result = pack_voc(
+            args.root,
+            output,
+            year=args.year,
+            max_samples_per_shard=args.samples_per_shard,
+            max_shard_bytes=args.shard_size,
+            num_shards=args.shards,
+            workers=args.workers,
+            image_storage=args.image_storage or "original",
+            max_size=args.max_size,
+            check_images=args.check_images,
+            on_error="skip" if args.skip_bad else "raise",
+            progress=_progress(args),
+            max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
+            storage_options=args.storage_options,
+        )
     seconds = max(result.seconds, 1e-9)
     files = 0 if remote else open_pack(result.path).num_shards
     ratio = result.num_bytes / result.source_bytes if result.source_bytes else float("nan")
@@ -197,12 +200,31 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if result.skipped:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
+    _print_untyped(result.untyped)
     if args.shards is not None and result.num_samples < args.shards:
         print(
             f"  note     --shards {args.shards} asked, but only {result.num_samples} samples "
             "were packed: one shard each"
         )
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _untyped_printed() -> Iterator[None]:
+    """Around a pack or append whose summary prints ``_print_untyped``: the same news once."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntypedObjectsWarning)
+        yield
+
+
+def _print_untyped(untyped: Sequence[str]) -> None:
+    if untyped:
+        ids = ", ".join(repr(i) for i in untyped[:3]) + (", ..." if len(untyped) > 3 else "")
+        print(
+            f"  untyped  {len(untyped)} samples ({ids}) have objects without a numeric box or "
+            "a name: packed as torchvision reads them; target_format='tv_tensors' raises "
+            "for them (README, Guarantees)"
+        )
 
 
 def _check_output(output: str) -> None:
@@ -322,21 +344,22 @@ def _cmd_append(args: argparse.Namespace) -> int:
             f"{', '.join(given)} cannot be combined with --append: an append keeps the pack's "
             "own options (see `torch-serialized info OUTPUT`); re-pack to change them"
         )
-    result = append_voc(
-        args.root,
-        args.output,
-        year=args.year,
-        on_error="skip" if args.skip_bad else "raise",
-        progress=_progress(args),
-        workers=args.workers,
-        replace_changed=args.replace_changed,
-        checksum=args.checksum,
-        max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
-        retire_all=args.retire_all,
-        storage_options=args.storage_options,
-        cache_dir=args.cache_dir,
-        cache_limit_bytes=args.cache_limit,
-    )
+    with _untyped_printed():
+        result = append_voc(
+            args.root,
+            args.output,
+            year=args.year,
+            on_error="skip" if args.skip_bad else "raise",
+            progress=_progress(args),
+            workers=args.workers,
+            replace_changed=args.replace_changed,
+            checksum=args.checksum,
+            max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
+            retire_all=args.retire_all,
+            storage_options=args.storage_options,
+            cache_dir=args.cache_dir,
+            cache_limit_bytes=args.cache_limit,
+        )
     where = f"{result.url} (new files uploaded, manifest last)" if result.url else result.path
     print(f"appended to {where} from {result.voc_root}")
     print(f"  added    {result.added} new samples, {len(result.replaced)} changed samples replaced")
@@ -350,6 +373,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
     if result.skipped:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
+    _print_untyped(result.untyped)
     for note in result.notes:
         print(f"  note     {note}")
     return EXIT_OK
@@ -393,6 +417,7 @@ def _pack_info(path: str, remote: dict[str, Any]) -> dict[str, Any]:
         "with_annotation": int(np.count_nonzero(flags & schema.HAS_ANNOTATION)),
         "with_mask": int(np.count_nonzero(flags & schema.HAS_MASK)),
         "with_object_mask": int(np.count_nonzero(flags & schema.HAS_OBJECT_MASK)),
+        "with_untyped_objects": int(np.count_nonzero(flags & schema.UNTYPED_OBJECTS)),
         "image_sets": meta.get("splits", {}),
         "classes": dict(histogram.most_common()),
         "class_counts": meta.get("class_counts", {}),
@@ -548,6 +573,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
         )
     if info["skipped"]:
         lines.append(f"  skipped      {len(info['skipped'])} samples at pack time")
+    if info["with_untyped_objects"]:
+        lines.append(
+            f"  untyped      {info['with_untyped_objects']} samples whose objects have no box "
+            "rows (target_format='tv_tensors' raises for them)"
+        )
     if info["history"]:
         lines.append("  history")
         lines += [f"    {_history_line(entry)}" for entry in info["history"]]

@@ -10,8 +10,13 @@ Stored bytes are untrusted: every decode path (PIL, ``decode_jpeg``, raw pixels,
 the size an image declares against Pillow's ``MAX_IMAGE_PIXELS`` rule before anything is
 allocated (``ImageTooLargeError``), and a record whose bytes cannot be decoded, whose target is
 not a JSON object or whose class ids are out of range raises ``FormatError`` naming the pack,
-the record and its id: never a foreign exception, never a wrong label.
+the record and its id: never a foreign exception, never a wrong label. A record whose
+annotation's objects have no rows (``schema.UNTYPED_OBJECTS``) has no ``tv_tensors`` target:
+asking for one raises ``SourceDataError`` saying why, never an empty one.
 """
+
+# More than 400 lines: one decoder for every output (PIL, tensors, raw pixels, stored bytes;
+# dict and tv_tensors targets, one sample or a batch; masks), so both dataset kinds agree.
 
 from __future__ import annotations
 
@@ -29,11 +34,12 @@ from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.functional import pil_to_tensor
 
-from .errors import FormatError, ImageTooLargeError
+from .errors import FormatError, ImageTooLargeError, SourceDataError
 from .voc import schema
 from .voc.classes import label_classes
 from .voc.images import check_pixels, declared_size, jpeg_size, pil_reason
 from .voc.reader import VOCPackReader
+from .voc.xml import extract_objects
 
 __all__ = ["Decode", "TargetFormat", "Classes", "SampleDecoder", "label_names"]
 
@@ -119,6 +125,13 @@ class SampleDecoder:
         #: counts that ruled them out for this image set below are only the metadata's word
         self._unknown = bool((self._labels < 0).any())
         columns = pack.columns
+        #: records whose annotations' objects have no rows (``schema.UNTYPED_OBJECTS``): a
+        #: ``tv_tensors`` target of one raises, saying why (``_no_rows``) from its stored dict
+        self._untyped: frozenset[int] = frozenset()
+        if target_format == "tv_tensors":
+            marked = np.flatnonzero(columns["flags"] & schema.UNTYPED_OBJECTS)
+            self._untyped = frozenset(marked.tolist())
+        self._field, self._id = pack.field, pack.id  # for that error only
         #: (height, width) of every stored image; one small array, read per sample
         self._sizes = np.stack([columns["height"], columns["width"]], axis=1).astype(np.int64)
         if target_format == "tv_tensors" and split_key is not None:
@@ -298,6 +311,8 @@ class SampleDecoder:
         """The stored object rows of ``record`` and their labels, the class ids checked
         against the pack's classes and this decoder's label list (never a wrong label, never
         a wrapped index)."""
+        if self._untyped and record in self._untyped:
+            raise self._no_rows(record)
         try:
             objects = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
             # unsigned: -1 must fail the lookup, not wrap to the last class
@@ -314,13 +329,31 @@ class SampleDecoder:
             )
         return objects, labels
 
+    def _no_rows(self, record: int) -> SourceDataError:
+        """The error for a ``tv_tensors`` target of a record whose objects have no rows, with
+        the reason the packer found, found again in its stored dict (this path only)."""
+        source = f"Annotations/{self._id(record)}.xml"
+        try:
+            stored = self._dict_target(record, self._field(record, schema.TARGET))
+            extract_objects(stored, source=source)
+            reason = f"{source}: its objects were packed without boxes."
+        except SourceDataError as exc:
+            reason = str(exc)
+        return SourceDataError(
+            f"{self._where(record)} has no tv_tensors target: {reason} torchvision reads such "
+            "an annotation but cannot make boxes of it either. Use target_format='dict' for "
+            "torchvision's dict of it, or fix the XML and append_voc the change (or leave the "
+            "id out of the image set)."
+        )
+
     def targets(self, records: Sequence[int], data: Sequence[Buffer]) -> list[Any]:
         """``[self.target(r, d) for r, d in zip(records, data)]``, built for the whole batch:
         ``tv_tensors`` targets come from one array per key, split into per-sample views."""
         if self.target_format == "dict":
             return [self._dict_target(r, d) for r, d in zip(records, data)]
         size = schema.OBJECT_DTYPE.itemsize
-        if any(len(d) % size for d in data):  # damaged: the per-record path names the record
+        if any(len(d) % size for d in data) or not self._untyped.isdisjoint(records):
+            # damaged, or objects without rows: the per-record path raises, naming the record
             return [self.target(r, d) for r, d in zip(records, data)]
         objects = np.frombuffer(b"".join(_view(d) for d in data), dtype=schema.OBJECT_DTYPE)
         ids = objects["class_id"].view(np.uint32)

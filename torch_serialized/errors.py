@@ -23,6 +23,7 @@ __all__ = [
     "RemoteNotFoundError",
     "RemoteAccessError",
     "CacheLimitWarning",
+    "UntypedObjectsWarning",
 ]
 
 
@@ -66,7 +67,9 @@ class WriteError(TorchSerializedError, OSError):
 
 
 class SourceDataError(TorchSerializedError, ValueError):
-    """The VOC source data given to the packer is missing, malformed or unsafe."""
+    """The VOC source data given to the packer is missing, malformed or unsafe; or a packed
+    sample is asked for what its source data cannot give (a ``tv_tensors`` target of an
+    annotation whose objects have no numeric box or no name)."""
 
 
 class SourceNotFoundError(SourceDataError, FileNotFoundError):
@@ -84,6 +87,12 @@ class RemoteNotFoundError(RemoteError, FileNotFoundError):
 
 class RemoteAccessError(RemoteError, PermissionError):
     """The server refused access to a URL (HTTP 401/403, bad credentials); never retried."""
+
+
+class UntypedObjectsWarning(UserWarning):
+    """Samples were packed whose annotations hold objects without a box or a name that a
+    ``tv_tensors`` target needs: their dict targets are torchvision's, their ``tv_tensors``
+    targets raise ``SourceDataError``."""
 
 
 class CacheLimitWarning(UserWarning):

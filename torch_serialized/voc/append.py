@@ -53,6 +53,7 @@ from .pack import (
     progress_bar,
     rate,
     size_on_disk,
+    warn_untyped,
     write_dataset_arrays,
     write_records,
     write_report,
@@ -199,6 +200,7 @@ def _append_local(
         max_file_bytes,
     )
     write_report(report, books.skipped)
+    warn_untyped(books.untyped, path)
     replaced = [job.id for job in plan_.replaced if job.id in books.record_of]
     written = len(books.ids) - (len(old) if sharded else len(plan_.kept))  # records
     return PackResult(
@@ -216,6 +218,7 @@ def _append_local(
         retired=plan_.dropped,
         notes=plan_.notes,
         bytes_written=bytes_written,
+        untyped=[i for i, _ in books.untyped],
     )
 
 
@@ -291,6 +294,8 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     books.base_digests = None if plan.digests is None else plan.digests[chosen]
     sizes = plan.stats[plan.kept, :, 0]
     books.source_bytes = int(sizes[sizes > 0].sum())
+    flags = old.columns["flags"][chosen]
+    books.base_untyped = int(np.count_nonzero(flags & schema.UNTYPED_OBJECTS))
     return books
 
 
@@ -320,9 +325,7 @@ def _metadata(
         )
     )
     meta.update(
-        schema_version=(
-            schema.RETIRED_SCHEMA_VERSION if books.retired else schema.BASE_SCHEMA_VERSION
-        ),
+        schema_version=books.schema_version,
         num_samples=len(books.ids),
         splits=splits,
         classes=list(books.classes),

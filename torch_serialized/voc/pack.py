@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ import numpy as np
 from .. import format as fmt
 from .._version import __version__
 from ..atomic import replace_file
-from ..errors import SourceDataError, WriteError
+from ..errors import SourceDataError, UntypedObjectsWarning, WriteError
 from ..parallel import Record, Spilled, SpillPool, pays_off
 from ..reader import read_manifest
 from ..remote import is_url
@@ -110,6 +111,10 @@ class PackResult:
     #: temporary copies the pack was written or grown in, removed before the call returns
     #: (so open ``url``, not ``path``; the report went up as ``url + ".skipped.json"``)
     url: str | None = None
+    #: ids this write packed whose annotations hold objects the pack's object rows cannot
+    #: (an object without a numeric ``<bndbox>`` or a ``<name>``...: README, "Guarantees"): their
+    #: ``target_format="dict"`` targets are torchvision's, ``"tv_tensors"`` ones raise
+    untyped: list[str] = field(default_factory=list)
 
     @property
     def samples_per_second(self) -> float:
@@ -142,6 +147,16 @@ class Books:
     )
     base_digests: np.ndarray | None = None
     retired: list[int] = field(default_factory=list)  # records no longer live (shard folders)
+    #: (id, why) of later records whose objects have no rows (``schema.UNTYPED_OBJECTS``),
+    #: and how many of the first records, those an append copied, are such
+    untyped: list[tuple[str, str]] = field(default_factory=list)
+    base_untyped: int = 0
+
+    @property
+    def schema_version(self) -> int:
+        """The version the pack these books describe is written as."""
+        untyped = bool(self.untyped) or self.base_untyped > 0
+        return schema.schema_version(retired=bool(self.retired), untyped=untyped)
 
 
 def pack_voc(
@@ -277,7 +292,7 @@ def pack_voc(
             )
             metadata = {
                 "schema": schema.SCHEMA,
-                "schema_version": schema.BASE_SCHEMA_VERSION,
+                "schema_version": books.schema_version,
                 "year": year,
                 "base_dir": base_dir(year),
                 "voc_folder": voc_root.name,
@@ -315,7 +330,9 @@ def pack_voc(
             voc_root=voc_root,
             added=len(books.record_of),
             bytes_written=num_bytes,
+            untyped=[i for i, _ in books.untyped],
         )
+        warn_untyped(books.untyped, path)
         # The bar's last figure is the summary's: all bytes on disk over the whole time.
         bar.set_postfix_str(rate(result.num_bytes, result.seconds), refresh=False)
     return result
@@ -361,6 +378,21 @@ def size_on_disk(path: Path) -> int:
         return path.stat().st_size
     manifest = path / fmt.MANIFEST_NAME
     return read_manifest(manifest).files_bytes() + manifest.stat().st_size
+
+
+def warn_untyped(untyped: Sequence[tuple[str, str]], path: Path | str) -> None:
+    """Say, once per write, which ids were packed without object rows and why (the first)."""
+    if not untyped:
+        return
+    ids = ", ".join(repr(i) for i, _ in untyped[:5]) + (", ..." if len(untyped) > 5 else "")
+    warnings.warn(
+        f"{path}: {len(untyped)} annotation(s) hold objects a tv_tensors target cannot "
+        f"(ids {ids}); the first: {untyped[0][1]} They are packed as torchvision reads "
+        "them (target_format='dict'); target_format='tv_tensors' raises for them. Fix the "
+        "XML and append to give them boxes.",
+        UntypedObjectsWarning,
+        stacklevel=3,
+    )
 
 
 def write_report(report: Path, skipped: Sequence[SkippedSample]) -> None:
@@ -433,6 +465,8 @@ def write_records(
             payloads[schema.OBJECTS] = objects
             books.record_of[loaded.id] = writer.add(payloads, row)
         books.ids.append(loaded.id)
+        if loaded.untyped:
+            books.untyped.append((loaded.id, loaded.untyped))
         books.record_classes.append(class_ids)
         books.source_bytes += loaded.source_bytes
         books.stats.append(loaded.stats)

@@ -13,6 +13,9 @@ wrong label can come out of a damaged or crafted pack later. What varies per rec
 objects' class ids, a stored target's JSON) is checked by the decoder as it reads.
 """
 
+# More than 400 lines: the reader and every check of what it reads at open, kept together
+# so that nothing the reader trusts goes unchecked.
+
 from __future__ import annotations
 
 import os
@@ -300,6 +303,22 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
         raise _bad(path, "history", "a list of objects with an 'action'", history)
 
 
+def _check_flags(columns: np.ndarray, meta: dict[str, Any], path: str) -> None:
+    """Every record's flags known, and records whose objects have no rows (``tv_tensors``
+    targets refused) marked only in packs of the version that says so, with no rows."""
+    flags = columns["flags"]
+    unknown = flags & np.uint32(~schema.KNOWN_FLAGS & 0xFFFFFFFF)
+    if unknown.any():
+        raise _bad(path, "records.flags", f"flags within {schema.KNOWN_FLAGS}", int(unknown.max()))
+    untyped = (flags & schema.UNTYPED_OBJECTS) != 0
+    if not untyped.any():
+        return
+    if meta["schema_version"] < schema.UNTYPED_SCHEMA_VERSION:
+        raise _bad(path, "schema_version", "3 with objects without rows", meta["schema_version"])
+    if (columns["num_objects"][untyped] != 0).any():
+        raise _bad(path, "records.num_objects", "0 where objects have no rows", "more")
+
+
 def check_arrays(
     arrays: Mapping[str, np.ndarray], meta: dict[str, Any], num_records: int, path: str
 ) -> None:
@@ -308,6 +327,7 @@ def check_arrays(
     columns = arrays.get("records")
     if columns is None or columns.dtype != schema.COLUMNS or columns.shape != (num_records,):
         raise _bad(path, "records", f"{num_records} rows of {schema.COLUMNS}", _shape(columns))
+    _check_flags(columns, meta, path)
     ids, offsets = arrays.get("ids"), arrays.get("id_offsets")
     if ids is None or ids.dtype != np.uint8 or ids.ndim != 1:
         raise _bad(path, "ids", "a 1-D uint8 array", _shape(ids))

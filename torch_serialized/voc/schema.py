@@ -37,6 +37,16 @@ append stays in its shard (shards are never rewritten) and is listed in the data
 array ``retired`` (int64 record numbers, ascending). No image set refers to it; readers that
 walk every record skip it (``VOCPackReader.live``). A pack without retired records is written
 as schema version 1, which older readers read.
+
+Objects without a row (schema version 3): torchvision reads any XML and leaves its objects to
+the training code, so an annotation whose objects the ``objects`` rows cannot hold (an object
+without a single ``<bndbox>`` of four finite numbers or a single non-empty ``<name>``, a
+``<difficult>`` or ``<truncated>`` other than 0, 1 or empty, a root that is not
+``<annotation>``) is packed all the same: its ``target`` is torchvision's dict as for any
+other, its ``objects`` field is empty and ``flags`` has ``UNTYPED_OBJECTS``, so a
+``tv_tensors`` target of it raises instead of returning no boxes. A pack holding such a
+record is written as schema version 3, which readers before it refuse rather than read
+those records as having no objects.
 """
 
 from __future__ import annotations
@@ -57,6 +67,9 @@ __all__ = [
     "HAS_ANNOTATION",
     "HAS_MASK",
     "HAS_OBJECT_MASK",
+    "UNTYPED_OBJECTS",
+    "KNOWN_FLAGS",
+    "schema_version",
     "split_array_name",
     "encode_target",
     "decode_target",
@@ -73,15 +86,18 @@ __all__ = [
     "RETIRED_ARRAY",
     "OBJECT_CLASSES_ARRAY",
     "RETIRED_SCHEMA_VERSION",
+    "UNTYPED_SCHEMA_VERSION",
     "BASE_SCHEMA_VERSION",
 ]
 
 SCHEMA = "voc"
-#: The newest schema version read; written only when a pack has retired records.
-SCHEMA_VERSION = 2
-#: Packs without retired records are written as version 1 (what torch_serialized 0.1.0 reads).
+#: The newest schema version read; a pack is written as the lowest version that holds it
+#: (``schema_version``), so older readers read every pack they can read correctly.
+SCHEMA_VERSION = 3
+#: Packs without retired records or objects without rows (what torch_serialized 0.1.0 reads).
 BASE_SCHEMA_VERSION = 1
 RETIRED_SCHEMA_VERSION = 2
+UNTYPED_SCHEMA_VERSION = 3
 
 SOURCE_STATS_VERSION = 1
 #: The source files of a record whose statistics are kept, in ``source/*`` column order.
@@ -107,6 +123,9 @@ COLUMNS = np.dtype(
 HAS_ANNOTATION = 1
 HAS_MASK = 2
 HAS_OBJECT_MASK = 4
+#: the annotation's objects have no ``objects`` rows (see the module docstring)
+UNTYPED_OBJECTS = 8
+KNOWN_FLAGS = HAS_ANNOTATION | HAS_MASK | HAS_OBJECT_MASK | UNTYPED_OBJECTS
 
 #: One row per object; ``class_id`` indexes the pack's ``classes`` list (its metadata).
 OBJECT_DTYPE = np.dtype(
@@ -118,6 +137,13 @@ OBJECT_DTYPE = np.dtype(
         ("reserved", "<u2"),
     ]
 )
+
+
+def schema_version(*, retired: bool, untyped: bool) -> int:
+    """The version a pack is written as: the lowest whose readers read all of it."""
+    if untyped:
+        return UNTYPED_SCHEMA_VERSION
+    return RETIRED_SCHEMA_VERSION if retired else BASE_SCHEMA_VERSION
 
 
 def split_array_name(task: str, image_set: str) -> str:

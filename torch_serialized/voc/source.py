@@ -86,6 +86,8 @@ class LoadedSample:
     stats: tuple[int, ...] = ()
     #: SHA-256 of the source image when the stored image is not its bytes, else empty
     digest: bytes = b""
+    #: why the annotation's objects have no rows (``schema.UNTYPED_OBJECTS``), else empty
+    untyped: str = ""
 
 
 def plan(
@@ -264,11 +266,16 @@ def load(job: Job) -> LoadedSample:
     names: list[str] = []
     flags = 0
     target: dict[str, Any] | None = None
+    untyped = ""
     if annotation is not None:
         flags |= schema.HAS_ANNOTATION
         target = parse_annotation(annotation, source=xml_path)
-        objects = extract_objects(target, source=xml_path)
-        names = objects.names
+        try:
+            objects = extract_objects(target, source=xml_path)
+            names = objects.names
+        except SourceDataError as exc:  # torchvision reads it: packed, without object rows
+            flags |= schema.UNTYPED_OBJECTS
+            untyped = str(exc)
     if mask is not None:
         flags |= schema.HAS_MASK
         check_mask(mask, mask_path, job.options)
@@ -277,10 +284,10 @@ def load(job: Job) -> LoadedSample:
         check_mask(object_mask, object_path, job.options)
 
     stored, width, height, scale = store_image(image, image_path, job.options)
-    if scale is not None and objects is not None and target is not None:
+    if scale is not None and target is not None:
         scale_target(target, scale, width, height)
-        # the object table read from the scaled target: its boxes are the dict's numbers
-        objects = extract_objects(target, source=xml_path)
+        if objects is not None:  # the object rows read from the scaled target: its numbers
+            objects = extract_objects(target, source=xml_path)
     if scale is not None:  # the masks of a resized image are resized with it
         mask = mask and resize_mask(mask, mask_path, scale)
         object_mask = object_mask and resize_mask(object_mask, object_path, scale)
@@ -299,6 +306,7 @@ def load(job: Job) -> LoadedSample:
         source_bytes,
         tuple(x for pair in stats for x in pair),
         digest,
+        untyped,
     )
 
 

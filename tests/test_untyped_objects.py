@@ -1,0 +1,297 @@
+"""Annotations torchvision reads but whose objects the pack's object rows cannot hold.
+
+torchvision parses any XML and leaves its objects to the training code; such a sample is
+packed all the same (``schema.UNTYPED_OBJECTS``): its dict target is torchvision's, sample by
+sample, and only a ``tv_tensors`` target, which needs a numeric box and a name per object
+(as torchvision's own wrapper does), raises, naming the sample and what its XML lacks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _container_helpers import pinned_identity, rebuild_pack
+from test_datasets import assert_same_dataset, assert_same_tensors, torchvision_dataset
+from torch.utils.data import DataLoader
+from torchvision.datasets import wrap_dataset_for_transforms_v2
+from vocfactory import OMIT, Sample, jpeg, obj, voc_xml, write_voc
+
+import torch_serialized as ts
+from torch_serialized import (
+    FormatError,
+    SourceDataError,
+    UntypedObjectsWarning,
+    VOCSerializedDataset,
+    VOCSerializedIterableDataset,
+)
+from torch_serialized.cli import main as cli_main
+from torch_serialized.voc import schema
+from torch_serialized.voc.reader import VOCPackReader
+
+
+def _box(*xyxy: float) -> dict[str, float]:
+    return dict(zip(("xmin", "ymin", "xmax", "ymax"), xyxy))
+
+
+#: id -> (objects, what the object rows cannot hold, or "" when they can); 2012, 40x30 images
+CASES: dict[str, tuple[Any, str]] = {
+    "ok_a": ([obj("dog", (1, 2, 20, 25)), obj("cat", (3, 4, 30, 28))], ""),
+    "no_box": (
+        [obj("dog", (1, 2, 20, 25)), obj("cat", (1, 1, 2, 2), bndbox=OMIT)],
+        r"object 1 has no single <bndbox>",
+    ),
+    "text_box": (
+        [obj("dog", {"xmin": "left", "ymin": 2, "xmax": 20, "ymax": 25})],
+        r"<bndbox><xmin> is 'left'",
+    ),
+    "no_name": (
+        [obj("dog", (1, 2, 20, 25), name=OMIT)],
+        r"object 0 has no single non-empty <name>",
+    ),
+    "odd_flag": (
+        [obj("dog", (1, 2, 20, 25), difficult="Unspecified")],
+        r"<difficult> is 'Unspecified'",
+    ),
+    "inf_box": ([obj("cat", (1, 2, "inf", 25))], r"<bndbox><xmax> is 'inf', not a finite number"),
+    "ok_b": ([obj("bird", (1.5, 2.25, 20, 25))], ""),
+    "two_boxes": (
+        [{"name": "dog", "bndbox": [_box(1, 2, 3, 4), _box(5, 6, 7, 8)]}],
+        r"object 0 has no single <bndbox>",
+    ),
+}
+UNTYPED = [i for i, (_, why) in CASES.items() if why]
+TYPED = [i for i, (_, why) in CASES.items() if not why]
+
+
+def devkit(root: Path, ids: list[str] | None = None) -> Path:
+    ids = list(CASES) if ids is None else ids
+    samples = [
+        Sample(i, jpeg(40, 30, seed=list(CASES).index(i)), voc_xml(f"{i}.jpg", 40, 30, CASES[i][0]))
+        for i in ids
+    ]
+    write_voc(root, "2012", samples, {"Main": {"train": ids, "val": ids[::-1][:3]}})
+    return root
+
+
+@pytest.fixture(scope="module")
+def untyped_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return devkit(tmp_path_factory.mktemp("untyped"))
+
+
+@pytest.fixture(scope="module")
+def untyped_packs(untyped_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("untyped-packs")
+    with pytest.warns(UntypedObjectsWarning):
+        single = ts.pack_voc(untyped_root, out / "single.tser")
+    with pytest.warns(UntypedObjectsWarning):
+        shards = ts.pack_voc(untyped_root, out / "shards", max_samples_per_shard=3)
+    return {"single": single.path, "shards": shards.path}
+
+
+def test_packing_says_which_samples_and_why(untyped_root: Path, tmp_path: Path) -> None:
+    """Once per pack, naming the ids (in pack order) and the first reason; the result lists
+    them; and packing in worker processes gives the same bytes and the same list."""
+    with pytest.warns(UntypedObjectsWarning) as caught, pinned_identity():
+        result = ts.pack_voc(untyped_root, tmp_path / "one.tser")
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"{len(UNTYPED)} annotation(s)" in message and "'no_box'" in message
+    assert "Annotations/no_box.xml: object 1 has no single <bndbox>" in message.replace("\\", "/")
+    assert result.untyped == UNTYPED and result.num_samples == len(CASES)
+    with pytest.warns(UntypedObjectsWarning), pinned_identity():
+        two = ts.pack_voc(untyped_root, tmp_path / "two.tser", workers=2)
+    assert two.untyped == UNTYPED
+    assert (tmp_path / "two.tser").read_bytes() == (tmp_path / "one.tser").read_bytes()
+
+
+@pytest.mark.parametrize("layout", ["single", "shards"])
+@pytest.mark.parametrize("image_set", ["train", "val"])
+def test_dict_targets_equal_torchvision(
+    untyped_root: Path, untyped_packs: dict[str, Path], layout: str, image_set: str
+) -> None:
+    tv = torchvision_dataset("Main", untyped_root, "2012", image_set)
+    assert_same_dataset(tv, VOCSerializedDataset(untyped_packs[layout], image_set), "Main")
+
+
+def test_the_wrapper_fails_where_torchvision_s_does(
+    untyped_root: Path, untyped_packs: dict[str, Path]
+) -> None:
+    """``wrap_dataset_for_transforms_v2`` over our dict targets: the same boxes where
+    torchvision's wrapper makes them, the same exception type where it cannot."""
+    tvw = wrap_dataset_for_transforms_v2(torchvision_dataset("Main", untyped_root, "2012", "train"))
+    ours = wrap_dataset_for_transforms_v2(VOCSerializedDataset(untyped_packs["single"], "train"))
+    failed = []
+    for i, image_id in enumerate(CASES):
+        try:
+            expected = tvw[i]
+        except Exception as exc:
+            with pytest.raises(type(exc)):
+                ours[i]
+            failed.append(image_id)
+            continue
+        assert_same_tensors(expected[1], ours[i][1])
+    # ok_b's float box fails the wrapper's int(); it passes no_box (one box for two labels:
+    # its boxes and labels no longer pair up) and odd_flag (it has no "difficult"), where our
+    # tv_tensors target refuses both rather than return unpaired boxes or a guessed flag
+    assert failed == ["text_box", "no_name", "inf_box", "ok_b", "two_boxes"]
+
+
+def _expected_boxes(image_id: str) -> torch.Tensor:
+    boxes = [
+        [float(o["bndbox"][k]) for k in ("xmin", "ymin", "xmax", "ymax")]
+        for o in CASES[image_id][0]
+    ]
+    return torch.tensor(boxes, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["single", "shards"])
+def test_tv_tensors_raise_for_them_and_only_them(
+    untyped_packs: dict[str, Path], layout: str
+) -> None:
+    ds = VOCSerializedDataset(
+        untyped_packs[layout], "train", target_format="tv_tensors", decode="none"
+    )
+    for i, image_id in enumerate(CASES):
+        if CASES[image_id][1]:
+            with pytest.raises(SourceDataError, match=CASES[image_id][1]) as info:
+                ds[i]
+            text = str(info.value).replace("\\", "/")
+            assert f"(id {image_id!r}) has no tv_tensors target" in text
+            assert f"Annotations/{image_id}.xml" in text and "target_format='dict'" in text
+        else:
+            assert torch.equal(
+                ds[i][1]["boxes"].as_subclass(torch.Tensor), _expected_boxes(image_id)
+            )
+    # a DataLoader's batch read: the same error when the batch holds one, else the targets
+    typed = [list(CASES).index(i) for i in TYPED]
+    batch = ds.__getitems__(typed)
+    for (_, target), image_id in zip(batch, TYPED):
+        assert torch.equal(target["boxes"].as_subclass(torch.Tensor), _expected_boxes(image_id))
+    with pytest.raises(SourceDataError, match=r"\(id 'no_box'\) has no tv_tensors target"):
+        ds.__getitems__([*typed, list(CASES).index("no_box")])
+    dicts = VOCSerializedDataset(untyped_packs[layout], "train", decode="none")
+    assert [t for _, t in dicts.__getitems__(range(len(CASES)))] == [
+        dicts[i][1] for i in range(len(CASES))
+    ]
+
+
+def test_the_stream_raises_too(untyped_packs: dict[str, Path]) -> None:
+    stream = VOCSerializedIterableDataset(
+        untyped_packs["shards"], "train", target_format="tv_tensors", decode="none", shuffle=False
+    )
+    with pytest.raises(SourceDataError, match="has no tv_tensors target"):
+        list(stream)
+    dicts = VOCSerializedIterableDataset(
+        untyped_packs["shards"], "train", decode="none", shuffle=False
+    )
+    loader = DataLoader(dicts, batch_size=None, num_workers=2)
+    assert len(list(loader)) == len(CASES)
+
+
+def test_schema_version_3_marks_them(untyped_packs: dict[str, Path], tmp_path: Path) -> None:
+    pack = VOCPackReader(untyped_packs["single"])
+    assert pack.meta["schema_version"] == schema.UNTYPED_SCHEMA_VERSION == 3
+    flags = pack.columns["flags"]
+    marked = [pack.id(int(r)) for r in np.flatnonzero(flags & schema.UNTYPED_OBJECTS)]
+    assert marked == UNTYPED
+    assert not pack.columns["num_objects"][flags & schema.UNTYPED_OBJECTS != 0].any()
+    # a typed-only pack stays at the version every earlier reader reads
+    typed = ts.pack_voc(devkit(tmp_path / "typed", TYPED), tmp_path / "typed.tser")
+    assert VOCPackReader(typed.path).meta["schema_version"] == schema.BASE_SCHEMA_VERSION
+    assert typed.untyped == []
+
+
+def _edited(src: Path, out: Path, edit: Any) -> Path:
+    def apply(contents: Any) -> None:
+        edit(contents.user, contents.arrays["records"])
+
+    return rebuild_pack(src, out, apply)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda user, _: user.update(schema_version=2),
+            "'schema_version'.*3 with objects without rows",
+        ),
+        (lambda _, rows: rows["num_objects"].__setitem__(1, 1), "'records.num_objects'"),
+        (lambda _, rows: rows["flags"].__setitem__(0, 1 | 64), "'records.flags'"),
+    ],
+    ids=["older-version", "rows-claimed", "unknown-flag"],
+)
+def test_readers_refuse_a_mark_they_cannot_trust(
+    untyped_packs: dict[str, Path], tmp_path: Path, edit: Any, message: str
+) -> None:
+    """A pack that marks records without saying it in its version (which a reader from
+    before would read as boxless), claims rows for them, or sets flags we do not know."""
+    bad = _edited(untyped_packs["single"], tmp_path / "bad.tser", edit)
+    with pytest.raises(FormatError, match=message):
+        VOCSerializedDataset(bad, "train")
+
+
+def test_max_size_scales_their_dict_targets(untyped_root: Path, tmp_path: Path) -> None:
+    """Their size and the coordinates that are numbers are scaled with the image, as every
+    other target's are; the words are left as they were."""
+    with pytest.warns(UntypedObjectsWarning):
+        pack = ts.pack_voc(untyped_root, tmp_path / "small.tser", max_size=20)
+    ds = VOCSerializedDataset(pack.path, "train")
+    by_id = dict(zip(ds.ids, range(len(ds))))
+    image, target = ds[by_id["text_box"]]
+    assert image.size == (20, 15)
+    annotation = target["annotation"]
+    assert annotation["size"]["width"] == "20" and annotation["size"]["height"] == "15"
+    assert annotation["object"][0]["bndbox"] == {
+        "xmin": "left",
+        "ymin": "1",
+        "xmax": "10",
+        "ymax": "12.5",
+    }
+    assert ds[by_id["no_box"]][1]["annotation"]["object"][0]["bndbox"]["xmax"] == "10"
+
+
+def test_append_adds_them_and_raises_the_version(tmp_path: Path) -> None:
+    root = devkit(tmp_path / "src", TYPED)
+    pack = ts.pack_voc(root, tmp_path / "grow", max_samples_per_shard=2).path
+    assert VOCPackReader(pack).meta["schema_version"] == schema.BASE_SCHEMA_VERSION
+    devkit(root, [*TYPED, "no_name"])
+    with pytest.warns(UntypedObjectsWarning, match="'no_name'"):
+        result = ts.append_voc(root, pack)
+    assert result.untyped == ["no_name"] and result.added == 1
+    grown = VOCPackReader(pack)
+    assert grown.meta["schema_version"] == schema.UNTYPED_SCHEMA_VERSION
+    # an append that adds none keeps the version: the records are still there
+    devkit(root, [*TYPED, "no_name", "ok_b"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntypedObjectsWarning)
+        again = ts.append_voc(root, pack)
+    assert again.untyped == []
+    assert VOCPackReader(pack).meta["schema_version"] == schema.UNTYPED_SCHEMA_VERSION
+    tv = torchvision_dataset("Main", root, "2012", "train")
+    assert_same_dataset(tv, VOCSerializedDataset(pack, "train"), "Main")
+
+
+def test_cli_pack_and_info_say_so_once(
+    untyped_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntypedObjectsWarning)  # printed, not warned as well
+        assert cli_main(["pack", str(untyped_root), str(tmp_path / "p.tser"), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert f"untyped  {len(UNTYPED)} samples ('no_box', 'text_box', 'no_name', ...)" in out
+    assert cli_main(["info", str(tmp_path / "p.tser")]) == 0
+    assert f"untyped      {len(UNTYPED)} samples" in capsys.readouterr().out
+
+
+def test_export_gives_their_files_back(
+    untyped_packs: dict[str, Path], untyped_root: Path, tmp_path: Path
+) -> None:
+    ts.export_voc(untyped_packs["shards"], tmp_path / "out")
+    for image_id in UNTYPED:
+        name = f"VOCdevkit/VOC2012/Annotations/{image_id}.xml"
+        assert (tmp_path / "out" / name).read_bytes() == (untyped_root / name).read_bytes()

@@ -8,6 +8,7 @@ sample, and only a ``tv_tensors`` target, which needs a numeric box and a name p
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from _container_helpers import pinned_identity, rebuild_pack
 from test_datasets import assert_same_dataset, assert_same_tensors, torchvision_dataset
 from torch.utils.data import DataLoader
 from torchvision.datasets import wrap_dataset_for_transforms_v2
-from vocfactory import OMIT, Sample, jpeg, obj, voc_xml, write_voc
+from vocfactory import OMIT, Raw, Sample, jpeg, obj, voc_xml, write_voc
 
 import torch_serialized as ts
 from torch_serialized import (
@@ -63,6 +64,7 @@ CASES: dict[str, tuple[Any, str]] = {
         [{"name": "dog", "bndbox": [_box(1, 2, 3, 4), _box(5, 6, 7, 8)]}],
         r"object 0 has no single <bndbox>",
     ),
+    "big_box": ([obj("dog", (1, 2, "1e39", 25))], r"<xmax> is '1e39', beyond the float32 range"),
 }
 UNTYPED = [i for i, (_, why) in CASES.items() if why]
 TYPED = [i for i, (_, why) in CASES.items() if not why]
@@ -100,12 +102,16 @@ def test_packing_says_which_samples_and_why(untyped_root: Path, tmp_path: Path) 
         result = ts.pack_voc(untyped_root, tmp_path / "one.tser")
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert f"{len(UNTYPED)} annotation(s)" in message and "'no_box'" in message
+    assert message.startswith(f"{result.path}: {len(UNTYPED)} sample(s) ('no_box', ")
     assert "Annotations/no_box.xml: object 1 has no single <bndbox>" in message.replace("\\", "/")
-    assert result.untyped == UNTYPED and result.num_samples == len(CASES)
+    assert "replace_changed=True" in message
+    assert caught[0].filename == __file__  # attributed to the caller, not to the library
+    assert list(result.untyped) == UNTYPED and result.num_samples == len(CASES)
+    for image_id in UNTYPED:
+        assert re.search(CASES[image_id][1], result.untyped[image_id])
     with pytest.warns(UntypedObjectsWarning), pinned_identity():
         two = ts.pack_voc(untyped_root, tmp_path / "two.tser", workers=2)
-    assert two.untyped == UNTYPED
+    assert two.untyped == result.untyped
     assert (tmp_path / "two.tser").read_bytes() == (tmp_path / "one.tser").read_bytes()
 
 
@@ -138,7 +144,7 @@ def test_the_wrapper_fails_where_torchvision_s_does(
     # ok_b's float box fails the wrapper's int(); it passes no_box (one box for two labels:
     # its boxes and labels no longer pair up) and odd_flag (it has no "difficult"), where our
     # tv_tensors target refuses both rather than return unpaired boxes or a guessed flag
-    assert failed == ["text_box", "no_name", "inf_box", "ok_b", "two_boxes"]
+    assert failed == ["text_box", "no_name", "inf_box", "ok_b", "two_boxes", "big_box"]
 
 
 def _expected_boxes(image_id: str) -> torch.Tensor:
@@ -203,7 +209,7 @@ def test_schema_version_3_marks_them(untyped_packs: dict[str, Path], tmp_path: P
     # a typed-only pack stays at the version every earlier reader reads
     typed = ts.pack_voc(devkit(tmp_path / "typed", TYPED), tmp_path / "typed.tser")
     assert VOCPackReader(typed.path).meta["schema_version"] == schema.BASE_SCHEMA_VERSION
-    assert typed.untyped == []
+    assert typed.untyped == {}
 
 
 def _edited(src: Path, out: Path, edit: Any) -> Path:
@@ -220,8 +226,14 @@ def _edited(src: Path, out: Path, edit: Any) -> Path:
             lambda user, _: user.update(schema_version=2),
             "'schema_version'.*3 with objects without rows",
         ),
-        (lambda _, rows: rows["num_objects"].__setitem__(1, 1), "'records.num_objects'"),
-        (lambda _, rows: rows["flags"].__setitem__(0, 1 | 64), "'records.flags'"),
+        (
+            lambda _, rows: rows["num_objects"].__setitem__(1, 1),
+            r"no objects counted for flag 8.*'1 objects in record 1'",
+        ),
+        (
+            lambda _, rows: rows["flags"].__setitem__(0, 1 | 64),
+            r"flags within 15.*'65 in record 0'",
+        ),
     ],
     ids=["older-version", "rows-claimed", "unknown-flag"],
 )
@@ -262,7 +274,7 @@ def test_append_adds_them_and_raises_the_version(tmp_path: Path) -> None:
     devkit(root, [*TYPED, "no_name"])
     with pytest.warns(UntypedObjectsWarning, match="'no_name'"):
         result = ts.append_voc(root, pack)
-    assert result.untyped == ["no_name"] and result.added == 1
+    assert list(result.untyped) == ["no_name"] and result.added == 1
     grown = VOCPackReader(pack)
     assert grown.meta["schema_version"] == schema.UNTYPED_SCHEMA_VERSION
     # an append that adds none keeps the version: the records are still there
@@ -270,7 +282,7 @@ def test_append_adds_them_and_raises_the_version(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", UntypedObjectsWarning)
         again = ts.append_voc(root, pack)
-    assert again.untyped == []
+    assert again.untyped == {}
     assert VOCPackReader(pack).meta["schema_version"] == schema.UNTYPED_SCHEMA_VERSION
     tv = torchvision_dataset("Main", root, "2012", "train")
     assert_same_dataset(tv, VOCSerializedDataset(pack, "train"), "Main")
@@ -283,9 +295,11 @@ def test_cli_pack_and_info_say_so_once(
         warnings.simplefilter("error", UntypedObjectsWarning)  # printed, not warned as well
         assert cli_main(["pack", str(untyped_root), str(tmp_path / "p.tser"), "-q"]) == 0
     out = capsys.readouterr().out
-    assert f"untyped  {len(UNTYPED)} samples ('no_box', 'text_box', 'no_name', ...)" in out
+    assert f"untyped  {len(UNTYPED)} samples ('no_box', 'text_box', 'no_name', ...) whose" in out
+    assert "The first: " in out and "object 1 has no single <bndbox>" in out
     assert cli_main(["info", str(tmp_path / "p.tser")]) == 0
-    assert f"untyped      {len(UNTYPED)} samples" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"untyped      {len(UNTYPED)} samples" in out and "untyped samples counted as 0" in out
 
 
 def test_export_gives_their_files_back(
@@ -295,3 +309,52 @@ def test_export_gives_their_files_back(
     for image_id in UNTYPED:
         name = f"VOCdevkit/VOC2012/Annotations/{image_id}.xml"
         assert (tmp_path / "out" / name).read_bytes() == (untyped_root / name).read_bytes()
+
+
+def test_a_url_pack_and_append_name_the_url(untyped_root: Path, tmp_path: Path) -> None:
+    """Packed or grown at a URL, the warning names the URL (not the temporary copy it was
+    written in, gone by then) and comes from the caller's line."""
+    url = (tmp_path / "remote.tser").as_uri()
+    with pytest.warns(UntypedObjectsWarning) as caught:
+        result = ts.pack_voc(untyped_root, url)
+    assert str(caught[0].message).startswith(f"{url}: {len(UNTYPED)} sample(s)")
+    assert caught[0].filename == __file__ and list(result.untyped) == UNTYPED
+    root = devkit(tmp_path / "src", TYPED)
+    grown = (tmp_path / "grown").as_uri()
+    ts.pack_voc(root, grown, max_samples_per_shard=2)
+    devkit(root, [*TYPED, "two_boxes"])
+    with pytest.warns(UntypedObjectsWarning) as caught:
+        appended = ts.append_voc(root, grown, cache_dir=tmp_path / "cache")
+    assert str(caught[0].message).startswith(f"{grown}: 1 sample(s) ('two_boxes')")
+    assert caught[0].filename == __file__ and list(appended.untyped) == ["two_boxes"]
+
+
+def test_the_reader_gives_no_object_rows_for_them(untyped_packs: dict[str, Path]) -> None:
+    pack = VOCPackReader(untyped_packs["single"])
+    records = {pack.id(r): r for r in range(len(pack))}
+    assert len(pack.objects(records["ok_a"])) == 2
+    with pytest.raises(SourceDataError, match=r"\(id 'no_box'\).*read its dict target"):
+        pack.objects(records["no_box"])
+
+
+def test_an_annotation_nested_too_deeply_to_store_is_refused_by_name(tmp_path: Path) -> None:
+    """Nested near Python's recursion limit, an annotation fails in the parser or in storing
+    its target: a SourceDataError naming the file either way (which ``on_error="skip"``
+    skips), never a bare RecursionError."""
+    nested = "<v>1</v>"
+    for _ in range(500):  # a dict and a list at each level
+        nested = f"<n>{nested}</n><n>x</n>"
+    deep = voc_xml("deep.jpg", 40, 30, [obj("dog", (1, 2, 20, 25), extra=Raw(nested))])
+    samples = [
+        Sample("deep", jpeg(40, 30), deep),
+        Sample(
+            "fine", jpeg(40, 30, seed=1), voc_xml("fine.jpg", 40, 30, [obj("dog", (1, 2, 3, 4))])
+        ),
+    ]
+    write_voc(tmp_path / "src", "2012", samples, {"Main": {"train": ["deep", "fine"]}})
+    with pytest.raises(
+        SourceDataError, match=r"Annotations[/\\]deep\.xml: elements are nested too deeply"
+    ):
+        ts.pack_voc(tmp_path / "src", tmp_path / "p.tser")
+    result = ts.pack_voc(tmp_path / "src", tmp_path / "p.tser", on_error="skip")
+    assert [s.id for s in result.skipped] == ["deep"] and result.num_samples == 1

@@ -26,7 +26,7 @@ import time
 import unicodedata
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -217,13 +217,14 @@ def _untyped_printed() -> Iterator[None]:
         yield
 
 
-def _print_untyped(untyped: Sequence[str]) -> None:
+def _print_untyped(untyped: Mapping[str, str]) -> None:
     if untyped:
-        ids = ", ".join(repr(i) for i in untyped[:3]) + (", ..." if len(untyped) > 3 else "")
+        ids = list(untyped)
+        named = ", ".join(repr(i) for i in ids[:3]) + (", ..." if len(ids) > 3 else "")
         print(
-            f"  untyped  {len(untyped)} samples ({ids}) have objects without a numeric box or "
-            "a name: packed as torchvision reads them; target_format='tv_tensors' raises "
-            "for them (README, Guarantees)"
+            f"  untyped  {len(ids)} samples ({named}) whose objects do not fit a tv_tensors "
+            "target: packed as torchvision reads them; target_format='tv_tensors' raises for "
+            f"them (README, Guarantees). The first: {untyped[ids[0]]}"
         )
 
 
@@ -555,7 +556,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"  image size   width {w['min']}-{w['max']}, height {h['min']}-{h['max']}; "
         f"most common {common}",
         f"  objects      {info['num_objects']}, {per['min']}-{per['max']} per image "
-        f"(mean {per['mean']})",
+        f"(mean {per['mean']})"
+        + (", untyped samples counted as 0" if info["with_untyped_objects"] else ""),
         f"  on disk      {_mb(info['bytes'])} in {len(shards)} "
         f"{'shards' if info['sharded'] else 'file'}{ratio}",
     ]

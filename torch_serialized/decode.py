@@ -342,8 +342,9 @@ class SampleDecoder:
         return SourceDataError(
             f"{self._where(record)} has no tv_tensors target: {reason} torchvision reads such "
             "an annotation but cannot make boxes of it either. Use target_format='dict' for "
-            "torchvision's dict of it, or fix the XML and append_voc the change (or leave the "
-            "id out of the image set)."
+            "torchvision's dict of it, or fix the XML and append it with "
+            "append_voc(..., replace_changed=True) (`pack --append --replace-changed`), or "
+            "leave the id out of the image set."
         )
 
     def targets(self, records: Sequence[int], data: Sequence[Buffer]) -> list[Any]:

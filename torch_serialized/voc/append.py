@@ -141,7 +141,7 @@ def append_voc(
             max_file_bytes=max_file_bytes,
             retire_all=retire_all,
         )
-        return append_to_url(
+        result = append_to_url(
             str(pack),
             local,
             compare,
@@ -149,7 +149,10 @@ def append_voc(
             cache_dir=cache_dir,
             cache_limit_bytes=cache_limit_bytes,
         )
-    return grow(pack, check_shards=True)
+    else:
+        result = grow(pack, check_shards=True)
+    warn_untyped(result)
+    return result
 
 
 def _append_local(
@@ -200,7 +203,6 @@ def _append_local(
         max_file_bytes,
     )
     write_report(report, books.skipped)
-    warn_untyped(books.untyped, path)
     replaced = [job.id for job in plan_.replaced if job.id in books.record_of]
     written = len(books.ids) - (len(old) if sharded else len(plan_.kept))  # records
     return PackResult(
@@ -218,7 +220,7 @@ def _append_local(
         retired=plan_.dropped,
         notes=plan_.notes,
         bytes_written=bytes_written,
-        untyped=[i for i, _ in books.untyped],
+        untyped=dict(books.untyped),
     )
 
 

@@ -111,10 +111,11 @@ class PackResult:
     #: temporary copies the pack was written or grown in, removed before the call returns
     #: (so open ``url``, not ``path``; the report went up as ``url + ".skipped.json"``)
     url: str | None = None
-    #: ids this write packed whose annotations hold objects the pack's object rows cannot
-    #: (an object without a numeric ``<bndbox>`` or a ``<name>``...: README, "Guarantees"): their
-    #: ``target_format="dict"`` targets are torchvision's, ``"tv_tensors"`` ones raise
-    untyped: list[str] = field(default_factory=list)
+    #: id -> why, for the ids this write packed whose annotations' objects do not fit the
+    #: pack's object rows (an object without a numeric ``<bndbox>`` or a ``<name>``...: README,
+    #: "Guarantees"): their ``target_format="dict"`` targets are torchvision's, their
+    #: ``"tv_tensors"`` ones raise
+    untyped: dict[str, str] = field(default_factory=dict)
 
     @property
     def samples_per_second(self) -> float:
@@ -207,23 +208,23 @@ def pack_voc(
     (``upload.write_then_upload``), so readers never see a partial pack and readers of an
     earlier pack at that URL keep working.
     """
+    local = functools.partial(
+        _pack_local,
+        root,
+        year=year,
+        max_samples_per_shard=max_samples_per_shard,
+        max_shard_bytes=max_shard_bytes,
+        workers=workers,
+        image_storage=image_storage,
+        max_size=max_size,
+        check_images=check_images,
+        on_error=on_error,
+        progress=progress,
+        max_file_bytes=max_file_bytes,
+        num_shards=num_shards,
+    )
     if is_url(output):
         check_writable(str(output), "pack")
-        local = functools.partial(
-            pack_voc,
-            root,
-            year=year,
-            max_samples_per_shard=max_samples_per_shard,
-            max_shard_bytes=max_shard_bytes,
-            workers=workers,
-            image_storage=image_storage,
-            max_size=max_size,
-            check_images=check_images,
-            on_error=on_error,
-            progress=progress,
-            max_file_bytes=max_file_bytes,
-            num_shards=num_shards,
-        )
         result = write_then_upload(
             str(output),
             storage_options,
@@ -231,7 +232,30 @@ def pack_voc(
             written=lambda r: r.path,
             report=lambda r: r.report,
         )
-        return dataclasses.replace(result, url=str(output))
+        result = dataclasses.replace(result, url=str(output))
+    else:
+        result = local(output)
+    warn_untyped(result)
+    return result
+
+
+def _pack_local(
+    root: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    year: str | None,
+    max_samples_per_shard: int | None,
+    max_shard_bytes: int | None,
+    num_shards: int | None,
+    workers: int,
+    image_storage: ImageStorage,
+    max_size: int | None,
+    check_images: bool,
+    on_error: Literal["raise", "skip"],
+    progress: bool,
+    max_file_bytes: int,
+) -> PackResult:
+    """``pack_voc`` to a local path (a URL's temporary copy included), without its warning."""
     check_output_name(output)
     if num_shards is not None:
         if num_shards < 1:
@@ -330,9 +354,8 @@ def pack_voc(
             voc_root=voc_root,
             added=len(books.record_of),
             bytes_written=num_bytes,
-            untyped=[i for i, _ in books.untyped],
+            untyped=dict(books.untyped),
         )
-        warn_untyped(books.untyped, path)
         # The bar's last figure is the summary's: all bytes on disk over the whole time.
         bar.set_postfix_str(rate(result.num_bytes, result.seconds), refresh=False)
     return result
@@ -380,16 +403,19 @@ def size_on_disk(path: Path) -> int:
     return read_manifest(manifest).files_bytes() + manifest.stat().st_size
 
 
-def warn_untyped(untyped: Sequence[tuple[str, str]], path: Path | str) -> None:
-    """Say, once per write, which ids were packed without object rows and why (the first)."""
-    if not untyped:
+def warn_untyped(result: PackResult) -> None:
+    """Say, once per pack or append (from the public call, naming what the user named), which
+    ids were packed without object rows, and why for the first of them."""
+    if not result.untyped:
         return
-    ids = ", ".join(repr(i) for i, _ in untyped[:5]) + (", ..." if len(untyped) > 5 else "")
+    ids = list(result.untyped)
+    named = ", ".join(repr(i) for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
     warnings.warn(
-        f"{path}: {len(untyped)} annotation(s) hold objects a tv_tensors target cannot "
-        f"(ids {ids}); the first: {untyped[0][1]} They are packed as torchvision reads "
-        "them (target_format='dict'); target_format='tv_tensors' raises for them. Fix the "
-        "XML and append to give them boxes.",
+        f"{result.url or result.path}: {len(ids)} sample(s) ({named}) have annotations whose "
+        f"objects do not fit a tv_tensors target; the first: {result.untyped[ids[0]]} They "
+        "are packed as torchvision reads them (target_format='dict'); target_format="
+        "'tv_tensors' raises for them. Fix the XML and append with replace_changed=True to "
+        "give them boxes.",
         UntypedObjectsWarning,
         stacklevel=3,
     )

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import FormatError, SourceDataError
 from ..reader import PackReader, member_of
 from . import schema
 from .classes import label_classes
@@ -111,7 +111,13 @@ class VOCPackReader:
 
     def objects(self, record: int) -> np.ndarray:
         """The ``schema.OBJECT_DTYPE`` rows of ``record``, checked: whole rows, class ids that
-        name one of the pack's classes."""
+        name one of the pack's classes. A record whose objects have no rows
+        (``schema.UNTYPED_OBJECTS``) raises ``SourceDataError`` rather than give none."""
+        if int(self.columns[record]["flags"]) & schema.UNTYPED_OBJECTS:
+            raise SourceDataError(
+                f"{self.where(record)}: its annotation's objects do not fit the object rows "
+                "(no numeric box or no name); read its dict target instead"
+            )
         data = self.field(record, schema.OBJECTS)
         if len(data) % schema.OBJECT_DTYPE.itemsize:
             raise FormatError(f"{self.where(record)}: the stored objects are not whole rows")
@@ -307,16 +313,21 @@ def _check_flags(columns: np.ndarray, meta: dict[str, Any], path: str) -> None:
     """Every record's flags known, and records whose objects have no rows (``tv_tensors``
     targets refused) marked only in packs of the version that says so, with no rows."""
     flags = columns["flags"]
-    unknown = flags & np.uint32(~schema.KNOWN_FLAGS & 0xFFFFFFFF)
-    if unknown.any():
-        raise _bad(path, "records.flags", f"flags within {schema.KNOWN_FLAGS}", int(unknown.max()))
+    unknown = np.flatnonzero(flags & np.uint32(~schema.KNOWN_FLAGS & 0xFFFFFFFF))
+    if len(unknown):
+        r = int(unknown[0])
+        found = f"{int(flags[r])} in record {r}"
+        raise _bad(path, "records", f"flags within {schema.KNOWN_FLAGS}", found)
     untyped = (flags & schema.UNTYPED_OBJECTS) != 0
     if not untyped.any():
         return
     if meta["schema_version"] < schema.UNTYPED_SCHEMA_VERSION:
         raise _bad(path, "schema_version", "3 with objects without rows", meta["schema_version"])
-    if (columns["num_objects"][untyped] != 0).any():
-        raise _bad(path, "records.num_objects", "0 where objects have no rows", "more")
+    claimed = np.flatnonzero(untyped & (columns["num_objects"] != 0))
+    if len(claimed):
+        r = int(claimed[0])
+        found = f"{int(columns['num_objects'][r])} objects in record {r}"
+        raise _bad(path, "records", "no objects counted for flag 8 (objects without rows)", found)
 
 
 def check_arrays(

@@ -292,7 +292,13 @@ def load(job: Job) -> LoadedSample:
         mask = mask and resize_mask(mask, mask_path, scale)
         object_mask = object_mask and resize_mask(object_mask, object_path, scale)
     if target is not None:
-        target_json = schema.encode_target(target)
+        try:
+            target_json = schema.encode_target(target)
+        except RecursionError:  # nested near Python's limit: parsed, but not serializable
+            raise SourceDataError(
+                f"{xml_path}: elements are nested too deeply to store (Python's recursion "
+                "limit); flatten the annotation."
+            ) from None
     payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
     digest = hashlib.sha256(image).digest() if stores_digest(job.options) else b""
     return LoadedSample(

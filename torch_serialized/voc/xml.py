@@ -28,6 +28,7 @@ __all__ = ["VOCObjects", "parse_annotation", "extract_objects"]
 # document could pass the safety check yet fail in ElementTree (or the reverse).
 _NAMESPACE_SEPARATOR = "}"
 _COORDINATES = ("xmin", "ymin", "xmax", "ymax")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Entities can only be declared, and external DTDs only named, inside <!DOCTYPE ...>. expat reads
 # ASCII-compatible encodings (it refuses others) or UTF-16, so a document without these bytes has
 # no DOCTYPE and skips the pre-pass; an undeclared entity reference is then a plain expat error.
@@ -59,8 +60,8 @@ def parse_annotation(data: bytes, *, source: str) -> dict[str, Any]:
         return {root.tag: _convert(root)}
     except RecursionError:
         raise SourceDataError(
-            f"{source}: elements are nested too deeply to convert (torchvision's recursive parser "
-            "would fail too); flatten the annotation."
+            f"{source}: elements are nested too deeply to convert (Python's recursion limit; "
+            "torchvision's recursive parser has the same limit); flatten the annotation."
         ) from None
 
 
@@ -216,6 +217,11 @@ def _box(bndbox: Any, where: str) -> list[float]:
             raise SourceDataError(
                 f"{where}: <bndbox><{key}> is {text!r}, not a finite number; "
                 "write the pixel coordinate as a number."
+            )
+        if abs(value) > _FLOAT32_MAX:  # the rows hold float32: it would be stored as inf
+            raise SourceDataError(
+                f"{where}: <bndbox><{key}> is {text!r}, beyond the float32 range of a box; "
+                "write the pixel coordinate."
             )
         coordinates.append(value)
     return coordinates

@@ -330,6 +330,34 @@ def test_append_compares_masks_of_max_size_packs_as_masks(tmp_path, monkeypatch,
     assert (result.added, result.replaced, result.retired) == (0, [], [])
 
 
+def test_touched_masks_of_a_max_size_pack_are_compared_without_packing_again(
+    tmp_path, monkeypatch
+) -> None:
+    """Every mask touched (a copy that did not keep modification times): each is compared by
+    resizing it with its image's scale, read from the image's header, instead of loading the
+    whole sample again (decoding, resizing and re-encoding its image: a re-pack's cost)."""
+    from torch_serialized.voc import changes
+
+    root = make_synthetic_voc(tmp_path / "src", 8, year="2012", segmentation_every=2)
+    path = pack_voc(root, tmp_path / "p.tser", year="2012", max_size=200).path
+    voc = root / "VOCdevkit" / "VOC2012"
+    masks = [
+        *(voc / "SegmentationClass").glob("*.png"),
+        *(voc / "SegmentationObject").glob("*.png"),
+    ]
+    assert len(masks) >= 8
+    for mask in masks:
+        os.utime(mask, ns=(1_000_000_000, 1_000_000_000))
+
+    def no_reload(job):
+        raise AssertionError(f"{job.id} was loaded again to compare its masks")
+
+    monkeypatch.setattr(changes, "load", no_reload)
+    result = append_voc(root, path)
+    assert (result.added, result.replaced, result.retired) == (0, [], [])
+    assert result.bytes_written > 0  # the touched files' statistics were recorded anew
+
+
 def test_append_to_an_empty_path_says_so_and_touches_nothing(tmp_path, source, monkeypatch):
     """``append_voc(root, "")`` said "'.' is a folder without manifest.json": ``Path("")``
     is the current folder. It now names the empty path and what to pass."""

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import SourceDataError
 from ..safeio import read_regular_file
 from . import schema
-from .images import same_mask
+from .images import image_scale, resize_mask, same_mask
 from .reader import VOCPackReader
 from .source import Job, Planned, load, reads, source_paths, stores_digest
 
@@ -224,7 +224,14 @@ def _same_content(
         # PNG bytes, which another Pillow may encode otherwise), with what packing stores
         # now; a pack from before masks were resized stored the file's own bytes
         stored = old.field(record, k)
-        return stored == data or same_mask(stored, load(job).payloads[k])
+        if stored == data:
+            return True
+        paths = source_paths(job)
+        image_path, path = paths[0], paths[k]
+        image = read_regular_file(image_path, job.max_file_bytes, "the image")
+        verdict.files_read += 1
+        scale = image_scale(image, image_path, job.options)  # its header: nothing decoded
+        return same_mask(stored, data if scale is None else resize_mask(data, path, scale))
     if k != schema.IMAGE or not stores_digest(job.options):
         return old.field(record, k) == data  # stored as the file's own bytes
     now = hashlib.sha256(data).digest()

@@ -82,9 +82,8 @@ def store_image(
     except Image.DecompressionBombError as exc:
         raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
     scale = None
-    if options.max_size and max(width, height) > options.max_size:
-        factor = options.max_size / max(width, height)
-        size = (max(1, round(width * factor)), max(1, round(height * factor)))
+    size = resized_size(width, height, options.max_size)
+    if size is not None:
         img = img.resize(size, Image.Resampling.BILINEAR, reducing_gap=3.0)
         scale = (size[0] / width, size[1] / height)
         width, height = size
@@ -95,6 +94,30 @@ def store_image(
     if options.image_storage == "raw":
         return img.tobytes(), width, height, scale
     return data, width, height, scale
+
+
+def resized_size(width: int, height: int, max_size: int | None) -> tuple[int, int] | None:
+    """The size ``max_size`` resizes an image of ``width`` x ``height`` to, or None when the
+    image is stored at its own size."""
+    if not max_size or max(width, height) <= max_size:
+        return None
+    factor = max_size / max(width, height)
+    return max(1, round(width * factor)), max(1, round(height * factor))
+
+
+def image_scale(data: bytes, path: str, options: ImageOptions) -> tuple[float, float] | None:
+    """The scale ``store_image`` resizes this image (and so its masks and boxes) by, read
+    from its header alone (nothing decoded); None when it is stored at its own size."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:  # as store_image sizes it
+            size = img.size
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise SourceDataError(
+            f"{path}: not a readable image ({pil_reason(exc)}); replace the file or remove "
+            f"its id from the lists {SKIP_HINT}"
+        ) from None
+    resized = resized_size(size[0], size[1], options.max_size)
+    return None if resized is None else (resized[0] / size[0], resized[1] / size[1])
 
 
 def check_mask(data: bytes, path: str, options: ImageOptions) -> None:

@@ -75,10 +75,7 @@ def store_image(
         if options.decodes:
             img = img.convert("RGB")  # decodes every pixel: truncated data fails here
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise SourceDataError(
-            f"{path}: not a readable image ({pil_reason(exc)}); replace the file or remove its id "
-            f"from the lists {SKIP_HINT}"
-        ) from None
+        raise _unreadable_image(path, exc) from None
     except Image.DecompressionBombError as exc:
         raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
     scale = None
@@ -112,12 +109,16 @@ def image_scale(data: bytes, path: str, options: ImageOptions) -> tuple[float, f
         with Image.open(io.BytesIO(data)) as img:  # as store_image sizes it
             size = img.size
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise SourceDataError(
-            f"{path}: not a readable image ({pil_reason(exc)}); replace the file or remove "
-            f"its id from the lists {SKIP_HINT}"
-        ) from None
+        raise _unreadable_image(path, exc) from None
     resized = resized_size(size[0], size[1], options.max_size)
     return None if resized is None else (resized[0] / size[0], resized[1] / size[1])
+
+
+def _unreadable_image(path: str, exc: Exception) -> SourceDataError:
+    return SourceDataError(
+        f"{path}: not a readable image ({pil_reason(exc)}); replace the file or remove its id "
+        f"from the lists {SKIP_HINT}"
+    )
 
 
 def check_mask(data: bytes, path: str, options: ImageOptions) -> None:

@@ -270,12 +270,6 @@ def load(job: Job) -> LoadedSample:
     if annotation is not None:
         flags |= schema.HAS_ANNOTATION
         target = parse_annotation(annotation, source=xml_path)
-        try:
-            objects = extract_objects(target, source=xml_path)
-            names = objects.names
-        except SourceDataError as exc:  # torchvision reads it: packed, without object rows
-            flags |= schema.UNTYPED_OBJECTS
-            untyped = str(exc)
     if mask is not None:
         flags |= schema.HAS_MASK
         check_mask(mask, mask_path, job.options)
@@ -284,14 +278,18 @@ def load(job: Job) -> LoadedSample:
         check_mask(object_mask, object_path, job.options)
 
     stored, width, height, scale = store_image(image, image_path, job.options)
-    if scale is not None and target is not None:
-        scale_target(target, scale, width, height)
-        if objects is not None:  # the object rows read from the scaled target: its numbers
-            objects = extract_objects(target, source=xml_path)
-    if scale is not None:  # the masks of a resized image are resized with it
+    if scale is not None:  # the target and masks of a resized image are resized with it
+        if target is not None:
+            scale_target(target, scale, width, height)
         mask = mask and resize_mask(mask, mask_path, scale)
         object_mask = object_mask and resize_mask(object_mask, object_path, scale)
     if target is not None:
+        try:  # the object rows hold the stored (scaled) target's numbers
+            objects = extract_objects(target, source=xml_path)
+            names = objects.names
+        except SourceDataError as exc:  # torchvision reads it: packed, without object rows
+            flags |= schema.UNTYPED_OBJECTS
+            untyped = str(exc)
         try:
             target_json = schema.encode_target(target)
         except RecursionError:  # nested near Python's limit: parsed, but not serializable

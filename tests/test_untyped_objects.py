@@ -244,7 +244,7 @@ def _edited(src: Path, out: Path, edit: Any) -> Path:
         ),
         (
             lambda _, rows: rows["flags"].__setitem__(0, 1 | 64),
-            r"flags within 15.*'65 in record 0'",
+            r"flags within 31.*'65 in record 0'",
         ),
     ],
     ids=["older-version", "rows-claimed", "unknown-flag"],

@@ -201,6 +201,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
     _print_untyped(result.untyped)
+    _print_unparsed(result.unparsed)
     if args.shards is not None and result.num_samples < args.shards:
         print(
             f"  note     --shards {args.shards} asked, but only {result.num_samples} samples "
@@ -225,6 +226,17 @@ def _print_untyped(untyped: Mapping[str, str]) -> None:
             f"  untyped  {len(ids)} samples ({named}) whose objects do not fit a tv_tensors "
             "target: packed as torchvision reads them; target_format='tv_tensors' raises for "
             f"them (README, Guarantees). The first: {untyped[ids[0]]}"
+        )
+
+
+def _print_unparsed(unparsed: Mapping[str, str]) -> None:
+    if unparsed:
+        ids = list(unparsed)
+        named = ", ".join(repr(i) for i in ids[:3]) + (", ..." if len(ids) > 3 else "")
+        print(
+            f"  unparsed {len(ids)} segmentation-only samples ({named}) whose annotation XML "
+            "did not parse: packed with the files' bytes and no target (VOCSegmentation never "
+            f"reads it). The first: {unparsed[ids[0]]}"
         )
 
 
@@ -375,6 +387,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
     _print_untyped(result.untyped)
+    _print_unparsed(result.unparsed)
     for note in result.notes:
         print(f"  note     {note}")
     return EXIT_OK
@@ -419,6 +432,7 @@ def _pack_info(path: str, remote: dict[str, Any]) -> dict[str, Any]:
         "with_mask": int(np.count_nonzero(flags & schema.HAS_MASK)),
         "with_object_mask": int(np.count_nonzero(flags & schema.HAS_OBJECT_MASK)),
         "with_untyped_objects": int(np.count_nonzero(flags & schema.UNTYPED_OBJECTS)),
+        "with_unparsed_annotation": int(np.count_nonzero(flags & schema.UNPARSED_ANNOTATION)),
         "image_sets": meta.get("splits", {}),
         "classes": dict(histogram.most_common()),
         "class_counts": meta.get("class_counts", {}),
@@ -579,6 +593,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
         lines.append(
             f"  untyped      {info['with_untyped_objects']} samples whose objects have no box "
             "rows (target_format='tv_tensors' raises for them)"
+        )
+    if info["with_unparsed_annotation"]:
+        lines.append(
+            f"  unparsed     {info['with_unparsed_annotation']} segmentation-only samples whose "
+            "annotation XML did not parse (stored as the files' bytes, no target)"
         )
     if info["history"]:
         lines.append("  history")

@@ -41,7 +41,8 @@ class SerializedDataset:
     retired left out).
 
     ``get_sample(i)`` returns ``{"id", "image": HWC uint8 numpy array, "target": dict}``
-    (``target`` is ``{}`` for ids without an annotation).
+    (``target`` is ``{}`` for ids without an annotation, and for ids only in segmentation
+    image sets whose annotation did not parse: ``PackResult.unparsed``).
     """
 
     def __init__(
@@ -69,7 +70,7 @@ class SerializedDataset:
         pack, decoder = self.pack, self.decoder
         flags = int(pack.columns[record]["flags"])
         target = {}
-        if flags & schema.HAS_ANNOTATION:
+        if flags & schema.HAS_ANNOTATION and not flags & schema.UNPARSED_ANNOTATION:
             target = decoder.target(record, pack.field(record, decoder.target_field))
         return {
             "id": pack.id(record),

@@ -221,6 +221,7 @@ def _append_local(
         notes=plan_.notes,
         bytes_written=bytes_written,
         untyped=dict(books.untyped),
+        unparsed=dict(books.unparsed),
     )
 
 
@@ -298,6 +299,7 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     books.source_bytes = int(sizes[sizes > 0].sum())
     flags = old.columns["flags"][chosen]
     books.base_untyped = int(np.count_nonzero(flags & schema.UNTYPED_OBJECTS))
+    books.base_unparsed = int(np.count_nonzero(flags & schema.UNPARSED_ANNOTATION))
     return books
 
 

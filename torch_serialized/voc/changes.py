@@ -114,9 +114,12 @@ def classify(
         now = _quick_stats(planned, packed, files)
         chosen = records[packed]
         stored = pairs[chosen]
-        lacks = (needs[:, 0] & (now[:, 1, 0] == schema.ABSENT)) | (
-            needs[:, 1] & (now[:, 2, 0] == schema.ABSENT)
-        )  # a file the lists require is missing: load must say so, as a full pack would
+        unparsed = (old.columns["flags"][chosen] & schema.UNPARSED_ANNOTATION) != 0
+        lacks = (
+            (needs[:, 0] & (now[:, 1, 0] == schema.ABSENT))
+            | (needs[:, 1] & (now[:, 2, 0] == schema.ABSENT))
+            | (needs[:, 0] & unparsed)
+        )  # a file the lists require is missing or unparsed: load must say so, as a pack would
         passed = (now == stored).all(axis=(1, 2)) & (now[:, 0, 0] >= 0) & ~lacks
         stats[chosen[passed]] = now[passed]
         if digests is not None and stored_digests is not None:
@@ -133,7 +136,7 @@ def classify(
         before = None if pairs is None else tuple(pairs[record].ravel().tolist())
         verdict = compare(old, record, job, before, digest)
         read += verdict.files_read
-        if verdict.changes is None:  # a required file is missing: load says it as a pack would
+        if verdict.changes is None:  # a required file is missing or unparsed: load says it
             new.append(position)
         elif verdict.changes:
             changed.append((position, job, verdict))
@@ -181,7 +184,9 @@ def compare(
     statistics at pack time (``None``: compare every file by content). A file whose size and
     time match is taken as unchanged without reading it; any other is read and compared with
     the stored bytes (or the stored digest of a transformed image). ``changes`` is ``None``
-    when a file the id needs is missing now."""
+    when the id must be loaded as if new: a file it needs is missing now, or it is now in an
+    ``ImageSets/Main`` list and its annotation, which did not parse when it was packed, is
+    unchanged (``load`` then says why it does not parse)."""
     paths = source_paths(job)
     wanted = reads(job)
     required = (True, job.needs_annotation, job.needs_mask, False)
@@ -212,6 +217,8 @@ def compare(
             verdict.changes.append(f"{name} changed size ({before[k][0]} -> {size} bytes)")
         else:
             verdict.changes.append(f"{name} changed content")
+    if not verdict.changes and job.needs_annotation and flags & schema.UNPARSED_ANNOTATION:
+        verdict.changes = None  # type: ignore[assignment]  # the same XML: load says it fails
     return verdict
 
 

@@ -116,6 +116,10 @@ class PackResult:
     #: "Guarantees"): their ``target_format="dict"`` targets are torchvision's, their
     #: ``"tv_tensors"`` ones raise
     untyped: dict[str, str] = field(default_factory=dict)
+    #: id -> why, for the ids this write packed whose annotations did not parse, all listed
+    #: only in ``ImageSets/Segmentation`` (``VOCSegmentation`` never reads their XML): stored
+    #: as the files' bytes (an export writes them back), with no target
+    unparsed: dict[str, str] = field(default_factory=dict)
 
     @property
     def samples_per_second(self) -> float:
@@ -152,12 +156,18 @@ class Books:
     #: and how many of the first records, those an append copied, are such
     untyped: list[tuple[str, str]] = field(default_factory=list)
     base_untyped: int = 0
+    #: the same for records whose annotations did not parse (``schema.UNPARSED_ANNOTATION``)
+    unparsed: list[tuple[str, str]] = field(default_factory=list)
+    base_unparsed: int = 0
 
     @property
     def schema_version(self) -> int:
         """The version the pack these books describe is written as."""
-        untyped = bool(self.untyped) or self.base_untyped > 0
-        return schema.schema_version(retired=bool(self.retired), untyped=untyped)
+        return schema.schema_version(
+            retired=bool(self.retired),
+            untyped=bool(self.untyped) or self.base_untyped > 0,
+            unparsed=bool(self.unparsed) or self.base_unparsed > 0,
+        )
 
 
 def pack_voc(
@@ -355,6 +365,7 @@ def _pack_local(
             added=len(books.record_of),
             bytes_written=num_bytes,
             untyped=dict(books.untyped),
+            unparsed=dict(books.unparsed),
         )
         # The bar's last figure is the summary's: all bytes on disk over the whole time.
         bar.set_postfix_str(rate(result.num_bytes, result.seconds), refresh=False)
@@ -493,6 +504,8 @@ def write_records(
         books.ids.append(loaded.id)
         if loaded.untyped:
             books.untyped.append((loaded.id, loaded.untyped))
+        if loaded.unparsed:
+            books.unparsed.append((loaded.id, loaded.unparsed))
         books.record_classes.append(class_ids)
         books.source_bytes += loaded.source_bytes
         books.stats.append(loaded.stats)

@@ -112,11 +112,19 @@ class VOCPackReader:
     def objects(self, record: int) -> np.ndarray:
         """The ``schema.OBJECT_DTYPE`` rows of ``record``, checked: whole rows, class ids that
         name one of the pack's classes. A record whose objects have no rows
-        (``schema.UNTYPED_OBJECTS``) raises ``SourceDataError`` rather than give none."""
-        if int(self.columns[record]["flags"]) & schema.UNTYPED_OBJECTS:
+        (``schema.UNTYPED_OBJECTS``) or whose annotation did not parse
+        (``schema.UNPARSED_ANNOTATION``) raises ``SourceDataError`` rather than give none."""
+        flags = int(self.columns[record]["flags"])
+        if flags & schema.UNTYPED_OBJECTS:
             raise SourceDataError(
                 f"{self.where(record)}: its annotation's objects do not fit the object rows "
                 "(no numeric box or no name); read its dict target instead"
+            )
+        if flags & schema.UNPARSED_ANNOTATION:
+            raise SourceDataError(
+                f"{self.where(record)}: its annotation did not parse when it was packed (the "
+                "id is only in segmentation image sets), so it has no objects; fix the XML "
+                "and append with replace_changed=True"
             )
         data = self.field(record, schema.OBJECTS)
         if len(data) % schema.OBJECT_DTYPE.itemsize:
@@ -318,6 +326,7 @@ def _check_flags(columns: np.ndarray, meta: dict[str, Any], path: str) -> None:
         r = int(unknown[0])
         found = f"{int(flags[r])} in record {r}"
         raise _bad(path, "records", f"flags within {schema.KNOWN_FLAGS}", found)
+    _check_unparsed_flags(columns, meta, path)
     untyped = (flags & schema.UNTYPED_OBJECTS) != 0
     if not untyped.any():
         return
@@ -328,6 +337,43 @@ def _check_flags(columns: np.ndarray, meta: dict[str, Any], path: str) -> None:
         r = int(claimed[0])
         found = f"{int(columns['num_objects'][r])} objects in record {r}"
         raise _bad(path, "records", "no objects counted for flag 8 (objects without rows)", found)
+
+
+def _check_unparsed_flags(columns: np.ndarray, meta: dict[str, Any], path: str) -> None:
+    """Records whose annotations did not parse marked only in packs of the version that says
+    so, each with its annotation's bytes and nothing parsed: no objects, no flag 8."""
+    flags = columns["flags"]
+    unparsed = (flags & schema.UNPARSED_ANNOTATION) != 0
+    if not unparsed.any():
+        return
+    if meta["schema_version"] < schema.UNPARSED_SCHEMA_VERSION:
+        raise _bad(path, "schema_version", "4 with unparsed annotations", meta["schema_version"])
+    wrong = unparsed & (
+        ((flags & schema.HAS_ANNOTATION) == 0)
+        | ((flags & schema.UNTYPED_OBJECTS) != 0)
+        | (columns["num_objects"] != 0)
+    )
+    if wrong.any():
+        r = int(np.flatnonzero(wrong)[0])
+        found = f"flags {int(flags[r])}, {int(columns['num_objects'][r])} objects in record {r}"
+        raise _bad(path, "records", "flag 16 (unparsed) with flag 1, no flag 8, no objects", found)
+
+
+def _check_unparsed_listed(
+    columns: np.ndarray, arrays: Mapping[str, np.ndarray], meta: dict[str, Any], path: str
+) -> None:
+    """No ``Main`` image set names a record whose annotation did not parse: its target is
+    what ``VOCDetection`` returns, and there is none."""
+    unparsed = np.flatnonzero(columns["flags"] & schema.UNPARSED_ANNOTATION)
+    if not len(unparsed):
+        return
+    for name in meta["splits"].get("Main", {}):
+        records = arrays[schema.split_array_name("Main", name)]
+        listed = np.intersect1d(records, unparsed)
+        if len(listed):
+            field = schema.split_array_name("Main", name)
+            found = f"record {int(listed[0])}"
+            raise _bad(path, field, "no record whose annotation did not parse (flag 16)", found)
 
 
 def check_arrays(
@@ -372,6 +418,7 @@ def check_arrays(
                     f"record numbers below {num_records}",
                     [int(records.min()), int(records.max())],
                 )
+    _check_unparsed_listed(columns, arrays, meta, path)
     for name, array in arrays.items():
         if name.startswith("file/") and (array.dtype != np.uint8 or array.ndim != 1):
             raise _bad(path, name, "a 1-D uint8 array", _shape(array))

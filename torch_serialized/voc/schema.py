@@ -47,6 +47,16 @@ other, its ``objects`` field is empty and ``flags`` has ``UNTYPED_OBJECTS``, so 
 ``tv_tensors`` target of it raises instead of returning no boxes. A pack holding such a
 record is written as schema version 3, which readers before it refuse rather than read
 those records as having no objects.
+
+Annotations that do not parse (schema version 4): ``VOCSegmentation`` never reads an
+id's XML, so an id listed only in ``ImageSets/Segmentation`` whose ``Annotations`` file is
+not an XML document torchvision parses (malformed, an encoding expat cannot read, entity
+declarations we refuse to expand, nesting too deep to store) is packed all the same: its
+``annotation`` field holds the file's bytes (``HAS_ANNOTATION``, so an export writes it
+back), its ``target`` and ``objects`` fields are empty and ``flags`` has
+``UNPARSED_ANNOTATION``. No ``split/Main/*`` list may name such a record. A pack holding one
+is written as schema version 4, which readers before it refuse rather than look for a target
+that is not there.
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ __all__ = [
     "HAS_MASK",
     "HAS_OBJECT_MASK",
     "UNTYPED_OBJECTS",
+    "UNPARSED_ANNOTATION",
     "KNOWN_FLAGS",
     "schema_version",
     "split_array_name",
@@ -87,17 +98,20 @@ __all__ = [
     "OBJECT_CLASSES_ARRAY",
     "RETIRED_SCHEMA_VERSION",
     "UNTYPED_SCHEMA_VERSION",
+    "UNPARSED_SCHEMA_VERSION",
     "BASE_SCHEMA_VERSION",
 ]
 
 SCHEMA = "voc"
 #: The newest schema version read; a pack is written as the lowest version that holds it
 #: (``schema_version``), so older readers read every pack they can read correctly.
-SCHEMA_VERSION = 3
-#: Packs without retired records or objects without rows (what torch_serialized 0.1.0 reads).
+SCHEMA_VERSION = 4
+#: Packs without retired records, objects without rows or unparsed annotations (what
+#: torch_serialized 0.1.0 reads).
 BASE_SCHEMA_VERSION = 1
 RETIRED_SCHEMA_VERSION = 2
 UNTYPED_SCHEMA_VERSION = 3
+UNPARSED_SCHEMA_VERSION = 4
 
 SOURCE_STATS_VERSION = 1
 #: The source files of a record whose statistics are kept, in ``source/*`` column order.
@@ -125,7 +139,10 @@ HAS_MASK = 2
 HAS_OBJECT_MASK = 4
 #: the annotation's objects have no ``objects`` rows (see the module docstring)
 UNTYPED_OBJECTS = 8
-KNOWN_FLAGS = HAS_ANNOTATION | HAS_MASK | HAS_OBJECT_MASK | UNTYPED_OBJECTS
+#: the annotation's bytes are stored but did not parse: no target, no objects (see the
+#: module docstring); always with ``HAS_ANNOTATION``, never in a ``Main`` image set
+UNPARSED_ANNOTATION = 16
+KNOWN_FLAGS = HAS_ANNOTATION | HAS_MASK | HAS_OBJECT_MASK | UNTYPED_OBJECTS | UNPARSED_ANNOTATION
 
 #: One row per object; ``class_id`` indexes the pack's ``classes`` list (its metadata).
 OBJECT_DTYPE = np.dtype(
@@ -139,8 +156,10 @@ OBJECT_DTYPE = np.dtype(
 )
 
 
-def schema_version(*, retired: bool, untyped: bool) -> int:
+def schema_version(*, retired: bool, untyped: bool, unparsed: bool) -> int:
     """The version a pack is written as: the lowest whose readers read all of it."""
+    if unparsed:
+        return UNPARSED_SCHEMA_VERSION
     if untyped:
         return UNTYPED_SCHEMA_VERSION
     return RETIRED_SCHEMA_VERSION if retired else BASE_SCHEMA_VERSION

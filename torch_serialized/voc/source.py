@@ -88,6 +88,8 @@ class LoadedSample:
     digest: bytes = b""
     #: why the annotation's objects have no rows (``schema.UNTYPED_OBJECTS``), else empty
     untyped: str = ""
+    #: why the annotation did not parse (``schema.UNPARSED_ANNOTATION``), else empty
+    unparsed: str = ""
 
 
 def plan(
@@ -267,9 +269,13 @@ def load(job: Job) -> LoadedSample:
     flags = 0
     target: dict[str, Any] | None = None
     untyped = ""
+    unparsed = ""
     if annotation is not None:
         flags |= schema.HAS_ANNOTATION
-        target = parse_annotation(annotation, source=xml_path)
+        try:
+            target = parse_annotation(annotation, source=xml_path)
+        except SourceDataError as exc:
+            unparsed = _unparsed(exc, job)
     if mask is not None:
         flags |= schema.HAS_MASK
         check_mask(mask, mask_path, job.options)
@@ -284,19 +290,28 @@ def load(job: Job) -> LoadedSample:
         mask = mask and resize_mask(mask, mask_path, scale)
         object_mask = object_mask and resize_mask(object_mask, object_path, scale)
     if target is not None:
+        try:
+            target_json = schema.encode_target(target)
+        except RecursionError:  # nested near Python's limit: parsed, but not serializable
+            target, unparsed = (
+                None,
+                _unparsed(
+                    SourceDataError(
+                        f"{xml_path}: elements are nested too deeply to store (Python's recursion "
+                        "limit); flatten the annotation."
+                    ),
+                    job,
+                ),
+            )
+    if target is not None:
         try:  # the object rows hold the stored (scaled) target's numbers
             objects = extract_objects(target, source=xml_path)
             names = objects.names
         except SourceDataError as exc:  # torchvision reads it: packed, without object rows
             flags |= schema.UNTYPED_OBJECTS
             untyped = str(exc)
-        try:
-            target_json = schema.encode_target(target)
-        except RecursionError:  # nested near Python's limit: parsed, but not serializable
-            raise SourceDataError(
-                f"{xml_path}: elements are nested too deeply to store (Python's recursion "
-                "limit); flatten the annotation."
-            ) from None
+    if unparsed:
+        flags |= schema.UNPARSED_ANNOTATION
     payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
     digest = hashlib.sha256(image).digest() if stores_digest(job.options) else b""
     return LoadedSample(
@@ -311,7 +326,17 @@ def load(job: Job) -> LoadedSample:
         tuple(x for pair in stats for x in pair),
         digest,
         untyped,
+        unparsed,
     )
+
+
+def _unparsed(error: SourceDataError, job: Job) -> str:
+    """Why ``job``'s annotation did not parse, for an id that needs no target (listed only in
+    ``ImageSets/Segmentation``: ``VOCSegmentation`` never reads its XML, so the id is packed
+    with the file's bytes and no target); ``error`` itself for any other id."""
+    if job.needs_annotation:
+        raise error from None
+    return str(error)
 
 
 def _read(path: str, job: Job, what: str, stats: list[tuple[int, int]], k: int) -> bytes:

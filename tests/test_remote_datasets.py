@@ -223,6 +223,19 @@ def test_a_damaged_shard_on_the_server_downloads_twice_then_raises(
     assert not [p for p in Path(ds.pack.path).iterdir() if p.name == name or "partial" in p.name]
 
 
+def test_messages_about_a_pack_at_a_url_name_the_url(served: Remote, tmp_path: Path) -> None:
+    """The user gave a URL: a message names it, never the cache file it was copied to."""
+    opened = {"storage_options": served.storage_options, "cache_dir": tmp_path}
+    with pytest.raises(ValueError, match="image_set 'nope' is not in ") as info:
+        ts.VOCSerializedDataset(served.url, "nope", **opened)
+    assert served.url in str(info.value) and str(tmp_path) not in str(info.value)
+    ds = ts.VOCSerializedDataset(served.url, "trainval", **opened)
+    with pytest.raises(IndexError) as info:
+        ds[len(ds)]
+    assert f"of {served.url} has {len(ds)} samples" in str(info.value)
+    assert ds.pack.where(0).startswith(f"{served.url}: record 0 (id ")  # per-sample errors
+
+
 def test_a_missing_pack_names_the_url_and_what_to_check(remote: Remote, tmp_path: Path) -> None:
     with pytest.raises(RemoteNotFoundError) as info:
         ts.VOCSerializedDataset(

@@ -19,7 +19,7 @@ from torch_serialized import (
     export_voc,
 )
 from torch_serialized.cli import main
-from torch_serialized.errors import FormatError
+from torch_serialized.errors import FormatError, UnsupportedVersionError
 from torch_serialized.voc import schema
 from torch_serialized.voc.classes import label_classes
 from torch_serialized.voc.reader import VOCPackReader
@@ -85,17 +85,23 @@ def test_a_forged_minimal_pack_opens(tmp_path: Path) -> None:
         (schema.FIELDS, {"schema": None}, "not a VOC pack"),
         (schema.FIELDS, {"schema": "coco"}, "not a VOC pack"),
         (schema.FIELDS, {"schema_version": schema.SCHEMA_VERSION + 1}, "newer than this"),
-        (schema.FIELDS, {"schema_version": "1"}, "VOC schema version"),
-        (("image", "target"), {}, "unexpected fields"),
+        (schema.FIELDS, {"schema_version": "1"}, r"'schema_version'.*an integer from 1.*'1'"),
+        (schema.FIELDS, {"schema_version": 0}, r"'schema_version'.*an integer from 1.*found 0"),
+        (schema.FIELDS, {"schema_version": -1}, r"'schema_version'.*found -1; .*re-pack it"),
+        (("image", "target"), {}, r"'fields'.*expected \['image', 'annotation'"),
     ],
 )
 def test_what_is_not_a_voc_pack_is_refused(
     tmp_path: Path, fields: tuple[str, ...], user: dict[str, Any], message: str
 ) -> None:
+    """Only a version above ours says "upgrade" (``UnsupportedVersionError``); any other
+    value is damage, never a reason to upgrade."""
     path = forge(tmp_path / "x.tser", fields, **user)
     with pytest.raises(FormatError, match=message) as info:
         VOCPackReader(path)
     assert str(path) in str(info.value)
+    newer = isinstance(info.value, UnsupportedVersionError)
+    assert newer == ("upgrade" in str(info.value)) == (message == "newer than this")
 
 
 def _member_file(folder: Path, member: str) -> Path:

@@ -66,7 +66,7 @@ def open_split(
     )
     if year is not None and str(year) != pack.year:
         raise ValueError(
-            f"{pack.path} holds VOC{pack.year}, not VOC{year}; pass that pack's "
+            f"{pack.name} holds VOC{pack.year}, not VOC{year}; pass that pack's "
             "year (or none: the pack knows it)"
         )
     records = pack.split(task, image_set)
@@ -203,7 +203,7 @@ class _PackedVOCBase:
         n = len(self)
         return IndexError(
             f"{name} index {index} is out of range: image set {self.image_set!r} of "
-            f"{self.pack.path} has {n} samples (0 to {n - 1}, or -{n} to -1)"
+            f"{self.pack.name} has {n} samples (0 to {n - 1}, or -{n} to -1)"
         )
 
     @property

@@ -139,7 +139,7 @@ class SampleDecoder:
             unknown = sorted(n for n in present if n not in position)
             if unknown:
                 raise ValueError(
-                    f"{pack.path}: classes {unknown} of {split_key} are not in the label list; "
+                    f"{pack.name}: classes {unknown} of {split_key} are not in the label list; "
                     "pass classes='packed' or a list of class names including them"
                 )
 

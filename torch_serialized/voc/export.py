@@ -76,12 +76,12 @@ def export_voc(
     )
     if pack.image_storage != "original" or pack.meta.get("max_size") is not None:
         raise ValueError(
-            f"{pack.path} was packed with image_storage={pack.image_storage!r} and "
+            f"{pack.name} was packed with image_storage={pack.image_storage!r} and "
             f"max_size={pack.meta.get('max_size')!r}: its images are not the original files, "
             "so it cannot be exported byte for byte; export a pack made with the defaults"
         )
     out_root = Path(out_root)
-    base = _safe_parts(pack.base_dir, f"{pack.path}: base_dir")
+    base = _safe_parts(pack.base_dir, f"{pack.name}: base_dir")
     final = out_root.joinpath(*base)
     plan = list(_plan(pack, pack.files()))
     with _Tree(out_root, out_root) as existing:
@@ -306,7 +306,7 @@ def _plan(
     seen: set[str] = set()
     for record in pack.live.tolist():  # a record an append retired is not in the devkit
         image_id = pack.id(record)
-        where = f"{pack.path}: record {record} id {image_id!r}"
+        where = f"{pack.name}: record {record} id {image_id!r}"
         _check_id(image_id, where)
         if image_id in seen:
             raise FormatError(f"{where}: the id is stored twice; the pack is damaged, re-pack it")
@@ -315,10 +315,10 @@ def _plan(
             if flag == 0 or int(flags[record]) & flag:
                 yield (folder,), f"{image_id}{ext}", record, field, None
     for name in sorted(files):
-        parts = _safe_parts(name, f"{pack.path}: stored list file {name!r}")
+        parts = _safe_parts(name, f"{pack.name}: stored list file {name!r}")
         if parts[0] != "ImageSets" or len(parts) < 2:
             raise FormatError(
-                f"{pack.path}: stored list file {name!r} is not under ImageSets/; refusing to "
+                f"{pack.name}: stored list file {name!r} is not under ImageSets/; refusing to "
                 "write it (the pack was not made by pack_voc, or is damaged)"
             )
         yield parts[:-1], parts[-1], -1, -1, files[name]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, SourceDataError
+from ..errors import FormatError, SourceDataError, UnsupportedVersionError
 from ..reader import PackReader, member_of
 from . import schema
 from .classes import label_classes
@@ -61,7 +61,13 @@ class VOCPackReader:
 
     @property
     def path(self) -> str:
+        """The local file or folder read: a URL's cached copy for a remote pack."""
         return self.reader.path
+
+    @property
+    def name(self) -> str:
+        """What the user opened, for messages: the URL of a remote pack, else ``path``."""
+        return self.reader.url or self.reader.path
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -91,7 +97,7 @@ class VOCPackReader:
         if name not in arrays:
             folder = "Main" if task == "Main" else "Segmentation"
             raise ValueError(
-                f"image_set {image_set!r} is not in {self.path} (ImageSets/{folder} had "
+                f"image_set {image_set!r} is not in {self.name} (ImageSets/{folder} had "
                 f"{self.image_sets(task) or 'no lists'}); pick one of those or re-pack"
             )
         return arrays[name]
@@ -128,7 +134,9 @@ class VOCPackReader:
             )
         data = self.field(record, schema.OBJECTS)
         if len(data) % schema.OBJECT_DTYPE.itemsize:
-            raise FormatError(f"{self.where(record)}: the stored objects are not whole rows")
+            raise FormatError(
+                f"{self.where(record)}: the stored objects are not whole rows; re-pack it"
+            )
         rows = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
         ids = rows["class_id"]
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(self.classes)):
@@ -155,14 +163,14 @@ class VOCPackReader:
                 or int(counts.sum()) != len(stored)
             ):
                 raise FormatError(
-                    f"{self.path}: {schema.OBJECT_CLASSES_ARRAY} is not one integer class id "
+                    f"{self.name}: {schema.OBJECT_CLASSES_ARRAY} is not one integer class id "
                     f"per stored object ({len(stored)} {stored.dtype} values, "
                     f"{int(counts.sum())} objects counted by the records); re-pack it"
                 )
             classes = stored.astype(np.int64)
         if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= len(self.classes)):
             raise FormatError(
-                f"{self.path}: a stored object names a class the pack does not have; re-pack it"
+                f"{self.name}: a stored object names a class the pack does not have; re-pack it"
             )
         return classes, counts
 
@@ -178,14 +186,14 @@ class VOCPackReader:
         sizes = np.concatenate(lengths).astype(np.int64) if lengths else np.empty(0, np.int64)
         if np.any(sizes % size):
             raise FormatError(
-                f"{self.path}: a record's stored objects are not whole rows; re-pack it"
+                f"{self.name}: a record's stored objects are not whole rows; re-pack it"
             )
         rows = np.frombuffer(b"".join(parts), dtype=schema.OBJECT_DTYPE)
         return rows["class_id"].astype(np.int64), sizes // size
 
     def where(self, record: int) -> str:
         """``"<pack>: record 5 (id '2008_000123')"``, for messages about one record."""
-        return f"{self.path}: record {record} (id {self.id(record)!r})"
+        return f"{self.name}: record {record} (id {self.id(record)!r})"
 
     def field(self, record: int, k: int) -> memoryview:
         return self.reader.field(record, k)
@@ -210,22 +218,25 @@ def check_voc_pack(reader: PackReader) -> dict[str, Any]:
         member = member_of(where, reader.binding)
         if member is not None:
             raise FormatError(f"{where} is {member}, not a pack by itself; {member.advice}")
+    name = reader.url or reader.path
     meta = reader.user
     if meta.get("schema") != schema.SCHEMA:
         raise FormatError(
-            f"{reader.path} is a torch_serialized file but not a VOC pack "
+            f"{name} is a torch_serialized file but not a VOC pack "
             f"(schema {meta.get('schema')!r}); pack it with torch_serialized.pack_voc"
         )
     version = meta.get("schema_version")
-    if type(version) is not int or not 1 <= version <= schema.SCHEMA_VERSION:
-        raise FormatError(
-            f"{reader.path}: VOC schema version {version!r} is newer than this "
-            f"torch_serialized reads ({schema.SCHEMA_VERSION}); upgrade torch_serialized"
+    if type(version) is int and version > schema.SCHEMA_VERSION:
+        raise UnsupportedVersionError(
+            f"{name}: VOC schema version {version} is newer than this torch_serialized reads "
+            f"({schema.SCHEMA_VERSION}); upgrade torch_serialized"
         )
+    if type(version) is not int or version < 1:
+        raise _bad(name, "schema_version", f"an integer from 1 to {schema.SCHEMA_VERSION}", version)
     if tuple(reader.fields) != schema.FIELDS:
-        raise FormatError(f"{reader.path}: unexpected fields {reader.fields}")
-    check_metadata(meta, len(reader), reader.path)
-    check_arrays(reader.arrays(), meta, len(reader), reader.path)
+        raise _bad(name, "fields", repr(list(schema.FIELDS)), list(reader.fields))
+    check_metadata(meta, len(reader), name)
+    check_arrays(reader.arrays(), meta, len(reader), name)
     return meta
 
 

@@ -1,15 +1,16 @@
 """The ``torch-serialized`` command line (also ``python -m torch_serialized``).
 
 A thin layer over the public API: ``pack`` (``pack_voc``; ``append_voc`` with ``--append``),
-``info`` and ``verify`` (the reader), ``export`` (``export_voc``), ``bench``
+``info`` and ``verify`` (the reader), ``export`` (``export_voc``), ``cache`` (``list_cache``,
+``clear_cache``), ``prune`` (``prune_remote``), ``bench``
 (``torch_serialized.tools.run_benchmark``) and ``demo`` (``torch_serialized.tools.run_demo``);
 this is the only module of the library that imports ``tools``. Errors of torch_serialized,
 bad paths and bad values print one line on stderr and exit with status 2 (``--debug`` shows
 the traceback instead); ``verify`` exits 1 when it finds damage.
 """
 
-# More than 400 lines: one function per command plus the one argument parser, kept together
-# so a command's options sit beside the code that uses them.
+# More than 400 lines: one function per command, then the one argument parser (``_parser``)
+# holding every command's options, so the whole command line reads in one file.
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from .errors import ChecksumError, FormatError, TorchSerializedError, UntypedObj
 from .safeio import DEFAULT_MAX_FILE_BYTES
 
 if TYPE_CHECKING:
-    from .reader import Member
+    from .reader import Member, PackReader
 
 __all__ = ["main", "parse_size"]
 
@@ -681,7 +682,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_DAMAGED
 
 
-def _damaged_records(path: str, reader: Any, bad: list[int], remote: dict[str, Any]) -> list[str]:
+def _damaged_records(
+    path: str, reader: PackReader, bad: list[int], remote: dict[str, Any]
+) -> list[str]:
     """One line per damaged record: its id when the pack is a readable VOC pack, its shard,
     and the fields that fail their checksum."""
     from .reader import PackReader

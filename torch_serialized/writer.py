@@ -31,7 +31,6 @@ __all__ = [
     "PackWriter",
     "Payload",
     "CREATED_BY",
-    "is_pack",
     "replace_refusal",
     "member_refusal",
     "check_output_name",
@@ -304,11 +303,6 @@ def _not_a_pack(path: Path) -> str | None:
     except (OSError, ValueError):
         return "is not a torch_serialized file"
     return None
-
-
-def is_pack(path: Path) -> bool:
-    """Whether ``path`` holds a pack this package wrote (see ``replace_refusal``)."""
-    return os.path.lexists(path) and replace_refusal(path) is None
 
 
 class PackWriter:

@@ -272,7 +272,7 @@ def _sort_source(
     voc_root, found_year = find_voc_root(root, year if year is not None else old.year)
     if found_year != old.year:
         raise ValueError(
-            f"{voc_root} is VOC{found_year} but {old.path} holds VOC{old.year}; append the "
+            f"{voc_root} is VOC{found_year} but {old.name} holds VOC{old.year}; append the "
             "same year's devkit (or pack it into another pack)"
         )
     checks = bool(old.meta.get("options", {}).get("check_images"))
@@ -304,7 +304,11 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
 
 
 def _metadata(
-    old: VOCPackReader, books: Books, plan: Plan, splits: Any, counts: Any
+    old: VOCPackReader,
+    books: Books,
+    plan: Plan,
+    splits: Mapping[str, Mapping[str, int]],
+    counts: Mapping[str, Mapping[str, int]],
 ) -> dict[str, Any]:
     """The old pack's metadata brought up to date, with this append in its history."""
     meta = dict(old.meta)
@@ -351,7 +355,7 @@ def _grow_shards(
     old: VOCPackReader,
     plan: Plan,
     voc_root: Path,
-    image_sets: Any,
+    image_sets: Mapping[str, Mapping[str, Sequence[str]]],
     skip: bool,
     progress: bool,
     started: float,
@@ -417,7 +421,7 @@ def _rewrite_file(
     old: VOCPackReader,
     plan: Plan,
     voc_root: Path,
-    image_sets: Any,
+    image_sets: Mapping[str, Mapping[str, Sequence[str]]],
     skip: bool,
     progress: bool,
     started: float,

@@ -43,13 +43,15 @@ _ABSENT = (schema.ABSENT, 0)
 @dataclass
 class Verdict:
     """What ``compare`` found for one packed id: the files that changed (empty: unchanged),
-    the files' statistics now, the source image's digest where one is kept, and how many files
-    were read to find out."""
+    the files' statistics now, the source image's digest where one is kept, how many files
+    were read to find out, and whether the id must be loaded as if new instead (``load`` then
+    raises, naming the file, as a full pack would)."""
 
     changes: list[str]
     stats: Stats
     digest: bytes
     files_read: int = 0
+    reload: bool = False
 
 
 @dataclass
@@ -98,7 +100,7 @@ def classify(
     packed = np.flatnonzero(records >= 0)
     if live and not len(packed) and not retire_all:
         raise SourceDataError(
-            f"{planned.voc_root}: none of the {len(live)} ids of {old.path} is in this "
+            f"{planned.voc_root}: none of the {len(live)} ids of {old.name} is in this "
             "folder's image sets, so appending would retire every sample of the pack. Check "
             "that this is the folder the pack was made from; if the pack should now hold only "
             "this folder's samples, pass retire_all=True (`--retire-all`), or pack it anew"
@@ -136,7 +138,7 @@ def classify(
         before = None if pairs is None else tuple(pairs[record].ravel().tolist())
         verdict = compare(old, record, job, before, digest)
         read += verdict.files_read
-        if verdict.changes is None:  # a required file is missing or unparsed: load says it
+        if verdict.reload:  # a required file is missing or unparsed: load says it
             new.append(position)
         elif verdict.changes:
             changed.append((position, job, verdict))
@@ -148,12 +150,12 @@ def classify(
                     digests = np.zeros((len(old), 32), dtype=np.uint8)
                 digests[record] = np.frombuffer(verdict.digest, dtype=np.uint8)
     if changed and not replace:
-        raise SourceDataError(_changed_message(old.path, [(j, v) for _, j, v in changed]))
+        raise SourceDataError(_changed_message(old.name, [(j, v) for _, j, v in changed]))
     listed = set(planned.ids)
     notes = []
     if not has_stats:
         notes.append(
-            f"{old.path} was packed before source statistics were kept: every packed id was "
+            f"{old.name} was packed before source statistics were kept: every packed id was "
             f"compared by content ({read} files read); they are recorded now, so the next "
             "append compares sizes and times only"
         )
@@ -183,10 +185,9 @@ def compare(
     """Whether the source files of ``job`` are what ``record`` holds. ``stored``: their
     statistics at pack time (``None``: compare every file by content). A file whose size and
     time match is taken as unchanged without reading it; any other is read and compared with
-    the stored bytes (or the stored digest of a transformed image). ``changes`` is ``None``
-    when the id must be loaded as if new: a file it needs is missing now, or it is now in an
-    ``ImageSets/Main`` list and its annotation, which did not parse when it was packed, is
-    unchanged (``load`` then says why it does not parse)."""
+    the stored bytes (or the stored digest of a transformed image). ``reload`` is set when a
+    file the id needs is missing now, or when the id is now in an ``ImageSets/Main`` list and
+    its annotation, which did not parse when it was packed, is unchanged."""
     paths = source_paths(job)
     wanted = reads(job)
     required = (True, job.needs_annotation, job.needs_mask, False)
@@ -196,7 +197,7 @@ def compare(
     before = [stored[2 * k : 2 * k + 2] for k in range(len(now))] if stored else None
     for k, (path, (size, _)) in enumerate(zip(paths, now)):
         if size == schema.ABSENT and required[k]:
-            verdict.changes = None  # type: ignore[assignment]
+            verdict.reload = True
             return verdict
         if before is not None and before[k] == now[k]:
             continue
@@ -218,7 +219,7 @@ def compare(
         else:
             verdict.changes.append(f"{name} changed content")
     if not verdict.changes and job.needs_annotation and flags & schema.UNPARSED_ANNOTATION:
-        verdict.changes = None  # type: ignore[assignment]  # the same XML: load says it fails
+        verdict.reload = True
     return verdict
 
 

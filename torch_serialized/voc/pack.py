@@ -32,7 +32,6 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import format as fmt
-from .._version import __version__
 from ..atomic import replace_file
 from ..errors import SourceDataError, UntypedObjectsWarning, WriteError
 from ..parallel import Record, Spilled, SpillPool, pays_off
@@ -40,7 +39,7 @@ from ..reader import read_manifest
 from ..remote import is_url
 from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
 from ..upload import check_writable, write_then_upload
-from ..writer import PackWriter, check_output_name
+from ..writer import CREATED_BY, PackWriter, check_output_name
 from . import schema
 from .images import ImageOptions
 from .layout import base_dir, find_voc_root, image_set_files, read_image_sets
@@ -344,7 +343,7 @@ def _pack_local(
                 },
                 "source_bytes": books.source_bytes,
                 "skipped": [{"id": s.id, "reason": s.reason} for s in books.skipped],
-                "packed_by": f"torch_serialized {__version__}",
+                "packed_by": CREATED_BY,
                 "source_stats": schema.SOURCE_STATS_VERSION,
                 "history": [history_entry("pack", len(books.record_of), len(books.record_of))],
             }
@@ -390,7 +389,7 @@ def history_entry(
         "added": added,
         "replaced": replaced,
         "retired": retired,
-        "by": f"torch_serialized {__version__}",
+        "by": CREATED_BY,
     }
 
 

@@ -123,10 +123,6 @@ class Store:
             yield split(value)
 
 
-def getter(store: Store) -> Callable[[int], Any]:
-    return store.get
-
-
 def count_in_order(path: Path, order: Sequence[int]) -> int:
     """Open the store and read ``order`` (the cold-cache runs: opening included)."""
     store = Store(path)

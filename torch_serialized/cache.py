@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CacheLimitWarning
-from .remote import redact_url
+from .remote import PerProcess, redact_url
 
 __all__ = [
     "CACHE_ENV",
@@ -344,7 +344,7 @@ class Cache:
             warnings.warn(CacheLimitWarning(message), stacklevel=5)
 
 
-class PackCache:
+class PackCache(PerProcess):
     """The cached objects of one pack; get them with :meth:`fetch`.
 
     Thread-safe. After a fork the child holds nothing (the parent keeps its locks); pickling
@@ -358,22 +358,14 @@ class PackCache:
         self.directory = cache.directory / _LAYOUT / pack_key(url, identity)
         self._reset()
 
+    _PER_PROCESS = ("_pid", "_mutex", "_held", "_finalizer")
+
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._mutex = threading.Lock()
         self._held: dict[str, int] = {}
         # Close what is still held when this object goes away, even without close().
         self._finalizer = weakref.finalize(self, _close_all, self._held)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_pid", "_mutex", "_held", "_finalizer"):
-            state.pop(name)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
 
     def __repr__(self) -> str:
         return f"PackCache({str(self.directory)!r})"

@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from .errors import ChecksumError, RemoteAccessError, RemoteError, RemoteNotFoundError
@@ -476,7 +476,37 @@ def digest_verifier(expected: str, algorithm: str = "sha256") -> Callable[[Path]
 # --------------------------------------------------------------------------- the store
 
 
-class RemoteStore:
+class PerProcess:
+    """Instances that hold things of the process using them: locks, thread pools, open
+    descriptors, and ``_pid``, the process they were made in.
+
+    ``_reset`` makes exactly the attributes ``_PER_PROCESS`` names (tests/test_per_process.py
+    checks each subclass): pickling drops those names and unpickling calls ``_reset``, so a
+    spawned DataLoader worker makes its own; ``_check_fork`` calls it in a forked child.
+    """
+
+    _PER_PROCESS: ClassVar[tuple[str, ...]] = ("_pid",)
+    _pid: int
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            self._reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._PER_PROCESS:
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+
+class RemoteStore(PerProcess):
     """A pack location at a URL: reads, downloads and uploads objects below it, with retries.
 
     ``key`` arguments are paths relative to ``url`` (``"manifest.json"``); ``""`` is ``url``
@@ -506,6 +536,8 @@ class RemoteStore:
         self.max_concurrency = max_concurrency
         self._reset()
 
+    _PER_PROCESS = ("_pid", "_lock", "_fs", "_root", "_ranges_ok", "_rng")
+
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -513,16 +545,6 @@ class RemoteStore:
         self._root = ""
         self._ranges_ok: bool | None = None
         self._rng = random.Random()  # never the global RNG: the user's seeds stay untouched
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_pid", "_lock", "_fs", "_root", "_ranges_ok", "_rng"):
-            state.pop(name)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
 
     def __repr__(self) -> str:
         return f"RemoteStore({redact_url(self.url)!r})"
@@ -536,8 +558,7 @@ class RemoteStore:
     @property
     def fs(self) -> Any:
         """The fsspec filesystem, opened on first use in this process."""
-        if self._pid != os.getpid():
-            self._reset()  # a forked child: the parent's event loop and sessions are unusable
+        self._check_fork()  # a forked child: the parent's event loop and sessions are unusable
         with self._lock:
             if self._fs is None:
                 self._fs, self._root = self._open()

@@ -35,6 +35,7 @@ from .format import FILE_SUFFIX, MANIFEST_NAME
 from .remote import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,
+    PerProcess,
     RemoteStore,
     RetryPolicy,
     redact_url,
@@ -231,7 +232,7 @@ def local_file_identity(path: str | os.PathLike[str]) -> str:
         return file_identity(size, f.read())
 
 
-class RemotePack:
+class RemotePack(PerProcess):
     """A remote pack and its cache. Build it with :func:`resolve`.
 
     ``path`` is what a reader opens: the cache folder holding ``manifest.json`` (shards appear in
@@ -257,21 +258,13 @@ class RemotePack:
         self.prefetch_threads = prefetch_threads
         self._reset()
 
-    def _reset(self) -> None:
+    _PER_PROCESS = ("_pid", "_mutex", "_pool", "_pending")
+
+    def _reset(self) -> None:  # also in a forked child: the parent's threads do not exist there
         self._pid = os.getpid()
         self._mutex = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[Path]] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_pid", "_mutex", "_pool", "_pending"):
-            state.pop(name)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
 
     def __repr__(self) -> str:
         return f"RemotePack({self.store.url_of()!r}, cache={str(self.cache.directory)!r})"
@@ -290,10 +283,6 @@ class RemotePack:
     def identity(self) -> str:
         """sha256 of the manifest (a shard folder) or of the size and footer (a single file)."""
         return self.cache.identity
-
-    def _check_fork(self) -> None:
-        if self._pid != os.getpid():
-            self._reset()  # the parent's threads do not exist here
 
     def fetch_shard(
         self,

@@ -236,6 +236,26 @@ def test_messages_about_a_pack_at_a_url_name_the_url(served: Remote, tmp_path: P
     assert ds.pack.where(0).startswith(f"{served.url}: record 0 (id ")  # per-sample errors
 
 
+@ONE_SERVER
+def test_a_damaged_single_file_pack_on_the_server_downloads_twice_then_raises(
+    remote: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    single = stream_packs["single"]
+    data = bytearray(single.read_bytes())
+    data[4096] ^= 0xFF  # a record's byte: size and footer still match
+    remote.put(single.name, bytes(data))
+    with pytest.raises(ChecksumError, match="the file on the server is damaged") as info:
+        open_pack(
+            f"{remote.url}/{single.name}",
+            storage_options=remote.storage_options,
+            cache_dir=tmp_path,
+        )
+    assert single.name in str(info.value)
+    # its footer, the file twice, its footer again (not replaced meanwhile: damaged)
+    assert remote.proxy.count("GET", remote.path(single.name)) == 4
+    assert list(tmp_path.rglob("*.tser")) == [] and list(tmp_path.rglob("*.partial")) == []
+
+
 def test_a_missing_pack_names_the_url_and_what_to_check(remote: Remote, tmp_path: Path) -> None:
     with pytest.raises(RemoteNotFoundError) as info:
         ts.VOCSerializedDataset(

@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import errno
-import hashlib
 import http.client
 import itertools
 import logging
@@ -62,7 +61,6 @@ import sys
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -77,7 +75,6 @@ __all__ = [
     "RetryPolicy",
     "RemoteStore",
     "classify_error",
-    "digest_verifier",
     "is_url",
     "protocol_of",
     "redact_url",
@@ -447,30 +444,6 @@ class RetryPolicy:
         """Seconds to wait before retry number ``retry`` (1 for the first retry)."""
         full = min(self.max_delay, self.base_delay * 2.0 ** (retry - 1))
         return full / 2 + rng.uniform(0.0, full / 2) if self.jitter else full
-
-
-def digest_verifier(expected: str, algorithm: str = "sha256") -> Callable[[Path], bool]:
-    """A ``verify`` callback: True if the file's digest is ``expected`` (hex, any case).
-
-    ``algorithm`` is a :mod:`hashlib` name or ``"crc32"`` (zlib's, as in the container format).
-    """
-    if algorithm != "crc32":
-        hashlib.new(algorithm)  # fail now on an unknown algorithm, not after a download
-    want = expected.lower()
-
-    def verify(path: Path) -> bool:
-        crc = 0
-        h = None if algorithm == "crc32" else hashlib.new(algorithm)
-        with open(path, "rb") as f:
-            while chunk := f.read(_STREAM_CHUNK):
-                if h is None:
-                    crc = zlib.crc32(chunk, crc)
-                else:
-                    h.update(chunk)
-        got = f"{crc & 0xFFFFFFFF:08x}" if h is None else h.hexdigest()
-        return got == want
-
-    return verify
 
 
 # --------------------------------------------------------------------------- the store

@@ -625,7 +625,8 @@ class ClearResult:
     objects_in_use: int  # skipped: some process holds or is downloading them
 
 
-def _is_busy(entry: _Entry, pack_dir: Path) -> bool:
+def _is_busy(entry: _Entry) -> bool:
+    """Whether some process holds the object ``entry``, or is writing the partial file."""
     if entry.partial:  # busy while its writer holds the object's download lock
         try:
             fd = os.open(_download_lock(entry.path), os.O_RDONLY | os.O_CLOEXEC)
@@ -674,7 +675,7 @@ def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPa
                 objects=len(done),
                 bytes=sum(e.size for e in done),
                 last_used=max((e.mtime for e in done), default=0.0),
-                in_use=sum(_is_busy(e, pack_dir) for e in entries),
+                in_use=sum(_is_busy(e) for e in entries),
                 partial_bytes=sum(e.size for e in entries if e.partial),
             )
         )
@@ -716,7 +717,7 @@ def _clear_pack(pack_dir: Path) -> ClearResult:
     all of them. The caller holds ``.evict.lock``."""
     objects = freed = busy = 0
     for entry in _objects(pack_dir):
-        if _is_busy(entry, pack_dir):
+        if _is_busy(entry):
             busy += 1
         elif entry.partial:
             if _try_remove_partial(entry.path):
@@ -744,7 +745,7 @@ def _clear_pack(pack_dir: Path) -> ClearResult:
 
 def _in_use(pack_dir: Path) -> bool:
     """Whether some process holds, downloads or writes anything in a pack folder."""
-    if any(_is_busy(entry, pack_dir) for entry in _objects(pack_dir)):
+    if any(_is_busy(entry) for entry in _objects(pack_dir)):
         return True
     with _unless_locked(pack_dir / _LOCKS / _PACK_LOCK) as free:
         return not free

@@ -43,7 +43,7 @@ Messages name the URL with any password and query string hidden.
 """
 
 # More than 400 lines: one transfer layer (fault classes, the retry policy, ranged downloads
-# and manifest-last uploads) that every backend goes through; split it when it is wired in.
+# and manifest-last uploads) that every backend goes through.
 
 from __future__ import annotations
 
@@ -377,9 +377,10 @@ class RetryPolicy:
 
     ``min_rate`` (bytes per second) decides when a read counts as stalled, a fault retried
     like the others: a read of known length must end within 60 s plus its size at
-    ``min_rate`` shared by the parts of its download in flight, on every backend, so that a
-    server dripping bytes cannot hold it forever. Lower it for a slower link; ``0`` turns
-    the deadline off (the backends' socket timeouts still apply).
+    ``min_rate`` shared by the parts of its download in flight, so that a server dripping
+    bytes cannot hold it forever. The deadline applies on fsspec's async backends (HTTP, S3,
+    GCS) only: reads on the others (``file://``, ``memory://``...) have none. Lower it for a
+    slower link; ``0`` turns the deadline off (the backends' socket timeouts still apply).
     """
 
     attempts: int = 5

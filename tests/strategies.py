@@ -9,6 +9,8 @@ from _container_helpers import payload
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from torch_serialized import format as fmt
+
 SIMPLE_CODES = ["|b1", "|i1", "|u1", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"]
 
 
@@ -32,7 +34,7 @@ payloads = st.one_of(
 json_values = st.recursive(
     st.none()
     | st.booleans()
-    | st.integers()
+    | st.integers(-fmt.MAX_JSON_INT, fmt.MAX_JSON_INT)  # strict JSON's integers
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(st.characters(blacklist_categories=("Cs",)), max_size=8),
     lambda inner: (

@@ -369,7 +369,10 @@ def test_pad_to():
 # -- metadata and manifest codecs -----------------------------------------------------------
 _NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=8)
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-fmt.MAX_JSON_INT, fmt.MAX_JSON_INT)
+    | st.text(max_size=8),
     lambda inner: (
         st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
     ),

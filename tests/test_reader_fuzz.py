@@ -769,18 +769,26 @@ def test_object_dtypes_in_a_crafted_file_are_refused(tmp_path, fuzz_bases, dtype
 
 def test_absurd_shapes_that_fit_nbytes_are_refused(tmp_path, fuzz_bases):
     """Found by the fuzzer: shapes that match nbytes but that numpy cannot build (more than 64
-    axes, a dimension past int64 beside a zero) raised numpy's ValueError from the reader."""
+    axes, a dimension past int64 beside a zero) raised numpy's ValueError from the reader.
+    Dimensions beyond ``MAX_JSON_INT`` are refused by strict JSON before numpy sees them."""
     base = fuzz_bases["single"]
     original = base.files[""]
     meta_offset = fmt.unpack_footer(original[-fmt.FOOTER_SIZE :], "x")["meta_offset"]
-    for shape, nbytes in (([1] * 70, 1), ([0, 2**70], 0), ([0, 2**63 - 1, 2**63 - 1], 0)):
+    big = fmt.MAX_JSON_INT
+    for shape, nbytes, message in (
+        ([1] * 70, 1, "unusable shape"),
+        ([0, big, big], 0, "unusable shape"),
+        ([0, big, big, big], 0, "unusable shape"),
+        ([0, 2**70], 0, "integer"),
+        ([0, 2**63 - 1, 2**63 - 1], 0, "integer"),
+    ):
         meta = json.loads(original[meta_offset : -fmt.FOOTER_SIZE])
         desc = meta["arrays"]["file/ImageSets/Main/train.txt"]
         desc.update(
             shape=shape, nbytes=nbytes, crc32=fmt.crc32(original[desc["offset"] :][:nbytes])
         )
         path = base.write(tmp_path, {"": rebuild(original, meta)})
-        with pytest.raises(CorruptFileError, match="unusable shape") as info:
+        with pytest.raises(CorruptFileError, match=message) as info:
             open_pack(path)
         assert str(path) in str(info.value)
 

@@ -96,6 +96,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "MAX_META_BYTES",
     "MAX_JSON_DEPTH",
+    "MAX_JSON_INT",
     "ROLE_SINGLE",
     "ROLE_SHARD",
     "ROLE_CATALOG",
@@ -161,6 +162,10 @@ MANIFEST_VERSION = 2
 MAX_MANIFEST_BYTES = 64 << 20
 #: Deepest nesting of JSON arrays and objects a reader accepts in metadata and manifests.
 MAX_JSON_DEPTH = 64
+#: Largest magnitude of an integer in metadata and manifests: 2**53 - 1. Every integer up to
+#: it is exactly a double (I-JSON, RFC 7493), so a reader that parses numbers as doubles
+#: (JavaScript, many C libraries) reads the value written.
+MAX_JSON_INT = (1 << 53) - 1
 #: A container's role in its pack (its ``pack`` metadata, see ``binding``).
 ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG = "single", "shard", "catalog"
 ROLES = (ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG)
@@ -177,6 +182,9 @@ _PACK_ID = re.compile(r"[0-9a-f]{32}")
 #: bool, signed and unsigned integers and IEEE floats.
 _SIMPLE_CODE = re.compile(r"\|[biu]1|<[iu][248]|<f[248]")  # use fullmatch: "$" allows "\n"
 _MAX_FIELDS = 1024
+#: A run of digits long enough to be an integer beyond ``MAX_JSON_INT`` (16 digits): JSON text
+#: without one needs no integer check.
+_LONG_DIGITS = re.compile(r"[0-9]{16,}")
 #: Largest metadata a reader accepts.
 MAX_META_BYTES = 1 << 30
 
@@ -385,6 +393,28 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _exact_int(text: str) -> int:
+    """A JSON integer, refused beyond ``MAX_JSON_INT``: a double-based parser reads such a
+    number as another one (or as Infinity), so two readers would see two contents."""
+    digits = text.lstrip("-")
+    if len(digits) <= 16 and abs(value := int(text)) <= MAX_JSON_INT:
+        return value
+    raise ValueError(
+        f"integer {_clip(text, 40)} is beyond {MAX_JSON_INT} (2**53 - 1) in magnitude, "
+        "which a double cannot hold exactly"
+    )
+
+
+def _dumps(value: Any, **options: Any) -> str:
+    """``json.dumps`` of ``value`` as strict JSON (``loads_json``): a ``ValueError`` for NaN,
+    Infinity or an integer beyond ``MAX_JSON_INT``, so a writer never writes what a reader
+    refuses."""
+    text = json.dumps(value, allow_nan=False, **options)
+    if _LONG_DIGITS.search(text):
+        json.loads(text, parse_int=_exact_int)  # raises at the first integer out of range
+    return text
+
+
 def _clip(text: str, limit: int = 80) -> str:
     """``text`` cut to ``limit`` characters, for messages that quote file content."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -392,8 +422,9 @@ def _clip(text: str, limit: int = 80) -> str:
 
 def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
     """Parse strict JSON (RFC 8259): UTF-8, no duplicate keys, no ``NaN`` or ``Infinity``
-    (nor numbers that overflow to them), arrays and objects nested at most ``MAX_JSON_DEPTH``
-    deep. Anything else raises ``CorruptFileError`` naming ``path`` and ``what`` it is.
+    (nor numbers that overflow to them), no integer beyond ``MAX_JSON_INT`` in magnitude,
+    arrays and objects nested at most ``MAX_JSON_DEPTH`` deep. Anything else raises
+    ``CorruptFileError`` naming ``path`` and ``what`` it is.
 
     Duplicate keys are refused because readers disagree on them (first or last wins), so
     another reader could see other content behind the same checksum.
@@ -405,6 +436,7 @@ def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
             object_pairs_hook=_unique_keys,
             parse_constant=_no_constant,
             parse_float=_finite_float,
+            parse_int=_exact_int if _LONG_DIGITS.search(text) else None,
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptFileError(
@@ -543,7 +575,10 @@ def build_metadata(
     }
     if pack is not None:
         meta["pack"] = dict(pack)
-    text = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        text = _dumps(meta, ensure_ascii=False, separators=(",", ":"))
+    except ValueError as exc:
+        raise ValueError(f"the metadata cannot be stored as strict JSON: {exc}") from None
     return text.encode("utf-8")
 
 
@@ -678,7 +713,10 @@ def build_manifest(
         "shards": [shard.to_json() for shard in shards],
     }
     manifest["checksum"] = manifest_checksum(manifest)
-    text = json.dumps(manifest, indent=1, ensure_ascii=False, allow_nan=False)
+    try:
+        text = _dumps(manifest, indent=1, ensure_ascii=False)
+    except ValueError as exc:
+        raise ValueError(f"the manifest cannot be stored as strict JSON: {exc}") from None
     return (text + "\n").encode("utf-8")
 
 

@@ -258,6 +258,35 @@ def parse_container(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.nd
     return meta, index
 
 
+def rewrite_container(
+    path: Path,
+    *,
+    header_version: tuple[int, int] | None = None,
+    footer_version: tuple[int, int] | None = None,
+    meta: Callable[[dict[str, Any]], Any] | None = None,
+) -> None:
+    """Rewrite a container's header version, footer version or metadata, every CRC valid."""
+    data = bytearray(path.read_bytes())
+    if header_version is not None:
+        struct.pack_into("<HH", data, 8, *header_version)
+        struct.pack_into("<I", data, 60, fmt.crc32(bytes(data[:60])))
+    offset, length, _size, num, _crc, major, minor = struct.unpack_from(
+        "<QQQQIHH", data, len(data) - 64
+    )
+    raw = bytes(data[offset : offset + length])
+    if meta is not None:
+        value = json.loads(raw)
+        meta(value)
+        raw = json.dumps(value, separators=(",", ":")).encode()
+    if footer_version is not None:
+        major, minor = footer_version
+    body = bytes(data[:offset]) + raw
+    footer = struct.pack(
+        "<QQQQIHH12x", offset, len(raw), len(body) + 64, num, fmt.crc32(raw), major, minor
+    )
+    path.write_bytes(body + footer + struct.pack("<I", fmt.crc32(footer)) + fmt.MAGIC)
+
+
 # -- hostile packs with valid checksums -------------------------------------------------------
 @dataclass
 class Contents:

@@ -406,7 +406,13 @@ def _metadata(num: int, fields: list[str], user: dict, arrays: dict | None = Non
 def test_metadata_round_trip(num, fields, user):
     arrays = {"ids": {**fmt.array_descriptor(np.arange(num), 64), "per_record": True}}
     data = _metadata(num, fields, user, arrays)
-    meta = fmt.parse_metadata(data, num_records=num, data_end=64 + 24 * num * 4, path="m")
+    meta = fmt.parse_metadata(
+        data,
+        version=(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR),
+        num_records=num,
+        data_end=64 + 24 * num * 4,
+        path="m",
+    )
     assert list(meta) == [row["Key"] for row in table("Metadata")]
     assert meta["format"] == fmt.FORMAT_NAME
     assert meta["format_version"] == [fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR]
@@ -436,7 +442,13 @@ def test_metadata_round_trip(num, fields, user):
 def test_parse_metadata_refuses(edit, message):
     data = edit(_metadata(2, ["a"], {}))
     with pytest.raises(CorruptFileError, match=message):
-        fmt.parse_metadata(data, num_records=2, data_end=1024, path="m")
+        fmt.parse_metadata(
+            data,
+            version=(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR),
+            num_records=2,
+            data_end=1024,
+            path="m",
+        )
 
 
 def _shards(count: int, size: int = 1) -> list[fmt.ShardEntry]:
@@ -609,7 +621,13 @@ def test_strict_json_refusals_name_the_file(text, message):
             if where == "manifest":
                 fmt.parse_manifest(text.encode(), "m.json")
             else:
-                fmt.parse_metadata(text.encode(), num_records=0, data_end=64, path="m")
+                fmt.parse_metadata(
+                    text.encode(),
+                    version=(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR),
+                    num_records=0,
+                    data_end=64,
+                    path="m",
+                )
 
 
 def test_strict_json_accepts_depth_64_and_unicode():

@@ -4,12 +4,17 @@ agree, and what a refusal says (the file, the field at fault, what to do)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from _container_helpers import rewrite_container
 
 from torch_serialized import format as fmt
-from torch_serialized.errors import CorruptFileError
+from torch_serialized.errors import CorruptFileError, UnsupportedVersionError
+from torch_serialized.reader import ContainerReader, PackReader
 from torch_serialized.writer import PackWriter
 
 _PACK_ID = "0123456789abcdef" * 2
@@ -89,3 +94,84 @@ def test_array_descriptor_numbers_stay_within_the_bound():
     """Descriptor numbers (offsets, sizes, CRC32s) are far below 2**53 for any real file."""
     desc = fmt.array_descriptor(np.arange(3, dtype="<i8"), 1 << 50)
     assert all(abs(v) <= fmt.MAX_JSON_INT for v in (desc["offset"], desc["nbytes"], desc["crc32"]))
+
+
+# -- versions: header, footer and metadata agree; major 0 is never written --------------------
+def _pack(tmp_path: Path) -> Path:
+    with PackWriter(tmp_path / "p.tser", ["a"]) as writer:
+        writer.add([b"x"])
+        writer.close({"k": 1})
+    return tmp_path / "p.tser"
+
+
+def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda meta: meta.update({key: value})
+
+
+def test_rewrite_helper_keeps_a_valid_file(tmp_path):
+    path = _pack(tmp_path)
+    rewrite_container(path, meta=_set("zz", 1))
+    assert ContainerReader(path).meta["zz"] == 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"footer_version": (1, 0)}, "footer says format version 1.0, its header 1.1"),
+        ({"footer_version": (2, 1)}, "footer says format version 2.1, its header 1.1"),
+        ({"meta": _set("format_version", [1, 0])}, r"format_version \[1, 0\]"),
+        ({"meta": _set("format_version", [1, 1, 0])}, "format_version"),
+        ({"meta": _set("format_version", [True, 1])}, "format_version"),
+        ({"meta": _set("format_version", "1.1")}, "format_version"),
+        ({"meta": lambda m: m.pop("format_version")}, "format_version"),
+    ],
+)
+def test_versions_that_differ_from_the_header_are_refused(tmp_path, edit, message):
+    path = _pack(tmp_path)
+    rewrite_container(path, **edit)
+    with pytest.raises(CorruptFileError, match=message) as info:
+        ContainerReader(path)
+    assert str(path) in str(info.value) and "re-pack" in str(info.value)
+
+
+def test_major_version_0_is_refused(tmp_path):
+    path = _pack(tmp_path)
+    rewrite_container(
+        path,
+        header_version=(0, 1),
+        footer_version=(0, 1),
+        meta=_set("format_version", [0, 1]),
+    )
+    with pytest.raises(CorruptFileError, match="major version 0") as info:
+        ContainerReader(path)
+    assert not isinstance(info.value, UnsupportedVersionError)
+    assert str(path) in str(info.value)
+
+
+def test_a_newer_minor_in_all_three_places_is_read(tmp_path):
+    path = _pack(tmp_path)
+    rewrite_container(
+        path,
+        header_version=(1, 9),
+        footer_version=(1, 9),
+        meta=_set("format_version", [1, 9]),
+    )
+    assert ContainerReader(path).version == (1, 9)
+
+
+def test_a_newer_major_is_still_unsupported(tmp_path):
+    path = _pack(tmp_path)
+    rewrite_container(
+        path,
+        header_version=(2, 0),
+        footer_version=(2, 0),
+        meta=_set("format_version", [2, 0]),
+    )
+    with pytest.raises(UnsupportedVersionError, match="upgrade"):
+        ContainerReader(path)
+
+
+def test_format_1_0_packs_of_0_1_0_still_open():
+    data = Path(__file__).parent / "data" / "v1"
+    assert ContainerReader(data / "tiny.tser").version == (1, 0)
+    assert len(PackReader(data / "tiny-shards")) > 0

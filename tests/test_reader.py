@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from _container_helpers import (
     read_all_pickled,
     read_error,
     record_spans,
+    rewrite_container,
     size_of,
     write_pack,
 )
@@ -140,12 +140,13 @@ def test_appended_bytes(tmp_path, container_packs, extra):
 
 
 def patch_version(path: Path, major: int, minor: int) -> None:
-    with open(path, "r+b") as f:
-        header = bytearray(f.read(64))
-        header[8:12] = struct.pack("<HH", major, minor)
-        header[60:64] = struct.pack("<I", fmt.crc32(bytes(header[:60])))
-        f.seek(0)
-        f.write(header)
+    """Set the version in the header, the footer and the metadata (they must agree)."""
+    rewrite_container(
+        path,
+        header_version=(major, minor),
+        footer_version=(major, minor),
+        meta=lambda meta: meta.update(format_version=[major, minor]),
+    )
 
 
 def test_newer_major_version(tmp_path, container_packs):

@@ -41,7 +41,9 @@ list of ``[name, code]`` pairs for a packed structured dtype; no object or point
 exist, so nothing in a file can execute code. Each record field's CRC32 is stored in the
 index; ``verify`` recomputes them.
 
-Readers MUST reject a newer ``major``; they MAY read a newer ``minor`` (additions only).
+Readers MUST reject a newer ``major`` and major 0 (never written), and a footer or
+``format_version`` whose version differs from the header's; they MAY read a newer ``minor``
+(additions only).
 
 A shard folder holds shards, a catalog (a 0-record container with the dataset-level arrays,
 every record's columns and ``user``) and ``MANIFEST_NAME``: strict JSON naming each with its
@@ -219,6 +221,11 @@ def unpack_header(data: bytes, path: str) -> tuple[int, int, int]:
         )
     if crc32(data[: HEADER_SIZE - 4]) != stored:
         raise CorruptFileError(f"{path}: header checksum mismatch; the file is damaged, re-pack it")
+    if major == 0:
+        raise CorruptFileError(
+            f"{path}: header says major version 0, which is never written; the file is "
+            "damaged or not a torch_serialized pack: re-copy or re-pack it"
+        )
     if header_size != HEADER_SIZE:
         raise CorruptFileError(f"{path}: header size {header_size}, expected {HEADER_SIZE}")
     if alignment < 8 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
@@ -582,13 +589,16 @@ def build_metadata(
     return text.encode("utf-8")
 
 
-def parse_metadata(data: bytes, *, num_records: int, data_end: int, path: str) -> dict[str, Any]:
+def parse_metadata(
+    data: bytes, *, version: tuple[int, int], num_records: int, data_end: int, path: str
+) -> dict[str, Any]:
     """Validate a container's metadata bytes; return the object.
 
-    ``num_records`` is the footer's count and ``data_end`` the metadata's offset, the end of
-    the space arrays may occupy. Raises ``CorruptFileError`` for anything but strict JSON
-    (``loads_json``) that describes a container with those records, a valid index descriptor,
-    valid arrays and, if present, a valid pack binding.
+    ``version`` is the header's ``(major, minor)``, ``num_records`` the footer's count and
+    ``data_end`` the metadata's offset, the end of the space arrays may occupy. Raises
+    ``CorruptFileError`` for anything but strict JSON (``loads_json``) that describes a
+    container of that version with those records, a valid index descriptor, valid arrays and,
+    if present, a valid pack binding.
     """
     meta = loads_json(data, path, "metadata")
     if not isinstance(meta, dict):
@@ -605,6 +615,14 @@ def parse_metadata(data: bytes, *, num_records: int, data_end: int, path: str) -
         or num != num_records
     ):
         raise CorruptFileError(f"{path}: metadata does not describe a torch_serialized file")
+    if meta.get("format_version") != list(version) or not all(
+        type(v) is int for v in meta["format_version"]
+    ):
+        raise CorruptFileError(
+            f"{path}: metadata format_version {_clip(repr(meta.get('format_version')))} "
+            f"differs from the header's version {version[0]}.{version[1]}; the file is "
+            "damaged or not a torch_serialized pack: re-copy or re-pack it"
+        )
     arrays = meta.get("arrays")
     user = meta.get("user")
     if not isinstance(arrays, dict) or not isinstance(user, dict):

@@ -234,6 +234,12 @@ class ContainerReader:
                 "truncated (interrupted copy or write); re-copy or re-pack it"
             )
         footer = fmt.unpack_footer(tail, path)
+        if (footer["major"], footer["minor"]) != self.version:
+            raise CorruptFileError(
+                f"{path}: its footer says format version {footer['major']}.{footer['minor']}, "
+                f"its header {self.version[0]}.{self.version[1]}; the file is damaged or not a "
+                "torch_serialized pack: re-copy or re-pack it"
+            )
         if footer["file_size"] != size:
             raise TruncatedFileError(
                 f"{path}: file has {size} bytes but its footer says {footer['file_size']}; "
@@ -259,7 +265,11 @@ class ContainerReader:
             )
         self.data_end = footer["meta_offset"]
         self.meta: dict[str, Any] = fmt.parse_metadata(
-            raw, num_records=footer["num_records"], data_end=self.data_end, path=self.path
+            raw,
+            version=self.version,
+            num_records=footer["num_records"],
+            data_end=self.data_end,
+            path=self.path,
         )
         self.fields: list[str] = self.meta["fields"]
         self.num_records: int = self.meta["num_records"]

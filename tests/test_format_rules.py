@@ -10,11 +10,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _container_helpers import rewrite_container
+from _container_helpers import (
+    catalog_file,
+    container_files,
+    copy_pack,
+    rewrite_container,
+)
 
 from torch_serialized import format as fmt
 from torch_serialized.errors import CorruptFileError, UnsupportedVersionError
-from torch_serialized.reader import ContainerReader, PackReader
+from torch_serialized.reader import ContainerReader, PackReader, open_pack
 from torch_serialized.writer import PackWriter
 
 _PACK_ID = "0123456789abcdef" * 2
@@ -175,3 +180,46 @@ def test_format_1_0_packs_of_0_1_0_still_open():
     data = Path(__file__).parent / "data" / "v1"
     assert ContainerReader(data / "tiny.tser").version == (1, 0)
     assert len(PackReader(data / "tiny-shards")) > 0
+
+
+# -- damage inside a shard or catalog names the manifest too ----------------------------------
+def _damage_header(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[30] ^= 1  # a reserved byte: the header checksum no longer matches
+    file.write_bytes(data)
+
+
+def _damage_magic(file: Path) -> None:
+    file.write_bytes(b"\x89PNG\r\n\x1a\n" + file.read_bytes()[8:])
+
+
+def _damage_footer(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[-30] ^= 1  # inside the footer's checksummed bytes
+    file.write_bytes(data)
+
+
+@pytest.mark.parametrize("damage", [_damage_header, _damage_magic, _damage_footer])
+@pytest.mark.parametrize("member", ["shard", "catalog"])
+def test_damage_in_a_member_names_the_manifest_and_the_member(
+    tmp_path, container_packs, member, damage
+):
+    path = copy_pack(container_packs["shards"], tmp_path)
+    file = container_files(path)[1] if member == "shard" else catalog_file(path)
+    damage(file)
+    with pytest.raises(CorruptFileError) as info:
+        open_pack(path).field(10, 0)  # record 10 is in shard 1
+    message = str(info.value)
+    assert str(file) in message and str(path / fmt.MANIFEST_NAME) in message
+    assert ("shard 1" if member == "shard" else "the catalog") in message
+    assert "re-pack" in message and "pack_voc" not in message
+
+
+def test_a_shard_that_is_a_folder_is_a_damaged_pack(tmp_path, container_packs):
+    path = copy_pack(container_packs["shards"], tmp_path)
+    file = container_files(path)[1]
+    file.unlink()
+    file.mkdir()
+    with pytest.raises(CorruptFileError, match="directory") as info:
+        open_pack(path).field(10, 0)
+    assert str(path / fmt.MANIFEST_NAME) in str(info.value)

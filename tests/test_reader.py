@@ -867,6 +867,11 @@ def test_a_fifo_or_device_in_place_of_a_pack_file_is_refused(tmp_path, container
         reader = open_pack(path)
         reader.field(10, 0)  # in shard 1
     assert str(target) in str(info.value)
+    if which in ("shard", "catalog"):  # a damaged pack: FORMAT.md, "Integrity rules"
+        assert isinstance(info.value, CorruptFileError)
+        assert str(path / fmt.MANIFEST_NAME) in str(info.value)
+        assert ("shard 1" if which == "shard" else "the catalog") in str(info.value)
+        assert "re-pack" in str(info.value) and "the pack is a" not in str(info.value)
 
 
 def test_open_file_descriptors_stay_bounded(tmp_path):

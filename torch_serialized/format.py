@@ -217,7 +217,7 @@ def unpack_header(data: bytes, path: str) -> tuple[int, int, int]:
     if magic != MAGIC:
         raise CorruptFileError(
             f"{path}: not a torch_serialized file (magic {magic!r}, expected {MAGIC!r}); "
-            "pass a file written by torch_serialized.pack_voc"
+            "the file is damaged or not a torch_serialized pack: re-copy or re-pack it"
         )
     if crc32(data[: HEADER_SIZE - 4]) != stored:
         raise CorruptFileError(f"{path}: header checksum mismatch; the file is damaged, re-pack it")

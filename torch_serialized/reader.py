@@ -144,6 +144,12 @@ class Expected:
     #: the binding its metadata must hold; None (manifest version 1): it must hold none, since
     #: 0.1.0 never wrote one (a version-1 manifest over newer files is a downgrade)
     pack: dict[str, Any] | None
+    what: str  # its place in the pack, named in errors: "shard 3", "the catalog"
+
+    @property
+    def member(self) -> str:
+        """What the file is, for messages: ``shard 3 named by data/voc/manifest.json``."""
+        return f"{self.what} named by {self.manifest}"
 
     def mismatch(self, path: str, what: str) -> CorruptFileError:
         return CorruptFileError(
@@ -159,8 +165,10 @@ class ContainerReader:
     detection"): ``_read_header``, ``_read_footer``, ``_read_metadata``, then ``_read_arrays``
     maps the record index and the arrays and checks them. ``expect`` (a shard or catalog of a
     manifest) adds the checks of docs/FORMAT.md, "Integrity rules": size, ``meta_crc32``,
-    fields, records and binding. ``checked=True`` recomputes each field's CRC32 on every read
-    and raises ``ChecksumError`` on a mismatch (slower; for untrusted storage).
+    fields, records and binding; every error at open then names the manifest as well, and a
+    file that is not a regular file is a damaged pack (``CorruptFileError``). ``checked=True``
+    recomputes each field's CRC32 on every read and raises ``ChecksumError`` on a mismatch
+    (slower; for untrusted storage).
     """
 
     def __init__(
@@ -172,6 +180,10 @@ class ContainerReader:
     ) -> None:
         self.path = str(path)
         self.checked = checked
+        #: what the file is in its pack (``Expected.member``), None for a pack of its own
+        self.member = None if expect is None else expect.member
+        #: the file as errors at open name it: its path, and for a member its manifest
+        self.where = self.path if self.member is None else f"{self.path} ({self.member})"
         self._local: _Mapped | None = None
         fd = self._open_fd()
         try:
@@ -195,8 +207,12 @@ class ContainerReader:
     # -- opening: one step per section of docs/FORMAT.md ---------------------------------------
     def _open_fd(self) -> int:
         try:
-            return open_regular(self.path, "the pack")
+            return open_regular(self.path, self.member or "the pack")
         except FileKindError as exc:
+            if self.member is not None:
+                raise CorruptFileError(
+                    f"{exc}; the pack is damaged: re-copy or re-pack it"
+                ) from None
             if os.path.isdir(self.path):
                 raise FormatError(
                     f"{self.path} is a folder without {fmt.MANIFEST_NAME}; pass a .tser file "
@@ -210,7 +226,7 @@ class ContainerReader:
 
     def _read_header(self, fd: int) -> None:
         """Header: magic, checksum, alignment, and a major version this package reads."""
-        path, size = self.path, self.size
+        path, size = self.where, self.size
         if size < fmt.HEADER_SIZE + fmt.FOOTER_SIZE:
             raise TruncatedFileError(
                 f"{path}: {size} bytes is too short for a torch_serialized file "
@@ -226,7 +242,7 @@ class ContainerReader:
 
     def _read_footer(self, fd: int) -> dict[str, int]:
         """Footer: present (no truncation), intact, the file's size, the metadata's place."""
-        path, size = self.path, self.size
+        path, size = self.where, self.size
         tail = os.pread(fd, fmt.FOOTER_SIZE, size - fmt.FOOTER_SIZE)
         if tail[-len(fmt.MAGIC) :] != fmt.MAGIC:
             raise TruncatedFileError(
@@ -260,7 +276,7 @@ class ContainerReader:
         raw = os.pread(fd, footer["meta_length"], footer["meta_offset"])
         if fmt.crc32(raw) != footer["meta_crc32"]:
             raise CorruptFileError(
-                f"{self.path}: metadata checksum mismatch; the file is damaged: re-copy or "
+                f"{self.where}: metadata checksum mismatch; the file is damaged: re-copy or "
                 "re-pack it"
             )
         self.data_end = footer["meta_offset"]
@@ -269,7 +285,7 @@ class ContainerReader:
             version=self.version,
             num_records=footer["num_records"],
             data_end=self.data_end,
-            path=self.path,
+            path=self.where,
         )
         self.fields: list[str] = self.meta["fields"]
         self.num_records: int = self.meta["num_records"]
@@ -321,18 +337,18 @@ class ContainerReader:
         layout = []
         for name, desc in [("index", self.meta["index"]), *self.meta["arrays"].items()]:
             dtype, shape, offset, nbytes, crc = fmt.check_descriptor(
-                desc, name, self.data_end, self.path
+                desc, name, self.data_end, self.where
             )
             if fmt.crc32(view[offset : offset + nbytes]) != crc:
                 raise CorruptFileError(
-                    f"{self.path}: {name} checksum mismatch; the file is damaged, re-pack it"
+                    f"{self.where}: {name} checksum mismatch; the file is damaged, re-pack it"
                 )
             count = nbytes // dtype.itemsize
             try:
                 np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape)
             except (ValueError, OverflowError) as exc:  # absurd shapes: > 64 axes, huge dims
                 raise CorruptFileError(
-                    f"{self.path}: array {name!r} has an unusable shape: {exc}; the file is "
+                    f"{self.where}: array {name!r} has an unusable shape: {exc}; the file is "
                     "damaged, re-pack it"
                 ) from None
             layout.append((name, dtype, shape, offset, count))
@@ -350,7 +366,7 @@ class ContainerReader:
             or bool((ends < offsets).any())
         ):
             raise CorruptFileError(
-                f"{self.path}: record index points outside the data; the file is damaged"
+                f"{self.where}: record index points outside the data; the file is damaged"
             )
 
     # -- one process, one map -----------------------------------------------------------------
@@ -801,8 +817,9 @@ class PackReader:
                 num_records=manifest.num_records,
                 num_shards=len(manifest.shards),
             ),
+            "the catalog",
         )
-        catalog = self._open_listed(entry.file, "the catalog", expect)
+        catalog = self._open_listed(entry.file, expect)
         for name, array in catalog.arrays().items():
             if catalog.is_per_record(name):
                 raise expect.mismatch(catalog.path, f"the catalog holds per-record array {name!r}")
@@ -824,6 +841,7 @@ class PackReader:
                     first_record=shard.first_record,
                     num_records=shard.num_records,
                 ),
+                f"shard {k}",
             )
             for k, shard in enumerate(manifest.shards)
         ]
@@ -840,8 +858,9 @@ class PackReader:
                 shard.num_records,
                 manifest.fields,
                 None,
+                f"shard {k}",
             )
-            for shard in manifest.shards
+            for k, shard in enumerate(manifest.shards)
         ]
         parts: dict[str, list[np.ndarray]] = {}
         last = len(manifest.shards) - 1
@@ -1007,14 +1026,14 @@ class PackReader:
     def _open_shard(self, s: int) -> ContainerReader:
         expect = self._expected[s]
         assert expect is not None
-        shard = self._open_listed(self.entries[s].file, f"shard {s}", expect)
+        shard = self._open_listed(self.entries[s].file, expect)
         if self.manifest is not None and self.manifest.version >= 2:
             self._check_columns(s, shard)
         return shard
 
-    def _open_listed(self, name: str, what: str, expect: Expected) -> ContainerReader:
-        """The manifest's file ``name`` (``what``: "shard 3", "the catalog"), opened and
-        checked against ``expect``. Missing or not the file listed: ``FileChangedError`` if
+    def _open_listed(self, name: str, expect: Expected) -> ContainerReader:
+        """The manifest's file ``name`` (``expect.what``: "shard 3", "the catalog"), opened
+        and checked against ``expect``. Missing or not the file listed: ``FileChangedError`` if
         the manifest changed since it was read (the pack was replaced: its files are the new
         pack's), else the pack is incomplete or damaged."""
         path = os.path.join(self.path, name)
@@ -1033,7 +1052,7 @@ class PackReader:
                 ) from None
             if isinstance(exc, FileNotFoundError) and self.remote is None:
                 raise FileNotFoundError(
-                    f"{path}: {what} named by {self.manifest_path} is missing; the pack is "
+                    f"{path}: {expect.member} is missing; the pack is "
                     "incomplete: copy it again or re-pack the dataset"
                 ) from None
             raise

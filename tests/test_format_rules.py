@@ -4,6 +4,7 @@ agree, and what a refusal says (the file, the field at fault, what to do)."""
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,10 @@ def test_rewrite_helper_keeps_a_valid_file(tmp_path):
     [
         ({"footer_version": (1, 0)}, "footer says format version 1.0, its header 1.1"),
         ({"footer_version": (2, 1)}, "footer says format version 2.1, its header 1.1"),
-        ({"meta": _set("format_version", [1, 0])}, r"format_version \[1, 0\]"),
+        (
+            {"meta": _set("format_version", [1, 0])},
+            r"format_version is \[1, 0\], the header's version 1.1",
+        ),
         ({"meta": _set("format_version", [1, 1, 0])}, "format_version"),
         ({"meta": _set("format_version", [True, 1])}, "format_version"),
         ({"meta": _set("format_version", "1.1")}, "format_version"),
@@ -147,7 +151,7 @@ def test_major_version_0_is_refused(tmp_path):
         footer_version=(0, 1),
         meta=_set("format_version", [0, 1]),
     )
-    with pytest.raises(CorruptFileError, match="major version 0") as info:
+    with pytest.raises(CorruptFileError, match="major version is 0") as info:
         ContainerReader(path)
     assert not isinstance(info.value, UnsupportedVersionError)
     assert str(path) in str(info.value)
@@ -223,3 +227,124 @@ def test_a_shard_that_is_a_folder_is_a_damaged_pack(tmp_path, container_packs):
     with pytest.raises(CorruptFileError, match="directory") as info:
         open_pack(path).field(10, 0)
     assert str(path / fmt.MANIFEST_NAME) in str(info.value)
+
+
+# -- every refusal names the file and the field at fault, and says what to do ------------------
+def _patch_header(path: Path, offset: int, value: bytes) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset : offset + len(value)] = value
+    struct.pack_into("<I", data, 60, fmt.crc32(bytes(data[:60])))
+    path.write_bytes(data)
+
+
+def _patch_footer(path: Path, offset: int, value: bytes) -> None:
+    data = bytearray(path.read_bytes())
+    start = len(data) - fmt.FOOTER_SIZE
+    data[start + offset : start + offset + len(value)] = value
+    struct.pack_into("<I", data, start + 52, fmt.crc32(bytes(data[start : start + 52])))
+    path.write_bytes(data)
+
+
+def _index_entry_past_the_data(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    meta_offset = struct.unpack_from("<Q", data, len(data) - fmt.FOOTER_SIZE)[0]
+    desc = json.loads(data[meta_offset : -fmt.FOOTER_SIZE])["index"]
+    struct.pack_into("<Q", data, desc["offset"], meta_offset)  # record 0, field "a"
+    path.write_bytes(data)
+    index = bytes(data[desc["offset"] : desc["offset"] + desc["nbytes"]])
+    rewrite_container(path, meta=lambda meta: meta["index"].update(crc32=fmt.crc32(index)))
+
+
+def _array(**desc: Any) -> Callable[[dict[str, Any]], None]:
+    base = {"dtype": "|u1", "shape": [0], "offset": 64, "nbytes": 0, "crc32": 0}
+    return lambda meta: meta["arrays"].update(z={**base, **desc})
+
+
+@pytest.mark.parametrize(
+    ("damage", "fault"),
+    [
+        (lambda p: _patch_header(p, 12, struct.pack("<I", 128)), "header_size is 128, not 64"),
+        (lambda p: _patch_header(p, 16, struct.pack("<I", 48)), "alignment is 48, not a power"),
+        (
+            lambda p: p.write_bytes(p.read_bytes()[:30] + b"\x01" + p.read_bytes()[31:]),
+            "header checksum",
+        ),
+        (lambda p: p.write_bytes(b"GIF89a\0\0" + p.read_bytes()[8:]), "not a torch_serialized"),
+        (lambda p: _patch_footer(p, 0, struct.pack("<Q", 8)), "meta_offset 8 and meta_length"),
+        (lambda p: _patch_footer(p, 36, struct.pack("<HH", 1, 0)), "footer says format version"),
+        (lambda p: _patch_footer(p, 24, struct.pack("<Q", 5)), "num_records is 1, the footer's 5"),
+        (lambda p: rewrite_container(p, meta=_set("format", "zip")), "format is 'zip'"),
+        (lambda p: rewrite_container(p, meta=_set("fields", ["a", "a"])), "fields are"),
+        (lambda p: rewrite_container(p, meta=_set("user", [])), "user is"),
+        (lambda p: rewrite_container(p, meta=_set("arrays", 3)), "arrays is 3"),
+        (lambda p: rewrite_container(p, meta=_set("index", {})), "index' lacks dtype"),
+        (lambda p: rewrite_container(p, meta=_array(dtype="<U1")), "'z' has an invalid dtype"),
+        (lambda p: rewrite_container(p, meta=_array(shape=[-1])), "shape of array 'z' is"),
+        (lambda p: rewrite_container(p, meta=_array(crc32=True)), "crc32 of array 'z' is True"),
+        (lambda p: rewrite_container(p, meta=_array(nbytes=9)), "array 'z' .9 bytes at 64."),
+        (lambda p: rewrite_container(p, meta=_array(per_record=1)), "per_record of array 'z'"),
+        (
+            lambda p: rewrite_container(p, meta=_array(per_record=True)),
+            "per-record array 'z' has shape",
+        ),
+        (
+            lambda p: rewrite_container(p, meta=lambda m: m["pack"].update(role="x")),
+            "binding has role 'x'",
+        ),
+        (
+            lambda p: rewrite_container(p, meta=lambda m: m["pack"].update(pack_id="AB")),
+            "binding has pack_id 'AB'",
+        ),
+        (
+            lambda p: rewrite_container(
+                p, meta=lambda m: m["index"].update(dtype="|u1", shape=[24])
+            ),
+            "record index has dtype",
+        ),
+        (_index_entry_past_the_data, "places record 0 field 'a' at offset"),
+        (lambda p: p.write_bytes(p.read_bytes() + bytes(7)), "truncated .* or appended to"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-1]), "truncated .* or appended to"),
+    ],
+)
+def test_container_refusals_name_the_file_the_fault_and_what_to_do(tmp_path, damage, fault):
+    path = _pack(tmp_path)
+    damage(path)
+    with pytest.raises(CorruptFileError, match=fault) as info:
+        ContainerReader(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and message.endswith(fmt.DAMAGED)
+
+
+@pytest.mark.parametrize(
+    ("edit", "fault"),
+    [
+        (lambda m: m.update(format="x"), "format 'x'"),
+        (lambda m: m.update(version=0), "version is 0"),
+        (lambda m: m.update(fields=[]), "fields are"),
+        (lambda m: m.update(shards=[]), "lists no shards"),
+        (lambda m: m.update(num_records=9), "num_records is 9"),
+        (lambda m: m.update(pack_id="x"), "pack_id is 'x'"),
+        (lambda m: m.update(catalog=None), "catalog entry"),
+        (lambda m: m["shards"][0].update(bytes=1), "shard entry 0"),
+        (lambda m: m["shards"].append(m["shards"][0]), "shard entry 1|twice"),
+    ],
+)
+def test_manifest_refusals_name_the_file_the_fault_and_what_to_do(edit, fault):
+    catalog = fmt.CatalogEntry("catalog-00000000.tser", 200, 1)
+    shard = fmt.ShardEntry("shard-00000-00000000.tser", 0, 1, 200, 1)
+    manifest = json.loads(
+        fmt.build_manifest(
+            created_by="t",
+            pack_id=_PACK_ID,
+            num_records=1,
+            fields=["a"],
+            catalog=catalog,
+            shards=[shard],
+        )
+    )
+    edit(manifest)
+    manifest["checksum"] = fmt.manifest_checksum(manifest)
+    with pytest.raises(CorruptFileError, match=fault) as info:
+        fmt.parse_manifest(json.dumps(manifest).encode(), "/p/manifest.json")
+    message = str(info.value)
+    assert message.startswith("/p/manifest.json: ") and message.endswith(fmt.DAMAGED)

@@ -763,7 +763,7 @@ def test_object_dtypes_in_a_crafted_file_are_refused(tmp_path, fuzz_bases, dtype
     meta = json.loads(original[meta_offset : -fmt.FOOTER_SIZE])
     meta["arrays"]["records"]["dtype"] = dtype
     path = base.write(tmp_path, {"": rebuild(original, meta)})
-    with pytest.raises(CorruptFileError, match="invalid array dtype"):
+    with pytest.raises(CorruptFileError, match="has an invalid dtype"):
         open_pack(path)
 
 

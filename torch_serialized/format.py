@@ -115,6 +115,8 @@ __all__ = [
     "array_bytes",
     "array_descriptor",
     "check_descriptor",
+    "DAMAGED",
+    "damaged",
     "loads_json",
     "new_pack_id",
     "new_token",
@@ -201,6 +203,19 @@ def pad_to(position: int, alignment: int) -> int:
     return -position % alignment
 
 
+#: How every message about a file that fails a check of this format ends: what to do.
+DAMAGED = "the file is damaged or not a torch_serialized pack: re-copy or re-pack it"
+
+
+def damaged(
+    path: str, fault: str, error: type[CorruptFileError] = CorruptFileError
+) -> CorruptFileError:
+    """The error for the file at ``path`` failing a check of this format: the file, ``fault``
+    (the field at fault and what it holds) and what to do (``DAMAGED``). ``error`` is the
+    class: ``CorruptFileError`` or ``TruncatedFileError``."""
+    return error(f"{path}: {fault}; {DAMAGED}")
+
+
 def pack_header(alignment: int) -> bytes:
     """The 64-byte header of a new container."""
     body = HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, HEADER_SIZE, alignment, 0, b"", 0)
@@ -210,26 +225,23 @@ def pack_header(alignment: int) -> bytes:
 def unpack_header(data: bytes, path: str) -> tuple[int, int, int]:
     """Validate a header; return ``(major, minor, alignment)``."""
     if len(data) < HEADER_SIZE:
-        raise CorruptFileError(f"{path}: file is too short to be a torch_serialized file")
+        raise damaged(path, f"{len(data)} bytes, too short for the {HEADER_SIZE}-byte header")
     magic, major, minor, header_size, alignment, _flags, _reserved, stored = HEADER.unpack(
         data[:HEADER_SIZE]
     )
     if magic != MAGIC:
-        raise CorruptFileError(
-            f"{path}: not a torch_serialized file (magic {magic!r}, expected {MAGIC!r}); "
-            "the file is damaged or not a torch_serialized pack: re-copy or re-pack it"
-        )
+        raise damaged(path, f"not a torch_serialized file (magic {magic!r}, expected {MAGIC!r})")
     if crc32(data[: HEADER_SIZE - 4]) != stored:
-        raise CorruptFileError(f"{path}: header checksum mismatch; the file is damaged, re-pack it")
+        raise damaged(path, "header checksum mismatch (header_crc32)")
     if major == 0:
-        raise CorruptFileError(
-            f"{path}: header says major version 0, which is never written; the file is "
-            "damaged or not a torch_serialized pack: re-copy or re-pack it"
-        )
+        raise damaged(path, "the header's major version is 0, which is never written")
     if header_size != HEADER_SIZE:
-        raise CorruptFileError(f"{path}: header size {header_size}, expected {HEADER_SIZE}")
+        raise damaged(path, f"the header's header_size is {header_size}, not {HEADER_SIZE}")
     if alignment < 8 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
-        raise CorruptFileError(f"{path}: invalid alignment {alignment} in header")
+        raise damaged(
+            path,
+            f"the header's alignment is {alignment}, not a power of two from 8 to {MAX_ALIGNMENT}",
+        )
     return major, minor, alignment
 
 
@@ -256,9 +268,10 @@ def pack_footer(
 def unpack_footer(data: bytes, path: str) -> dict[str, int]:
     """Validate a footer; return its fields by name."""
     if len(data) != FOOTER_SIZE:
-        raise TruncatedFileError(
-            f"{path}: {len(data)} bytes where the {FOOTER_SIZE}-byte footer should be; "
-            "the file is truncated. Copy it again or re-pack it"
+        raise damaged(
+            path,
+            f"{len(data)} bytes where the {FOOTER_SIZE}-byte footer should be (truncated)",
+            TruncatedFileError,
         )
     (
         meta_offset,
@@ -273,9 +286,8 @@ def unpack_footer(data: bytes, path: str) -> dict[str, int]:
         magic,
     ) = FOOTER.unpack(data)
     if magic != MAGIC or crc32(data[:52]) != stored:
-        raise CorruptFileError(
-            f"{path}: footer missing or damaged; the file is truncated or corrupted "
-            "(an interrupted copy?). Copy it again or re-pack it"
+        raise damaged(
+            path, "footer checksum mismatch (footer_crc32 or the closing magic): truncated?"
         )
     return {
         "meta_offset": meta_offset,
@@ -310,8 +322,9 @@ def _simple_code(dtype: np.dtype) -> str:
     return code
 
 
-def dtype_from_json(value: Any, path: str) -> np.dtype:
-    """Rebuild a dtype from its JSON description, refusing anything but plain numbers."""
+def dtype_from_json(value: Any, path: str, what: str = "an array") -> np.dtype:
+    """Rebuild a dtype from its JSON description, refusing anything but plain numbers
+    (``what``: the array it describes, for the error)."""
     if isinstance(value, str) and _SIMPLE_CODE.fullmatch(value):
         return np.dtype(value)  # every code the pattern admits is one numpy understands
     if (
@@ -330,8 +343,10 @@ def dtype_from_json(value: Any, path: str) -> np.dtype:
         try:
             return np.dtype([(name, code) for name, code in value])
         except (TypeError, ValueError) as exc:
-            raise CorruptFileError(f"{path}: invalid array dtype {value!r}: {exc}") from None
-    raise CorruptFileError(f"{path}: invalid array dtype {value!r} in metadata")
+            raise damaged(
+                path, f"{what} has an invalid dtype {_clip(repr(value))}: {exc}"
+            ) from None
+    raise damaged(path, f"{what} has an invalid dtype {_clip(repr(value))}")
 
 
 def array_bytes(array: np.ndarray) -> memoryview:
@@ -357,24 +372,32 @@ def check_descriptor(
     desc: Any, name: str, data_end: int, path: str
 ) -> tuple[np.dtype, tuple[int, ...], int, int, int]:
     """Validate an array descriptor against the file; return dtype, shape, offset, nbytes, crc."""
+    what = f"array {_clip(repr(name))}"
     if not isinstance(desc, Mapping):
-        raise CorruptFileError(f"{path}: array {name!r} descriptor is not an object")
-    try:
-        dtype = dtype_from_json(desc["dtype"], path)
-        shape = tuple(desc["shape"])
-        offset, nbytes, crc = desc["offset"], desc["nbytes"], desc["crc32"]
-    except (KeyError, TypeError):
-        raise CorruptFileError(f"{path}: array {name!r} descriptor is incomplete") from None
-    ints: Sequence[Any] = (*shape, offset, nbytes, crc)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
-        raise CorruptFileError(f"{path}: array {name!r} descriptor has invalid numbers")
+        raise damaged(path, f"the descriptor of {what} is not an object")
+    missing = [key for key in ("dtype", "shape", "offset", "nbytes", "crc32") if key not in desc]
+    if missing:
+        raise damaged(path, f"the descriptor of {what} lacks {', '.join(missing)}")
+    dtype = dtype_from_json(desc["dtype"], path, what)
+    dims = desc["shape"]
+    if not isinstance(dims, list) or not all(_is_count(d) for d in dims):
+        raise damaged(
+            path, f"the shape of {what} is {_clip(repr(dims))}, not a list of non-negative integers"
+        )
+    for key in ("offset", "nbytes", "crc32"):
+        if not _is_count(desc[key]):
+            raise damaged(
+                path, f"the {key} of {what} is {_clip(repr(desc[key]))}, not a non-negative integer"
+            )
+    shape: tuple[int, ...] = tuple(dims)
+    offset, nbytes, crc = desc["offset"], desc["nbytes"], desc["crc32"]
     count = 1
     for dim in shape:
         count *= dim
     if count * dtype.itemsize != nbytes or offset + nbytes > data_end or offset < HEADER_SIZE:
-        raise CorruptFileError(
-            f"{path}: array {name!r} ({nbytes} bytes at {offset}) does not fit its shape "
-            f"{shape} or the file; the file is damaged, re-pack it"
+        raise damaged(
+            path,
+            f"{what} ({nbytes} bytes at {offset}) does not fit its shape {shape} or the file",
         )
     return dtype, shape, offset, nbytes, crc
 
@@ -446,20 +469,14 @@ def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
             parse_int=_exact_int if _LONG_DIGITS.search(text) else None,
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptFileError(
-            f"{path}: {what} is not valid JSON ({_clip(str(exc), 160)}); the file is damaged, "
-            "re-pack it"
-        ) from None
+        raise damaged(path, f"{what} is not valid JSON ({_clip(str(exc), 160)})") from None
     if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
         return value  # too few brackets to nest too deep: skip the walk
     stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
     while stack:  # no recursion: a deep structure must not exhaust the stack here either
         item, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise CorruptFileError(
-                f"{path}: {what} nests arrays or objects more than {MAX_JSON_DEPTH} deep; "
-                "the file is damaged or not a pack"
-            )
+            raise damaged(path, f"{what} nests arrays or objects more than {MAX_JSON_DEPTH} deep")
         children = item.values() if isinstance(item, dict) else item
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return value
@@ -539,15 +556,27 @@ def binding(
 
 def parse_binding(value: Any, path: str) -> dict[str, Any]:
     """Validate a container's ``pack`` metadata; return it."""
-    role = value.get("role") if isinstance(value, dict) else None
-    pack_id = value.get("pack_id") if isinstance(value, dict) else None
-    if role not in ROLES or not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
-        raise CorruptFileError(f"{path}: the metadata's pack binding is invalid")
-    assert isinstance(value, dict)
+    if not isinstance(value, dict):
+        raise damaged(path, f"the metadata's pack binding is {_clip(repr(value))}, not an object")
+    role, pack_id = value.get("role"), value.get("pack_id")
+    if role not in ROLES:
+        raise damaged(
+            path, f"the metadata's pack binding has role {_clip(repr(role))}, not one of {ROLES}"
+        )
+    if not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
+        raise damaged(
+            path,
+            f"the metadata's pack binding has pack_id {_clip(repr(pack_id))}, not 32 lowercase "
+            "hex digits",
+        )
     expected = binding(role, pack_id)
     for key in expected:
         if key not in ("pack_id", "role") and not _is_count(value.get(key)):
-            raise CorruptFileError(f"{path}: the metadata's pack binding has an invalid {key!r}")
+            raise damaged(
+                path,
+                f"the metadata's pack binding ({role}) has {key} "
+                f"{_clip(repr(value.get(key)))}, not a non-negative integer",
+            )
     return {key: value[key] for key in expected}
 
 
@@ -602,39 +631,63 @@ def parse_metadata(
     """
     meta = loads_json(data, path, "metadata")
     if not isinstance(meta, dict):
-        raise CorruptFileError(f"{path}: metadata is not a JSON object")
+        raise damaged(path, "the metadata is not a JSON object")
+    if meta.get("format") != FORMAT_NAME:
+        raise damaged(
+            path, f"the metadata's format is {_clip(repr(meta.get('format')))}, not {FORMAT_NAME!r}"
+        )
+    version_found = meta.get("format_version")
+    if version_found != list(version) or not all(type(v) is int for v in version_found):
+        raise damaged(
+            path,
+            f"the metadata's format_version is {_clip(repr(version_found))}, the header's "
+            f"version {version[0]}.{version[1]}",
+        )
     fields = meta.get("fields")
-    num = meta.get("num_records")
     if (
-        meta.get("format") != FORMAT_NAME
-        or not isinstance(fields, list)
+        not isinstance(fields, list)
         or not 0 < len(fields) <= _MAX_FIELDS
         or not all(isinstance(f, str) for f in fields)
         or len(set(fields)) != len(fields)
-        or type(num) is not int
-        or num != num_records
     ):
-        raise CorruptFileError(f"{path}: metadata does not describe a torch_serialized file")
-    if meta.get("format_version") != list(version) or not all(
-        type(v) is int for v in meta["format_version"]
-    ):
-        raise CorruptFileError(
-            f"{path}: metadata format_version {_clip(repr(meta.get('format_version')))} "
-            f"differs from the header's version {version[0]}.{version[1]}; the file is "
-            "damaged or not a torch_serialized pack: re-copy or re-pack it"
+        raise damaged(
+            path,
+            f"the metadata's fields are {_clip(repr(fields))}, not 1 to {_MAX_FIELDS} distinct "
+            "names",
         )
-    arrays = meta.get("arrays")
-    user = meta.get("user")
-    if not isinstance(arrays, dict) or not isinstance(user, dict):
-        raise CorruptFileError(f"{path}: metadata lacks its arrays or user sections")
+    num = meta.get("num_records")
+    if type(num) is not int or num != num_records:
+        raise damaged(
+            path,
+            f"the metadata's num_records is {_clip(repr(num))}, the footer's {num_records}",
+        )
+    for key in ("arrays", "user"):
+        if not isinstance(meta.get(key), dict):
+            raise damaged(
+                path, f"the metadata's {key} is {_clip(repr(meta.get(key)))}, not an object"
+            )
     dtype, shape, *_ = check_descriptor(meta.get("index"), "index", data_end, path)
     if dtype != INDEX_DTYPE or shape != (num, len(fields)):
-        raise CorruptFileError(f"{path}: record index has dtype {dtype}, shape {shape}")
-    for name, desc in arrays.items():
+        raise damaged(
+            path,
+            f"the record index has dtype {dtype} and shape {shape}, not {INDEX_DTYPE} and "
+            f"{(num, len(fields))}",
+        )
+    for name, desc in meta["arrays"].items():
         check_descriptor(desc, name, data_end, path)
         per_record = desc.get("per_record", False)
-        if not isinstance(per_record, bool) or (per_record and desc["shape"][:1] != [num]):
-            raise CorruptFileError(f"{path}: per-record array {_clip(repr(name))} is invalid")
+        if not isinstance(per_record, bool):
+            raise damaged(
+                path,
+                f"the per_record of array {_clip(repr(name))} is {_clip(repr(per_record))}, "
+                "not true or false",
+            )
+        if per_record and desc["shape"][:1] != [num]:
+            raise damaged(
+                path,
+                f"per-record array {_clip(repr(name))} has shape {desc['shape']}, whose first "
+                f"axis is not the {num} records",
+            )
     if "pack" in meta:
         meta["pack"] = parse_binding(meta["pack"], path)
     return meta
@@ -746,25 +799,27 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     entries are plain file names with consistent record counts.
     """
     if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptFileError(
-            f"{path}: {len(data)} bytes is larger than a manifest may be ({MAX_MANIFEST_BYTES})"
+        raise damaged(
+            path, f"{len(data)} bytes is larger than a manifest may be ({MAX_MANIFEST_BYTES})"
         )
     raw = loads_json(data, path, "manifest")
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
-        raise CorruptFileError(f"{path}: not a torch_serialized shard manifest")
+        found = raw.get("format") if isinstance(raw, dict) else raw
+        raise damaged(
+            path,
+            f"not a torch_serialized shard manifest (format {_clip(repr(found))}, expected "
+            f"{MANIFEST_FORMAT!r})",
+        )
     version: Any = raw.get("version")
     if not _is_count(version) or version < 1:
-        raise CorruptFileError(f"{path}: invalid manifest version {_clip(repr(version))}")
+        raise damaged(path, f"the manifest's version is {_clip(repr(version))}, not 1 or more")
     if version > MANIFEST_VERSION:
         raise UnsupportedVersionError(
             f"{path}: manifest version {version} is newer than this torch_serialized reads "
             f"({MANIFEST_VERSION}); upgrade torch_serialized"
         )
     if version >= 2 and raw.get("checksum") != manifest_checksum(raw):
-        raise CorruptFileError(
-            f"{path}: the manifest's checksum does not match its content: it was damaged or "
-            "edited. Copy the pack again or re-pack it"
-        )
+        raise damaged(path, "the manifest's checksum does not match its content (edited?)")
     fields = raw.get("fields")
     if (
         not isinstance(fields, list)
@@ -772,19 +827,24 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         or not all(isinstance(f, str) and f for f in fields)
         or len(set(fields)) != len(fields)
     ):
-        raise CorruptFileError(f"{path}: the manifest's fields are invalid")
+        raise damaged(
+            path,
+            f"the manifest's fields are {_clip(repr(fields))}, not 1 to {_MAX_FIELDS} distinct "
+            "non-empty names",
+        )
     entries = raw.get("shards")
     if not isinstance(entries, list) or not entries:
-        raise CorruptFileError(f"{path}: manifest lists no shards")
+        raise damaged(path, f"the manifest lists no shards (shards: {_clip(repr(entries))})")
     shards: list[ShardEntry] = []
     for k, entry in enumerate(entries):
         first = shards[-1].first_record + shards[-1].num_records if shards else 0
         shards.append(_shard_entry(entry, k, first, version, path))
     num_records = raw.get("num_records")
     if num_records != shards[-1].first_record + shards[-1].num_records:
-        raise CorruptFileError(
-            f"{path}: num_records {_clip(repr(num_records))} is not the sum of the shards' "
-            "records; the manifest is damaged, re-pack the dataset"
+        raise damaged(
+            path,
+            f"the manifest's num_records is {_clip(repr(num_records))}, not the sum of the "
+            "shards' records",
         )
     created_by = raw.get("created_by")
     manifest = Manifest(
@@ -797,12 +857,15 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     if version == 1:
         user = raw.get("user")
         if not isinstance(user, dict):
-            raise CorruptFileError(f"{path}: manifest lacks its user section")
+            raise damaged(path, "the version-1 manifest's user is not an object")
         manifest = dataclasses.replace(manifest, user=user)
     else:
         pack_id = raw.get("pack_id")
         if not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
-            raise CorruptFileError(f"{path}: invalid pack_id {_clip(repr(pack_id))}")
+            raise damaged(
+                path,
+                f"the manifest's pack_id is {_clip(repr(pack_id))}, not 32 lowercase hex digits",
+            )
         catalog = _catalog_entry(raw.get("catalog"), path)
         manifest = dataclasses.replace(
             manifest, pack_id=pack_id, catalog=catalog, checksum=raw["checksum"]
@@ -810,10 +873,7 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     names = manifest.files()
     if len(set(names)) != len(names):
         twice = next(name for k, name in enumerate(names) if name in names[:k])
-        raise CorruptFileError(
-            f"{path}: the manifest names {twice!r} twice; the manifest was damaged or edited, "
-            "re-pack the dataset"
-        )
+        raise damaged(path, f"the manifest names {twice!r} twice")
     return manifest
 
 
@@ -844,10 +904,7 @@ def _shard_entry(entry: Any, k: int, first: int, version: int, path: str) -> Sha
             and start == first
         ):
             return ShardEntry(name, first, count, size, crc)
-    raise CorruptFileError(
-        f"{path}: shard entry {k} is invalid ({_clip(repr(entry))}); the manifest is damaged, "
-        "re-pack the dataset"
-    )
+    raise damaged(path, f"the manifest's shard entry {k} is invalid ({_clip(repr(entry))})")
 
 
 def _catalog_entry(entry: Any, path: str) -> CatalogEntry:
@@ -860,7 +917,4 @@ def _catalog_entry(entry: Any, path: str) -> CatalogEntry:
             and _is_count(crc, 1 << 32)
         ):
             return CatalogEntry(name, size, crc)
-    raise CorruptFileError(
-        f"{path}: the catalog entry is invalid ({_clip(repr(entry))}); the manifest is "
-        "damaged, re-pack the dataset"
-    )
+    raise damaged(path, f"the manifest's catalog entry is invalid ({_clip(repr(entry))})")

@@ -209,10 +209,8 @@ class ContainerReader:
         try:
             return open_regular(self.path, self.member or "the pack")
         except FileKindError as exc:
-            if self.member is not None:
-                raise CorruptFileError(
-                    f"{exc}; the pack is damaged: re-copy or re-pack it"
-                ) from None
+            if self.member is not None:  # the message names the file, its place and its kind
+                raise CorruptFileError(f"{exc}; {fmt.DAMAGED}") from None
             if os.path.isdir(self.path):
                 raise FormatError(
                     f"{self.path} is a folder without {fmt.MANIFEST_NAME}; pass a .tser file "
@@ -228,9 +226,10 @@ class ContainerReader:
         """Header: magic, checksum, alignment, and a major version this package reads."""
         path, size = self.where, self.size
         if size < fmt.HEADER_SIZE + fmt.FOOTER_SIZE:
-            raise TruncatedFileError(
-                f"{path}: {size} bytes is too short for a torch_serialized file "
-                "(truncated or not a pack); re-copy or re-pack it"
+            raise fmt.damaged(
+                path,
+                f"{size} bytes, too short for a torch_serialized file (truncated?)",
+                TruncatedFileError,
             )
         major, minor, self.alignment = fmt.unpack_header(os.pread(fd, fmt.HEADER_SIZE, 0), path)
         if major > fmt.FORMAT_MAJOR:
@@ -245,21 +244,25 @@ class ContainerReader:
         path, size = self.where, self.size
         tail = os.pread(fd, fmt.FOOTER_SIZE, size - fmt.FOOTER_SIZE)
         if tail[-len(fmt.MAGIC) :] != fmt.MAGIC:
-            raise TruncatedFileError(
-                f"{path}: the file does not end with the torch_serialized footer: it was "
-                "truncated (interrupted copy or write); re-copy or re-pack it"
+            raise fmt.damaged(
+                path,
+                "the file does not end with the torch_serialized footer: it was truncated "
+                "(an interrupted copy or write?) or appended to",
+                TruncatedFileError,
             )
         footer = fmt.unpack_footer(tail, path)
         if (footer["major"], footer["minor"]) != self.version:
-            raise CorruptFileError(
-                f"{path}: its footer says format version {footer['major']}.{footer['minor']}, "
-                f"its header {self.version[0]}.{self.version[1]}; the file is damaged or not a "
-                "torch_serialized pack: re-copy or re-pack it"
+            raise fmt.damaged(
+                path,
+                f"its footer says format version {footer['major']}.{footer['minor']}, its "
+                f"header {self.version[0]}.{self.version[1]}",
             )
         if footer["file_size"] != size:
-            raise TruncatedFileError(
-                f"{path}: file has {size} bytes but its footer says {footer['file_size']}; "
-                "re-copy or re-pack it"
+            raise fmt.damaged(
+                path,
+                f"the file has {size} bytes, its footer says {footer['file_size']} "
+                f"(file_size): {'truncated' if size < footer['file_size'] else 'appended to'}",
+                TruncatedFileError,
             )
         meta_offset, meta_length = footer["meta_offset"], footer["meta_length"]
         if (
@@ -267,7 +270,12 @@ class ContainerReader:
             or meta_offset + meta_length != size - fmt.FOOTER_SIZE
             or meta_length > fmt.MAX_META_BYTES
         ):
-            raise CorruptFileError(f"{path}: metadata location in the footer is invalid")
+            raise fmt.damaged(
+                path,
+                f"the footer's meta_offset {meta_offset} and meta_length {meta_length} do not "
+                f"place the metadata between the header and the footer (at most "
+                f"{fmt.MAX_META_BYTES} bytes)",
+            )
         self.meta_crc32 = footer["meta_crc32"]
         return footer
 
@@ -275,10 +283,7 @@ class ContainerReader:
         """Metadata: its checksum, then its content (``format.parse_metadata``)."""
         raw = os.pread(fd, footer["meta_length"], footer["meta_offset"])
         if fmt.crc32(raw) != footer["meta_crc32"]:
-            raise CorruptFileError(
-                f"{self.where}: metadata checksum mismatch; the file is damaged: re-copy or "
-                "re-pack it"
-            )
+            raise fmt.damaged(self.where, "metadata checksum mismatch (the footer's meta_crc32)")
         self.data_end = footer["meta_offset"]
         self.meta: dict[str, Any] = fmt.parse_metadata(
             raw,
@@ -340,16 +345,13 @@ class ContainerReader:
                 desc, name, self.data_end, self.where
             )
             if fmt.crc32(view[offset : offset + nbytes]) != crc:
-                raise CorruptFileError(
-                    f"{self.where}: {name} checksum mismatch; the file is damaged, re-pack it"
-                )
+                raise fmt.damaged(self.where, f"array {name!r} checksum mismatch (its crc32)")
             count = nbytes // dtype.itemsize
             try:
                 np.frombuffer(view, dtype, count=count, offset=offset).reshape(shape)
             except (ValueError, OverflowError) as exc:  # absurd shapes: > 64 axes, huge dims
-                raise CorruptFileError(
-                    f"{self.where}: array {name!r} has an unusable shape: {exc}; the file is "
-                    "damaged, re-pack it"
+                raise fmt.damaged(
+                    self.where, f"array {name!r} has an unusable shape {shape}: {exc}"
                 ) from None
             layout.append((name, dtype, shape, offset, count))
         return layout
@@ -360,13 +362,14 @@ class ContainerReader:
             return
         offsets, lengths = index["offset"], index["length"]
         ends = offsets + lengths
-        if (
-            int(offsets.min()) < fmt.HEADER_SIZE
-            or int(ends.max()) > self.data_end
-            or bool((ends < offsets).any())
-        ):
-            raise CorruptFileError(
-                f"{self.where}: record index points outside the data; the file is damaged"
+        outside = (offsets < fmt.HEADER_SIZE) | (ends > self.data_end) | (ends < offsets)
+        if outside.any():
+            i, k = (int(v) for v in np.argwhere(outside)[0])
+            raise fmt.damaged(
+                self.where,
+                f"the record index places record {i} field {self.fields[k]!r} at offset "
+                f"{int(offsets[i, k])}, length {int(lengths[i, k])}: outside the record data "
+                f"(bytes {fmt.HEADER_SIZE} to {self.data_end})",
             )
 
     # -- one process, one map -----------------------------------------------------------------
@@ -1320,7 +1323,7 @@ def _look(path: Path) -> tuple[Path, Path | None, bytes | None] | None:
     try:
         data = read_regular_file(manifest_path, fmt.MAX_MANIFEST_BYTES, "the manifest")
     except (FileKindError, FileSizeError) as exc:
-        raise CorruptFileError(f"{exc}; the pack is damaged, re-pack it") from None
+        raise CorruptFileError(f"{exc}; {fmt.DAMAGED}") from None
     except FileNotFoundError:
         if not _same_file(path, before):
             return None  # the folder was swapped while it was read: look again

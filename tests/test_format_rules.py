@@ -348,3 +348,12 @@ def test_manifest_refusals_name_the_file_the_fault_and_what_to_do(edit, fault):
         fmt.parse_manifest(json.dumps(manifest).encode(), "/p/manifest.json")
     message = str(info.value)
     assert message.startswith("/p/manifest.json: ") and message.endswith(fmt.DAMAGED)
+
+
+# -- the manifest checksum's canonical JSON: fixed, not a mutable module dict -----------------
+def test_canonical_json_has_fixed_options():
+    body = {"b": [1, "é"], "a": {"z": None, "y": "\n\x1f"}}
+    assert fmt.canonical_json(body) == '{"a":{"y":"\\n\\u001f","z":null},"b":[1,"é"]}'
+    with pytest.raises(ValueError):
+        fmt.canonical_json({"x": float("nan")})
+    assert not hasattr(fmt, "CANONICAL_JSON")  # a dict anyone could change: every checksum

@@ -102,7 +102,7 @@ __all__ = [
     "ROLE_SINGLE",
     "ROLE_SHARD",
     "ROLE_CATALOG",
-    "CANONICAL_JSON",
+    "canonical_json",
     "is_member_name",
     "crc32",
     "pad_to",
@@ -173,13 +173,6 @@ MAX_JSON_INT = (1 << 53) - 1
 #: A container's role in its pack (its ``pack`` metadata, see ``binding``).
 ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG = "single", "shard", "catalog"
 ROLES = (ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG)
-#: ``json.dumps`` arguments of the canonical form a manifest's checksum covers.
-CANONICAL_JSON = {
-    "sort_keys": True,
-    "separators": (",", ":"),
-    "ensure_ascii": False,
-    "allow_nan": False,
-}
 _PACK_ID = re.compile(r"[0-9a-f]{32}")
 
 #: The only simple type codes a file may use: numpy's own ``dtype.str`` of little-endian
@@ -754,12 +747,20 @@ class Manifest:
         return sum(s.bytes for s in self.shards) + (self.catalog.bytes if self.catalog else 0)
 
 
+def canonical_json(value: Any) -> str:
+    """The canonical JSON text of ``value`` that a manifest's checksum covers: keys sorted at
+    every level, no whitespace, non-ASCII characters unescaped, no NaN or Infinity (encode it
+    as UTF-8). docs/FORMAT.md, "The manifest checksum", spells out the same call."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+
+
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
-    """``"sha256:<hex>"`` of the canonical JSON of every key of ``manifest`` but ``checksum``:
-    keys sorted, no whitespace, UTF-8, non-ASCII characters unescaped (``CANONICAL_JSON``)."""
+    """``"sha256:<hex>"`` of the canonical JSON (``canonical_json``) of every key of
+    ``manifest`` but ``checksum``, in UTF-8."""
     body = {key: value for key, value in manifest.items() if key != "checksum"}
-    text = json.dumps(body, **CANONICAL_JSON)  # type: ignore[arg-type]
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return "sha256:" + hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
 
 
 def build_manifest(

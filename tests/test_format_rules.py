@@ -357,3 +357,45 @@ def test_canonical_json_has_fixed_options():
     with pytest.raises(ValueError):
         fmt.canonical_json({"x": float("nan")})
     assert not hasattr(fmt, "CANONICAL_JSON")  # a dict anyone could change: every checksum
+
+
+# -- what docs/FORMAT.md leaves to readers, as the Python reader does it ----------------------
+def test_per_record_is_optional_and_defaults_to_false(tmp_path):
+    path = _pack(tmp_path)
+    rewrite_container(path, meta=_array(shape=[0]))  # no per_record key
+    reader = ContainerReader(path)
+    assert "per_record" not in reader.meta["arrays"]["z"] and not reader.is_per_record("z")
+
+
+def test_binding_keys_outside_the_role_are_ignored(tmp_path):
+    path = _pack(tmp_path)
+    rewrite_container(path, meta=lambda meta: meta["pack"].update(index=3, note="x"))
+    assert set(ContainerReader(path).meta["pack"]) == {"pack_id", "role"}
+
+
+def test_alignment_and_reserved_fields_are_not_checked_by_readers(tmp_path):
+    path = _pack(tmp_path)
+    data = bytearray(path.read_bytes())
+    offset, length, _size, num, _crc = struct.unpack_from("<QQQQI", data, len(data) - 64)
+    meta = json.loads(data[offset : offset + length])
+    struct.pack_into("<I", data, meta["index"]["offset"] + 20, 5)  # record 0's reserved
+    index = bytes(data[meta["index"]["offset"] :][: meta["index"]["nbytes"]])
+    meta["index"]["crc32"] = fmt.crc32(index)
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    body = bytes(data[:offset]) + bytes(8) + raw  # the metadata 8 bytes past an aligned offset
+    footer = struct.pack(
+        "<QQQQIHH12x", offset + 8, len(raw), len(body) + 64, num, fmt.crc32(raw), 1, 1
+    )
+    path.write_bytes(body + footer + struct.pack("<I", fmt.crc32(footer)) + fmt.MAGIC)
+    reader = ContainerReader(path)
+    assert bytes(reader.field(0, 0)) == b"x" and reader.verify() == []
+
+
+def test_a_lone_surrogate_is_read_but_never_written(tmp_path):
+    assert fmt.loads_json(b'{"a": "\\ud800"}', "m", "metadata") == {"a": "\ud800"}
+    with (
+        pytest.raises(ValueError),
+        PackWriter(tmp_path / "p.tser", ["a"]) as writer,
+    ):
+        writer.add([b"x"])
+        writer.close({"a": "\ud800"})

@@ -313,10 +313,64 @@ def _field(record: int, field: int, data: bytes) -> Any:
 READ_CASES = {
     "class id 99": (_objects(1, 99), "tv_tensors", "classes"),
     "class id -1": (_objects(1, -1), "tv_tensors", "classes"),
-    "objects not whole rows": (_field(1, schema.OBJECTS, b"\x00" * 5), "tv_tensors", "rows"),
     "target not JSON": (_field(1, schema.TARGET, b"{not json"), "dict", "not valid JSON"),
     "target a list": (_field(1, schema.TARGET, b"[1, 2]"), "dict", "not a JSON object"),
 }
+
+
+def _flags(record: int, flags: int) -> Any:
+    def edit(c: Contents) -> None:
+        c.arrays["records"]["flags"][record] = flags
+
+    return edit
+
+
+COLUMN_CASES = {
+    "objects not whole rows": (_field(1, schema.OBJECTS, b"\x00" * 5), "num_objects rows"),
+    "a row more than counted": (
+        lambda c: c.records[1].__setitem__(schema.OBJECTS, c.records[1][schema.OBJECTS] * 2),
+        "num_objects rows",
+    ),
+    "a mask without its flag": (_field(1, schema.MASK, b"x"), "a mask exactly when flag 2"),
+    "flag 2 without a mask": (_flags(1, 1 | 2), "a mask exactly when flag 2"),
+    "an object mask without its flag": (
+        _field(1, schema.OBJECT_MASK, b"x"),
+        "an object mask exactly when flag 4",
+    ),
+    "annotation bytes without flag 1": (_flags(1, 0), "annotation bytes only when flag 1"),
+    "no annotation bytes for flag 1": (
+        _field(1, schema.ANNOTATION, b""),
+        "annotation bytes when flag 1 is set without flag 16",
+    ),
+    "no target for flag 1": (_field(1, schema.TARGET, b""), "a target exactly when flag 1"),
+}
+
+
+@pytest.mark.parametrize("form", ["single", "shards"])
+@pytest.mark.parametrize("case", sorted(COLUMN_CASES))
+def test_record_columns_that_contradict_the_fields_are_refused(
+    tmp_path: Path, tiny_packs: dict[str, Path], form: str, case: str
+) -> None:
+    """The ``records`` columns say what each record holds (export, counts and ``tv_tensors``
+    targets go by them); columns its own bytes contradict, in a pack whose checksums are all
+    valid, are refused: a single file at open, a shard when it is first read (and by
+    ``verify``), naming the file and the record."""
+    edit, expected = COLUMN_CASES[case]
+    limits = {"max_records_per_shard": 2} if form == "shards" else {}
+    path = rebuild_pack(tiny_packs[form], tmp_path / "bad", edit, **limits)
+    match = rf"record 1's columns contradict its fields .*expected {expected}"
+    if form == "single":
+        for open_it in (VOCPackReader, lambda p: VOCSerializedDataset(p, "train")):
+            with pytest.raises(FormatError, match=match) as info:
+                open_it(path)
+            assert str(path) in str(info.value)
+    else:
+        dataset = VOCSerializedDataset(path, "trainval", decode="none")
+        index = [int(r) for r in dataset.records].index(1)
+        with pytest.raises(FormatError, match=match) as info:
+            dataset[index]
+        assert "shard 0 named by" in str(info.value)
+    assert main(["verify", str(path)]) == 1
 
 
 @pytest.mark.parametrize("case", sorted(READ_CASES))

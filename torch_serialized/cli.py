@@ -618,12 +618,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .reader import PackReader, member_of
     from .voc import schema
-    from .voc.reader import check_voc_pack
+    from .voc.reader import check_record_fields, check_voc_pack
 
     started = time.perf_counter()
     try:
         # checks header, footer, metadata, index and arrays (a URL: downloads and checks all)
-        reader = PackReader(args.path, **_remote(args))
+        # ``check_records``: each shard's columns against its fields (a VOC pack's; a no-op
+        # for other files)
+        reader = PackReader(args.path, check_records=check_record_fields, **_remote(args))
     except (TorchSerializedError, OSError) as exc:
         message = _describe(exc)
         _error(message if str(args.path) in message else f"cannot open {args.path}: {message}")

@@ -561,6 +561,11 @@ class ContainerReader:
         """The stored arrays by name (read-only views into the map)."""
         return self._mapped().arrays
 
+    def field_lengths(self) -> np.ndarray:
+        """The byte length of every field of every record, uint64 ``[N, K]`` (a view of the
+        mapped index): what a schema checks its record columns against."""
+        return self._mapped().lengths
+
     def is_per_record(self, name: str) -> bool:
         return bool(self.meta["arrays"][name].get("per_record"))
 
@@ -737,6 +742,11 @@ class PackReader:
     Its manifest and catalog are downloaded at open, each shard on first use (or ahead of use,
     ``prefetch_shards``), checked in full before it is renamed into the cache; ``path`` is then
     the cache folder, ``url`` the URL.
+
+    ``check_records(shard, first_record)`` is a schema's check of a shard's records (its
+    columns against its fields' lengths, say; ``first_record``: the pack's number of the
+    shard's first record), called once per shard when it is first opened; it raises to refuse
+    the shard. A single file (``single``) is there at open: its check is the caller's.
     """
 
     def __init__(
@@ -748,6 +758,7 @@ class PackReader:
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,
+        check_records: Callable[[ContainerReader, int], None] | None = None,
     ) -> None:
         if max_open_shards is None:
             max_open_shards = default_max_open_shards()
@@ -767,6 +778,7 @@ class PackReader:
         #: replaced pack (``FileChangedError``) from a damaged one
         self.manifest_sha256: str | None = None
         self._per_record: dict[str, np.ndarray] = {}  # manifest v1: columns merged at open
+        self._check_records = check_records
         self._expected: list[Expected | None] = []
         self._reset_open()
         if manifest_path is None:
@@ -1032,6 +1044,8 @@ class PackReader:
         shard = self._open_listed(self.entries[s].file, expect)
         if self.manifest is not None and self.manifest.version >= 2:
             self._check_columns(s, shard)
+        if self._check_records is not None:
+            self._check_records(shard, self.entries[s].first_record)
         return shard
 
     def _open_listed(self, name: str, expect: Expected) -> ContainerReader:
@@ -1167,6 +1181,11 @@ class PackReader:
     def version(self) -> tuple[int, int]:
         """The container format version of the catalog (or single file)."""
         return self._catalog.version
+
+    @property
+    def single(self) -> ContainerReader | None:
+        """The one file holding every record of a single-file pack; None for a shard folder."""
+        return self._single
 
     @property
     def binding(self) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, SourceDataError, UnsupportedVersionError
-from ..reader import PackReader, member_of
+from ..reader import ContainerReader, PackReader, member_of
 from . import schema
 from .classes import label_classes
 from .layout import TASKS
@@ -51,6 +51,7 @@ class VOCPackReader:
             storage_options=storage_options,
             cache_dir=cache_dir,
             cache_limit_bytes=cache_limit_bytes,
+            check_records=check_record_fields,
         )
         meta = check_voc_pack(self.reader)
         self.meta: dict[str, Any] = meta
@@ -210,9 +211,10 @@ class VOCPackReader:
 # -- validation at open ---------------------------------------------------------------------------
 def check_voc_pack(reader: PackReader) -> dict[str, Any]:
     """The VOC layer's checks of an open pack (schema, version, fields, ``check_metadata``,
-    ``check_arrays``), as every VOC reader makes them at open and ``verify`` too; returns
-    the VOC metadata. Raises ``FormatError`` naming the pack, or for one shard or catalog
-    file of a shard folder (no pack by itself) the folder to pass instead."""
+    ``check_arrays``, and a single file's ``check_record_fields``), as every VOC reader makes
+    them at open and ``verify`` too; returns the VOC metadata. Raises ``FormatError`` naming
+    the pack, or for one shard or catalog file of a shard folder (no pack by itself) the
+    folder to pass instead."""
     if reader.manifest is None:  # one file: a pack, or a piece of one
         where = reader.url or reader.path
         member = member_of(where, reader.binding)
@@ -237,6 +239,8 @@ def check_voc_pack(reader: PackReader) -> dict[str, Any]:
         raise _bad(name, "fields", repr(list(schema.FIELDS)), list(reader.fields))
     check_metadata(meta, len(reader), name)
     check_arrays(reader.arrays(), meta, len(reader), name)
+    if reader.single is not None:  # a shard folder's shards: when opened (``check_records``)
+        check_record_fields(reader.single, 0)
     return meta
 
 
@@ -385,6 +389,65 @@ def _check_unparsed_listed(
             field = schema.split_array_name("Main", name)
             found = f"record {int(listed[0])}"
             raise _bad(path, field, "no record whose annotation did not parse (flag 16)", found)
+
+
+def check_record_fields(container: ContainerReader, first_record: int) -> None:
+    """The ``records`` columns of a file of a VOC pack agree with its records' fields
+    (docs/FORMAT.md, "Record columns"), so that no reader (export, counts, ``tv_tensors``
+    targets) trusts a column the bytes contradict: ``num_objects`` rows in ``objects``, a
+    class or object mask exactly where its flag says, annotation bytes only with flag 1, and a
+    target exactly where an annotation parsed. Run once per file, on the index alone (no
+    record is read); a file without VOC fields and columns is not checked here (a pack of
+    it is refused by ``check_voc_pack``)."""
+    columns = container.arrays().get("records")
+    if (
+        tuple(container.fields) != schema.FIELDS
+        or columns is None
+        or columns.dtype != schema.COLUMNS
+        or columns.shape != (container.num_records,)
+    ):
+        return
+    lengths = container.field_lengths()
+    flags = columns["flags"]
+    annotated = (flags & schema.HAS_ANNOTATION) != 0
+    parsed = annotated & ((flags & schema.UNPARSED_ANNOTATION) == 0)
+    rules = (
+        (
+            lengths[:, schema.OBJECTS] != columns["num_objects"] * schema.OBJECT_DTYPE.itemsize,
+            "num_objects rows of 24 bytes in its objects field",
+        ),
+        (
+            ((flags & schema.HAS_MASK) != 0) != (lengths[:, schema.MASK] > 0),
+            "a mask exactly when flag 2 is set",
+        ),
+        (
+            ((flags & schema.HAS_OBJECT_MASK) != 0) != (lengths[:, schema.OBJECT_MASK] > 0),
+            "an object mask exactly when flag 4 is set",
+        ),
+        (
+            ~annotated & (lengths[:, schema.ANNOTATION] > 0),
+            "annotation bytes only when flag 1 is set",
+        ),
+        (
+            parsed & (lengths[:, schema.ANNOTATION] == 0),
+            "annotation bytes when flag 1 is set without flag 16",
+        ),
+        (
+            parsed != (lengths[:, schema.TARGET] > 0),
+            "a target exactly when flag 1 is set without flag 16",
+        ),
+    )
+    for wrong, expected in rules:
+        if wrong.any():
+            r = int(np.flatnonzero(wrong)[0])
+            raise FormatError(
+                f"{container.where}: record {first_record + r}'s columns contradict its fields "
+                '(docs/FORMAT.md, "Record columns"): expected '
+                f"{expected}, found flags {int(flags[r])}, num_objects "
+                f"{int(columns['num_objects'][r])} and field lengths "
+                f"{dict(zip(schema.FIELDS, lengths[r].tolist()))}; the pack is damaged or was "
+                "not written by pack_voc: re-pack it"
+            )
 
 
 def check_arrays(

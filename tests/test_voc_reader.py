@@ -15,11 +15,13 @@ from torch_serialized import (
     SerializedDataset,
     VOCSerializedDataset,
     VOCSerializedIterableDataset,
+    VOCSerializedSegmentation,
     append_voc,
     export_voc,
+    open_pack,
 )
 from torch_serialized.cli import main
-from torch_serialized.errors import FormatError, UnsupportedVersionError
+from torch_serialized.errors import ChecksumError, FormatError, UnsupportedVersionError
 from torch_serialized.voc import schema
 from torch_serialized.voc.classes import label_classes
 from torch_serialized.voc.reader import VOCPackReader
@@ -414,3 +416,47 @@ def test_info_on_a_damaged_pack_exits_2_with_one_line(
         assert main(["info", str(path)]) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and str(path) in err
+
+
+@pytest.mark.parametrize("form", ["single", "shards"])
+def test_a_checked_read_of_a_damaged_record_names_the_sample(
+    tmp_path: Path, tiny_packs: dict[str, Path], form: str
+) -> None:
+    """``checked=True`` named only the file's own record number ("record 3" of a shard,
+    neither the pack's record nor the id): every read path now names the pack, the record,
+    its id and the field, and the file the damage is in."""
+    path = tmp_path / "pack"
+    if form == "single":
+        shutil.copyfile(tiny_packs[form], path)
+    else:
+        shutil.copytree(tiny_packs[form], path)
+    record = 3
+    container, local = open_pack(path).locate(record)
+    offset = int(container.index_rows([local])["offset"][0, schema.IMAGE])
+    with open(container.path, "r+b") as f:  # one byte of the record's image, flipped
+        f.seek(offset + 10)
+        byte = f.read(1)[0]
+        f.seek(offset + 10)
+        f.write(bytes([byte ^ 0xFF]))
+    id_ = VOCPackReader(path).id(record)
+    dataset = VOCSerializedDataset(path, "trainval", checked=True, decode="none")
+    index = [int(r) for r in dataset.records].index(record)
+    segmentation = VOCSerializedSegmentation(path, "val", checked=True)
+    assert int(segmentation.records[0]) == record
+    named = rf"record {record} \(id '{id_}'\): its image fails its checksum"
+    named += r" \(in .*shard-.*\.tser\); " if form == "shards" else "; "
+    reads = {
+        "getitem": lambda: dataset[index],
+        "getitems": lambda: dataset.__getitems__([0, index]),
+        "segmentation": lambda: segmentation[0],
+        "stream": lambda: list(
+            VOCSerializedIterableDataset(path, "trainval", checked=True, decode="none")
+        ),
+        "export": lambda: export_voc(path, tmp_path / "out"),
+    }
+    for name, read in reads.items():
+        with pytest.raises(ChecksumError, match=named) as info:
+            read()
+        assert str(path) in str(info.value), name
+        assert info.value.record == record and info.value.field == "image"
+    assert open_pack(path).verify() == [record]

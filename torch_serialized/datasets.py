@@ -25,6 +25,7 @@ from torchvision.datasets import VOCDetection, VOCSegmentation
 from torchvision.datasets.vision import VisionDataset
 
 from .decode import Buffer, Classes, Decode, SampleDecoder, TargetFormat
+from .errors import ChecksumError
 from .reader import ContainerReader
 from .voc import schema
 from .voc.names import RecordNames, record_names
@@ -296,7 +297,10 @@ class _PackedVOCBase:
             records = [self._record(i) for i in indices]  # raises, naming the first bad one
         if not records:
             return []
-        rows = self._fetch_many(records)
+        try:
+            rows = self._fetch_many(records)
+        except ChecksumError as exc:  # checked=True: name the sample, not only the file
+            raise self.pack.named(exc) from None
         transforms, worker = self.transforms, in_worker()
         # A worker copies the batch into shared memory: read as views of the map, the images
         # are copied once (into the block) instead of twice (by us, then into the block).
@@ -401,7 +405,10 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
             record = self._index[_as_index(index)]  # a memoryview takes slices and tuples
         except (IndexError, TypeError):  # free until raised: the message costs only then
             raise self._bad_index(index) from None
-        image, target = self._fetch_fields(record, self._fields)
+        try:
+            image, target = self._fetch_fields(record, self._fields)
+        except ChecksumError as exc:  # checked=True: name the sample, not only the file
+            raise self.pack.named(exc) from None
         image, target = self._image_of(record, image), self._target_of(record, target)
         transforms = self.transforms
         return (image, target) if transforms is None else transforms(image, target)
@@ -461,7 +468,10 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
             record = self._index[_as_index(index)]  # flat, as VOCSerializedDataset.__getitem__
         except (IndexError, TypeError):
             raise self._bad_index(index) from None
-        image_data, mask_data = self._fetch_fields(record, self._fields)
+        try:
+            image_data, mask_data = self._fetch_fields(record, self._fields)
+        except ChecksumError as exc:  # as in VOCSerializedDataset.__getitem__
+            raise self.pack.named(exc) from None
         image, mask = self._image_of(record, image_data), self.decoder.mask(record, mask_data)
         transforms = self.transforms
         return (image, mask) if transforms is None else transforms(image, mask)

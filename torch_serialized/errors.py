@@ -48,7 +48,22 @@ class UnsupportedVersionError(FormatError):
 
 
 class ChecksumError(CorruptFileError):
-    """A record's bytes do not match the checksum stored when it was written."""
+    """A record's bytes do not match the checksum stored when it was written.
+
+    ``path``, ``record`` and ``field``: the file, the pack's record number and the field's
+    name, when a record's read raised it (a schema layer names the sample from them); else
+    None."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        record: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path, self.record, self.field = path, record, field
 
 
 class ImageTooLargeError(FormatError):

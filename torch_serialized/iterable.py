@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 from . import state as keys
 from .datasets import joint_transforms, open_split
 from .decode import Classes, Decode, TargetFormat
+from .errors import ChecksumError
 from .pipeline import (
     AHEAD,
     BUFFER,
@@ -277,9 +278,12 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         gate.open = True
         # in a worker the tensors of each run of samples travel in one shared block
         samples = self._shared_runs(items) if in_worker() else self._decoded(items)
-        for sample in samples:
-            self._yielded += 1  # counted when handed out: a state taken now resumes after it
-            yield sample
+        try:
+            for sample in samples:
+                self._yielded += 1  # counted when handed out: a state taken now resumes after it
+                yield sample
+        except ChecksumError as exc:  # checked=True: name the sample, not only the file
+            raise self.pack.named(exc) from None
 
     def decode(self, item: Item) -> tuple[Any, Any]:
         """The sample for one read item, as the map-style dataset returns it."""

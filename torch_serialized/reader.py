@@ -145,6 +145,7 @@ class Expected:
     #: 0.1.0 never wrote one (a version-1 manifest over newer files is a downgrade)
     pack: dict[str, Any] | None
     what: str  # its place in the pack, named in errors: "shard 3", "the catalog"
+    first_record: int = 0  # the pack's number of its first record
 
     @property
     def member(self) -> str:
@@ -184,6 +185,8 @@ class ContainerReader:
         self.member = None if expect is None else expect.member
         #: the file as errors at open name it: its path, and for a member its manifest
         self.where = self.path if self.member is None else f"{self.path} ({self.member})"
+        #: the pack's number of this file's record 0 (a shard's first record)
+        self.first_record = 0 if expect is None else expect.first_record
         self._local: _Mapped | None = None
         fd = self._open_fd()
         try:
@@ -443,10 +446,7 @@ class ContainerReader:
         offset = int(local.offsets[i, k])
         view = local.view[offset : offset + int(local.lengths[i, k])]
         if self.checked and fmt.crc32(view) != int(local.crcs[i, k]):
-            raise ChecksumError(
-                f"{self.path}: record {i} field {self.fields[k]!r} fails its checksum; "
-                "the file is damaged: run `torch-serialized verify` and re-pack it"
-            )
+            raise self._damaged_field(i, k)
         return view
 
     def index_rows(self, records: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -509,11 +509,7 @@ class ContainerReader:
             for r, row, row_crcs in zip(rows.tolist(), out, crcs):
                 for k, data, crc in zip(fields, row, row_crcs):
                     if fmt.crc32(data) != crc:
-                        raise ChecksumError(
-                            f"{self.path}: record {r} field {self.fields[k]!r} fails its "
-                            "checksum; the file is damaged: run `torch-serialized verify` "
-                            "and re-pack it"
-                        )
+                        raise self._damaged_field(r, k)
         return out
 
     def advise(self, records: int | Sequence[int] | np.ndarray) -> None:
@@ -556,6 +552,18 @@ class ContainerReader:
         breaks = np.flatnonzero(np.diff(windows) != 1) + 1
         for run in np.split(windows, breaks):
             _willneed(fd, int(run[0]) * HINT_WINDOW, len(run) * HINT_WINDOW)
+
+    def _damaged_field(self, i: int, k: int) -> ChecksumError:
+        """The error for field ``k`` of this file's record ``i`` failing its checksum, naming
+        the pack's record number (``ChecksumError.record``)."""
+        record, field = self.first_record + i, self.fields[k]
+        return ChecksumError(
+            f"{self.path}: record {record} field {field!r} fails its checksum; the file is "
+            "damaged: run `torch-serialized verify` and re-pack it",
+            path=self.path,
+            record=record,
+            field=field,
+        )
 
     def arrays(self) -> Mapping[str, np.ndarray]:
         """The stored arrays by name (read-only views into the map)."""
@@ -619,11 +627,7 @@ class ContainerReader:
             for r, row in zip(wanted, out):
                 for k, array in zip(fields, row):
                     if fmt.crc32(array.data) != int(local.crcs[r, k]):
-                        raise ChecksumError(
-                            f"{self.path}: record {r} field {self.fields[k]!r} fails its "
-                            "checksum; the file is damaged: run `torch-serialized verify` "
-                            "and re-pack it"
-                        )
+                        raise self._damaged_field(r, k)
         return out
 
     def prefetch(self, records: Sequence[int] | np.ndarray) -> None:
@@ -857,6 +861,7 @@ class PackReader:
                     num_records=shard.num_records,
                 ),
                 f"shard {k}",
+                shard.first_record,
             )
             for k, shard in enumerate(manifest.shards)
         ]
@@ -874,6 +879,7 @@ class PackReader:
                 manifest.fields,
                 None,
                 f"shard {k}",
+                shard.first_record,
             )
             for k, shard in enumerate(manifest.shards)
         ]

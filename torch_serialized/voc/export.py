@@ -33,7 +33,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..atomic import AtomicOutput, replace_file_at
-from ..errors import FormatError, WriteError
+from ..errors import ChecksumError, FormatError, WriteError
 from . import schema
 from .reader import VOCPackReader
 
@@ -105,7 +105,10 @@ def _stage(pack: VOCPackReader, plan: _Plan, tree: _Tree, progress: bool) -> Non
     for folder, name, record, field, stored in tqdm(
         plan, desc="exporting", unit="file", disable=not progress
     ):
-        data = pack.field(record, field) if stored is None else stored
+        try:
+            data = pack.field(record, field) if stored is None else stored
+        except ChecksumError as exc:  # name the sample, not only the file's record
+            raise pack.named(exc) from None
         tree.write(folder, name, data)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, SourceDataError, UnsupportedVersionError
+from ..errors import ChecksumError, FormatError, SourceDataError, UnsupportedVersionError
 from ..reader import ContainerReader, PackReader, member_of
 from . import schema
 from .classes import label_classes
@@ -198,6 +198,20 @@ class VOCPackReader:
 
     def field(self, record: int, k: int) -> memoryview:
         return self.reader.field(record, k)
+
+    def named(self, error: ChecksumError) -> ChecksumError:
+        """``error``, a record's field failing its checksum (``checked=True``), again naming
+        the sample: the pack, the record and its id, not only the file's record number."""
+        if error.record is None:
+            return error
+        member = f" (in {error.path})" if error.path != self.path else ""  # a shard's
+        return ChecksumError(
+            f"{self.where(error.record)}: its {error.field} fails its checksum{member}; the "
+            "pack is damaged: run `torch-serialized verify` and re-pack it",
+            path=error.path,
+            record=error.record,
+            field=error.field,
+        )
 
     def files(self) -> dict[str, bytes]:
         """Raw ImageSets list files stored at pack time, by devkit-relative path."""

@@ -41,7 +41,7 @@ def test_pack_info_verify_export_prune_and_cache_over_s3(
     status, _, err = run(capsys, "pack", voc8, url, "--samples-per-shard", 3, "-q", *writing)
     assert status == 2 and "--overwrite" in err
     status, _, err = run(capsys, "pack", voc8, url, "-q", "--overwrite", *remote)
-    assert status == 2 and "only apply with --append to a URL" in err
+    assert status == 2 and "--cache-dir only applies with --append to a URL" in err
     status, out, _ = run(capsys, "info", url, "--json", *remote)
     info = json.loads(out)
     assert status == 0 and info["path"] == url and info["num_samples"] == 8

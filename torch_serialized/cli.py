@@ -137,7 +137,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     cache = [flag for dest, flag in _CACHE_OPTIONS.items() if getattr(args, dest) is not None]
     if cache and not (args.append and _is_url(args.output)):
         raise ValueError(
-            f"{' and '.join(cache)} only apply with --append to a URL, which stages the pack "
+            f"{' and '.join(cache)} only {'applies' if len(cache) == 1 else 'apply'} with "
+            "--append to a URL, which stages the pack "
             "through the cache: a pack is written in $TMPDIR and uploaded, and a local pack is "
             "appended to in place, neither through the cache"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ...workers import SHARED_RUN
 from . import lmdb_store
 from .access import tv_bytes_getter
 from .context import Bench
@@ -196,7 +197,7 @@ def _io_only_rows(b: Bench) -> list[Row]:
             tv,
             rates(n, times["iterable"][0]),
             note=note + "; VOCSerializedIterableDataset(shuffle=True), runs of "
-            "SHARED_RUN samples per block",
+            f"{SHARED_RUN} samples per block",
             **peer,
         ),
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -347,3 +348,12 @@ def test_each_sequential_reader_reads_every_byte(
         assert walked == [len(data)]
     else:
         assert bytes(seen) == data
+
+
+def test_importing_the_benchmark_does_not_import_torch() -> None:
+    """A spawned pack process re-imports ``benchmarks/run.py``'s imports: a module-level import
+    of torch there (one crept in with a note's constant) costs every such process a torch
+    import, and the 2-process pack row fell from ~3,000 to ~600 samples/s."""
+    code = "import sys, torch_serialized.tools.benchmark.run; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...workers import SHARED_RUN
 from . import lmdb_store
 from .access import tv_bytes_getter
 from .context import Bench
@@ -154,6 +153,7 @@ def _io_only_rows(b: Bench) -> list[Row]:
     """Epochs whose workers only read (``decode="none"``): what feeds a GPU decode, and where
     handing samples to the main process costs more than reading them."""
     from torch_serialized import VOCSerializedIterableDataset
+    from torch_serialized.workers import SHARED_RUN as shared_run  # imports torch: not at the top
 
     datasets: dict[str, Any] = {
         "tv": TVBytesDataset(b.tv()),
@@ -197,7 +197,7 @@ def _io_only_rows(b: Bench) -> list[Row]:
             tv,
             rates(n, times["iterable"][0]),
             note=note + "; VOCSerializedIterableDataset(shuffle=True), runs of "
-            f"{SHARED_RUN} samples per block",
+            f"{shared_run} samples per block",
             **peer,
         ),
     ]

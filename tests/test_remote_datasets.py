@@ -234,6 +234,9 @@ def test_messages_about_a_pack_at_a_url_name_the_url(served: Remote, tmp_path: P
         ds[len(ds)]
     assert f"of {served.url} has {len(ds)} samples" in str(info.value)
     assert ds.pack.where(0).startswith(f"{served.url}: record 0 (id ")  # per-sample errors
+    # errors found in a shard or the catalog name the manifest at the URL, not the cached copy
+    expected = ds.pack.reader._expected
+    assert all(e is not None and e.member.endswith(f"{served.url}/manifest.json") for e in expected)
 
 
 @ONE_SERVER

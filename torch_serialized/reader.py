@@ -825,7 +825,7 @@ class PackReader:
         assert manifest.catalog is not None and manifest.pack_id is not None
         entry = manifest.catalog
         expect = Expected(
-            str(self.manifest_path),
+            self._manifest_name(),
             entry.bytes,
             entry.meta_crc32,
             0,
@@ -848,7 +848,7 @@ class PackReader:
         self.user = catalog.user
         self._expected = [
             Expected(
-                str(self.manifest_path),
+                self._manifest_name(),
                 shard.bytes,
                 shard.meta_crc32,
                 shard.num_records,
@@ -866,13 +866,20 @@ class PackReader:
             for k, shard in enumerate(manifest.shards)
         ]
 
+    def _manifest_name(self) -> str:
+        """The manifest as messages about the pack's files name it: the URL's for a remote
+        pack (the cached copy is not what the user opened), else its path."""
+        if self.remote is not None:
+            return self.remote.store.url_of(fmt.MANIFEST_NAME)
+        return str(self.manifest_path)
+
     def _open_v1(self, manifest: fmt.Manifest) -> None:
         """Manifest version 1 (0.1.0): every shard is checked now, since the per-record columns
         are spread across them (merged into private arrays here) and the manifest has no
         checksum of its own: its ``user`` must equal the copy in the last shard."""
         self._expected = [
             Expected(
-                str(self.manifest_path),
+                self._manifest_name(),
                 shard.bytes,
                 shard.meta_crc32,
                 shard.num_records,

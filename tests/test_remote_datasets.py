@@ -240,6 +240,59 @@ def test_messages_about_a_pack_at_a_url_name_the_url(served: Remote, tmp_path: P
 
 
 @ONE_SERVER
+def test_a_single_file_with_contradicting_columns_at_a_url_names_the_url(
+    remote: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Refused at open (docs/FORMAT.md, "Record columns"), naming the URL the user gave,
+    not the cached copy."""
+    from _container_helpers import rebuild_pack
+
+    def clear_flags(contents: Any) -> None:
+        contents.arrays["records"]["flags"][1] = 0  # record 1 keeps its annotation bytes
+
+    bad = rebuild_pack(stream_packs["single"], tmp_path / "bad.tser", clear_flags)
+    upload(remote, bad)
+    with pytest.raises(ts.FormatError, match="record 1's columns contradict") as info:
+        ts.VOCSerializedDataset(
+            f"{remote.url}/bad.tser",
+            storage_options=remote.storage_options,
+            cache_dir=tmp_path / "cache",
+        )
+    assert str(info.value).startswith(f"{remote.url}/bad.tser: ")
+
+
+@ONE_SERVER
+def test_a_checked_read_of_a_damaged_cached_copy_says_to_clear_the_cache(
+    remote: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A pack at a URL is checked in full when downloaded: a record failing its checksum
+    later means the cached copy changed, which clearing the cache mends (re-packing would
+    not)."""
+    single = stream_packs["single"]
+    upload(remote, single)
+    url = f"{remote.url}/{single.name}"
+    ds = ts.VOCSerializedDataset(
+        url,
+        "trainval",
+        checked=True,
+        storage_options=remote.storage_options,
+        cache_dir=tmp_path,
+        decode="none",
+    )
+    record = int(ds.records[0])
+    shard, local = ds.pack.reader.locate(record)
+    offset = int(shard.index_rows([local])["offset"][0, 0])
+    with open(ds.pack.path, "r+b") as f:  # the cached copy, changed under the reader
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+    with pytest.raises(ChecksumError, match="the cached copy is damaged: clear it") as info:
+        ds[0]
+    assert str(info.value).startswith(f"{url}: record {record} (id ")
+
+
+@ONE_SERVER
 def test_a_damaged_single_file_pack_on_the_server_downloads_twice_then_raises(
     remote: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:

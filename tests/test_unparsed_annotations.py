@@ -276,6 +276,21 @@ def test_append_keeps_them_until_a_main_list_needs_them(tmp_path: Path, layout: 
     assert_same_dataset(tv_seg, VOCSerializedSegmentation(pack, "train"), "Segmentation")
 
 
+def test_an_id_skipped_when_loaded_again_is_reported_retired(tmp_path: Path) -> None:
+    """Named by a Main list now, the id is loaded again and fails (its XML does not parse);
+    ``on_error="skip"`` leaves it out of every image set, as a full pack would, and the
+    result and the history count it as retired (they said none were)."""
+    root = devkit(tmp_path / "src")
+    pack = ts.pack_voc(root, tmp_path / "p", max_samples_per_shard=3).path
+    devkit(root, main=["main", "malformed"])
+    result = ts.append_voc(root, pack, on_error="skip")
+    assert [s.id for s in result.skipped] == ["malformed"]
+    assert result.retired == ["malformed"] and result.added == 0 and result.replaced == []
+    grown = VOCPackReader(pack)
+    assert grown.meta["history"][-1]["retired"] == 1
+    assert "malformed" not in {grown.id(int(r)) for r in grown.live}
+
+
 def test_cli_pack_and_info_say_so(
     unparsed_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

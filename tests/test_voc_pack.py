@@ -109,6 +109,21 @@ def test_pack_to_an_http_url_is_refused_before_packing(
         ts.pack_voc(synthetic_devkit, url)
 
 
+@pytest.mark.parametrize(
+    "option", ["max_size", "max_shard_bytes", "max_samples_per_shard", "num_shards"]
+)
+def test_an_option_beyond_what_metadata_holds_is_refused_before_packing(
+    tiny_root: Path, tmp_path: Path, option: str
+) -> None:
+    """Options go into the pack's metadata, whose integers readers bound to 2**53 - 1: a
+    larger one (``--shard-size 10000TB``) failed after every record was written, with an
+    error naming no argument; it is refused first now, naming it, and nothing is written."""
+    with pytest.raises(ValueError, match=rf"^{option} must be at most 2\*\*53 - 1"):
+        ts.pack_voc(tiny_root, tmp_path / "p", **{option: 2**53})
+    assert list(tmp_path.iterdir()) == []
+    ts.pack_voc(tiny_root, tmp_path / "p", **{option: 2**53 - 1})  # the bound itself packs
+
+
 def test_raw_storage_returns_torchvision_pixels(synthetic_devkit: Path, tmp_path: Path) -> None:
     raw = ts.pack_voc(synthetic_devkit, tmp_path / "raw.tser", year="2007", image_storage="raw")
     tv = VOCDetection(synthetic_devkit, "2007", "train")

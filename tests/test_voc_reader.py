@@ -443,7 +443,7 @@ def test_a_checked_read_of_a_damaged_record_names_the_sample(
     index = [int(r) for r in dataset.records].index(record)
     segmentation = VOCSerializedSegmentation(path, "val", checked=True)
     assert int(segmentation.records[0]) == record
-    named = rf"record {record} \(id '{id_}'\): its image fails its checksum"
+    named = rf"record {record} \(id '{id_}'\): its image field fails its checksum"
     named += r" \(in .*shard-.*\.tser\); " if form == "shards" else "; "
     reads = {
         "getitem": lambda: dataset[index],

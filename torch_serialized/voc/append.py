@@ -217,12 +217,19 @@ def _append_local(
         voc_root=voc_root,
         added=written - len(replaced),
         replaced=replaced,
-        retired=plan_.dropped,
+        retired=_retired_ids(plan_, books),
         notes=plan_.notes,
         bytes_written=bytes_written,
         untyped=dict(books.untyped),
         unparsed=dict(books.unparsed),
     )
+
+
+def _retired_ids(plan: Plan, books: Books) -> list[str]:
+    """The packed ids this append leaves out: those no longer listed, then those loaded again
+    (changed, or missing a file they now need) that ``on_error="skip"`` skipped."""
+    skipped = {s.id for s in books.skipped}
+    return [*plan.dropped, *(i for i in plan.reloading if i in skipped)]
 
 
 def _check_shards(old: VOCPackReader) -> None:
@@ -329,7 +336,7 @@ def _metadata(
             len(books.record_of),
             added - replaced,
             replaced,
-            len(plan.dropped),  # as PackResult counts them: ids, not records
+            len(_retired_ids(plan, books)),  # as PackResult counts them: ids, not records
         )
     )
     meta.update(

@@ -16,7 +16,7 @@ import hashlib
 import os
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,6 +72,10 @@ class Plan:
     dropped: list[str]
     notes: list[str]
     jobs: list[Job]  # jobs to load, in layout order (as a full pack would write them)
+    #: the ids among ``jobs`` that the pack holds already (changed, or loaded again): their
+    #: old records are retired whatever the load gives, so one that ``on_error="skip"``
+    #: leaves out is retired, not replaced
+    reloading: list[str] = field(default_factory=list)
     #: every listed id is packed and passed the quick check: no record or statistic to write
     current: bool = False
 
@@ -172,6 +176,7 @@ def classify(
         notes=notes,
         jobs=jobs,
         current=int(passed.sum()) == len(record_of) == len(planned),
+        reloading=[job.id for p, job in zip(loads, jobs) if records[p] >= 0],
     )
 
 

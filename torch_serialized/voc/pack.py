@@ -283,6 +283,18 @@ def _pack_local(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if max_file_bytes < 1:
         raise ValueError(f"max_file_bytes must be a positive number, got {max_file_bytes}")
+    for name, value in (
+        ("max_samples_per_shard", max_samples_per_shard),
+        ("max_shard_bytes", max_shard_bytes),
+        ("num_shards", num_shards),
+        ("max_size", max_size),
+        ("max_file_bytes", max_file_bytes),
+    ):  # each goes into the pack's metadata, whose integers readers bound (format.py)
+        if value is not None and value > fmt.MAX_JSON_INT:
+            raise ValueError(
+                f"{name} must be at most 2**53 - 1 ({fmt.MAX_JSON_INT}), the largest integer "
+                f"a pack's metadata holds; got {value}"
+            )
     started = time.perf_counter()
     voc_root, year = find_voc_root(root, year)
     image_sets = read_image_sets(voc_root, max_file_bytes)

@@ -205,9 +205,16 @@ class VOCPackReader:
         if error.record is None:
             return error
         member = f" (in {error.path})" if error.path != self.path else ""  # a shard's
+        if self.reader.url is not None:  # checked in full when downloaded: the copy changed
+            advice = (
+                "the cached copy is damaged: clear it (`torch-serialized cache clear`, "
+                "clear_cache) and read again"
+            )
+        else:
+            advice = "the pack is damaged: run `torch-serialized verify` and re-pack it"
         return ChecksumError(
-            f"{self.where(error.record)}: its {error.field} fails its checksum{member}; the "
-            "pack is damaged: run `torch-serialized verify` and re-pack it",
+            f"{self.where(error.record)}: its {error.field} field fails its checksum{member}; "
+            f"{advice}",
             path=error.path,
             record=error.record,
             field=error.field,
@@ -229,12 +236,11 @@ def check_voc_pack(reader: PackReader) -> dict[str, Any]:
     them at open and ``verify`` too; returns the VOC metadata. Raises ``FormatError`` naming
     the pack, or for one shard or catalog file of a shard folder (no pack by itself) the
     folder to pass instead."""
-    if reader.manifest is None:  # one file: a pack, or a piece of one
-        where = reader.url or reader.path
-        member = member_of(where, reader.binding)
-        if member is not None:
-            raise FormatError(f"{where} is {member}, not a pack by itself; {member.advice}")
     name = reader.url or reader.path
+    if reader.manifest is None:  # one file: a pack, or a piece of one
+        member = member_of(name, reader.binding)
+        if member is not None:
+            raise FormatError(f"{name} is {member}, not a pack by itself; {member.advice}")
     meta = reader.user
     if meta.get("schema") != schema.SCHEMA:
         raise FormatError(
@@ -254,7 +260,7 @@ def check_voc_pack(reader: PackReader) -> dict[str, Any]:
     check_metadata(meta, len(reader), name)
     check_arrays(reader.arrays(), meta, len(reader), name)
     if reader.single is not None:  # a shard folder's shards: when opened (``check_records``)
-        check_record_fields(reader.single, 0)
+        check_record_fields(reader.single, 0, name)
     return meta
 
 
@@ -376,7 +382,8 @@ def _check_unparsed_flags(columns: np.ndarray, meta: dict[str, Any], path: str) 
     if not unparsed.any():
         return
     if meta["schema_version"] < schema.UNPARSED_SCHEMA_VERSION:
-        raise _bad(path, "schema_version", "4 with unparsed annotations", meta["schema_version"])
+        expected = f"{schema.UNPARSED_SCHEMA_VERSION} with unparsed annotations"
+        raise _bad(path, "schema_version", expected, meta["schema_version"])
     wrong = unparsed & (
         ((flags & schema.HAS_ANNOTATION) == 0)
         | ((flags & schema.UNTYPED_OBJECTS) != 0)
@@ -405,14 +412,17 @@ def _check_unparsed_listed(
             raise _bad(path, field, "no record whose annotation did not parse (flag 16)", found)
 
 
-def check_record_fields(container: ContainerReader, first_record: int) -> None:
+def check_record_fields(
+    container: ContainerReader, first_record: int, name: str | None = None
+) -> None:
     """The ``records`` columns of a file of a VOC pack agree with its records' fields
     (docs/FORMAT.md, "Record columns"), so that no reader (export, counts, ``tv_tensors``
     targets) trusts a column the bytes contradict: ``num_objects`` rows in ``objects``, a
     class or object mask exactly where its flag says, annotation bytes only with flag 1, and a
     target exactly where an annotation parsed. Run once per file, on the index alone (no
     record is read); a file without VOC fields and columns is not checked here (a pack of
-    it is refused by ``check_voc_pack``)."""
+    it is refused by ``check_voc_pack``). ``name``: the file as messages name it (the URL of
+    a remote single-file pack), by default ``container.where``."""
     columns = container.arrays().get("records")
     if (
         tuple(container.fields) != schema.FIELDS
@@ -455,8 +465,8 @@ def check_record_fields(container: ContainerReader, first_record: int) -> None:
         if wrong.any():
             r = int(np.flatnonzero(wrong)[0])
             raise FormatError(
-                f"{container.where}: record {first_record + r}'s columns contradict its fields "
-                '(docs/FORMAT.md, "Record columns"): expected '
+                f"{name or container.where}: record {first_record + r}'s columns contradict "
+                'its fields (docs/FORMAT.md, "Record columns"): expected '
                 f"{expected}, found flags {int(flags[r])}, num_objects "
                 f"{int(columns['num_objects'][r])} and field lengths "
                 f"{dict(zip(schema.FIELDS, lengths[r].tolist()))}; the pack is damaged or was "

@@ -50,8 +50,9 @@ those records as having no objects.
 
 Annotations that do not parse (schema version 4): ``VOCSegmentation`` never reads an
 id's XML, so an id listed only in ``ImageSets/Segmentation`` whose ``Annotations`` file is
-not an XML document torchvision parses (malformed, an encoding expat cannot read, entity
-declarations we refuse to expand, nesting too deep to store) is packed all the same: its
+not an XML document the packer parses (malformed, an encoding expat cannot read, entity
+declarations or external DTD and entity references, which we refuse, nesting too deep to
+convert or store) is packed all the same: its
 ``annotation`` field holds the file's bytes (``HAS_ANNOTATION``, so an export writes it
 back), its ``target`` and ``objects`` fields are empty and ``flags`` has
 ``UNPARSED_ANNOTATION``. No ``split/Main/*`` list may name such a record. A pack holding one

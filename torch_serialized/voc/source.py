@@ -293,16 +293,11 @@ def load(job: Job) -> LoadedSample:
         try:
             target_json = schema.encode_target(target)
         except RecursionError:  # nested near Python's limit: parsed, but not serializable
-            target, unparsed = (
-                None,
-                _unparsed(
-                    SourceDataError(
-                        f"{xml_path}: elements are nested too deeply to store (Python's recursion "
-                        "limit); flatten the annotation."
-                    ),
-                    job,
-                ),
+            error = SourceDataError(
+                f"{xml_path}: elements are nested too deeply to store (Python's recursion "
+                "limit); flatten the annotation."
             )
+            target, unparsed = None, _unparsed(error, job)
     if target is not None:
         try:  # the object rows hold the stored (scaled) target's numbers
             objects = extract_objects(target, source=xml_path)

@@ -221,25 +221,30 @@ def _untyped_printed() -> Iterator[None]:
 
 
 def _print_untyped(untyped: Mapping[str, str]) -> None:
-    if untyped:
-        ids = list(untyped)
-        named = ", ".join(repr(i) for i in ids[:3]) + (", ..." if len(ids) > 3 else "")
-        print(
-            f"  untyped  {len(ids)} samples ({named}) whose objects do not fit a tv_tensors "
-            "target: packed as torchvision reads them; target_format='tv_tensors' raises for "
-            f"them (README, Guarantees). The first: {untyped[ids[0]]}"
-        )
+    _print_ids(
+        "untyped ",
+        untyped,
+        "samples ({named}) whose objects do not fit a tv_tensors target: packed as torchvision "
+        "reads them; target_format='tv_tensors' raises for them (README, Guarantees)",
+    )
 
 
 def _print_unparsed(unparsed: Mapping[str, str]) -> None:
-    if unparsed:
-        ids = list(unparsed)
+    _print_ids(
+        "unparsed",
+        unparsed,
+        "segmentation-only samples ({named}) whose annotation XML did not parse: packed with "
+        "the files' bytes and no target (VOCSegmentation never reads it)",
+    )
+
+
+def _print_ids(label: str, why: Mapping[str, str], what: str) -> None:
+    """One summary line for the ids of ``why`` (id -> reason): how many, the first three,
+    ``what`` they are (``{named}``: where the ids go), and the first one's reason."""
+    if why:
+        ids = list(why)
         named = ", ".join(repr(i) for i in ids[:3]) + (", ..." if len(ids) > 3 else "")
-        print(
-            f"  unparsed {len(ids)} segmentation-only samples ({named}) whose annotation XML "
-            "did not parse: packed with the files' bytes and no target (VOCSegmentation never "
-            f"reads it). The first: {unparsed[ids[0]]}"
-        )
+        print(f"  {label} {len(ids)} {what.format(named=named)}. The first: {why[ids[0]]}")
 
 
 def _check_output(output: str) -> None:

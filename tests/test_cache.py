@@ -605,3 +605,50 @@ def test_a_pack_json_of_an_older_version_loses_its_password(tmp_path: Path) -> N
     fetch(pc, Source({"a.tser": blob(10)}), "a.tser")
     pc.close()
     assert "S3cretPW" not in (pc.directory / "pack.json").read_text()
+
+
+@pytest.mark.parametrize("limit", [None, 1 << 20])
+def test_a_child_forked_during_a_download_does_not_wait_on_its_parents_lock(
+    tmp_path: Path, limit: int | None
+) -> None:
+    """A DataLoader forks its workers while a prefetch thread of the parent may be downloading
+    (holding the object's lock file, and with a limit the eviction lock): the child inherited
+    those descriptors, and a flock belongs to the open file, so once the parent's thread closed
+    its copy the child's copy still held the lock, and the child waited on it for good. A
+    forked child now closes the lock files it inherited, then waits for the parent's download
+    like any other process."""
+    import threading
+
+    pack = Cache(tmp_path, limit).pack("https://example.invalid/voc", "id")
+    started, release = threading.Event(), threading.Event()
+
+    def slow_download(dest: Path) -> None:
+        started.set()
+        release.wait(10)
+        dest.write_bytes(b"x" * 100)
+
+    thread = threading.Thread(target=pack.fetch, args=("a.tser", 100, slow_download))
+    thread.start()
+    assert started.wait(10)  # the parent's thread holds the locks, mid-download
+    pid = os.fork()
+    if pid == 0:  # the child: fetch the same object, which the parent is downloading
+        status = 1
+        try:
+            got = pack.fetch("a.tser", 100, lambda dest: dest.write_bytes(b"y" * 100))
+            status = 0 if got.read_bytes() == b"x" * 100 else 2
+        finally:
+            os._exit(status)
+    time.sleep(0.3)  # the child is waiting on the lock now
+    release.set()
+    thread.join(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child waited on the lock its parent's thread had released")
+    assert os.waitstatus_to_exitcode(status) == 0  # it read the parent's download

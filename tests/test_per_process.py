@@ -11,6 +11,7 @@ makes are exactly the ones pickling drops, and that the copy works in a fresh pr
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import random
 import subprocess
@@ -142,3 +143,31 @@ def test_a_used_remote_pack_pickles_without_its_per_process_state(
         assert in_fresh_process(used, "b.tser", len(shards["b.tser"])) == sha(shards["b.tser"])
         assert clone.fetch_shard("b.tser", len(shards["b.tser"])).read_bytes() == shards["b.tser"]
         clone.close()
+
+
+def _own_state(objects: list[PerProcess], parent: int, done: Any) -> None:
+    """In a forked child, before it uses anything: whether each object's state is its own."""
+    done.put([obj._pid == os.getpid() != parent for obj in objects])
+
+
+def test_a_child_multiprocessing_forks_resets_them_before_its_first_use(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """A DataLoader worker forked while the parent used these objects found the parent's
+    state at its first call, and two of its threads (the worker's and a prefetch thread)
+    could both reset it, each closing what the other had just opened (a held cache file
+    closed under its reader: EBADF). Each object is now reset as the child starts, in its
+    one thread."""
+    import multiprocessing
+
+    remote.put("manifest.json", MANIFEST)
+    store = RemoteStore(remote.url, remote.storage_options, retry=FAST)
+    cache = Cache(tmp_path).pack("s3://bucket/voc", "i")
+    with resolve(remote.url, remote.storage_options, tmp_path, retry=FAST) as pack:
+        context = multiprocessing.get_context("fork")
+        done = context.Queue()
+        child = context.Process(target=_own_state, args=([store, cache, pack], os.getpid(), done))
+        child.start()
+        assert done.get(timeout=60) == [True, True, True]
+        child.join(60)
+        assert child.exitcode == 0

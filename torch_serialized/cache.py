@@ -79,6 +79,7 @@ _PACK_INFO = "pack.json"
 _LOCKS = ".locks"
 _PARTIAL = ".partial"
 _PACK_LOCK = ".pack.lock"  # in .locks/; held shared while writing in the folder (no object name)
+_EVICT_LOCK = ".evict.lock"  # in the cache folder; held while evicting or clearing
 
 
 def default_cache_dir() -> Path:
@@ -126,6 +127,31 @@ def _flocked(path: Path, operation: int) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing drops the lock; never LOCK_UN (a forked child shares the lock)
+
+
+def _close_inherited_locks(root: Path) -> None:
+    """In a forked child, close the lock files of the cache at ``root`` that it inherited
+    from threads of its parent holding them (a prefetch mid-download when a DataLoader forked
+    its workers). A ``flock`` belongs to the open file, which fork shares: the child's copy
+    kept the lock after the parent's thread closed its own, and the child then waited on it
+    forever. Closing our copies leaves the parent's locks in place; no thread of the child has
+    opened a lock yet (each one's first call to the cache comes here first). Finds them in
+    ``/proc/self/fd``; where that is missing (not Linux) nothing is closed."""
+    where = "/proc/self/fd"
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return
+    locks = os.path.join(os.path.realpath(root), "")  # every lock file lies below it
+    for name in names:
+        try:
+            target = os.readlink(os.path.join(where, name))
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            continue
+        lock = os.sep + _LOCKS + os.sep in target or os.path.basename(target) == _EVICT_LOCK
+        if target.startswith(locks) and lock:
+            with suppress(OSError):
+                os.close(int(name))
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -311,7 +337,7 @@ class Cache:
             )
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
+        with _flocked(self.directory / _EVICT_LOCK, fcntl.LOCK_EX):
             entries = [e for d in _pack_dirs(self.directory) for e in _objects(d)]
             # partial files of killed downloads first: nobody wants them
             gone = {e.path for e in entries if e.partial and _try_remove_partial(e.path)}
@@ -356,7 +382,7 @@ class PackCache(PerProcess):
         self.url = url
         self.identity = identity
         self.directory = cache.directory / _LAYOUT / pack_key(url, identity)
-        self._reset()
+        self._start()
 
     _PER_PROCESS = ("_pid", "_mutex", "_held", "_finalizer")
 
@@ -374,6 +400,7 @@ class PackCache(PerProcess):
         if self._pid != os.getpid():
             # Closing our copies of the parent's descriptors leaves the parent's locks in place.
             self._finalizer()
+            _close_inherited_locks(self.cache.directory)
             self._reset()
 
     def path(self, name: str) -> Path:
@@ -704,7 +731,7 @@ def _clear_packs(root: Path, wanted: Callable[[Path], bool]) -> ClearResult:
     totals = [0, 0, 0, 0]
     if not (root / _LAYOUT).is_dir():
         return ClearResult(*totals)
-    with _flocked(root / ".evict.lock", fcntl.LOCK_EX):
+    with _flocked(root / _EVICT_LOCK, fcntl.LOCK_EX):
         for pack_dir in _pack_dirs(root):
             if wanted(pack_dir):
                 done = astuple(_clear_pack(pack_dir))

@@ -54,6 +54,7 @@ import http.client
 import itertools
 import logging
 import math
+import multiprocessing.util
 import os
 import random
 import re
@@ -457,6 +458,10 @@ class PerProcess:
     ``_reset`` makes exactly the attributes ``_PER_PROCESS`` names (tests/test_per_process.py
     checks each subclass): pickling drops those names and unpickling calls ``_reset``, so a
     spawned DataLoader worker makes its own; ``_check_fork`` calls it in a forked child.
+    Subclasses call ``_start`` (not ``_reset``) when made: a child that ``multiprocessing``
+    forks (a DataLoader worker) then resets at once, in its one thread, before two of its
+    threads can both find the parent's state and reset it twice (each closing what the
+    other had just opened).
     """
 
     _PER_PROCESS: ClassVar[tuple[str, ...]] = ("_pid",)
@@ -464,6 +469,11 @@ class PerProcess:
 
     def _reset(self) -> None:
         raise NotImplementedError
+
+    def _start(self) -> None:
+        """``_reset``, and the same in each child ``multiprocessing`` forks, as it starts."""
+        self._reset()
+        multiprocessing.util.register_after_fork(self, _after_fork)
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
@@ -477,7 +487,11 @@ class PerProcess:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._reset()
+        self._start()
+
+
+def _after_fork(instance: PerProcess) -> None:
+    instance._check_fork()  # the subclass's: a PackCache also closes inherited descriptors
 
 
 class RemoteStore(PerProcess):
@@ -508,7 +522,7 @@ class RemoteStore(PerProcess):
         self.retry = retry or RetryPolicy.from_env()
         self.part_size = part_size
         self.max_concurrency = max_concurrency
-        self._reset()
+        self._start()
 
     _PER_PROCESS = ("_pid", "_lock", "_fs", "_root", "_ranges_ok", "_rng")
 

@@ -256,7 +256,7 @@ class RemotePack(PerProcess):
         self.path = path
         self.manifest_path = manifest_path
         self.prefetch_threads = prefetch_threads
-        self._reset()
+        self._start()
 
     _PER_PROCESS = ("_pid", "_mutex", "_pool", "_pending")
 

@@ -981,6 +981,35 @@ def test_disk_full_during_an_append_leaves_the_previous_pack(tmp_path, form):
     assert checked >= 1
 
 
+def test_a_single_file_replaced_by_a_pack_of_the_same_size_is_not_grown(
+    tmp_path, source, monkeypatch
+):
+    """The file an append opened, replaced meanwhile by another pack of exactly its size (a
+    re-pack of the same folder): its records would be copied at the old file's offsets.
+    The append was refused only for another size; the footer's metadata checksum tells."""
+    from torch_serialized import WriteError
+    from torch_serialized.voc import append as append_module
+
+    source.cut(0.5)
+    path = pack(source, tmp_path / "pack", "single")
+    other = pack(source, tmp_path / "other", "single")  # the same folder packed again
+    assert other.stat().st_size == path.stat().st_size  # the case: same size, another pack
+    assert other.read_bytes() != path.read_bytes()
+    real = append_module.classify
+
+    def classify_then_repack(*args: Any, **kwargs: Any) -> Any:
+        plan = real(*args, **kwargs)
+        os.replace(other, path)  # another process's re-pack lands after this one opened it
+        return plan
+
+    monkeypatch.setattr(append_module, "classify", classify_then_repack)
+    repacked = other.read_bytes()
+    source.grow()
+    with pytest.raises(WriteError, match="changed since it was opened"):
+        append_voc(source.root, path)
+    assert path.read_bytes() == repacked  # the re-pack, untouched
+
+
 @pytest.mark.parametrize("form", PACK_FORMS)
 def test_an_append_that_lost_a_race_writes_nothing(tmp_path, source, form, monkeypatch):
     from torch_serialized import WriteError

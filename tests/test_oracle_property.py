@@ -7,7 +7,9 @@ segmentation-only ids whose XML does not parse or who have none; class and objec
 lists with duplicates and ids in both tasks), packs it as one file or as shards, and compares
 every image set with ``VOCDetection`` / ``VOCSegmentation`` sample by sample, and with
 ``wrap_dataset_for_transforms_v2`` over each; the iterable must yield the same samples, and an
-export must give the same files back.
+export must give the same files back. A second test draws histories of one devkit (ids moving
+between tasks, annotations edited, made untyped, broken or removed) and appends each state to
+the pack: every image set must then read as torchvision reads the folder.
 """
 
 from __future__ import annotations
@@ -196,3 +198,106 @@ def check_against_torchvision(kit: dict[str, Any], tmp: Path) -> None:
         ):
             file = out / folder / f"{sample.id}{ext}"
             assert (file.read_bytes() if file.exists() else None) == data
+
+
+#: per id and step: which lists name it, and what its annotation is
+_MEMBERSHIP = st.sampled_from(["main", "seg", "both", "none"])
+_XML_KIND = st.sampled_from(["typed", "typed", "untyped", "broken", "missing"])
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[dict[str, tuple[str, str, bool]]]:
+    """Two to four states of one devkit: per id, its lists, its annotation's kind and whether
+    its files are rewritten in that state (an edit); a broken or missing annotation only
+    where no Main list names the id (there torchvision would fail too)."""
+    ids = ID_POOL[:5]
+    states = []
+    for _ in range(draw(st.integers(2, 4))):
+        state = {}
+        for image_id in ids:
+            member = draw(_MEMBERSHIP)
+            kind = draw(_XML_KIND)
+            if member in ("main", "both") and kind in ("broken", "missing"):
+                kind = "typed"
+            state[image_id] = (member, kind, draw(st.booleans()))
+        if not any(m != "none" for m, _, _ in state.values()):
+            state[ids[0]] = ("main", "typed", False)
+        states.append(state)
+    return states
+
+
+def _write_state(
+    root: Path, state: dict[str, tuple[str, str, bool]], step: int, written: dict[str, str]
+) -> None:
+    """The devkit as ``state`` says. Files are rewritten only for new or edited ids, or where
+    the annotation's kind changes (the others keep their bytes and times, as an untouched
+    file does); ``written``: each id's annotation kind on disk, kept up to date."""
+    voc = root / "VOCdevkit" / "VOC2012"
+    samples = []
+    for k, (image_id, (_, kind, edited)) in enumerate(state.items()):
+        seed = k + 10 * step if edited else k
+        if written.get(image_id) == kind and not edited:
+            continue
+        written[image_id] = kind
+        objects = [obj(("dog", "cat", "bird")[seed % 3], (1, 1, 9, 7))]
+        if kind == "untyped":
+            objects = [obj("cat", (1, 1, 9, 7), bndbox=OMIT)]
+        xml: bytes | None = voc_xml(f"{image_id}.jpg", 20, 16, objects)
+        if kind == "broken":
+            xml = b"<annotation><object>"
+        elif kind == "missing":
+            xml = None
+            (voc / "Annotations" / f"{image_id}.xml").unlink(missing_ok=True)
+        samples.append(Sample(image_id, jpeg(20, 16, seed=seed), xml, palette_mask(20, 16, seed)))
+    lists = {
+        "Main": {"train": [i for i, (m, _, _) in state.items() if m in ("main", "both")]},
+        "Segmentation": {"train": [i for i, (m, _, _) in state.items() if m in ("seg", "both")]},
+    }
+    write_voc(root, "2012", samples, lists)
+
+
+_TASKS = {"Main": ("main", "both"), "Segmentation": ("seg", "both")}
+
+
+@settings(max_examples=60, **_SETTINGS)
+@given(history=histories(), shards=st.sampled_from([None, 2]))
+def test_appends_through_any_history_read_as_torchvision_reads_each_state(
+    history: list[dict[str, tuple[str, str, bool]]],
+    shards: int | None,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Ids moving between Main and Segmentation lists, annotations becoming untyped, broken
+    (segmentation-only) or missing, files edited: after every append (``replace_changed``,
+    ``retire_all``), every image set of the grown pack reads as torchvision reads the folder."""
+    check_history(history, shards, tmp_path_factory.mktemp("history"))
+
+
+@pytest.mark.slow
+@settings(max_examples=400, **_SETTINGS)
+@given(history=histories(), shards=st.sampled_from([None, 2]))
+def test_appends_through_many_histories_read_as_torchvision_reads_each_state(
+    history: list[dict[str, tuple[str, str, bool]]],
+    shards: int | None,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    check_history(history, shards, tmp_path_factory.mktemp("history"))
+
+
+def check_history(
+    history: list[dict[str, tuple[str, str, bool]]], shards: int | None, tmp: Path
+) -> None:
+    root = tmp / "src"
+    limits = {} if shards is None else {"max_samples_per_shard": shards}
+    written: dict[str, str] = {}
+    readers = {"Main": VOCSerializedDataset, "Segmentation": VOCSerializedSegmentation}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntypedObjectsWarning)
+        _write_state(root, history[0], 0, written)
+        path = ts.pack_voc(root, tmp / "p", **limits).path
+        for step, state in enumerate(history[1:], start=1):
+            _write_state(root, state, step, written)
+            ts.append_voc(root, path, replace_changed=True, retire_all=True)
+            for task, reader in readers.items():
+                if any(m in _TASKS[task] for m, _, _ in state.values()):
+                    tv = torchvision_dataset(task, root, "2012", "train")
+                    assert_same_dataset(tv, reader(path, "train"), task)

@@ -421,7 +421,7 @@ def _pack_info(path: str, remote: dict[str, Any]) -> dict[str, Any]:
     num_objects = columns["num_objects"]
     major, minor = reader.version
     return {
-        "path": reader.url or reader.path,
+        "path": reader.name,
         **({"cached_in": reader.path} if reader.url else {}),
         "format_version": f"{major}.{minor}",
         "schema": f"{meta.get('schema')} {meta.get('schema_version')}",
@@ -639,11 +639,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     bad: list[int] = []
     bad_shards: list[str] = []  # shards that fail their own checks: every record is suspect
     # one file of a shard folder (a shard, a catalog, one kept for readers) is no VOC pack alone
-    member = (
-        None
-        if reader.manifest is not None
-        else member_of(reader.url or reader.path, reader.binding)
-    )
+    member = None if reader.manifest is not None else member_of(reader.name, reader.binding)
     voc = reader.user.get("schema") == schema.SCHEMA and member is None
     bad_voc = None  # a VOC pack whose metadata every VOC reader refuses
     if voc:
@@ -661,7 +657,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     files = reader.num_shards
     kind = "file" if files == 1 else "shards"
-    where = f"{reader.url or reader.path} ({len(reader)} records in {files} {kind})"
+    where = f"{reader.name} ({len(reader)} records in {files} {kind})"
     if not bad and not bad_shards and bad_voc is None:
         print(
             printable(

@@ -1077,7 +1077,7 @@ class PackReader:
                 if self.remote is None and not os.path.lexists(self.manifest_path):
                     raise FileChangedError(_gone(self.path, f" ({name} is gone)")) from None
                 raise FileChangedError(
-                    f"{self.url or self.path} was replaced after it was opened ({name} is not the "
+                    f"{self.name} was replaced after it was opened ({name} is not the "
                     "file its manifest named then); create the dataset again to read the new pack"
                 ) from None
             if isinstance(exc, FileNotFoundError) and self.remote is None:
@@ -1194,6 +1194,12 @@ class PackReader:
     def version(self) -> tuple[int, int]:
         """The container format version of the catalog (or single file)."""
         return self._catalog.version
+
+    @property
+    def name(self) -> str:
+        """What the user opened, for messages: the URL of a remote pack, else ``path`` (the
+        local file or folder read: a URL's cached copy)."""
+        return self.url or self.path
 
     @property
     def single(self) -> ContainerReader | None:

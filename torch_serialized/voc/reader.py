@@ -68,7 +68,7 @@ class VOCPackReader:
     @property
     def name(self) -> str:
         """What the user opened, for messages: the URL of a remote pack, else ``path``."""
-        return self.reader.url or self.reader.path
+        return self.reader.name
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -236,7 +236,7 @@ def check_voc_pack(reader: PackReader) -> dict[str, Any]:
     them at open and ``verify`` too; returns the VOC metadata. Raises ``FormatError`` naming
     the pack, or for one shard or catalog file of a shard folder (no pack by itself) the
     folder to pass instead."""
-    name = reader.url or reader.path
+    name = reader.name
     if reader.manifest is None:  # one file: a pack, or a piece of one
         member = member_of(name, reader.binding)
         if member is not None:
@@ -366,7 +366,8 @@ def _check_flags(columns: np.ndarray, meta: dict[str, Any], path: str) -> None:
     if not untyped.any():
         return
     if meta["schema_version"] < schema.UNTYPED_SCHEMA_VERSION:
-        raise _bad(path, "schema_version", "3 with objects without rows", meta["schema_version"])
+        expected = f"{schema.UNTYPED_SCHEMA_VERSION} with objects without rows"
+        raise _bad(path, "schema_version", expected, meta["schema_version"])
     claimed = np.flatnonzero(untyped & (columns["num_objects"] != 0))
     if len(claimed):
         r = int(claimed[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,17 @@ def test_worker_init_fn_is_optional_and_harmless(
 
 
 def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """How many descriptors ``pid`` holds once the count stops changing: right after a batch
+    arrives, the worker still holds its shared-memory descriptor and the socket torch's
+    resource sharer sent it over (seen: two sockets and a ``/dev/shm/torch_*`` segment),
+    which a count taken at once mistook for a change between epochs (1 run in ~10 failed)."""
+    count, steady, deadline = -1, 0, time.monotonic() + 5.0
+    while steady < 5 and time.monotonic() < deadline:
+        now = len(os.listdir(f"/proc/{pid}/fd"))
+        steady = steady + 1 if now == count else 0
+        count = now
+        time.sleep(0.02)
+    return count
 
 
 def uss(pid: int) -> int:

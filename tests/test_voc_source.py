@@ -29,6 +29,26 @@ def test_missing_image_names_file_and_list_line(tmp_path: Path) -> None:
     no_pack_output(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("name", "there"),
+    [("b.jpg", "b.JPG"), ("b.jpg", "b.jpeg"), ("b.jpg", "b.PNG"), ("b.xml", "b.XML")],
+)
+def test_a_missing_file_names_its_other_spelling_beside_it(
+    tmp_path: Path, name: str, there: str
+) -> None:
+    """`b.JPG` (a camera's or Roboflow's spelling) where torchvision reads `b.jpg`: refused as
+    torchvision refuses it, naming the file that is there and what to rename it to."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b", "c"])
+    folder = root / "VOCdevkit/VOC2007" / ("JPEGImages" if name.endswith(".jpg") else "Annotations")
+    (folder / name).rename(folder / there)
+    with pytest.raises(ts.SourceNotFoundError) as info:
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007")
+    message = str(info.value)
+    assert f"'{there}' is there" in message and f"read only '{name}'" in message
+    assert "rename" in message and "ImageSets/Main/train.txt line 2" in message
+    no_pack_output(tmp_path)
+
+
 def test_unreadable_file_is_reported(tmp_path: Path) -> None:
     root = tiny_devkit(tmp_path / "src", ["a", "b"])
     xml = root / "VOCdevkit/VOC2007/Annotations/a.xml"

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -342,6 +342,26 @@ def _read(path: str, job: Job, what: str, stats: list[tuple[int, int]], k: int) 
     return data
 
 
+#: Other spellings of an extension that exports use (cameras, Roboflow) and torchvision does
+#: not read: looked for only when the expected file is missing, to name the one that is there.
+_NEAR_MISSES: Final[Mapping[str, tuple[str, ...]]] = {
+    ".jpg": (".JPG", ".jpeg", ".JPEG", ".Jpg", ".png", ".PNG"),
+    ".xml": (".XML",),
+    ".png": (".PNG",),
+}
+
+
+def _near_miss(path: str) -> str | None:
+    """A file beside the missing ``path`` with the same stem and another spelling of its
+    extension (``000002.JPG`` for ``000002.jpg``), if there is one: a few ``stat`` calls,
+    no folder listing, so a folder of thousands of such files stays cheap to report."""
+    stem, ext = os.path.splitext(path)
+    for other in _NEAR_MISSES.get(ext, ()):
+        if os.path.isfile(stem + other):
+            return stem + other
+    return None
+
+
 def _read_optional(
     path: str, required: bool, job: Job, what: str, stats: list[tuple[int, int]], k: int
 ) -> bytes | None:
@@ -355,6 +375,14 @@ def _read_optional(
     except FileNotFoundError:
         if not required:
             return None
+        found = _near_miss(path)
+        if found is not None:  # `000002.JPG` beside the missing `000002.jpg`: say so
+            raise SourceNotFoundError(
+                f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing, but "
+                f"{os.path.basename(found)!r} is there: torchvision (and pack_voc) read only "
+                f"{os.path.basename(path)!r}; rename the file (or the folder's files of that "
+                f"extension) {SKIP_HINT}"
+            ) from None
         raise SourceNotFoundError(
             f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing; "
             f"add the file or remove the id from the list {SKIP_HINT}"

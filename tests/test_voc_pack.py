@@ -263,6 +263,25 @@ def test_missing_annotation_fails_and_skip_mode_reports(tmp_path: Path) -> None:
     assert ts.VOCSerializedDataset(result.path, "train").ids == ["a", "b"]
 
 
+@pytest.mark.parametrize("options", [{}, {"max_samples_per_shard": 2}, {"workers": 2}])
+def test_skipping_every_sample_writes_nothing_and_says_why(tmp_path: Path, options) -> None:
+    """``on_error="skip"`` that leaves out every listed id (every image a `.JPG`, say) is a
+    layout mistake, not a 0-sample pack: refused with the count and the first reasons, no
+    output and no report left (an earlier pack at the path stays as it was)."""
+    root = tiny_devkit(tmp_path / "src", ["a", "b", "c", "d"])
+    images = root / "VOCdevkit/VOC2007/JPEGImages"
+    for path in images.glob("*.jpg"):
+        path.rename(path.with_suffix(".JPG"))
+    out = tmp_path / ("out" if options.get("max_samples_per_shard") else "out.tser")
+    with pytest.raises(ts.SourceDataError) as info:
+        ts.pack_voc(root, out, year="2007", on_error="skip", **options)
+    message = str(info.value)
+    assert "every one of the 4 listed samples was skipped" in message
+    assert "'a.JPG' is there" in message and "(and 1 more)" in message
+    assert not out.exists() and not out.with_name(out.name + ".skipped.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 def test_a_clean_repack_removes_the_stale_report(tmp_path: Path) -> None:
     """Issue #11 item 8: a ``.skipped.json`` of an earlier pack survived a clean re-pack and
     described samples the new pack holds."""

@@ -183,7 +183,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         )
     seconds = max(result.seconds, 1e-9)
     files = 0 if remote else open_pack(result.path).num_shards
-    ratio = result.num_bytes / result.source_bytes if result.source_bytes else float("nan")
+    ratio = f"{result.num_bytes / result.source_bytes:.1%}" if result.source_bytes else "n/a"
     how = "as asked" if args.year else "found in the folder names; --year picks another"
     print(f"packed {result.num_samples} samples of {result.voc_root}")
     print(f"  year     {result.year} ({how})")
@@ -192,7 +192,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     else:
         print(f"  output   {result.path} ({files} {'file' if files == 1 else 'shards'})")
     print(
-        f"  size     {_mb(result.num_bytes)}, {ratio:.1%} of the {_mb(result.source_bytes)} "
+        f"  size     {_mb(result.num_bytes)}, {ratio} of the {_mb(result.source_bytes)} "
         "source files"
     )
     print(

@@ -332,6 +332,8 @@ def _pack_local(
             if pool is not None:  # on an error, stop the processes before the output is removed
                 stack.callback(pool.close)
             books = write_records(writer, jobs, pool, skip, bar, started)
+            if books.skipped and not books.record_of:  # the output is removed as we leave
+                raise _all_skipped(voc_root, books.skipped)
             splits, class_counts = write_dataset_arrays(
                 writer, books, image_sets, voc_root, max_file_bytes
             )
@@ -440,6 +442,18 @@ def warn_untyped(result: PackResult) -> None:
         "give them boxes.",
         UntypedObjectsWarning,
         stacklevel=3,
+    )
+
+
+def _all_skipped(voc_root: Path, skipped: Sequence[SkippedSample]) -> SourceDataError:
+    """The error for ``on_error="skip"`` leaving out every listed id: an empty pack is never
+    what was meant (a layout mistake, such as every image named ``.JPG``, is far likelier than
+    every file being bad), so nothing is written and the first reasons are shown."""
+    shown = "; ".join(s.reason for s in skipped[:3])
+    more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""
+    return SourceDataError(
+        f"{voc_root}: every one of the {len(skipped)} listed samples was skipped, so nothing was "
+        f"packed and no output written. The first: {shown}{more}. Fix that cause and pack again"
     )
 
 

@@ -108,6 +108,9 @@ def test_blank_line_is_refused_with_its_number(tmp_path: Path, text: str, line: 
 
 
 def test_custom_and_per_class_files(tmp_path: Path) -> None:
+    """Only VOC's per-class files (every line an id and -1, 0 or 1) are skipped; every other
+    `.txt` is a list of ids, its lines read as torchvision reads `train.txt` (an id may hold
+    spaces): a custom split was dropped unseen when one of its ids held a space."""
     make_lists(
         tmp_path,
         {
@@ -115,11 +118,21 @@ def test_custom_and_per_class_files(tmp_path: Path) -> None:
             "minival": "b\n",
             "empty": "",
             "aeroplane_train": "a -1\nb  1\n",
+            "dog_val": "a 0\r\nb\t-1\n",
+            "fold1": "my img 1\nb\n",
+            "fold2": "my img\n",
             "notes": "made by hand\n",
         },
     )
     assert read_image_sets(tmp_path / "VOCdevkit" / "VOC2012") == {
-        "Main": {"train": ["a", "b"], "empty": [], "minival": ["b"]}
+        "Main": {
+            "train": ["a", "b"],
+            "empty": [],
+            "fold1": ["my img 1", "b"],
+            "fold2": ["my img"],
+            "minival": ["b"],
+            "notes": ["made by hand"],
+        }
     }
 
 

@@ -167,9 +167,10 @@ def read_image_sets(
 ) -> dict[str, dict[str, list[str]]]:
     """Map task (``Main``, ``Segmentation``) -> list name -> ids, as torchvision reads them.
 
-    Ids keep file order, duplicates and leading zeros. Besides the standard names, any other
-    ``*.txt`` whose lines are all one token is a custom split; per-class files such as
-    ``aeroplane_train.txt`` (``id -1`` lines) are skipped. Tasks without lists are left out.
+    Ids keep file order, duplicates and leading zeros. Besides the standard names, every other
+    ``*.txt`` is a custom split, except per-class files such as ``aeroplane_train.txt``
+    (every line ``id -1``, ``id 0`` or ``id 1``), which are skipped. Tasks without lists are
+    left out.
     Only regular files of at most ``max_file_bytes`` are read (a FIFO named ``train.txt`` is
     refused, not waited on).
     """
@@ -205,10 +206,23 @@ def _read_task(folder: Path, max_file_bytes: int) -> dict[str, list[str]]:
         if path is None:
             continue
         lines = _read_lines(path, max_file_bytes)
-        if name not in STANDARD_IMAGE_SETS and any(len(line.split()) > 1 for line in lines):
-            continue  # a per-class file ("000005 -1") or some other text, not an id list
+        if name not in STANDARD_IMAGE_SETS and _per_class(lines):
+            continue  # "000005 -1": which ids show a class, not a list of ids
         lists[name] = _ids(path, lines)
     return lists
+
+
+def _per_class(lines: list[str]) -> bool:
+    """Whether the lines are a VOC per-class file (``aeroplane_train.txt``): every line an id
+    and ``-1``, ``0`` or ``1``. Any other file is a list of ids, read as torchvision reads
+    one (an id may hold spaces: ``my img 1``), so a custom split is never dropped unseen."""
+    if not lines:
+        return False
+    for line in lines:
+        words = line.split()
+        if len(words) != 2 or words[1] not in ("-1", "0", "1"):
+            return False
+    return True
 
 
 def _read_lines(path: Path, max_file_bytes: int) -> list[str]:

@@ -73,6 +73,11 @@ class Source:
     def listed(self) -> list[str]:
         return list(dict.fromkeys(i for d in self.grown.values() for i in d.decode().split()))
 
+    def listed_now(self) -> list[str]:
+        """The ids the lists name as they are now (after ``cut``)."""
+        files = self.grown
+        return list(dict.fromkeys(i for p in files for i in p.read_text().split()))
+
     def file(self, folder: str, image_id: str) -> Path:
         ext = ".jpg" if folder == "JPEGImages" else ".xml" if folder == "Annotations" else ".png"
         return self.voc / folder / f"{image_id}{ext}"
@@ -436,8 +441,29 @@ def test_a_changed_id_is_an_error_naming_it_and_nothing_is_written(tmp_path, sou
     ) as err:
         append_voc(source.root, path)
     assert "replace_changed=True" in str(err.value)
+    assert "would also retire" not in str(err.value)  # every packed id is still listed
     assert snapshot(path) == before
     assert sorted(os.listdir(path.parent)) == [path.name]
+
+
+@pytest.mark.parametrize(("keep", "warned"), [(0.75, False), (0.25, True)])
+def test_the_changed_ids_message_says_what_the_append_would_also_retire(
+    tmp_path, source, keep, warned
+):
+    """Another dataset whose ids overlap a few of the pack's reads as "a few ids changed":
+    the refusal also says how many packed ids the same append would retire, and past half of
+    them to check the folder, so that following its advice never retires most of a pack
+    unannounced."""
+    path = pack(source, tmp_path / "pack", "single")
+    live = len(VOCPackReader(path).live)
+    edit_annotation(source, source.listed()[0])
+    source.cut(keep)
+    unlisted = live - len(source.listed_now())
+    with pytest.raises(SourceDataError, match="replace_changed=True") as err:
+        append_voc(source.root, path)
+    message = str(err.value)
+    assert f"would also retire {unlisted} of the pack's {live} ids" in message
+    assert ("check that this is the folder the pack was made from" in message) == warned
 
 
 @pytest.mark.parametrize(
@@ -736,6 +762,25 @@ def test_bad_arguments(tmp_path, source):
         append_voc(source.root, "https://example.invalid/pack")
     with pytest.raises(ValueError, match="2012"):
         append_voc(source.root, path, year="2012")
+
+
+def test_a_devkit_of_another_year_is_named_as_such(tmp_path, source):
+    """Appending a VOC2012 folder to a VOC2007 pack, the year left out (append takes the
+    pack's): the message says the years differ, not "pass year='2012' or leave the year
+    out" (which the user did, and whose advice fails next)."""
+    from torch_serialized import SourceNotFoundError
+
+    path = pack(source, tmp_path / "pack", "single")
+    other = make_synthetic_voc(tmp_path / "other", 4, year="2012")
+    for year in (None, "2012"):
+        with pytest.raises(ValueError) as info:
+            append_voc(other, path, year=year)
+        message = str(info.value)
+        assert "is VOC2012 but" in message and "holds VOC2007" in message
+        assert "leave the year out" not in message
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceNotFoundError, match="No Pascal VOC 2007 folder found"):
+        append_voc(tmp_path / "empty", path)  # no VOC folder at all: the first message
 
 
 # -- the command line -------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import format as fmt
-from ..errors import FormatError, WriteError
+from ..errors import FormatError, SourceDataError, SourceNotFoundError, WriteError
 from ..grow import GrowWriter
 from ..parallel import SpillPool, copy_range, pays_off
 from ..reader import ContainerReader
@@ -276,7 +276,15 @@ def _sort_source(
 ) -> tuple[Path, dict[str, dict[str, list[str]]], Plan]:
     """The VOC root at ``root``, its image sets and every listed id sorted against ``old``
     (``changes.classify``; records whose quick check fails are read from ``old``)."""
-    voc_root, found_year = find_voc_root(root, year if year is not None else old.year)
+    try:
+        voc_root, found_year = find_voc_root(root, year if year is not None else old.year)
+    except SourceNotFoundError as missing:
+        if year is not None:
+            raise
+        try:  # the one VOC folder there is another year's: say so, not "pass year=..."
+            voc_root, found_year = find_voc_root(root, None)
+        except SourceDataError:
+            raise missing from None
     if found_year != old.year:
         raise ValueError(
             f"{voc_root} is VOC{found_year} but {old.name} holds VOC{old.year}; append the "

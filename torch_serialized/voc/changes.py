@@ -153,9 +153,12 @@ def classify(
                 if digests is None:
                     digests = np.zeros((len(old), 32), dtype=np.uint8)
                 digests[record] = np.frombuffer(verdict.digest, dtype=np.uint8)
-    if changed and not replace:
-        raise SourceDataError(_changed_message(old.name, [(j, v) for _, j, v in changed]))
     listed = set(planned.ids)
+    if changed and not replace:
+        unlisted = sum(1 for i in record_of if i not in listed)
+        raise SourceDataError(
+            _changed_message(old.name, [(j, v) for _, j, v in changed], unlisted, len(live))
+        )
     notes = []
     if not has_stats:
         notes.append(
@@ -302,11 +305,28 @@ def _stat(path: str, folder: int | None = None) -> Stat:
     return st.st_size, st.st_mtime_ns
 
 
-def _changed_message(pack: str, changed: Sequence[tuple[Job, Verdict]]) -> str:
+def _changed_message(
+    pack: str, changed: Sequence[tuple[Job, Verdict]], unlisted: int, live: int
+) -> str:
+    """The refusal of changed ids; ``unlisted`` of the pack's ``live`` ids are in no list any
+    more, which the same append would retire: said too, so that following the advice to
+    replace the changed ones never retires most of a pack unannounced (another dataset whose
+    ids happen to overlap a few of the pack's looks like a few changed ids)."""
     named = "; ".join(f"{job.id!r} ({', '.join(v.changes)})" for job, v in changed[:_NAMED])
     more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
+    retiring = ""
+    if unlisted:
+        retiring = (
+            f" The same append would also retire {unlisted} of the pack's {live} ids, which "
+            "this folder's lists no longer name"
+            + (
+                ": check that this is the folder the pack was made from."
+                if 2 * unlisted > live
+                else "."
+            )
+        )
     return (
         f"{pack}: {len(changed)} packed ids changed in the source since they were packed: "
         f"{named}{more}. Pass replace_changed=True (--replace-changed) to store their new "
-        "versions (the old records are retired), or re-pack the dataset"
+        f"versions (the old records are retired), or re-pack the dataset.{retiring}"
     )

@@ -174,3 +174,24 @@ def test_parallel_pack_fails_cleanly(tmp_path: Path) -> None:
     assert "027.jpg" in str(info.value) and "train.txt line 28" in str(info.value)
     no_pack_output(tmp_path)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_workers_from_standard_input_are_refused_before_any_work(tmp_path: Path) -> None:
+    """`python -` (a script read from standard input) cannot spawn pack processes: each one
+    runs the main script again from its file. Refused up front, saying why and what to do,
+    instead of a `FileNotFoundError: '<stdin>'` per process and a `BrokenProcessPool`; no
+    output is written. From a script file the same call packs (the other tests here)."""
+    import subprocess
+    import sys
+
+    root = tiny_devkit(tmp_path / "src", [f"{i:03d}" for i in range(8)])
+    out = tmp_path / "out.tser"
+    script = f"import torch_serialized as ts\nts.pack_voc({str(root)!r}, {str(out)!r}, workers=2)\n"
+    done = subprocess.run(
+        [sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert "ValueError: workers=2 starts pack processes" in done.stderr
+    assert "'<stdin>', not a file" in done.stderr and "workers=1" in done.stderr
+    assert "BrokenProcessPool" not in done.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -13,7 +13,9 @@ flight, so scratch files hold a few chunks at a time. This module never imports 
 from __future__ import annotations
 
 import errno
+import multiprocessing.process
 import os
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -42,6 +44,31 @@ _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, err
 def pays_off(num_jobs: int, processes: int) -> bool:
     """Whether pack processes pay off: not for one process or a handful of jobs."""
     return processes > 1 and num_jobs >= 2 * processes
+
+
+def check_spawnable(processes: int) -> None:
+    """Refuse, before any work, to start pack processes where ``spawn`` cannot: each child
+    runs the main module again from its file, and a ``__main__`` read from standard input
+    (``python -``, a heredoc) has none, which fails in every child (``FileNotFoundError:
+    '<stdin>'``, then ``BrokenProcessPool``) without a word about why. A notebook or an
+    interactive session has no file to run, and ``python -m`` names a module: both work."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return
+    origin = multiprocessing.process.ORIGINAL_DIR
+    if not os.path.isabs(path) and origin is not None:
+        path = os.path.join(origin, path)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"workers={processes} starts pack processes with multiprocessing's spawn, which "
+            f"runs the main script again in each of them, but this one was read from "
+            f"{getattr(main, '__file__', None)!r}, not a file: call it from a script file "
+            '(under `if __name__ == "__main__":`), use the command line '
+            f"(`torch-serialized pack ... --workers {processes}`), or pass workers=1"
+        )
 
 
 @dataclass(frozen=True)
@@ -99,6 +126,7 @@ class SpillPool(Generic[_J]):
         fields: Sequence[str],
         processes: int,
     ) -> None:
+        check_spawnable(processes)
         size = max(1, min(_CHUNK, len(jobs) // (processes * 4)))
         self._chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
         self._load = load

@@ -77,8 +77,11 @@ def main() -> None:
         )
         return
 
+    import logging
+
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's line per request
     work = Path(tempfile.mkdtemp(prefix="tser-"))
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

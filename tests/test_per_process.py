@@ -171,3 +171,42 @@ def test_a_child_multiprocessing_forks_resets_them_before_its_first_use(
         assert done.get(timeout=60) == [True, True, True]
         child.join(60)
         assert child.exitcode == 0
+
+
+def _read_with_the_parents_loop(store: RemoteStore, stale: tuple[Any, Any], done: Any) -> None:
+    """In a forked child: fsspec's loop and its thread as an fsspec without a fork hook
+    (before 2025.5) leaves them, then a read through a store made in the parent."""
+    import fsspec.asyn
+
+    fsspec.asyn.loop[0], fsspec.asyn.iothread[0] = stale
+    done.put(store.read_bytes("manifest.json"))
+
+
+def test_a_forked_child_reads_where_fsspec_kept_its_parents_loop(
+    remote: Remote, monkeypatch: Any
+) -> None:
+    """fsspec before 2025.5 (common beside libraries that cap it) kept its event loop across
+    a fork, though the thread running it is the parent's: every remote read in a forked
+    DataLoader worker waited for good (a URL's iterable hung on its first shard). A store
+    now lets fsspec start a new loop where the old one's thread is dead."""
+    import multiprocessing
+
+    import fsspec.asyn
+
+    remote.put("manifest.json", MANIFEST)
+    store = RemoteStore(remote.url, remote.storage_options, retry=FAST)
+    assert store.read_bytes("manifest.json") == MANIFEST  # the parent's loop runs now
+    stale = (fsspec.asyn.loop[0], fsspec.asyn.iothread[0])
+    assert stale[0] is not None and stale[1] is not None and stale[1].is_alive()
+    context = multiprocessing.get_context("fork")
+    done = context.Queue()
+    child = context.Process(target=_read_with_the_parents_loop, args=(store, stale, done))
+    child.start()
+    try:
+        assert done.get(timeout=60) == MANIFEST
+    finally:
+        child.join(10)
+        if child.exitcode is None:
+            child.kill()
+    assert child.exitcode == 0
+    assert (fsspec.asyn.loop[0], fsspec.asyn.iothread[0]) == stale  # the parent's untouched

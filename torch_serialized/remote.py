@@ -555,6 +555,7 @@ class RemoteStore(PerProcess):
     def _open(self) -> tuple[Any, str]:
         from fsspec.core import url_to_fs  # fsspec is light; it imports backends on demand
 
+        _revive_fsspec_loop()
         try:
             options = _with_default_timeouts(self.protocol, self.storage_options)
             fs, root = url_to_fs(self.url, skip_instance_cache=True, **options)
@@ -1050,6 +1051,24 @@ class RemoteStore(PerProcess):
             self.upload_file(root / key, key)
         self.fs.invalidate_cache()
         return first + later
+
+
+def _revive_fsspec_loop() -> None:
+    """Let fsspec start a new event loop in a forked child whose loop is the parent's.
+
+    fsspec runs every async backend (HTTP, S3, GCS) on one event loop in a thread of its
+    own. Before 2025.5 it kept that loop across a fork, though the thread running it does
+    not exist in the child: every call there waited for good (a DataLoader worker forked
+    after the main process had read a pack at a URL hung on its first shard). Where the
+    loop's thread is dead, ``fsspec.asyn.reset_lock`` (fsspec's own reset, documented for
+    "the init of a forked process") makes the next call start a new one. Where the thread
+    lives, or fsspec resets itself at a fork, nothing is done.
+    """
+    import fsspec.asyn
+
+    thread = fsspec.asyn.iothread[0]
+    if fsspec.asyn.loop[0] is not None and thread is not None and not thread.is_alive():
+        fsspec.asyn.reset_lock()
 
 
 def _with_default_timeouts(protocol: str, options: Mapping[str, Any]) -> dict[str, Any]:

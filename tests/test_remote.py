@@ -484,21 +484,24 @@ def test_a_lower_minimum_rate_lets_a_slow_link_through(
     from torch_serialized.remote import MIN_RATE_ENV
 
     data = payload(4 << 10, seed=7)
-    remote.put("slow.bin", data)
+    for name in ("slow.bin", "slow-b.bin", "slow-c.bin"):
+        remote.put(name, data)
     remote.proxy.configure(bandwidth=4 << 10)  # 1 s for the object
     monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.1)  # 0.35 s at 16 KiB/s
     two = dataclasses.replace(FAST, attempts=2)
     with pytest.raises(RemoteError, match=r"slow\.bin.*2 times.*Timeout"):
         store(remote, two).download("slow.bin", tmp_path / "a", expected_size=len(data))
     remote.proxy.configure(bandwidth=4 << 10)  # the link to itself again, not shared with those
-    gets = remote.proxy.count("GET", remote.path("slow.bin"))  # (a try may end before its GET)
     monkeypatch.setenv(MIN_RATE_ENV, "1024")  # 4.1 s
     s = RemoteStore(remote.url, remote.storage_options, part_size=PART)
-    assert s.download("slow.bin", tmp_path / "b", expected_size=len(data)).read_bytes() == data
+    assert s.download("slow-b.bin", tmp_path / "b", expected_size=len(data)).read_bytes() == data
     off = dataclasses.replace(two, min_rate=0)
-    got = store(remote, off).download("slow.bin", tmp_path / "c", expected_size=len(data))
+    got = store(remote, off).download("slow-c.bin", tmp_path / "c", expected_size=len(data))
     assert got.read_bytes() == data
-    assert remote.proxy.count("GET", remote.path("slow.bin")) == gets + 2  # one try each
+    # one try each; counted per object, as the timed-out tries' requests may reach the server
+    # late (older aiobotocore sends them after the deadline gave up on them)
+    for name in ("slow-b.bin", "slow-c.bin"):
+        assert remote.proxy.count("GET", remote.path(name)) == 1
 
 
 @pytest.mark.parametrize("fault", ["drop", "503", "truncate"])

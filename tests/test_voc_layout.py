@@ -118,7 +118,7 @@ def test_custom_and_per_class_files(tmp_path: Path) -> None:
             "minival": "b\n",
             "empty": "",
             "aeroplane_train": "a -1\nb  1\n",
-            "dog_val": "a 0\r\nb\t-1\n",
+            "dog_val": "a 0\r\nb\t-1\n\n",
             "fold1": "my img 1\nb\n",
             "fold2": "my img\n",
             "notes": "made by hand\n",

@@ -215,14 +215,10 @@ def _read_task(folder: Path, max_file_bytes: int) -> dict[str, list[str]]:
 def _per_class(lines: list[str]) -> bool:
     """Whether the lines are a VOC per-class file (``aeroplane_train.txt``): every line an id
     and ``-1``, ``0`` or ``1``. Any other file is a list of ids, read as torchvision reads
-    one (an id may hold spaces: ``my img 1``), so a custom split is never dropped unseen."""
-    if not lines:
-        return False
-    for line in lines:
-        words = line.split()
-        if len(words) != 2 or words[1] not in ("-1", "0", "1"):
-            return False
-    return True
+    one (an id may hold spaces: ``my img 1``), so a custom split is never dropped unseen.
+    Blank lines are let by (a per-class file is never read as ids)."""
+    rows = [line.split() for line in lines if line]
+    return bool(rows) and all(len(row) == 2 and row[1] in ("-1", "0", "1") for row in rows)
 
 
 def _read_lines(path: Path, max_file_bytes: int) -> list[str]:

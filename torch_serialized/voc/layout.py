@@ -13,8 +13,9 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Final
 
 from ..errors import SourceDataError, SourceNotFoundError
 from ..safeio import DEFAULT_MAX_FILE_BYTES, FileKindError, FileSizeError, read_regular_file
@@ -26,6 +27,7 @@ __all__ = [
     "find_voc_root",
     "read_image_sets",
     "image_set_files",
+    "near_miss",
 ]
 
 #: The ImageSets sub-folders torchvision reads: ``Main`` for detection, ``Segmentation`` for masks;
@@ -277,3 +279,23 @@ def read_list_file(path: Path, max_file_bytes: int) -> bytes:
         raise SourceDataError(f"{exc}; replace it with a plain text file of ids") from None
     except OSError as exc:
         raise SourceDataError(f"{path}: cannot read the list file: {exc.strerror or exc}") from None
+
+
+#: Other spellings of an extension that exports use (cameras, Roboflow) and torchvision does
+#: not read: looked for only when the expected file is missing, to name the one that is there.
+_NEAR_MISSES: Final[Mapping[str, tuple[str, ...]]] = {
+    ".jpg": (".JPG", ".jpeg", ".JPEG", ".Jpg", ".png", ".PNG"),
+    ".xml": (".XML",),
+    ".png": (".PNG",),
+}
+
+
+def near_miss(path: str) -> str | None:
+    """A file beside the missing ``path`` with the same stem and another spelling of its
+    extension (``000002.JPG`` for ``000002.jpg``), if there is one: a few ``stat`` calls,
+    no folder listing, so a folder of thousands of such files stays cheap to report."""
+    stem, ext = os.path.splitext(path)
+    for other in _NEAR_MISSES.get(ext, ()):
+        if os.path.isfile(stem + other):
+            return stem + other
+    return None

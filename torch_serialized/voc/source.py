@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from .images import (
     scale_target,
     store_image,
 )
-from .layout import TASKS
+from .layout import TASKS, near_miss
 from .xml import VOCObjects, extract_objects, parse_annotation
 
 __all__ = [
@@ -342,26 +342,6 @@ def _read(path: str, job: Job, what: str, stats: list[tuple[int, int]], k: int) 
     return data
 
 
-#: Other spellings of an extension that exports use (cameras, Roboflow) and torchvision does
-#: not read: looked for only when the expected file is missing, to name the one that is there.
-_NEAR_MISSES: Final[Mapping[str, tuple[str, ...]]] = {
-    ".jpg": (".JPG", ".jpeg", ".JPEG", ".Jpg", ".png", ".PNG"),
-    ".xml": (".XML",),
-    ".png": (".PNG",),
-}
-
-
-def _near_miss(path: str) -> str | None:
-    """A file beside the missing ``path`` with the same stem and another spelling of its
-    extension (``000002.JPG`` for ``000002.jpg``), if there is one: a few ``stat`` calls,
-    no folder listing, so a folder of thousands of such files stays cheap to report."""
-    stem, ext = os.path.splitext(path)
-    for other in _NEAR_MISSES.get(ext, ()):
-        if os.path.isfile(stem + other):
-            return stem + other
-    return None
-
-
 def _read_optional(
     path: str, required: bool, job: Job, what: str, stats: list[tuple[int, int]], k: int
 ) -> bytes | None:
@@ -375,7 +355,7 @@ def _read_optional(
     except FileNotFoundError:
         if not required:
             return None
-        found = _near_miss(path)
+        found = near_miss(path)
         if found is not None:  # `000002.JPG` beside the missing `000002.jpg`: say so
             raise SourceNotFoundError(
                 f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing, but "

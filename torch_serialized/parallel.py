@@ -58,7 +58,7 @@ def check_spawnable(processes: int) -> None:
     path = getattr(main, "__file__", None)
     if not isinstance(path, str):
         return
-    origin = multiprocessing.process.ORIGINAL_DIR
+    origin = getattr(multiprocessing.process, "ORIGINAL_DIR", None)  # where spawn resolves it
     if not os.path.isabs(path) and origin is not None:
         path = os.path.join(origin, path)
     if not os.path.isfile(path):

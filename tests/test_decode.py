@@ -298,3 +298,35 @@ def test_undecodable_stored_bytes_are_named_without_pillows_stream(
     with pytest.raises(FormatError, match="the stored image cannot be decoded") as failed:
         decoder.image(0, b"no image format starts like this")
     assert "BytesIO" not in str(failed.value) and pack.id(0) in str(failed.value)
+
+
+def _counts_without_cat(c: Contents) -> None:
+    c.user["class_counts"]["Main/train"].pop("cat")
+
+
+@pytest.mark.parametrize("form", ["single", "shards"])
+def test_an_object_of_a_class_the_counts_left_out_is_refused_never_labelled(
+    tmp_path: Any, tiny_packs: dict[str, Any], form: str
+) -> None:
+    """Class counts that leave out a class its objects have (an append's recount bug, a
+    hostile pack) let a label list without that class through the constructor; every read of
+    such an object then raises naming the record, never labels it 0 (background) or -1, and
+    a batch raises as its records one by one do."""
+    limits = {"max_records_per_shard": 2} if form == "shards" else {}
+    path = rebuild_pack(tiny_packs[form], tmp_path / "bad", _counts_without_cat, **limits)
+    kwargs: dict[str, Any] = {"target_format": "tv_tensors", "classes": ["__background__", "dog"]}
+    dataset = VOCSerializedDataset(path, "train", **kwargs)
+    pack = VOCPackReader(path)
+    cat = [pack.id(int(r)) for r in dataset.records].index("000001")
+    assert dataset[0][1]["labels"].tolist() == [1]  # the dogs read
+    where = pack.where(int(dataset.records[cat]))
+    reads = {
+        "getitem": lambda: dataset[cat],
+        "getitems": lambda: dataset.__getitems__([0, cat, 2]),
+        "one by one": lambda: [dataset[i] for i in (0, cat, 2)],
+        "stream": lambda: list(VOCSerializedIterableDataset(path, "train", **kwargs)),
+    }
+    for name, read in reads.items():
+        with pytest.raises(FormatError, match="an object's class is not in the label list") as info:
+            read()
+        assert str(info.value).startswith(f"{where}: "), name

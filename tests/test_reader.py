@@ -819,7 +819,10 @@ def test_checked_record_and_views_report_damage(tmp_path, container_packs):
         shard.record(record, [0, 1])
     with pytest.raises(ChecksumError, match=f"record {record} "):
         shard.views([record - 1, record], [0, 1])
+    with pytest.raises(ChecksumError, match=f"record {record} "):  # the stream's copies
+        shard.read_records([record - 1, record], [0, 1])
     assert bytes(shard.views([record + 1], [0])[0][0]) == bytes(shard.field(record + 1, 0))
+    assert bytes(shard.read_records([record + 1], [0])[0][0]) == bytes(shard.field(record + 1, 0))
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")

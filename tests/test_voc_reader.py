@@ -18,6 +18,7 @@ from torch_serialized import (
     VOCSerializedSegmentation,
     append_voc,
     export_voc,
+    iterable,
     open_pack,
 )
 from torch_serialized.cli import main
@@ -420,11 +421,12 @@ def test_info_on_a_damaged_pack_exits_2_with_one_line(
 
 @pytest.mark.parametrize("form", ["single", "shards"])
 def test_a_checked_read_of_a_damaged_record_names_the_sample(
-    tmp_path: Path, tiny_packs: dict[str, Path], form: str
+    tmp_path: Path, tiny_packs: dict[str, Path], form: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``checked=True`` named only the file's own record number ("record 3" of a shard,
     neither the pack's record nor the id): every read path now names the pack, the record,
-    its id and the field, and the file the damage is in."""
+    its id and the field, and the file the damage is in. A stream reads views of tiny packs
+    and copies (``read_records``) of packs with many shards: both paths are checked."""
     path = tmp_path / "pack"
     if form == "single":
         shutil.copyfile(tiny_packs[form], path)
@@ -453,8 +455,13 @@ def test_a_checked_read_of_a_damaged_record_names_the_sample(
             VOCSerializedIterableDataset(path, "trainval", checked=True, decode="none")
         ),
         "export": lambda: export_voc(path, tmp_path / "out"),
+        "stream (copies)": lambda: list(
+            VOCSerializedIterableDataset(path, "trainval", checked=True, decode="none")
+        ),
     }
     for name, read in reads.items():
+        if name == "stream (copies)":
+            monkeypatch.setattr(iterable, "views_fit", lambda reader, in_flight: False)
         with pytest.raises(ChecksumError, match=named) as info:
             read()
         assert str(path) in str(info.value), name

@@ -38,11 +38,14 @@ from _container_helpers import (
     ignore_fork_warning,
     parse_container,
     payload,
+    pinned_identity,
     read_all_pickled,
+    read_contents,
     read_error,
     record_spans,
     rewrite_container,
     size_of,
+    write_contents,
     write_pack,
 )
 from _reliability_helpers import (
@@ -1026,6 +1029,28 @@ def test_an_edited_catalog_is_refused_even_if_it_is_self_consistent(tmp_path, co
     assert str(catalog) in str(info.value) and str(path / fmt.MANIFEST_NAME) in str(info.value)
 
 
+def test_a_shard_whose_columns_differ_from_the_catalog_s_copy_is_refused(tmp_path):
+    """Readers take a record's columns from the catalog's copy of ``records``: two packs of
+    one identity (pinned), whose catalogs differ in one row, exchange shard 0 (its manifest
+    entry with it, every checksum valid); the shard's first read refuses it."""
+    with pinned_identity():
+        path = write_pack(tmp_path / "a", 14, **SHARDED)
+        contents = read_contents(path)
+        contents.arrays["records"][3]["w"] += 1
+        other = write_contents(contents, tmp_path / "b", **SHARDED)
+    entry = json.loads((path / fmt.MANIFEST_NAME).read_text())["shards"][0]
+    shard = other / entry["file"]
+    shutil.copyfile(container_files(path)[0], shard)
+    edit_manifest(other, lambda m: {**m, "shards": [entry, *m["shards"][1:]]})
+    reader = open_pack(other)
+    assert bytes(reader.field(7, 0)) == payload(7, 0, size_of(7, 0))  # shard 1 reads
+    with pytest.raises(
+        CorruptFileError, match="array 'records' differs from the catalog's"
+    ) as info:
+        reader.field(0, 0)
+    assert str(shard) in str(info.value) and str(other / fmt.MANIFEST_NAME) in str(info.value)
+
+
 @pytest.mark.parametrize(
     "edit",
     [
@@ -1043,10 +1068,11 @@ def test_an_edited_catalog_is_refused_even_if_it_is_self_consistent(tmp_path, co
     ],
     ids=["swapped", "duplicated", "renamed", "other-pack-id"],
 )
-def test_a_rewritten_manifest_cannot_reorder_shards(tmp_path, container_packs, edit):
+def test_a_rewritten_manifest_cannot_reorder_shards(request, tmp_path, container_packs, edit):
     """Shard entries swapped or duplicated (with a valid checksum, first_record made
     consistent) paired records with other records' places; each shard's own binding refuses
-    it, naming the manifest and the shard."""
+    it, naming the manifest and the shard. Swapped whole (size and meta_crc32 too), only the
+    binding tells: it says which place the shard was written for."""
     path = copy_pack(container_packs["shards"], tmp_path)
 
     def rewrite(manifest):
@@ -1061,6 +1087,9 @@ def test_a_rewritten_manifest_cannot_reorder_shards(tmp_path, container_packs, e
     with pytest.raises(CorruptFileError, match="does not match|twice") as info:
         _read_everything(open_pack(path))
     assert str(path / fmt.MANIFEST_NAME) in str(info.value)
+    if request.node.callspec.id == "swapped":
+        assert "as role shard, index 1, first_record 7, the manifest expects " in str(info.value)
+        assert "as role shard, index 0, first_record 0." in str(info.value)
     members = [*container_files(path), catalog_file(path)]  # another pack id: the catalog's
     assert any(f.name in str(info.value) for f in members)
 

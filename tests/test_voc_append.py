@@ -466,6 +466,43 @@ def test_the_changed_ids_message_says_what_the_append_would_also_retire(
     assert ("check that this is the folder the pack was made from" in message) == warned
 
 
+def _live_record(pack: VOCPackReader, image_id: str) -> int:
+    (record,) = [int(r) for r in pack.live if pack.id(int(r)) == image_id]
+    return record
+
+
+def _main_lists_without(source: Source, image_id: str) -> None:
+    for path in (source.voc / "ImageSets" / "Main").glob("*.txt"):
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(x for x in lines if x.split()[:1] != [image_id]))
+
+
+@pytest.mark.parametrize(
+    ("folder", "flag"),
+    [("SegmentationObject", schema.HAS_OBJECT_MASK), ("Annotations", schema.HAS_ANNOTATION)],
+)
+def test_a_removed_file_the_id_does_not_need_is_a_change(tmp_path, source, folder, flag):
+    """A file an id may go without (an object mask; the annotation of an id listed only in
+    Segmentation), packed then deleted from the source, is a change like any other: refused
+    without ``replace_changed``, and with it the new record holds no such file."""
+    image_id = "000003"  # a Segmentation id with an object mask
+    if folder == "Annotations":
+        _main_lists_without(source, image_id)
+        source.grown = {p: p.read_bytes() for p in source.grown}
+    path = pack(source, tmp_path / "pack", "single")
+    field = schema.OBJECT_MASK if folder == "SegmentationObject" else schema.ANNOTATION
+    before = VOCPackReader(path)
+    assert bytes(before.field(_live_record(before, image_id), field)) != b""
+    source.file(folder, image_id).unlink()
+    with pytest.raises(SourceDataError, match=rf"{folder}/{image_id}\.\w+ was removed"):
+        append_voc(source.root, path)
+    assert append_voc(source.root, path, replace_changed=True).replaced == [image_id]
+    grown = VOCPackReader(path)
+    record = _live_record(grown, image_id)
+    assert int(grown.columns[record]["flags"]) & flag == 0
+    assert bytes(grown.field(record, field)) == b""
+
+
 @pytest.mark.parametrize(
     ("form", "workers"),
     [("single", 1), ("shards", 1), pytest.param("shards", 2, marks=pytest.mark.slow)],
@@ -842,6 +879,19 @@ def test_result_history_and_summary_count_added_replaced_and_retired_alike(tmp_p
     assert "retired  1 samples no longer listed" in text
     info = _run_cli(["info", str(copy)])
     assert f"(+{len(new)} new, 1 replaced, 1 retired)" in info
+
+
+def test_a_changed_id_skipped_on_reload_is_counted_retired(tmp_path, source):
+    """``replace_changed`` with ``on_error="skip"``: a changed id whose new file is broken is
+    skipped, and its old record retired: the result and the history count it retired."""
+    path = pack(source, tmp_path / "pack", "single")
+    broken = source.listed()[2]
+    source.file("JPEGImages", broken).write_bytes(b"not a jpeg")
+    result = append_voc(source.root, path, replace_changed=True, on_error="skip")
+    assert [s.id for s in result.skipped] == [broken]
+    assert (result.replaced, result.retired) == ([], [broken])
+    assert VOCPackReader(path).meta["history"][-1]["retired"] == 1
+    assert broken not in {VOCPackReader(path).id(int(r)) for r in VOCPackReader(path).live}
 
 
 # -- readers open while another process appends -------------------------------------------------

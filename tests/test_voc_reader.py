@@ -202,6 +202,16 @@ def _label_base(change: Any, prefix: int | None = None) -> Any:
     return edit
 
 
+def _retired(records: Any) -> Any:
+    """Retired records ``records(contents)`` (with the schema version they need)."""
+
+    def edit(c: Contents) -> None:
+        c.user["schema_version"] = max(c.user["schema_version"], schema.RETIRED_SCHEMA_VERSION)
+        c.arrays[schema.RETIRED_ARRAY] = records(c)
+
+    return edit
+
+
 METADATA_CASES = {
     "year missing": (_user(year=_DELETE), "'year'"),
     "year a number": (_user(year=2007), "'year'"),
@@ -251,6 +261,14 @@ METADATA_CASES = {
     "a split missing": (_array(_SPLIT, _DELETE), "'splits'"),
     "a split not in the metadata": (_array("split/Main/extra", np.zeros(0, "<i8")), "'splits'"),
     "columns missing": (_array("records", _DELETE), "'records'"),
+    "a split lists a retired record": (_retired(lambda c: c.arrays[_SPLIT][:1]), _SPLIT),
+    "retired past the records": (
+        _retired(lambda c: np.array([len(c.records)], "<i8")),
+        "'retired'",
+    ),
+    "retired -1": (_retired(lambda c: np.array([-1], "<i8")), "'retired'"),
+    "retired descending": (_retired(lambda c: np.array([4, 3], "<i8")), "'retired'"),
+    "retired of int32": (_retired(lambda c: np.array([3], "<i4")), "'retired'"),
     "a list file of int32": (
         _array("file/ImageSets/Main/train.txt", np.zeros(2, "<i4")),
         "file/ImageSets",
@@ -346,6 +364,10 @@ COLUMN_CASES = {
         "annotation bytes when flag 1 is set without flag 16",
     ),
     "no target for flag 1": (_field(1, schema.TARGET, b""), "a target exactly when flag 1"),
+    "a target without flag 1": (
+        lambda c: (_flags(1, 0)(c), _field(1, schema.ANNOTATION, b"")(c)),
+        "a target exactly when flag 1",
+    ),
 }
 
 

@@ -635,6 +635,23 @@ def test_strict_json_accepts_depth_64_and_unicode():
     assert fmt.loads_json(text.encode(), "x", "x")["n"] == -0.5
 
 
+def test_strict_json_refuses_depth_65_exactly():
+    text = '{"a": ' + "[" * 64 + "]" * 64 + "}"
+    with pytest.raises(CorruptFileError, match=f"more than {fmt.MAX_JSON_DEPTH} deep"):
+        fmt.loads_json(text.encode(), "x", "x")
+
+
+@pytest.mark.parametrize(("offset", "fits"), [(1024 - 16, True), (1024 - 8, False)])
+def test_an_array_must_end_before_the_metadata(offset, fits):
+    """Bytes of an array that ran into the metadata would be read as data."""
+    desc = {"dtype": "|u1", "shape": [16], "offset": offset, "nbytes": 16, "crc32": 0}
+    if fits:
+        assert fmt.check_descriptor(desc, "z", 1024, "f.tser")[2:4] == (offset, 16)
+    else:
+        with pytest.raises(CorruptFileError, match=r"f\.tser: .*'z' \(16 bytes at 1016\) does not"):
+            fmt.check_descriptor(desc, "z", 1024, "f.tser")
+
+
 @pytest.mark.parametrize(
     "value",
     [

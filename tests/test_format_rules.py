@@ -255,6 +255,19 @@ def _index_entry_past_the_data(path: Path) -> None:
     rewrite_container(path, meta=lambda meta: meta["index"].update(crc32=fmt.crc32(index)))
 
 
+def _array_into_the_metadata(path: Path) -> None:
+    """An array from the first data byte to 8 bytes past the metadata's start, its crc32
+    that of those bytes (the metadata's first 8 do not change with it)."""
+    data = path.read_bytes()
+    meta_offset = struct.unpack_from("<Q", data, len(data) - fmt.FOOTER_SIZE)[0]
+    nbytes = meta_offset - fmt.HEADER_SIZE + 8
+    desc = {"shape": [nbytes], "nbytes": nbytes, "offset": fmt.HEADER_SIZE}
+    rewrite_container(path, meta=_array(**desc))
+    crc = fmt.crc32(path.read_bytes()[fmt.HEADER_SIZE : fmt.HEADER_SIZE + nbytes])
+    rewrite_container(path, meta=_array(**desc, crc32=crc))
+    assert fmt.crc32(path.read_bytes()[fmt.HEADER_SIZE : fmt.HEADER_SIZE + nbytes]) == crc
+
+
 def _array(**desc: Any) -> Callable[[dict[str, Any]], None]:
     base = {"dtype": "|u1", "shape": [0], "offset": 64, "nbytes": 0, "crc32": 0}
     return lambda meta: meta["arrays"].update(z={**base, **desc})
@@ -282,6 +295,7 @@ def _array(**desc: Any) -> Callable[[dict[str, Any]], None]:
         (lambda p: rewrite_container(p, meta=_array(shape=[-1])), "shape of array 'z' is"),
         (lambda p: rewrite_container(p, meta=_array(crc32=True)), "crc32 of array 'z' is True"),
         (lambda p: rewrite_container(p, meta=_array(nbytes=9)), "array 'z' .9 bytes at 64."),
+        (_array_into_the_metadata, "array 'z' .* does not fit its shape .* or the file"),
         (lambda p: rewrite_container(p, meta=_array(per_record=1)), "per_record of array 'z'"),
         (
             lambda p: rewrite_container(p, meta=_array(per_record=True)),

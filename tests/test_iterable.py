@@ -21,6 +21,7 @@ import torch_serialized
 import torch_serialized.workers
 from torch_serialized.datasets import VOCSerializedDataset, VOCSerializedSegmentation
 from torch_serialized.iterable import VOCSerializedIterableDataset
+from torch_serialized.topology import Topology
 
 # DataLoader warns when asked for more workers than this machine's suggested maximum.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -176,6 +177,24 @@ def test_order_is_deterministic_and_changes_with_epoch_and_seed(stream_packs, po
     assert first == order(stream_packs, positions_of, epoch=3)
     assert first != order(stream_packs, positions_of, epoch=4)
     assert first != order(stream_packs, positions_of, epoch=3, seed=1)
+
+
+def test_each_worker_s_shuffle_buffer_mixes_its_own_way(stream_packs, monkeypatch) -> None:
+    """The buffer is seeded by ``(seed, epoch, rank, worker)``: two workers handed the same
+    blocks mix them differently, and each the same way again."""
+    ds = cheap(stream_packs["single"], "trainval", shuffle=True, shuffle_buffer=16)
+    blocks = ds.blocks()
+    monkeypatch.setattr(ds, "blocks", lambda worker, num_workers: blocks)
+
+    def mixed(worker: int) -> list[str]:
+        here = Topology(worker=worker, num_workers=2)
+        monkeypatch.setattr(ds, "_topology", lambda: here)
+        return [d for d, _ in ds]
+
+    first, second = mixed(0), mixed(1)
+    assert sorted(first) == sorted(second) and len(first) == sum(len(b) for b in blocks)
+    assert first != second
+    assert mixed(0) == first and mixed(1) == second
 
 
 def test_order_independent_of_pack_layout(stream_packs) -> None:

@@ -97,6 +97,23 @@ def expected_counts(n: int, world: int, drop_last: bool) -> tuple[int, int]:
     return per_rank, per_rank * world
 
 
+def test_the_block_order_changes_with_the_epoch_and_the_seed() -> None:
+    """Blocks are shuffled by ``(seed, epoch)``: each epoch visits every block once, in an
+    order of its own (the shuffle buffer alone cannot move a sample far)."""
+    bounds = np.arange(0, 101, 5)  # 20 blocks of 5
+
+    def blocks(seed: int, epoch: int) -> tuple[int, ...]:
+        positions, ids = epoch_order(bounds, shuffle=True, seed=seed, epoch=epoch)
+        firsts = positions[np.flatnonzero(np.diff(ids, prepend=-1))]
+        assert sorted(firsts.tolist()) == bounds[:-1].tolist()  # each block once, whole
+        return tuple(firsts.tolist())
+
+    orders = [blocks(3, epoch) for epoch in range(4)]
+    assert len(set(orders)) == 4
+    assert orders == [blocks(3, epoch) for epoch in range(4)]  # reproducible
+    assert blocks(4, 0) != orders[0]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(0, 40),

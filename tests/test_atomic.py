@@ -157,6 +157,43 @@ def test_previous_pack_kept_on_failure_replaced_on_success(tmp_path, old_form, n
     check_pack(open_pack(out), 12, seed=50)
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+@pytest.mark.parametrize("over", [False, True], ids=["new", "over-a-pack"])
+@pytest.mark.parametrize("form", FORMS)
+def test_every_file_is_fsynced_before_the_rename_that_publishes_it(
+    tmp_path, form, over, monkeypatch
+):
+    """Durability after a power loss: each file (a single file; every shard, the catalog and
+    the manifest of a folder) and the temporary folder itself are fsynced before the rename
+    that puts the output in place, and the parent folder after it (its new entry)."""
+    if over:
+        write_pack(tmp_path / "out", 3, **FORMS[form])
+    events: list[tuple[str, str] | tuple[str, str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def record_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def record_replace(src: Any, dst: Any) -> None:
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "replace", record_replace)
+    out = write_pack(tmp_path / "out", 20, **FORMS[form])
+    monkeypatch.undo()
+    publish = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(out)]
+    assert len(publish) == 1
+    (at,) = publish
+    temp = events[at][1]
+    synced_before = {e[1] for e in events[:at] if e[0] == "fsync"}
+    files = [temp] if form == "single" else [temp, *(f"{temp}/{f.name}" for f in out.iterdir())]
+    assert len(files) == (1 if form == "single" else 1 + 3 + 1 + 1)  # 3 shards, catalog, manifest
+    assert set(files) <= synced_before
+    assert ("fsync", str(tmp_path)) in events[at + 1 :]
+
+
 SLOW_WRITER = """
     import time
     single = PackWriter(sys.argv[1] + "/single.tser", ["a"])

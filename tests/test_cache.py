@@ -152,12 +152,14 @@ def test_fetch_downloads_once_then_serves_from_disk(tmp_path: Path) -> None:
     assert pc.held() == []
 
 
-def test_a_cached_file_of_the_wrong_size_is_downloaded_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["cut short", "appended to"])
+def test_a_cached_file_of_the_wrong_size_is_downloaded_again(tmp_path: Path, damage: str) -> None:
     source = Source({"a.tser": blob(1000)})
     pc = Cache(tmp_path).pack(URL, "i")
     path = fetch(pc, source, "a.tser")
     pc.close()
-    path.write_bytes(b"cut short")  # damaged by hand: not our writer
+    # damaged by hand: not our writer
+    path.write_bytes(b"cut short" if damage == "cut short" else path.read_bytes() + b"x")
     assert fetch(pc, source, "a.tser").read_bytes() == source.objects["a.tser"]
     assert source.calls == ["a.tser", "a.tser"]
 
@@ -212,6 +214,26 @@ def test_lru_eviction_never_takes_a_held_object(tmp_path: Path) -> None:
         names = sorted(p.name for p in pc.directory.glob("s*.tser"))
         assert names == ["s0.tser", "s3.tser", "s4.tser"]
     assert pc.path("s0.tser").read_bytes() == objects["s0.tser"]
+
+
+def test_eviction_spares_an_object_whose_fetch_holds_its_lock(tmp_path: Path) -> None:
+    """A fetch holds ``.locks/<name>.lock`` from before its download until it holds the
+    object: an object just renamed into place, not yet held, is not evicted under it."""
+    source = Source({"s0.tser": blob(1000)})
+    cache = Cache(tmp_path, limit_bytes=1500)
+    pc = cache.pack(URL, "i")
+    path = fetch(pc, source, "s0.tser")
+    pc.release("s0.tser")
+    fd = os.open(pc.directory / ".locks" / "s0.tser.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a fetch between its rename and its first use
+        with pytest.warns(CacheLimitWarning, match="in use or being downloaded"):
+            cache.make_room(1000)
+        assert path.exists()
+    finally:
+        os.close(fd)
+    cache.make_room(1000)
+    assert not path.exists()
 
 
 def test_two_downloads_at_once_do_not_fit_on_the_same_free_bytes(tmp_path: Path) -> None:

@@ -22,12 +22,17 @@ import warnings
 from pathlib import Path
 
 import torch
+import torchvision
 from torch.utils.data import BatchSampler, RandomSampler
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from torch_serialized import VOCSerializedDataset, pack_voc
 from torch_serialized.tools import make_synthetic_voc
+
+#: torchvision 0.19 and later decode a list of JPEGs in one call (nvJPEG's batched decode on
+#: a GPU); older versions take one image per call.
+BATCHED = tuple(int(part) for part in torchvision.__version__.split(".")[:2]) >= (0, 19)
 
 
 def prepare(source: str | None, year: str | None, num_images: int, tmp: Path) -> Path:
@@ -44,10 +49,13 @@ def prepare(source: str | None, year: str | None, num_images: int, tmp: Path) ->
 
 
 def decode_batch(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """One ``decode_jpeg`` call for the whole batch (torchvision >= 0.19 takes a list)."""
+    """One ``decode_jpeg`` call for the whole batch (torchvision >= 0.19 takes a list; an
+    older torchvision decodes the images one call each, the same pixels)."""
     with warnings.catch_warnings():  # torchvision 0.29 announces a move to TorchCodec
         warnings.simplefilter("ignore", DeprecationWarning)
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        if BATCHED:
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        return [decode_jpeg(image, mode=ImageReadMode.RGB, device=device) for image in data]
 
 
 def main() -> None:

@@ -18,8 +18,18 @@ from .core import IMAGE_SET, Row, Stat
 from .loader import make_loader, shutdown_loader
 
 NO_GPU = "n/a (no GPU)"
+NO_BATCHED_DECODE = "n/a (torchvision < 0.19: decode_jpeg takes no list)"
 #: Decoded samples/s on the GPU the target asks for, as a multiple of the CPU drop-in epoch.
 TARGET_VS_CPU = 10.0
+
+
+def batched_decode() -> bool:
+    """Whether ``torchvision.io.decode_jpeg`` takes a list of images (torchvision 0.19 on):
+    the one call per batch this scenario times."""
+    import torchvision
+
+    major, minor = (int(part) for part in torchvision.__version__.split(".")[:2])
+    return (major, minor) >= (0, 19)
 
 
 def decode_epochs(b: Bench, device: Any, epochs: int) -> list[float]:
@@ -60,6 +70,19 @@ def scenario_gpu(b: Bench) -> list[Row]:
     name = f"GPU decode: DataLoader ({b.workers} workers, I/O only) + batched decode_jpeg"
     if not torch.cuda.is_available():
         return [Row("gpu_decode", "gpu", name, "samples/s", "info", None, None, missing=NO_GPU)]
+    if not batched_decode():
+        return [
+            Row(
+                "gpu_decode",
+                "gpu",
+                name,
+                "samples/s",
+                "info",
+                None,
+                None,
+                missing=NO_BATCHED_DECODE,
+            )
+        ]
     device = torch.device("cuda")
     n = len(b.tv())
     seconds = decode_epochs(b, device, b.repeats)

@@ -79,6 +79,7 @@ __all__ = [
     "is_url",
     "protocol_of",
     "redact_url",
+    "revive_fsspec_loop",
     "HTTP_PROTOCOLS",
 ]
 
@@ -555,7 +556,7 @@ class RemoteStore(PerProcess):
     def _open(self) -> tuple[Any, str]:
         from fsspec.core import url_to_fs  # fsspec is light; it imports backends on demand
 
-        _revive_fsspec_loop()
+        revive_fsspec_loop()
         try:
             options = _with_default_timeouts(self.protocol, self.storage_options)
             fs, root = url_to_fs(self.url, skip_instance_cache=True, **options)
@@ -1053,7 +1054,7 @@ class RemoteStore(PerProcess):
         return first + later
 
 
-def _revive_fsspec_loop() -> None:
+def revive_fsspec_loop() -> None:
     """Let fsspec start a new event loop in a forked child whose loop is the parent's.
 
     fsspec runs every async backend (HTTP, S3, GCS) on one event loop in a thread of its

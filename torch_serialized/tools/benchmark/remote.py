@@ -84,6 +84,9 @@ class FsspecVOCDetection:
         if self._fs is None or self._pid != os.getpid():
             from fsspec.core import url_to_fs
 
+            from torch_serialized.remote import revive_fsspec_loop
+
+            revive_fsspec_loop()  # a forked DataLoader worker with an fsspec before 2025.5
             self._fs, self._root = url_to_fs(
                 self.url, skip_instance_cache=True, **self.storage_options
             )

@@ -32,6 +32,17 @@ def test_block_shuffle_is_a_permutation_kept_within_windows(n, block, window, se
         assert spots.max() - spots.min() < block * window
 
 
+def test_indices_are_mixed_within_each_window() -> None:
+    """Blocks are not only reordered: each window's indices come out mixed together, so no
+    block is handed out as its own run of consecutive indices."""
+    order = block_shuffle(64, 4, 4, np.random.default_rng(0))
+    for start in range(0, 64, 16):
+        window = order[start : start + 16]
+        assert len(set((window // 4).tolist())) == 4  # four whole blocks per window
+        runs = [window[k : k + 4] for k in range(0, 16, 4)]
+        assert not all(np.array_equal(run, np.arange(run[0], run[0] + 4)) for run in runs)
+
+
 def test_sampler_is_deterministic_per_epoch_and_changes_between_epochs() -> None:
     a = BlockShuffleSampler(1000, block_size=16, seed=5)
     b = BlockShuffleSampler(1000, block_size=16, seed=5)
@@ -188,6 +199,7 @@ def test_resume_with_other_settings_is_refused(change: dict[str, Any]) -> None:
     state = sampler.state_dict()
     other = BlockShuffleSampler(N, **{"block_size": 16, "seed": 3, **change})  # type: ignore[arg-type]
     other.load_state_dict(state)
+    assert other.state_dict() == state  # loaded, not yet iterated: still the saved point
     with pytest.raises(
         ValueError, match=f"cannot resume BlockShuffleSampler.*{next(iter(change))}"
     ):

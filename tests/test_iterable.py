@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from torchvision.transforms.functional import pil_to_tensor
 
 import torch_serialized
+import torch_serialized.pipeline
 import torch_serialized.workers
 from torch_serialized.datasets import VOCSerializedDataset, VOCSerializedSegmentation
 from torch_serialized.iterable import VOCSerializedIterableDataset
@@ -186,8 +187,8 @@ def test_each_worker_s_shuffle_buffer_mixes_its_own_way(stream_packs, monkeypatc
     blocks = ds.blocks()
     monkeypatch.setattr(ds, "blocks", lambda worker, num_workers: blocks)
 
-    def mixed(worker: int) -> list[str]:
-        here = Topology(worker=worker, num_workers=2)
+    def mixed(worker: int, rank: int = 0) -> list[str]:
+        here = Topology(rank=rank, world_size=2, worker=worker, num_workers=2)
         monkeypatch.setattr(ds, "_topology", lambda: here)
         return [d for d, _ in ds]
 
@@ -195,6 +196,7 @@ def test_each_worker_s_shuffle_buffer_mixes_its_own_way(stream_packs, monkeypatc
     assert sorted(first) == sorted(second) and len(first) == sum(len(b) for b in blocks)
     assert first != second
     assert mixed(0) == first and mixed(1) == second
+    assert mixed(0, rank=1) not in (first, second)  # the rank seeds the buffer too
 
 
 def test_order_independent_of_pack_layout(stream_packs) -> None:
@@ -376,6 +378,59 @@ def test_resume_refuses_another_pack_of_the_same_size(stream_packs, tmp_path) ->
     same = cheap(stream_packs["single"], "trainval", shuffle=True)
     same.load_state_dict({k: v for k, v in state.items() if k != "pack"})
     assert len(list(same)) == len(list(cheap(stream_packs["single"], "trainval"))) - 1
+
+
+def test_resume_with_another_number_of_workers_is_refused(stream_packs, monkeypatch) -> None:
+    """A worker's state holds its place: a resume with more workers would split the epoch
+    otherwise, and repeat or skip samples."""
+    ds = cheap(stream_packs["single"], "trainval", shuffle=True)
+    monkeypatch.setattr(ds, "_topology", lambda: Topology(worker=1, num_workers=2))
+    next(iter(ds))
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert (state["worker"], state["num_workers"], state["yielded"]) == (1, 2, 1)
+    other = cheap(stream_packs["single"], "trainval", shuffle=True)
+    monkeypatch.setattr(other, "_topology", lambda: Topology(worker=1, num_workers=3))
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="num_workers: saved 2, now 3"):
+        iter(other)
+
+
+def test_set_epoch_to_another_epoch_drops_a_loaded_position(stream_packs) -> None:
+    """As ``BlockShuffleSampler``: ``set_epoch`` with another epoch after ``load_state_dict``
+    starts that epoch from its beginning."""
+    ds = cheap(stream_packs["single"], "trainval", shuffle=True)
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    state = ds.state_dict()
+    resumed = cheap(stream_packs["single"], "trainval", shuffle=True)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(4)
+    fresh = cheap(stream_packs["single"], "trainval", shuffle=True)
+    fresh.set_epoch(4)
+    assert [d for d, _ in resumed] == [d for d, _ in fresh]
+
+
+def test_a_resume_reads_none_of_the_samples_it_skips(stream_packs, monkeypatch) -> None:
+    """The replay of a resume plans the skipped blocks without reading them."""
+    ds = cheap(stream_packs["shards"], "trainval")  # blocks of 4, no shuffle buffer
+    it = iter(ds)
+    for _ in range(8):
+        next(it)
+    state = ds.state_dict()
+    read: list[int] = []
+    real = torch_serialized.pipeline.read_block
+
+    def counted(reader: Any, records: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        read.extend(np.asarray(records).tolist())
+        return real(reader, records, *args, **kwargs)
+
+    monkeypatch.setattr(torch_serialized.pipeline, "read_block", counted)
+    resumed = cheap(stream_packs["shards"], "trainval")
+    resumed.load_state_dict(state)
+    tail = list(resumed)
+    assert len(tail) == len(resumed.records) - 8
+    assert len(read) == len(tail)  # not the 8 samples skipped
 
 
 def test_set_epoch_resets_progress(stream_packs) -> None:

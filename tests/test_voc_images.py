@@ -31,7 +31,7 @@ import torch_serialized as ts
 from torch_serialized.errors import (
     SourceDataError,
 )
-from torch_serialized.voc.images import jpeg_size
+from torch_serialized.voc.images import declared_size, jpeg_size, png_size, resized_size
 from torch_serialized.voc.pack import pack_voc
 
 
@@ -166,3 +166,44 @@ def test_an_unreadable_mask_is_named_by_its_file(tmp_path: Path) -> None:
     message = str(info.value)
     assert "SegmentationClass/b.png: not a readable PNG mask" in message
     assert "BytesIO" not in message and " at 0x" not in message
+
+
+def _segment(marker: int, payload: bytes) -> bytes:
+    return bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+
+#: A start-of-frame (baseline) for a 300 x 200 (width x height) RGB image.
+_SOF0 = _segment(0xC0, b"\x08" + (200).to_bytes(2, "big") + (300).to_bytes(2, "big") + b"\x03")
+
+
+@pytest.mark.parametrize(
+    "markers",
+    [
+        pytest.param(_segment(0xC4, b"\x00" + bytes(16) + b"\x05"), id="DHT before SOF"),
+        pytest.param(_segment(0xCC, b"\x00\x10"), id="DAC before SOF"),
+        pytest.param(b"\xff\xd8", id="repeated SOI"),
+        pytest.param(b"\xff\xff" + _segment(0xE0, b"JFIF\x00"), id="fill byte, APP0"),
+    ],
+)
+def test_jpeg_size_reads_the_frame_header_past_other_markers(markers: bytes) -> None:
+    """Huffman (C4) and arithmetic (CC) table segments share the SOF marker range but hold
+    no size; standalone markers have no length."""
+    assert jpeg_size(b"\xff\xd8" + markers + _SOF0 + b"\xff\xda") == (300, 200)
+
+
+def test_declared_size_reads_png_headers_too() -> None:
+    out = io.BytesIO()
+    Image.new("P", (7, 5)).save(out, format="PNG")
+    png = out.getvalue()
+    assert png_size(png) == declared_size(png) == (7, 5)
+    assert declared_size(b"\xff\xd8" + _SOF0) == (300, 200)
+    not_ihdr = png[:12] + b"IDAT" + png[16:]  # the first chunk must be IHDR
+    assert png_size(not_ihdr) is None and declared_size(not_ihdr) is None
+
+
+def test_resized_size_rounds_and_keeps_images_at_the_limit() -> None:
+    assert resized_size(500, 300, 500) is None  # at max_size: stored as is, not re-encoded
+    assert resized_size(300, 500, 500) is None
+    assert resized_size(1000, 335, 500) == (500, 168)  # 167.5 rounds to 168
+    assert resized_size(1000, 1, 500) == (500, 1)  # never 0
+    assert resized_size(1000, 335, None) is None

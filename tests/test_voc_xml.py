@@ -340,6 +340,8 @@ def test_extract_objects_flags_missing_empty_and_set() -> None:
         (obj("x", {"xmin": 1, "ymin": 2, "xmax": 3}), r"object 1: <bndbox><ymax> is None"),
         (obj("x", (1, "two", 3, 4)), r"object 1: <bndbox><ymin> is 'two'"),
         (obj("x", (1, 2, "nan", 4)), r"object 1: <bndbox><xmax> is 'nan'"),
+        (obj("x", (1, 2, "1e39", 4)), r"object 1: <bndbox><xmax> is '1e39', beyond the float32"),
+        (obj("x", ("-1e39", 2, 3, 4)), r"object 1: <bndbox><xmin> is '-1e39', beyond the float32"),
         (obj("x", (1, 2, 3, 4), name=OMIT), r"object 1 has no single non-empty <name>"),
         (obj("x", (1, 2, 3, 4), difficult="yes"), r"object 1: <difficult> is 'yes'"),
     ],

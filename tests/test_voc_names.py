@@ -167,3 +167,8 @@ def test_pickled_names_equal_and_repr(corner_packs: Packed) -> None:
         assert f"{len(names)} items" in text and "..." in text
     short: Sequence[str] = names[:2]
     assert repr(short) == f"RecordNames({list(short)!r})"
+    six = names[:6]
+    assert len(six) == 6 and repr(six) == f"RecordNames({list(six)!r})"  # 6 items: all shown
+    # two slices of one pack: equal only when they hold the same records
+    assert names[:2] != names[1:3] and list(names[:2]) != list(names[1:3])
+    assert names[1:3] == names[1:3] and names[::-1][::-1] == names

@@ -217,6 +217,7 @@ def _requests(name: str) -> Exception:
 CLASSIFIED = {
     # fsspec HTTP (aiohttp)
     "http 404": (lambda: FileNotFoundError("http://h/x"), Fault.NOT_FOUND),
+    "http 410": (lambda: _aiohttp_status(410), Fault.NOT_FOUND),
     "http 403": (lambda: _aiohttp_status(403), Fault.DENIED),
     "http 401": (lambda: _aiohttp_status(401), Fault.DENIED),
     "http 429": (lambda: _aiohttp_status(429), Fault.TRANSIENT),
@@ -276,6 +277,16 @@ def test_classify_error_follows_the_cause_chain() -> None:
             raise OSError(errno.EIO, "wrapped") from inner
     except OSError as exc:
         assert classify_error(exc) is Fault.TRANSIENT
+
+
+def test_classify_error_follows_a_long_cause_chain() -> None:
+    """A status several causes deep (a backend wrapping a wrapped error) still decides."""
+    exc: BaseException = _aiohttp_status(503)
+    for depth in range(4):
+        outer = OSError(errno.EIO, f"wrapped {depth}")
+        outer.__cause__ = exc
+        exc = outer
+    assert classify_error(exc) is Fault.TRANSIENT
 
 
 def test_retry_policy_backs_off_exponentially_within_bounds() -> None:

@@ -64,6 +64,18 @@ def test_tensor_and_none_paths(pack: VOCPackReader) -> None:
     assert raw.dtype == torch.uint8 and bytes(raw.numpy()) == data
 
 
+def test_a_read_only_array_is_copied_not_borrowed(pack: VOCPackReader) -> None:
+    """Without ``zero_copy`` the tensor owns its bytes: a read-only array (a view of a map)
+    is copied, so writing to the tensor never reaches the stored bytes."""
+    data = np.frombuffer(image_bytes(pack), np.uint8).copy()
+    data.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it wraps a read-only array
+        owned = SampleDecoder(pack, decode="none").image(0, data)
+    owned[0] = 255 - int(data[0])
+    assert int(data[0]) == image_bytes(pack)[0] and owned.data_ptr() != data.ctypes.data
+
+
 def test_zero_copy_views_the_given_buffer(pack: VOCPackReader) -> None:
     view = pack.field(0, schema.IMAGE)
     shared = SampleDecoder(pack, decode="none", zero_copy=True).image(0, view)

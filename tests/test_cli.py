@@ -823,3 +823,20 @@ def test_export_and_info_count_live_samples_not_retired_records(
     status, out, _ = run(capsys, "info", pack, "--json")
     shards = json.loads(out)["shards"]
     assert [(s["records"], s["samples"]) for s in shards] == [(3, 0), (3, 3), (2, 2)]
+
+
+def test_an_interrupt_exits_130_with_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ctrl-C: status 130 (128 + SIGINT, as a shell reports it) and one line, no traceback;
+    ``--debug`` lets the ``KeyboardInterrupt`` through."""
+    import torch_serialized.cli as cli_module
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_cmd_info", interrupted)
+    status, out, err = run(capsys, "info", tmp_path / "x.tser")
+    assert (status, out, err) == (130, "", "torch-serialized: error: interrupted\n")
+    with pytest.raises(KeyboardInterrupt):
+        main(["--debug", "info", str(tmp_path / "x.tser")])

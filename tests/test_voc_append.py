@@ -1320,3 +1320,89 @@ def test_an_append_from_an_unrelated_folder_is_refused(tmp_path, source, form):
     assert main(["pack", str(other), str(path), "--append", "--retire-all", "-q"]) == 0
     ids = {VOCPackReader(path).id(int(r)) for r in VOCPackReader(path).live}
     assert ids == {"x" + i for i in source.listed()}
+
+
+# -- GrowWriter itself, on a generic shard folder ----------------------------------------------
+def _generic_folder(path: Path, ends: list[int], token: str | None = None) -> Any:
+    """A shard folder of one field whose shards end after record counts ``ends``; its manifest."""
+    from torch_serialized import format as fmt
+    from torch_serialized.reader import read_manifest
+    from torch_serialized.writer import PackWriter
+
+    with PackWriter(path, ["a"], shard_ends=ends, token=token) as writer:
+        for i in range(ends[-1]):
+            writer.add([bytes([i])])
+    return read_manifest(path / fmt.MANIFEST_NAME)
+
+
+def _grow(path: Path, manifest: Any, **options: Any) -> Any:
+    from torch_serialized.grow import GrowWriter
+
+    limits = {"max_records_per_shard": None, "max_shard_bytes": None}
+    return GrowWriter(
+        path, manifest, np.empty(0, np.uint8), ["a"], columns=None, **{**limits, **options}
+    )
+
+
+def test_a_grow_without_limits_fills_new_shards_as_the_largest_existing_one(tmp_path):
+    from torch_serialized import format as fmt
+    from torch_serialized.reader import read_manifest
+
+    path = tmp_path / "pack"
+    manifest = _generic_folder(path, [3, 4])  # shards of 3 and 1 records
+    with _grow(path, manifest) as writer:
+        for _ in range(7):
+            writer.add([b"new"])
+    grown = read_manifest(path / fmt.MANIFEST_NAME)
+    assert [s.num_records for s in grown.shards] == [3, 1, 3, 3, 1]
+
+
+def test_a_grow_never_writes_over_a_file_of_its_new_names(tmp_path):
+    """A token collision: a file the grow would write is there already, named by the manifest
+    (a reader may hold it), so the grow stops naming it, and neither that file nor the pack
+    changes."""
+    from torch_serialized import WriteError
+
+    path = tmp_path / "pack"
+    manifest = _generic_folder(path, [2, 4], token="0badc0de")
+    catalog = path / "catalog-0badc0de.tser"
+    before = snapshot(path)
+    writer = _grow(path, manifest, token="0badc0de")
+    writer.add([b"new"])  # its new shard is shard-00002-0badc0de.tser: a free name
+    with pytest.raises(WriteError, match=r"catalog-0badc0de\.tser exists; try again"):
+        writer.close()
+    assert manifest.catalog.file == catalog.name
+    assert snapshot(path) == before
+
+
+def test_a_failure_after_the_manifest_commit_keeps_the_grown_pack(tmp_path, monkeypatch):
+    """Once the new manifest is in place its shards are the pack's: an error in the clean-up
+    after it is reported, and removes none of them."""
+    from torch_serialized import WriteError, grow
+    from torch_serialized import format as fmt
+    from torch_serialized.reader import PackReader, read_manifest
+
+    path = tmp_path / "pack"
+    manifest = _generic_folder(path, [2, 4])
+
+    def failing(manifest_path: Any) -> Any:
+        raise OSError(5, "the disk went away", str(manifest_path))
+
+    monkeypatch.setattr(grow, "read_manifest", failing)
+    with pytest.raises(WriteError, match="the disk went away"), _grow(path, manifest) as writer:
+        for i in range(3):
+            writer.add([bytes([10 + i])])
+    monkeypatch.undo()
+    grown = read_manifest(path / fmt.MANIFEST_NAME)
+    assert grown.num_records == 7
+    assert all((path / name).is_file() for name in grown.files())
+    reader = PackReader(path)
+    assert [bytes(reader.field(r, 0)) for r in range(7)] == [
+        b"\0",
+        b"\1",
+        b"\2",
+        b"\3",
+        b"\n",
+        b"\x0b",
+        b"\x0c",
+    ]

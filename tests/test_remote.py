@@ -1055,3 +1055,25 @@ def test_a_minimum_rate_is_zero_or_at_least_one_byte_a_second(rate: Any) -> None
         RetryPolicy(min_rate=rate)
     RetryPolicy(min_rate=0)
     RetryPolicy(min_rate=1)
+
+
+def test_a_dry_run_prune_lists_what_prune_then_deletes(tmp_path: Path) -> None:
+    """``dry_run`` only lists: the files earlier packs left (shards and catalogs no manifest
+    names) are deleted by the real prune, and nothing else is, ever."""
+    from torch_serialized.upload import prune_remote
+    from torch_serialized.writer import PackWriter
+
+    folder = tmp_path / "pack"
+    with PackWriter(folder, ["a"], max_records_per_shard=1) as writer:
+        for i in range(2):
+            writer.add([bytes([i])])
+    stale = ["catalog-0badc0de.tser", "shard-00007-0badc0de.tser"]
+    for name in [*stale, "notes.txt", "shard-x.tser"]:
+        (folder / name).write_bytes(b"left by an earlier pack")
+    ours = sorted(os.listdir(folder))
+    url = folder.as_uri()
+    assert prune_remote(url, dry_run=True) == stale
+    assert sorted(os.listdir(folder)) == ours
+    assert prune_remote(url) == stale
+    assert sorted(os.listdir(folder)) == sorted(set(ours) - set(stale))
+    assert prune_remote(url) == []

@@ -532,3 +532,31 @@ def test_close_releases_the_shards_but_not_the_catalog(
     assert reader.remote.cache.held() == sorted(["manifest.json", catalog.file])
     assert reader.verify() == []  # fetched again (from the cache: no new download)
     assert served.proxy.count("GET", "shard-") == reader.num_shards
+
+
+def test_pack_voc_to_a_url_uploads_the_manifest_after_every_file_it_names(
+    voc8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest is the commit point of a pack at a URL: when it goes up, every shard and
+    the catalog it names are there already, however slow their uploads were."""
+    import time
+
+    from torch_serialized import format as fmt
+    from torch_serialized.remote import RemoteStore
+
+    dest = tmp_path / "dest"
+    real = RemoteStore.upload_file
+    there_at_manifest: list[set[str]] = []
+
+    def upload_file(self: RemoteStore, local: str | os.PathLike[str], key: str = "") -> None:
+        if key == fmt.MANIFEST_NAME:
+            there_at_manifest.append({p.name for p in dest.glob("*.tser")})
+        else:
+            time.sleep(0.2)  # a slow shard or catalog upload
+        real(self, local, key)
+
+    monkeypatch.setattr(RemoteStore, "upload_file", upload_file)
+    ts.pack_voc(voc8, dest.as_uri(), max_samples_per_shard=3)
+    manifest = open_pack(dest).manifest
+    assert manifest is not None and len(manifest.shards) == 3
+    assert there_at_manifest == [set(manifest.files())]

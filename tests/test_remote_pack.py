@@ -374,3 +374,17 @@ def test_worker_processes_share_one_download(
     assert remote.proxy.count("GET", remote.path("a.tser")) == 3
     assert remote.proxy.count("GET", remote.path("b.tser")) == 3
     pack.close()
+
+
+def test_close_keeping_some_objects_releases_only_the_others(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    """``close(keep)`` (what ``PackReader.close_shards`` calls) lets the cache evict every
+    object but those kept; the pack then still holds the kept ones until it closes."""
+    with open_pack(remote, tmp_path) as pack:
+        for name, data in shards.items():
+            pack.fetch_shard(name, len(data))
+        assert pack.cache.held() == ["a.tser", "b.tser", "manifest.json"]
+        pack.close(keep=["manifest.json", "b.tser"])
+        assert pack.cache.held() == ["b.tser", "manifest.json"]
+    assert pack.cache.held() == []

@@ -674,3 +674,50 @@ def test_a_child_forked_during_a_download_does_not_wait_on_its_parents_lock(
         os.waitpid(pid, 0)
         pytest.fail("the forked child waited on the lock its parent's thread had released")
     assert os.waitstatus_to_exitcode(status) == 0  # it read the parent's download
+
+
+def test_an_object_as_large_as_the_limit_evicts_every_other_one(tmp_path: Path) -> None:
+    """The limit is inclusive: an object of exactly ``cache_limit_bytes`` fits once every
+    other object is evicted (no warning; an object one byte larger evicts nothing)."""
+    source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1), "big.tser": blob(2500, 2)})
+    pc = Cache(tmp_path, limit_bytes=2500).pack(URL, "i")
+    fetch(pc, source, "x.tser")
+    fetch(pc, source, "y.tser")
+    pc.close()
+    fetch(pc, source, "big.tser")  # no CacheLimitWarning (an error in this suite)
+    assert not pc.path("x.tser").exists() and not pc.path("y.tser").exists()
+    assert [(p.objects, p.bytes) for p in list_cache(tmp_path)] == [(1, 2500)]
+
+
+def test_a_downloads_reservation_and_partial_file_count_once(tmp_path: Path) -> None:
+    """A download in progress has two partial files, its sparse reservation and the bytes
+    coming in: counted as the larger of them, not their sum, so nothing else is evicted
+    for it twice."""
+    cache = Cache(tmp_path, limit_bytes=3000)
+    pc = cache.pack(URL, "i")
+    source = Source({"old.tser": blob(1000), "x.tser": blob(1000, 1)})
+    fetch(pc, source, "old.tser")
+    pc.release("old.tser")
+    coming = orphan(pc, "s.tser", 1000)  # its bytes, all in, not yet renamed
+    reserved = pc.directory / ".s.tser.reserved.partial"
+    with open(reserved, "wb") as f:
+        f.truncate(1000)
+    with open(coming.parent / ".locks" / "s.tser.lock") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # its download is running
+        fetch(pc, source, "x.tser")  # 1000 + 1000 + 1000 fit in 3000: no eviction, no warning
+        assert pc.path("old.tser").read_bytes() == source.objects["old.tser"]
+
+
+def test_list_shows_each_packs_last_use_and_versions_of_a_url_newest_first(tmp_path: Path) -> None:
+    """``last_used`` is the newest object's time (an object's mtime is its last fetch), and
+    the versions of one URL are listed most recently used first."""
+    source = Source({"a.tser": blob(100), "b.tser": blob(200, 1)})
+    old, new = Cache(tmp_path).pack(URL, "old"), Cache(tmp_path).pack(URL, "new")
+    now = time.time()
+    for pc, ages in ((old, (300, 200)), (new, (100, 50))):
+        for name, seconds in zip(["a.tser", "b.tser"], ages):
+            age(fetch(pc, source, name), seconds)
+        pc.close()
+    listed = list_cache(tmp_path)
+    assert [p.identity for p in listed] == ["new", "old"]
+    assert [round(now - p.last_used) for p in listed] == [50, 200]

@@ -199,3 +199,37 @@ def test_the_survey_gives_the_jobs_and_reads_a_full_pack_plans(
     files, needs = planned.reads(range(len(planned)))
     assert files.tolist() == [list(reads(job)) for job in jobs]
     assert needs.tolist() == [[job.needs_annotation, job.needs_mask] for job in jobs]
+
+
+def test_a_prefix_read_returns_the_first_bytes_up_to_the_cap(tmp_path: Path) -> None:
+    """``prefix=True`` (how a pack's header is read before it is replaced) returns at most
+    ``max_bytes``; without it a longer file is refused, naming it, the cap and its size."""
+    from torch_serialized.safeio import FileSizeError, read_regular_file
+
+    path = tmp_path / "ten.bin"
+    path.write_bytes(bytes(range(10)))
+    assert read_regular_file(path, 4, "the file", prefix=True) == bytes(range(4))
+    assert read_regular_file(path, 10, "the file", prefix=True) == bytes(range(10))
+    with pytest.raises(FileSizeError, match=r"ten\.bin: the file is larger than the 4-byte limit"):
+        read_regular_file(path, 4, "the file")
+
+
+def test_a_file_that_grows_while_it_is_read_is_read_whole_or_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size ``fstat`` gave is no limit: a file longer by the time it is read (a writer
+    still appending) is read to its end, or refused once past the cap, never cut short."""
+    from torch_serialized import safeio
+
+    path = tmp_path / "growing.bin"
+    path.write_bytes(bytes(range(10)))
+    real = os.fstat
+
+    def stat_before_it_grew(fd: int) -> os.stat_result:
+        st = real(fd)
+        return os.stat_result((*st[:6], 4, *st[7:10]))  # st_size: 4 bytes when looked at
+
+    monkeypatch.setattr(safeio.os, "fstat", stat_before_it_grew)
+    assert safeio.read_regular_file(path, 100, "the file") == bytes(range(10))
+    with pytest.raises(safeio.FileSizeError, match=r"larger than the 8-byte limit"):
+        safeio.read_regular_file(path, 8, "the file")

@@ -307,3 +307,12 @@ def test_cli_pack_and_info_say_so(
     assert "schema voc 4" in out
     assert cli_main(["info", "--json", str(tmp_path / "p.tser")]) == 0
     assert json.loads(capsys.readouterr().out)["with_unparsed_annotation"] == len(UNPARSED)
+
+
+def test_serialized_dataset_gives_them_an_empty_target(unparsed_packs: dict[str, Path]) -> None:
+    """The original design's ``SerializedDataset`` reads every record: one whose annotation
+    did not parse has ``{}`` as its target (its bytes are stored, but no target is)."""
+    dataset = ts.SerializedDataset(unparsed_packs["single"])
+    samples = [dataset[i] for i in range(len(dataset))]
+    assert sorted(s["id"] for s in samples if s["target"] == {}) == sorted(UNPARSED)
+    assert all("annotation" in s["target"] for s in samples if s["id"] not in UNPARSED)

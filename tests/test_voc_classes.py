@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from torch_serialized.voc.classes import VOC_CLASSES, VOC_COLORMAP, VOC_PALETTE, voc_colormap
+from torch_serialized.voc.classes import (
+    VOC_CLASSES,
+    VOC_COLORMAP,
+    VOC_PALETTE,
+    label_classes,
+    voc_colormap,
+)
 
 
 def test_classes_and_colormap() -> None:
@@ -21,3 +27,18 @@ def test_classes_and_colormap() -> None:
 def test_colormap_refuses_sizes_outside_0_to_256(n: int) -> None:
     with pytest.raises(ValueError, match="0..256"):
         voc_colormap(n)
+
+
+def test_label_classes_default_and_packed_rules() -> None:
+    """``"default"``: VOC's 20 in VOC order when every class of the pack is one of them (all
+    20 included), else the pack's classes in pack order; ``"packed"``: sorted by name. A
+    grown pack keeps its ``base`` list and adds new classes after it."""
+    every = list(reversed(VOC_CLASSES))  # all 20, first seen in reverse order
+    assert label_classes("default", every, None) == list(VOC_CLASSES)
+    assert label_classes("default", ["dog", "cat"], None) == list(VOC_CLASSES)
+    assert label_classes("default", ["dog", "unicorn"], None) == ["dog", "unicorn"]
+    assert label_classes("packed", ["dog", "unicorn", "cat"], None) == ["cat", "dog", "unicorn"]
+    base = {"default": ["dog", "unicorn"], "packed": ["dog", "unicorn"]}
+    grown = ["unicorn", "ant", "dog"]
+    assert label_classes("default", grown, base) == ["dog", "unicorn", "ant"]
+    assert label_classes("packed", grown, base) == ["dog", "unicorn", "ant"]

@@ -66,3 +66,14 @@ def test_fields_columns_and_split_names() -> None:
     flags = (schema.HAS_ANNOTATION, schema.HAS_MASK, schema.HAS_OBJECT_MASK)
     assert sorted(flags) == [1, 2, 4]
     assert schema.split_array_name("Main", "trainval") == "split/Main/trainval"
+
+
+def test_a_pack_is_written_as_the_lowest_schema_version_that_holds_it() -> None:
+    """Unparsed annotations need 4 whatever else the pack holds, untyped objects 3, retired
+    records 2; a pack of none of them is 1, which every reader reads."""
+    for retired in (False, True):
+        for untyped in (False, True):
+            for unparsed in (False, True):
+                want = 4 if unparsed else 3 if untyped else 2 if retired else 1
+                got = schema.schema_version(retired=retired, untyped=untyped, unparsed=unparsed)
+                assert got == want, (retired, untyped, unparsed)

@@ -534,3 +534,15 @@ def test_full_tmpfs_under_pack_voc_raises_write_error_and_leaves_nothing(tmp_pat
         pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr
     check_disk_full_report(proc.stdout, folder, errno.ENOSPC, "free disk space")
+
+
+@pytest.mark.parametrize("max_size", [0, -1])
+def test_a_max_size_below_one_pixel_is_refused(
+    tiny_root: Path, tmp_path: Path, max_size: int
+) -> None:
+    """``max_size=0`` would make every image 1x1 (or divide by zero): refused first, naming the
+    option and the value, with nothing written."""
+    message = rf"^max_size must be a positive number of pixels, got {max_size}$"
+    with pytest.raises(ValueError, match=message):
+        ts.pack_voc(tiny_root, tmp_path / "p", max_size=max_size)
+    assert list(tmp_path.iterdir()) == []

@@ -142,7 +142,8 @@ def test_pack_info_verify_export_round_trip(
     assert "person" in out
 
     status, out, _ = run(capsys, "verify", pack)
-    assert status == 0 and out.startswith("OK ") and "checksums match" in out
+    assert status == 0 and out.startswith("OK ") and "(24 records in 1 file)" in out
+    assert f"and all {24 * len(schema.FIELDS)} field checksums match" in out  # per field
 
     status, out, err = run(capsys, "export", pack, tmp_path / "restored")
     assert status == 0, err

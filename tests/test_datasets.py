@@ -877,7 +877,8 @@ def test_bad_indices_name_the_index_and_the_length(
                 call(argument)
             message = str(caught.value)
             assert f"{name} index {bad} is out of range" in message
-            assert f"{n} samples" in message and "'train'" in message
+            assert f"{n} samples (0 to {n - 1}, or -{n} to -1)" in message
+            assert "image set 'train'" in message
     for wrong in ("000002", 1.5, None, slice(1, 3), (1,), [1], np.array([1])):
         for call, argument in ((ours.__getitem__, wrong), (ours.__getitems__, [wrong])):
             with pytest.raises(TypeError) as caught:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,3 +169,20 @@ def test_prune_dry_run_over_http_without_a_listing_says_so(
     monkeypatch.setattr(HTTPFileSystem, "_ls_real", forbidden)
     status, out, err = run(capsys, "prune", remote.url, "--dry-run")
     assert status == 2 and "lists no files" in err and "credentials" not in err
+
+
+def test_cache_list_counts_the_files_in_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pack whose files a process holds says how many, so ``cache clear`` leaving them is
+    no surprise; once they are let go the line says nothing of it."""
+    from torch_serialized.cache import Cache
+
+    pc = Cache(tmp_path).pack("s3://bucket/voc", "0123456789abcdef")
+    pc.put("manifest.json", b"{}")  # held by this process until closed
+    line = r"  s3://bucket/voc  \[0123456789ab\]  1 file\(s\), [^,]+, last used [-\d]+ [:\d]+"
+    status, out, _ = run(capsys, "cache", "list", "--cache-dir", tmp_path)
+    assert status == 0 and re.search(line + r", 1 in use\n", out), out
+    pc.close()
+    status, out, _ = run(capsys, "cache", "list", "--cache-dir", tmp_path)
+    assert status == 0 and re.search(line + r"\n", out), out

@@ -360,6 +360,33 @@ def test_failure_between_the_two_renames_puts_the_previous_pack_back(
     assert listing(tmp_path) == ["voc"] and snapshot(out) == previous
 
 
+def test_an_old_output_that_cannot_be_removed_after_the_commit_is_logged(
+    tmp_path, voc8, voc40, monkeypatch, caplog
+):
+    """Once the new pack has replaced the old one, failing to remove the old one (moved
+    aside) is not a failed write: the pack is returned and the leftover logged (it raised
+    "writing ... failed ... No partial output was left" with the new pack in place)."""
+    import logging
+
+    out = tmp_path / "voc"
+    pack_voc(voc8, out, year="2007", **PACK_FORMS["shards"])
+    real_remove = atomic.remove
+
+    def failing_remove(path: Any) -> None:
+        if ".voc.old-" in Path(path).name:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        real_remove(path)
+
+    monkeypatch.setattr(atomic, "remove", failing_remove)
+    with caplog.at_level(logging.WARNING, "torch_serialized.atomic"):
+        result = pack_voc(voc40, out, year="2007", **PACK_FORMS["shards"])
+    monkeypatch.undo()
+    assert result.num_samples == len(open_pack(out)) > 8
+    assert "could not be removed" in caplog.text and "injected" in caplog.text
+    assert any(".voc.old-" in name for name in listing(tmp_path))  # a later process's pack
+    # removes it (test_stale_temporaries_of_dead_processes_only_are_removed)
+
+
 @pytest.mark.parametrize("form", ["single", "shards"])
 def test_a_replacement_waits_for_a_running_append(tmp_path, voc8, voc40, form):
     """A pack replaced while an append holds it (its exclusive flock on the file or the

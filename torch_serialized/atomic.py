@@ -136,7 +136,17 @@ class AtomicOutput:
                 os.replace(old, final)  # put the previous output back, then report the failure
                 raise
         _fsync_dir(final.parent)
-        remove(old)
+        try:  # the new output is in place: a failure to remove the old one is not the write's
+            remove(old)
+        except OSError as exc:
+            log.warning(
+                "%s: written, but the output it replaced (moved to %s) could not be removed "
+                "(%s); remove it, or a write of %s after this process has ended removes it",
+                final,
+                old,
+                exc,
+                final.name,
+            )
 
     def abort(self) -> None:
         """Remove the temporary output and scratch folders; ``final`` is left untouched."""

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,6 +31,8 @@ from .errors import WriteError
 from .reader import read_manifest
 from .safeio import read_regular_file
 from .writer import PackWriter
+
+log = logging.getLogger(__name__)
 
 __all__ = ["GrowWriter", "strays"]
 
@@ -161,12 +164,23 @@ class GrowWriter(PackWriter):
         _fsync_dir(self.output)
 
     def _commit(self) -> None:
-        self._remove_scratch()
+        """Clean up after the manifest's rename, which made the append take effect: what
+        cannot be removed now (scratch folders, the generation before the last) is logged,
+        not raised, so an append that took effect is never reported as failed; the next
+        writer removes such leftovers."""
         keep = [self._manifest_before.catalog.file] if self._manifest_before.catalog else []
         try:
+            self._remove_scratch()
             manifest = read_manifest(self.output / fmt.MANIFEST_NAME)
             for path in strays(self.output, manifest, keep):  # the generation before the last
                 remove(path)
+        except OSError as exc:
+            log.warning(
+                "%s: appended, but files it no longer needs could not be removed (%s); the "
+                "next append or pack removes them",
+                self.output,
+                exc,
+            )
         finally:
             self._unlock()
 

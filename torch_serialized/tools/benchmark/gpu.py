@@ -68,21 +68,11 @@ def scenario_gpu(b: Bench) -> list[Row]:
     import torch
 
     name = f"GPU decode: DataLoader ({b.workers} workers, I/O only) + batched decode_jpeg"
-    if not torch.cuda.is_available():
-        return [Row("gpu_decode", "gpu", name, "samples/s", "info", None, None, missing=NO_GPU)]
-    if not batched_decode():
-        return [
-            Row(
-                "gpu_decode",
-                "gpu",
-                name,
-                "samples/s",
-                "info",
-                None,
-                None,
-                missing=NO_BATCHED_DECODE,
-            )
-        ]
+    missing = (
+        NO_GPU if not torch.cuda.is_available() else None if batched_decode() else NO_BATCHED_DECODE
+    )
+    if missing is not None:
+        return [Row("gpu_decode", "gpu", name, "samples/s", "info", None, None, missing=missing)]
     device = torch.device("cuda")
     n = len(b.tv())
     seconds = decode_epochs(b, device, b.repeats)

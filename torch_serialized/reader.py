@@ -395,22 +395,24 @@ class ContainerReader:
             fd = self._open_fd()
         except (FileNotFoundError, FormatError):  # a re-pack removed it: never read a mix
             raise FileChangedError(_gone(self.path)) from None
-        size = os.fstat(fd).st_size
-        tail = os.pread(fd, fmt.FOOTER_SIZE, max(size - fmt.FOOTER_SIZE, 0))
-        try:
-            same = (size, fmt.unpack_footer(tail, self.path)["meta_crc32"]) == (
-                self.size,
-                self.meta_crc32,
-            )
-        except CorruptFileError:
-            same = False
-        if not same:
+        if not self.holds(fd):
             os.close(fd)
             raise FileChangedError(
                 f"{self.path} was replaced or modified after it was opened; "
                 "create the dataset again to read the new file"
             )
         return fd
+
+    def holds(self, fd: int) -> bool:
+        """Whether ``fd`` holds the file this reader validated: its size and its footer's
+        metadata checksum (which tell another pack of the same size, or a rewrite)."""
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, fmt.FOOTER_SIZE, max(size - fmt.FOOTER_SIZE, 0))
+        try:
+            footer = fmt.unpack_footer(tail, self.path)
+        except CorruptFileError:
+            return False
+        return (size, footer["meta_crc32"]) == (self.size, self.meta_crc32)
 
     def close(self) -> None:
         """Drop this process's map (and descriptors) of the file; the next access maps it

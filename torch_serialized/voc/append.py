@@ -529,17 +529,8 @@ def _locked(source: ContainerReader) -> Iterator[int]:
 
 def _still_the_file(fd: int, source: ContainerReader) -> bool:
     """Whether ``fd``, opened on ``source``'s path, is the file ``source`` validated: still at
-    the path, its size, and its footer's metadata checksum (which tells another pack of the
-    same size, as readers tell a replaced file: ``ContainerReader._open_same_file``)."""
-    if not os.path.samestat(os.fstat(fd), os.stat(source.path)):
-        return False
-    if os.fstat(fd).st_size != source.size:
-        return False
-    tail = os.pread(fd, fmt.FOOTER_SIZE, max(source.size - fmt.FOOTER_SIZE, 0))
-    try:
-        return fmt.unpack_footer(tail, source.path)["meta_crc32"] == source.meta_crc32
-    except FormatError:  # not a footer any more
-        return False
+    the path, and its size and footer as readers check them (``ContainerReader.holds``)."""
+    return os.path.samestat(os.fstat(fd), os.stat(source.path)) and source.holds(fd)
 
 
 def _pack_id(old: VOCPackReader) -> str | None:

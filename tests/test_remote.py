@@ -374,8 +374,10 @@ def test_a_stalled_response_times_out_and_is_retried(remote: Remote, tmp_path: P
         import aiohttp
 
         options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(sock_read=0.5)}}
-    remote.proxy.add_fault("delay", delay=2.0, count=1, method="GET")
     s = store(remote, **options)
+    # the backend's client first (botocore builds it on the first call: up to ~1 s, not a wait)
+    assert s.size("obj.bin") == len(data)
+    remote.proxy.add_fault("delay", delay=3.0, count=1, method="GET")
     start = time.monotonic()
     assert s.download("obj.bin", tmp_path / "o", expected_size=len(data)).read_bytes() == data
     assert time.monotonic() - start < 2.0  # did not wait for the stalled answer

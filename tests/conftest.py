@@ -14,6 +14,7 @@ test.
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 from collections.abc import Callable, Iterator
@@ -27,6 +28,11 @@ from vocfactory import Sample, build_corner_case_devkit, jpeg, obj, palette_mask
 
 from torch_serialized import pack_voc
 from torch_serialized.tools import make_synthetic_voc
+from torch_serialized.tools.loopback import GCS_ENVIRONMENT
+
+# Before any test imports gcsfs, which reads it then: the gs:// tests talk to an emulator
+# (remote_fixtures.py), and this process and its children must never wait on gcsfs's gRPC.
+os.environ.update(GCS_ENVIRONMENT)
 
 CORNER_YEAR = "2007"
 SYNTHETIC_YEAR = "2007"

@@ -2,10 +2,12 @@
 
 Use it as a plugin from a test module: ``pytest_plugins = ["remote_fixtures"]``.
 
-* ``s3_server`` / ``http_server``: moto's S3 server and an aiohttp server over a folder, each with
-  a fault-injecting proxy in front (session-scoped: started once, a second or so).
+* ``s3_server`` / ``gcs_server`` / ``http_server``: moto's S3 server, gcp-storage-emulator's GCS
+  server and an aiohttp server over a folder, each with a fault-injecting proxy in front
+  (session-scoped: started once, a second or so).
 * ``remote``: parametrized over ``"http"`` and ``"s3"``, a :class:`Remote` whose proxy has been
   reset and whose objects live under a fresh prefix, so tests never see each other's objects.
+  ``s3_remote`` / ``gcs_remote``: the same on one server.
 
 Importing this module also installs an audit hook that refuses any connection, and any name
 lookup, to an address outside 127.0.0.0/8 and ::1, so that a wrong endpoint or an instance
@@ -29,8 +31,10 @@ from torch_serialized.tools.loopback import (
     S3_ENVIRONMENT,
     FaultProxy,
     LoopbackServer,
+    gcs_storage_options,
     s3_storage_options,
     start_fault_proxy,
+    start_gcs_server,
     start_http_server,
     start_s3_server,
 )
@@ -86,22 +90,28 @@ class Remote:
     @property
     def url(self) -> str:
         """The URL of this test's folder, through the proxy."""
-        if self.kind == "s3":
-            return f"s3://{BUCKET}/{self.prefix}"
+        if self.kind in ("s3", "gcs"):
+            return f"{'gs' if self.kind == 'gcs' else 's3'}://{BUCKET}/{self.prefix}"
         return f"{self.proxy.url}/{self.prefix}"
 
     @property
     def storage_options(self) -> dict[str, Any]:
-        return s3_storage_options(self.proxy.url) if self.kind == "s3" else {}
+        if self.kind == "s3":
+            return s3_storage_options(self.proxy.url)
+        return gcs_storage_options(self.proxy.url) if self.kind == "gcs" else {}
 
     def path(self, key: str) -> str:
-        """The path of ``key`` as the proxy counts it."""
-        return f"/{BUCKET}/{self.prefix}/{key}" if self.kind == "s3" else f"/{self.prefix}/{key}"
+        """The path of ``key``'s bytes as the proxy counts it (GETs of the object's data)."""
+        if self.kind == "s3":
+            return f"/{BUCKET}/{self.prefix}/{key}"
+        if self.kind == "gcs":  # the JSON API's media download; metadata is /storage/v1/b/...
+            return f"/download/storage/v1/b/{BUCKET}/o/{self.prefix}/{key}"
+        return f"/{self.prefix}/{key}"
 
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` as ``key`` in this folder, bypassing the proxy."""
-        if self.kind == "s3":
-            direct_s3(self.served.server.url).pipe(f"{BUCKET}/{self.prefix}/{key}", data)
+        if self.kind in ("s3", "gcs"):
+            direct(self.kind, self.served.server.url).pipe(f"{BUCKET}/{self.prefix}/{key}", data)
         else:
             assert self.served.root is not None
             target = self.served.root / self.prefix / key
@@ -110,12 +120,20 @@ class Remote:
 
     def get(self, key: str) -> bytes:
         """The stored bytes of ``key``, bypassing the proxy."""
-        if self.kind == "s3":
-            return bytes(
-                direct_s3(self.served.server.url).cat_file(f"{BUCKET}/{self.prefix}/{key}")
-            )
+        if self.kind in ("s3", "gcs"):
+            fs = direct(self.kind, self.served.server.url)
+            return bytes(fs.cat_file(f"{BUCKET}/{self.prefix}/{key}"))
         assert self.served.root is not None
         return (self.served.root / self.prefix / key).read_bytes()
+
+
+def direct(kind: str, endpoint_url: str) -> Any:
+    """An s3fs or gcsfs filesystem straight to a loopback server (for setting tests up)."""
+    if kind == "gcs":
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(skip_instance_cache=True, **gcs_storage_options(endpoint_url))
+    return direct_s3(endpoint_url)
 
 
 def direct_s3(endpoint_url: str) -> Any:
@@ -146,6 +164,13 @@ def s3_server(_aws_environment: None) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="session")
+def gcs_server() -> Iterator[Served]:
+    with start_gcs_server() as server, start_fault_proxy(server.url) as proxy:
+        direct("gcs", server.url).mkdir(BUCKET)
+        yield Served(server, proxy)
+
+
+@pytest.fixture(scope="session")
 def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("http-root")
     with start_http_server(root) as server, start_fault_proxy(server.url) as proxy:
@@ -158,6 +183,14 @@ def remote(request: pytest.FixtureRequest) -> Remote:
     served: Served = request.getfixturevalue(f"{request.param}_server")
     served.proxy.reset()
     return Remote(request.param, served, f"t-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def gcs_remote(gcs_server: Served) -> Remote:
+    """A fresh folder on the loopback GCS server (test_remote_gcs.py: gcsfs's own retries and
+    request shapes differ from those the ``remote`` matrix counts)."""
+    gcs_server.proxy.reset()
+    return Remote("gcs", gcs_server, f"t-{uuid.uuid4().hex[:10]}")
 
 
 @pytest.fixture

@@ -69,6 +69,18 @@ def test_s3_server_through_s3fs(s3_remote: Remote) -> None:
     assert s3_remote.proxy.count("GET", "/k/obj.bin") == 1
 
 
+@pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")  # gcsfs's
+def test_gcs_server_through_gcsfs(gcs_remote: Remote) -> None:
+    gcs_remote.put("k/obj.bin", DATA)
+    from remote_fixtures import direct
+
+    fs = direct("gcs", gcs_remote.proxy.url)  # through the proxy, as a user through a network
+    path = f"torch-serialized-tests/{gcs_remote.prefix}/k/obj.bin"
+    assert fs.cat_file(path, start=5, end=9) == DATA[5:9]
+    assert gcs_remote.proxy.count("GET", gcs_remote.path("k/obj.bin")) == 1
+    assert fs.ls(f"torch-serialized-tests/{gcs_remote.prefix}/k") == [path]
+
+
 def test_proxy_latency_and_bandwidth(http_server: Served) -> None:
     assert http_server.root is not None
     (http_server.root / "bw.bin").write_bytes(DATA * 2)

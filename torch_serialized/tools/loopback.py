@@ -5,10 +5,13 @@
 * :func:`start_s3_server`: moto's standalone S3 server, reached through s3fs with
   :func:`s3_storage_options` (dummy credentials, a region and ``endpoint_url``) exactly as a user
   reaches AWS, and never the instance metadata service or AWS itself.
-* :func:`start_fault_proxy`: an HTTP proxy in front of either, controlled while it runs: it drops
-  connections, answers a status (503, 429, 403...), cuts bodies short, delays requests, adds a
-  latency to every request and caps the bandwidth of all responses together. It counts requests
-  by method and path, and the body bytes it sent.
+* :func:`start_gcs_server`: gcp-storage-emulator's Google Cloud Storage JSON API, reached through
+  gcsfs with :func:`gcs_storage_options` (anonymous, ``endpoint_url``); a process that imports
+  gcsfs needs :data:`GCS_ENVIRONMENT` set first (see there).
+* :func:`start_fault_proxy`: an HTTP proxy in front of any of them, controlled while it runs:
+  it drops connections, answers a status (503, 429, 403...), cuts bodies short, delays requests,
+  adds a latency to every request and caps the bandwidth of all responses together. It counts
+  requests by method and path, and the body bytes it sent.
 
 Each server runs in its own process (``multiprocessing``, spawned), so the caller stays
 single-threaded (``fork`` stays safe), and exits when its parent stops it or dies. Every socket is
@@ -17,7 +20,7 @@ one by hand (it prints ``READY <port>``). As with any spawned process, a script 
 must do it under ``if __name__ == "__main__":`` (the child imports the script's main module).
 """
 
-# More than 400 lines: three servers (HTTP, S3, fault proxy) and their process plumbing.
+# More than 400 lines: four servers (HTTP, S3, GCS, fault proxy) and their process plumbing.
 
 from __future__ import annotations
 
@@ -40,10 +43,13 @@ from typing import Any, TypeVar
 
 __all__ = [
     "FaultProxy",
+    "GCS_ENVIRONMENT",
     "LoopbackServer",
     "S3_ENVIRONMENT",
+    "gcs_storage_options",
     "s3_storage_options",
     "start_fault_proxy",
+    "start_gcs_server",
     "start_http_server",
     "start_s3_server",
 ]
@@ -59,6 +65,11 @@ S3_ENVIRONMENT = {
     "AWS_DEFAULT_REGION": "eu-west-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
+# For a process that reaches the loopback GCS server, set before gcsfs is imported (gcsfs reads
+# it then): recent gcsfs (2026.10 here) first asks each bucket's layout over gRPC, which an
+# emulator does not serve, and waits 60 s for it on every call. This keeps plain JSON-API gcsfs.
+GCS_ENVIRONMENT = {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+GCS_PROJECT = "torch-serialized-tests"
 _HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -87,6 +98,11 @@ def s3_storage_options(endpoint_url: str) -> dict[str, Any]:
         "endpoint_url": endpoint_url,
         "client_kwargs": {"region_name": S3_ENVIRONMENT["AWS_DEFAULT_REGION"]},
     }
+
+
+def gcs_storage_options(endpoint_url: str) -> dict[str, Any]:
+    """``storage_options`` for gcsfs to reach a loopback GCS server, anonymously."""
+    return {"endpoint_url": endpoint_url, "token": "anon", "project": GCS_PROJECT}
 
 
 # --------------------------------------------------------------------------- client side
@@ -154,6 +170,12 @@ def start_http_server(root: str | os.PathLike[str], *, ranges: bool = True) -> L
 def start_s3_server() -> LoopbackServer:
     """moto's S3 server (empty, in memory); its ``url`` is the ``endpoint_url``."""
     return LoopbackServer("s3")
+
+
+def start_gcs_server() -> LoopbackServer:
+    """gcp-storage-emulator's GCS server (empty, in memory); its ``url`` is the
+    ``endpoint_url``. It answers one request at a time."""
+    return LoopbackServer("gcs")
 
 
 @dataclass(frozen=True)
@@ -276,6 +298,8 @@ def _run(kind: str, args: tuple[Any, ...], ready: Ready) -> None:
         asyncio.run(_run_http(Path(args[0]), bool(args[1]), ready))
     elif kind == "s3":
         _run_s3(ready)
+    elif kind == "gcs":
+        _run_gcs(ready)
     elif kind == "proxy":
         _check_upstream(args[0])
         asyncio.run(_run_proxy(args[0].rstrip("/"), ready))
@@ -487,6 +511,18 @@ def _run_s3(ready: Ready) -> None:
     threading.Event().wait()
 
 
+def _run_gcs(ready: Ready) -> None:
+    import logging
+
+    from gcp_storage_emulator.server import create_server
+
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
+    server = create_server(HOST, 0, in_memory=True)
+    server.start()
+    ready(server._api._httpd.server_address[1])  # bound to port 0: the port it was given
+    threading.Event().wait()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m torch_serialized.tools.loopback")
     sub = parser.add_subparsers(dest="kind", required=True)
@@ -494,13 +530,14 @@ def main(argv: list[str] | None = None) -> None:
     http.add_argument("root", type=Path)
     http.add_argument("--no-ranges", action="store_true", help="ignore Range headers")
     sub.add_parser("s3", help="moto's S3 server")
+    sub.add_parser("gcs", help="gcp-storage-emulator's GCS server")
     proxy = sub.add_parser("proxy", help="a fault-injecting proxy")
     proxy.add_argument("upstream", help="http://127.0.0.1:PORT")
     args = parser.parse_args(argv)
     if args.kind == "http":
         _run("http", (args.root, not args.no_ranges), _print_ready)
-    elif args.kind == "s3":
-        _run("s3", (), _print_ready)
+    elif args.kind in ("s3", "gcs"):
+        _run(args.kind, (), _print_ready)
     else:
         try:
             _check_upstream(args.upstream)

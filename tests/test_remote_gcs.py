@@ -1,0 +1,129 @@
+"""Packs at ``gs://`` URLs through gcsfs, against a real GCS server on 127.0.0.1
+(gcp-storage-emulator's JSON API, behind the fault proxy): downloads, the readers, packing to
+and appending at a URL give what the same pack gives locally.
+
+Not the whole ``remote`` matrix of the HTTP and S3 tests: gcsfs keeps its own retries (six
+tries, 1 to 17 s apart, which no storage option turns off), so the tests that exhaust retries
+would each wait minutes, and its requests differ in shape (metadata is a GET of
+``/storage/v1/b/...``, not a HEAD) from what that matrix counts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from _reliability_helpers import PACK_FORMS, out_name
+from test_voc_append import YEAR, Source, as_bytes, pack
+from torch.utils.data import DataLoader
+
+import torch_serialized as ts
+from torch_serialized.errors import RemoteNotFoundError
+from torch_serialized.remote import RemoteStore
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+# gcsfs uploads an object of up to 5 MiB as one bytes body, which aiohttp warns about
+# (ResourceWarning: "might lock the event loop"); harmless at these sizes, and not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")
+
+PART = 64 << 10
+
+
+def upload(remote: Remote, pack: Path) -> None:
+    """Put a local pack (a shard folder's files, or one file) under ``remote``'s folder."""
+    files = sorted(pack.iterdir()) if pack.is_dir() else [pack]
+    files.sort(key=lambda f: f.name == "manifest.json")  # manifest last
+    for f in files:
+        remote.put(f.name, f.read_bytes())
+
+
+def test_download_is_ranged_parts_identical_to_the_object(
+    gcs_remote: Remote, tmp_path: Path
+) -> None:
+    data = os.urandom(3 * PART + 123)
+    gcs_remote.put("obj.bin", data)
+    store = RemoteStore(gcs_remote.url, gcs_remote.storage_options, part_size=PART)
+    assert store.size("obj.bin") == len(data)
+    got = store.download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
+    assert got.read_bytes() == data
+    assert gcs_remote.proxy.count("GET", gcs_remote.path("obj.bin")) == 4  # one per part
+    assert store.read_bytes("obj.bin", 10, 5000) == data[10:5000]
+    with pytest.raises(RemoteNotFoundError, match=r"gs://.*missing\.bin"):
+        store.download("missing.bin", tmp_path / "missing.bin")
+    assert sorted(os.listdir(tmp_path)) == ["obj.bin"]
+
+
+def test_a_transient_fault_is_retried_and_the_bytes_are_whole(
+    gcs_remote: Remote, tmp_path: Path
+) -> None:
+    data = os.urandom(2 * PART)
+    gcs_remote.put("obj.bin", data)
+    store = RemoteStore(gcs_remote.url, gcs_remote.storage_options, part_size=PART)
+    path = gcs_remote.path("obj.bin")
+    gcs_remote.proxy.add_fault("status", status=503, count=1, path=path, method="GET")
+    gcs_remote.proxy.add_fault("truncate", count=1, path=path, method="GET")
+    got = store.download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
+    assert got.read_bytes() == data
+    assert gcs_remote.proxy.count("GET", path) >= 4  # two parts, two faults
+
+
+@pytest.mark.parametrize("layout", ["shards", "single"])
+def test_the_readers_at_a_url_equal_the_local_pack(
+    gcs_remote: Remote, stream_packs: dict[str, Path], tmp_path: Path, layout: str
+) -> None:
+    local_pack = stream_packs[layout]
+    upload(gcs_remote, local_pack)
+    url = gcs_remote.url if layout == "shards" else f"{gcs_remote.url}/{local_pack.name}"
+    remote_kw = {"storage_options": gcs_remote.storage_options, "cache_dir": tmp_path}
+    local = ts.VOCSerializedDataset(local_pack, "trainval", decode="none")
+    ours = ts.VOCSerializedDataset(url, "trainval", decode="none", **remote_kw)
+    assert ours.root == url and len(ours) == len(local) > 0
+    for i in range(len(local)):
+        (a, ta), (b, tb) = ours[i], local[i]
+        assert ta == tb and as_bytes(a) == as_bytes(b)
+    if layout == "single":
+        return
+
+    def epoch(path: str | Path, **kwargs: object) -> list[str]:
+        ds = ts.VOCSerializedIterableDataset(
+            path, "trainval", shuffle=True, seed=3, decode="none", **kwargs
+        )
+        ds.set_epoch(1)
+        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        return [target["annotation"]["filename"] for _, target in loader]
+
+    want = epoch(local_pack)
+    assert sorted(want) == sorted(t["annotation"]["filename"] for _, t in local)
+    assert epoch(url, storage_options=gcs_remote.storage_options, cache_dir=tmp_path / "it") == want
+
+
+@pytest.mark.parametrize("form", ["shards", "single"])
+def test_pack_to_a_url_then_append_reads_as_a_fresh_pack(
+    gcs_remote: Remote, tmp_path: Path, form: str
+) -> None:
+    from torch_serialized.tools import make_synthetic_voc
+
+    source = Source(tmp_path / "src", copy_of=make_synthetic_voc(tmp_path / "made", 16, year=YEAR))
+    source.cut()
+    url = f"{gcs_remote.url}/{out_name(form)}"
+    options = gcs_remote.storage_options
+    packed = ts.pack_voc(source.root, url, year=YEAR, storage_options=options, **PACK_FORMS[form])
+    assert packed.num_samples == len(source.listed_now()) < len(source.listed())
+    source.grow()
+    result = ts.append_voc(source.root, url, storage_options=options, cache_dir=tmp_path / "c")
+    assert result.url == url and result.num_samples == len(source.listed())
+    assert result.added == len(source.listed()) - packed.num_samples > 0
+    fresh = pack(source, tmp_path / "fresh", form)
+    for image_set in ("train", "val"):
+        at_url = ts.VOCSerializedDataset(
+            url, image_set, decode="none", storage_options=options, cache_dir=tmp_path / "r"
+        )
+        local = ts.VOCSerializedDataset(fresh, image_set, decode="none")
+        assert len(at_url) == len(local) > 0
+        for i in range(len(local)):
+            (a, ta), (b, tb) = at_url[i], local[i]
+            assert ta == tb and as_bytes(a) == as_bytes(b)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _reliability_helpers import PACK_FORMS, out_name
@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 
 import torch_serialized as ts
 from torch_serialized.errors import RemoteNotFoundError
-from torch_serialized.remote import RemoteStore
+from torch_serialized.remote import RemoteStore, RetryPolicy
+from torch_serialized.remote_pack import resolve
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -31,6 +32,7 @@ pytest_plugins = ["remote_fixtures"]
 pytestmark = pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")
 
 PART = 64 << 10
+FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
 
 
 def upload(remote: Remote, pack: Path) -> None:
@@ -55,6 +57,40 @@ def test_download_is_ranged_parts_identical_to_the_object(
     with pytest.raises(RemoteNotFoundError, match=r"gs://.*missing\.bin"):
         store.download("missing.bin", tmp_path / "missing.bin")
     assert sorted(os.listdir(tmp_path)) == ["obj.bin"]
+
+
+def test_a_download_asks_the_size_once(
+    gcs_remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As over S3 and HTTP (test_remote_pack.py): the size asked once per object (gcsfs's
+    ``info``, which makes two or three metadata and listing requests of its own), then its
+    ranged parts; a single file: size, footer, whole file."""
+    import gcsfs.core
+    from test_remote_pack import MANIFEST, blob
+
+    asked: list[str] = []
+    info = gcsfs.core.GCSFileSystem._info
+
+    async def counted(self: Any, path: str, **kwargs: Any) -> Any:
+        asked.append(path.rsplit("/", 1)[-1])
+        return await info(self, path, **kwargs)
+
+    monkeypatch.setattr(gcsfs.core.GCSFileSystem, "_info", counted)
+    data = {"a.tser": blob(PART // 2, 1), "b.tser": blob(3 * PART, 2), "one.tser": blob(99, 3)}
+    gcs_remote.put("manifest.json", MANIFEST)
+    for name, content in data.items():
+        gcs_remote.put(name, content)
+    options: dict[str, Any] = {"retry": FAST, "part_size": PART}
+    with resolve(gcs_remote.url, gcs_remote.storage_options, tmp_path, **options) as pack:
+        for name in ("a.tser", "b.tser"):
+            assert pack.fetch_shard(name, len(data[name])).read_bytes() == data[name]
+    url = f"{gcs_remote.url}/one.tser"
+    with resolve(url, gcs_remote.storage_options, tmp_path, **options) as one:
+        assert one.path.read_bytes() == data["one.tser"]
+    assert sorted(asked) == ["a.tser", "b.tser", "one.tser"]
+    media = {name: gcs_remote.proxy.count("GET", gcs_remote.path(name)) for name in data}
+    assert media == {"a.tser": 1, "b.tser": 3, "one.tser": 2}
+    assert gcs_remote.proxy.count("HEAD", "/") == 0
 
 
 def test_a_transient_fault_is_retried_and_the_bytes_are_whole(

@@ -9,7 +9,9 @@ would each wait minutes, and its requests differ in shape (metadata is a GET of
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +107,25 @@ def test_a_transient_fault_is_retried_and_the_bytes_are_whole(
     got = store.download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
     assert got.read_bytes() == data
     assert gcs_remote.proxy.count("GET", path) >= 4  # two parts, two faults
+
+
+def test_a_stalled_response_meets_the_deadline_and_is_retried(
+    gcs_remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gcsfs sets no read timeout (aiohttp's 5 minutes a request): our deadline on the whole
+    read is what ends a stalled answer, and the read is tried again."""
+    data = os.urandom(PART // 2)
+    gcs_remote.put("obj.bin", data)
+    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.5)
+    quick = dataclasses.replace(FAST, min_rate=1 << 20)  # a deadline of 0.53 s for the read
+    store = RemoteStore(gcs_remote.url, gcs_remote.storage_options, retry=quick, part_size=PART)
+    assert store.size("obj.bin") == len(data)  # the session first: not part of the wait
+    path = gcs_remote.path("obj.bin")
+    gcs_remote.proxy.add_fault("delay", delay=4.0, count=1, path=path, method="GET")
+    start = time.monotonic()
+    assert store.download("obj.bin", tmp_path / "o", expected_size=len(data)).read_bytes() == data
+    assert time.monotonic() - start < 3.0  # did not wait for the stalled answer
+    assert gcs_remote.proxy.count("GET", path) == 2
 
 
 @pytest.mark.parametrize("layout", ["shards", "single"])

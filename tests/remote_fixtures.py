@@ -5,9 +5,10 @@ Use it as a plugin from a test module: ``pytest_plugins = ["remote_fixtures"]``.
 * ``s3_server`` / ``gcs_server`` / ``http_server``: moto's S3 server, gcp-storage-emulator's GCS
   server and an aiohttp server over a folder, each with a fault-injecting proxy in front
   (session-scoped: started once, a second or so).
-* ``remote``: parametrized over ``"http"`` and ``"s3"``, a :class:`Remote` whose proxy has been
-  reset and whose objects live under a fresh prefix, so tests never see each other's objects.
-  ``s3_remote`` / ``gcs_remote``: the same on one server.
+* ``remote``: parametrized over ``"http"``, ``"s3"`` and ``"gcs"``, a :class:`Remote` whose
+  proxy has been reset and whose objects live under a fresh prefix, so tests never see each
+  other's objects (``_remote_cases.NOT_GCS`` leaves GCS out). ``s3_remote`` / ``gcs_remote``:
+  one server.
 
 Importing this module also installs an audit hook that refuses any connection, and any name
 lookup, to an address outside 127.0.0.0/8 and ::1, so that a wrong endpoint or an instance
@@ -20,6 +21,7 @@ import ipaddress
 import socket
 import sys
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +113,10 @@ class Remote:
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` as ``key`` in this folder, bypassing the proxy."""
         if self.kind in ("s3", "gcs"):
-            direct(self.kind, self.served.server.url).pipe(f"{BUCKET}/{self.prefix}/{key}", data)
+            with warnings.catch_warnings():  # gcsfs sends aiohttp a bytes body, which it warns
+                warnings.filterwarnings("ignore", "Sending a large body", ResourceWarning)
+                fs = direct(self.kind, self.served.server.url)
+                fs.pipe(f"{BUCKET}/{self.prefix}/{key}", data)
         else:
             assert self.served.root is not None
             target = self.served.root / self.prefix / key
@@ -177,9 +182,9 @@ def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield Served(server, proxy, root)
 
 
-@pytest.fixture(params=["http", "s3"])
+@pytest.fixture(params=["http", "s3", "gcs"])
 def remote(request: pytest.FixtureRequest) -> Remote:
-    """A fresh folder on a loopback HTTP or S3 server, behind a proxy with no faults."""
+    """A fresh folder on a loopback HTTP, S3 or GCS server, behind a proxy with no faults."""
     served: Served = request.getfixturevalue(f"{request.param}_server")
     served.proxy.reset()
     return Remote(request.param, served, f"t-{uuid.uuid4().hex[:10]}")

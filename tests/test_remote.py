@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from _remote_cases import NOT_GCS
 
 from torch_serialized.errors import (
     ChecksumError,
@@ -365,6 +366,7 @@ def test_latency_is_only_slower(remote: Remote, tmp_path: Path) -> None:
     assert (tmp_path / "obj.bin").read_bytes() == data
 
 
+@NOT_GCS
 def test_a_stalled_response_times_out_and_is_retried(remote: Remote, tmp_path: Path) -> None:
     data = payload(PART // 2)
     remote.put("obj.bin", data)
@@ -517,6 +519,7 @@ def test_a_lower_minimum_rate_lets_a_slow_link_through(
         assert remote.proxy.count("GET", remote.path(name)) == 1
 
 
+@NOT_GCS
 @pytest.mark.parametrize("fault", ["drop", "503", "truncate"])
 def test_exhausted_retries_raise_our_error(remote: Remote, tmp_path: Path, fault: str) -> None:
     data = payload(2 * PART, seed=3)

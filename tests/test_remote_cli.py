@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from _remote_cases import NOT_GCS
 
 from torch_serialized import pack_voc
 from torch_serialized.cli import main
@@ -119,6 +120,7 @@ def test_cache_list_hides_passwords_and_shows_partial_downloads(
     assert json.loads(out)[0]["partial_bytes"] == 300_000
 
 
+@NOT_GCS
 def test_info_of_a_url_downloads_only_the_manifest_and_the_catalog(
     remote: Remote, voc8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

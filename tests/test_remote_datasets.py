@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import torch
+from _remote_cases import NOT_GCS
 from torch.utils.data import DataLoader
 
 import torch_serialized as ts
@@ -109,6 +110,7 @@ def own_copy(remote: Remote, stream_packs: dict[str, Path]) -> Remote:
     return remote
 
 
+@NOT_GCS
 def test_map_style_dataset_from_a_url_equals_the_local_pack(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:

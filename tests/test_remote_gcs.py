@@ -1,11 +1,8 @@
 """Packs at ``gs://`` URLs through gcsfs, against a real GCS server on 127.0.0.1
-(gcp-storage-emulator's JSON API, behind the fault proxy): downloads, the readers, packing to
-and appending at a URL give what the same pack gives locally.
-
-Not the whole ``remote`` matrix of the HTTP and S3 tests: gcsfs keeps its own retries (six
-tries, 1 to 17 s apart, which no storage option turns off), so the tests that exhaust retries
-would each wait minutes, and its requests differ in shape (metadata is a GET of
-``/storage/v1/b/...``, not a HEAD) from what that matrix counts."""
+(gcp-storage-emulator's JSON API, behind the fault proxy), where GCS differs from what the
+``remote`` matrix checks (it runs on GCS too, but for ``_remote_cases.NOT_GCS``): gcsfs asks a
+size with GETs of metadata (no HEAD) and sets no read timeout; and what only object stores
+do, which the matrix checks on S3 alone: packing to and appending at a URL."""
 
 from __future__ import annotations
 

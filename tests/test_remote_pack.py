@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from _remote_cases import NOT_GCS
 from _remote_worker import fetch_in_worker
 
 from torch_serialized.cache import list_cache
@@ -87,6 +88,7 @@ def test_shards_are_fetched_once_and_verified(
     assert remote.proxy.count("GET", remote.path("b.tser")) == 3
 
 
+@NOT_GCS
 def test_a_download_asks_the_size_once(remote: Remote, tmp_path: Path) -> None:
     """README: a shard's size is compared with its manifest's in one HEAD request. s3fs asks
     the size again (a second HEAD) before a GET without a range, as a one-part download was."""
@@ -134,6 +136,7 @@ def test_a_failed_prefetch_raises_when_the_shard_is_asked_for(
             pack.fetch_shard("missing.tser")
 
 
+@NOT_GCS
 def test_a_failed_prefetch_is_tried_again_when_the_shard_is_asked_for(
     remote: Remote, shards: dict[str, bytes], tmp_path: Path
 ) -> None:
@@ -185,6 +188,7 @@ def test_a_false_size_in_a_manifest_evicts_nothing(
     assert remote.proxy.count("GET", remote.path("v2/c.tser")) == 0
 
 
+@NOT_GCS
 def test_a_huge_false_size_fails_at_once_without_retries(
     remote: Remote, shards: dict[str, bytes], tmp_path: Path
 ) -> None:

@@ -69,7 +69,6 @@ def test_s3_server_through_s3fs(s3_remote: Remote) -> None:
     assert s3_remote.proxy.count("GET", "/k/obj.bin") == 1
 
 
-@pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")  # gcsfs's
 def test_gcs_server_through_gcsfs(gcs_remote: Remote) -> None:
     gcs_remote.put("k/obj.bin", DATA)
     from remote_fixtures import direct

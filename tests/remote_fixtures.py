@@ -192,14 +192,13 @@ def remote(request: pytest.FixtureRequest) -> Remote:
 
 @pytest.fixture
 def gcs_remote(gcs_server: Served) -> Remote:
-    """A fresh folder on the loopback GCS server (test_remote_gcs.py: gcsfs's own retries and
-    request shapes differ from those the ``remote`` matrix counts)."""
+    """A fresh folder on the loopback GCS server (for test_remote_gcs.py)."""
     gcs_server.proxy.reset()
     return Remote("gcs", gcs_server, f"t-{uuid.uuid4().hex[:10]}")
 
 
 @pytest.fixture
 def s3_remote(s3_server: Served) -> Remote:
-    """A fresh folder on the loopback S3 server (for what only S3 does: uploads)."""
+    """A fresh folder on the loopback S3 server (for the upload and append tests)."""
     s3_server.proxy.reset()
     return Remote("s3", s3_server, f"t-{uuid.uuid4().hex[:10]}")

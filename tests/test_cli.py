@@ -458,6 +458,22 @@ def test_pack_summary_and_progress_agree_with_info(
         assert f"{packed[1]} in" in info_out and f"({packed[2]} of the" in info_out
 
 
+def test_pack_info_and_verify_count_one_shard_as_a_shard(
+    capsys: pytest.CaptureFixture[str], voc8: Path, tmp_path: Path
+) -> None:
+    """A folder of one shard is "1 shard" in every summary: it read "1 file" in pack and
+    verify (as a .tser) and "1 shards" in info."""
+    folder = tmp_path / "pack"
+    status, out, err = run(capsys, "pack", "--samples-per-shard", "100", voc8, folder)
+    assert status == 0 and f"output   {folder} (1 shard)" in out, out + err
+    status, out, err = run(capsys, "info", folder)
+    assert status == 0 and " in 1 shard (" in out and "shards" not in out.split("on disk")[1]
+    status, out, err = run(capsys, "verify", folder)
+    assert status == 0 and "(8 records in 1 shard)" in out, out + err
+    status, out, err = run(capsys, "pack", voc8, tmp_path / "one.tser")
+    assert status == 0 and "(1 file)" in out, out + err
+
+
 @pytest.mark.parametrize("member", ["shard", "catalog"])
 def test_pack_never_replaces_one_file_of_a_shard_folder(
     capsys: pytest.CaptureFixture[str], voc8: Path, tmp_path: Path, member: str

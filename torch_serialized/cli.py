@@ -89,6 +89,13 @@ def _non_negative_int(text: str) -> int:
     return _int_at_least(0, text)
 
 
+def _files(count: int, sharded: bool) -> str:
+    """What a pack is made of: "1 file" (a ``.tser``), "1 shard", "8 shards" (a folder)."""
+    if not sharded:
+        return "1 file"
+    return f"{count} shard" if count == 1 else f"{count} shards"
+
+
 def _mb(num_bytes: float) -> str:
     return f"{num_bytes / 1e6:,.1f} MB"
 
@@ -182,7 +189,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             storage_options=args.storage_options,
         )
     seconds = max(result.seconds, 1e-9)
-    files = 0 if remote else open_pack(result.path).num_shards
+    made_of = "" if remote else _files(open_pack(result.path).num_shards, result.path.is_dir())
     ratio = f"{result.num_bytes / result.source_bytes:.1%}" if result.source_bytes else "n/a"
     how = "as asked" if args.year else "found in the folder names; --year picks another"
     print(f"packed {result.num_samples} samples of {result.voc_root}")
@@ -190,7 +197,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if result.url:
         print(f"  output   {result.url} (uploaded, manifest last)")
     else:
-        print(f"  output   {result.path} ({files} {'file' if files == 1 else 'shards'})")
+        print(f"  output   {result.path} ({made_of})")
     print(
         f"  size     {_mb(result.num_bytes)}, {ratio} of the {_mb(result.source_bytes)} "
         "source files"
@@ -579,8 +586,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"  objects      {info['num_objects']}, {per['min']}-{per['max']} per image "
         f"(mean {per['mean']})"
         + (", untyped samples counted as 0" if info["with_untyped_objects"] else ""),
-        f"  on disk      {_mb(info['bytes'])} in {len(shards)} "
-        f"{'shards' if info['sharded'] else 'file'}{ratio}",
+        f"  on disk      {_mb(info['bytes'])} in {_files(len(shards), info['sharded'])}{ratio}",
     ]
     if info["sharded"]:
         lines += [
@@ -655,9 +661,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             continue
         bad.extend(start + i for i in shard.verify())
     seconds = time.perf_counter() - started
-    files = reader.num_shards
-    kind = "file" if files == 1 else "shards"
-    where = f"{reader.name} ({len(reader)} records in {files} {kind})"
+    made_of = _files(reader.num_shards, reader.manifest_path is not None)
+    where = f"{reader.name} ({len(reader)} records in {made_of})"
     if not bad and not bad_shards and bad_voc is None:
         print(
             printable(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -469,9 +470,13 @@ def test_cli_append_to_a_url(
     source.file("JPEGImages", bad).write_bytes(b"not an image")
     argv = ["--storage-options", json.dumps(s3_remote.storage_options)]
     argv += ["--cache-dir", str(tmp_path / "cache")]
+    s3_remote.proxy.configure(latency=0.2)  # every request: the transfers take >= 0.2 s
     assert main(["pack", str(source.root), url, "--append", "--quiet", "--skip-bad", *argv]) == 0
+    s3_remote.proxy.configure()
     out = capsys.readouterr().out
     assert f"appended to {url} (new files uploaded, manifest last)" in out
+    transfer = re.search(r"\n  transfer ([\d.]+) s \(downloads and upload\)\n", out)
+    assert transfer and float(transfer[1]) >= 0.2, out  # timed apart from the append itself
     assert f"{len(source.listed()) - 1} samples" in out
     assert f"reasons in {url}.skipped.json" in out
     assert bad in s3_remote.get(key_of(s3_remote, url) + ".skipped.json").decode()

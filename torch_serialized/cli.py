@@ -171,6 +171,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             errno.EEXIST,
             f"{output} already exists; pass --overwrite to replace it (or choose another OUTPUT)",
         )
+    started = time.perf_counter()
     with _untyped_printed():  # said in the summary below, not as a warning too
         result = pack_voc(
             args.root,
@@ -188,6 +189,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
             storage_options=args.storage_options,
         )
+    took = time.perf_counter() - started  # with a URL: packing, then the upload
     seconds = max(result.seconds, 1e-9)
     made_of = "" if remote else _files(open_pack(result.path).num_shards, result.path.is_dir())
     ratio = f"{result.num_bytes / result.source_bytes:.1%}" if result.source_bytes else "n/a"
@@ -206,6 +208,9 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         f"  time     {result.seconds:.2f} s: {result.num_samples / seconds:,.0f} samples/s, "
         f"{result.num_bytes / seconds / 1e6:,.0f} MB/s"
     )
+    if result.url:  # the pack was written locally first: its upload is timed apart
+        upload = max(took - result.seconds, 1e-9)
+        print(f"  upload   {upload:.2f} s: {result.num_bytes / upload / 1e6:,.1f} MB/s")
     if result.skipped:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")
@@ -371,6 +376,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
             f"{', '.join(given)} cannot be combined with --append: an append keeps the pack's "
             "own options (see `torch-serialized info OUTPUT`); re-pack to change them"
         )
+    started = time.perf_counter()
     with _untyped_printed():
         result = append_voc(
             args.root,
@@ -387,6 +393,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
             cache_dir=args.cache_dir,
             cache_limit_bytes=args.cache_limit,
         )
+    took = time.perf_counter() - started  # with a URL: staging, the append, the upload
     where = f"{result.url} (new files uploaded, manifest last)" if result.url else result.path
     print(f"appended to {where} from {result.voc_root}")
     print(f"  added    {result.added} new samples, {len(result.replaced)} changed samples replaced")
@@ -397,6 +404,8 @@ def _cmd_append(args: argparse.Namespace) -> int:
         f"({_mb(result.bytes_written)} written)"
     )
     print(f"  time     {result.seconds:.2f} s")
+    if result.url:  # staged through the cache and grown locally: the transfers timed apart
+        print(f"  transfer {max(took - result.seconds, 0.0):.2f} s (downloads and upload)")
     if result.skipped:
         report = f"{result.url}.skipped.json" if result.url else result.report
         print(f"  skipped  {len(result.skipped)} samples; reasons in {report}")

@@ -191,7 +191,6 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         )
     took = time.perf_counter() - started  # with a URL: packing, then the upload
     seconds = max(result.seconds, 1e-9)
-    made_of = "" if remote else _files(open_pack(result.path).num_shards, result.path.is_dir())
     ratio = f"{result.num_bytes / result.source_bytes:.1%}" if result.source_bytes else "n/a"
     how = "as asked" if args.year else "found in the folder names; --year picks another"
     print(f"packed {result.num_samples} samples of {result.voc_root}")
@@ -199,6 +198,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if result.url:
         print(f"  output   {result.url} (uploaded, manifest last)")
     else:
+        packed = open_pack(result.path)
+        made_of = _files(packed.num_shards, packed.manifest is not None)
         print(f"  output   {result.path} ({made_of})")
     print(
         f"  size     {_mb(result.num_bytes)}, {ratio} of the {_mb(result.source_bytes)} "
@@ -670,7 +671,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             continue
         bad.extend(start + i for i in shard.verify())
     seconds = time.perf_counter() - started
-    made_of = _files(reader.num_shards, reader.manifest_path is not None)
+    made_of = _files(reader.num_shards, reader.manifest is not None)
     where = f"{reader.name} ({len(reader)} records in {made_of})"
     if not bad and not bad_shards and bad_voc is None:
         print(

@@ -7,8 +7,8 @@ Use it as a plugin from a test module: ``pytest_plugins = ["remote_fixtures"]``.
   (session-scoped: started once, a second or so).
 * ``remote``: parametrized over ``"http"``, ``"s3"`` and ``"gcs"``, a :class:`Remote` whose
   proxy has been reset and whose objects live under a fresh prefix, so tests never see each
-  other's objects (``_remote_cases.NOT_GCS`` leaves GCS out). ``s3_remote`` / ``gcs_remote``:
-  one server.
+  other's objects (``_remote_cases.NOT_GCS`` leaves GCS out). ``store_remote``: the same over
+  the object stores (S3, GCS); ``s3_remote`` / ``gcs_remote``: one server.
 
 Importing this module also installs an audit hook that refuses any connection, and any name
 lookup, to an address outside 127.0.0.0/8 and ::1, so that a wrong endpoint or an instance
@@ -195,6 +195,14 @@ def gcs_remote(gcs_server: Served) -> Remote:
     """A fresh folder on the loopback GCS server (for test_remote_gcs.py)."""
     gcs_server.proxy.reset()
     return Remote("gcs", gcs_server, f"t-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def store_remote(request: pytest.FixtureRequest) -> Remote:
+    """A fresh folder on the loopback S3 or GCS server: what HTTP cannot do (uploads), for
+    tests that count no uploads by name (GCS names an upload in its query string, which the
+    proxy's log of paths leaves out)."""
+    return request.getfixturevalue(f"{request.param}_remote")
 
 
 @pytest.fixture

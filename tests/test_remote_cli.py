@@ -29,18 +29,17 @@ def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, st
     return status, out, err
 
 
-@pytest.mark.parametrize("remote", ["s3", "gcs"], indirect=True)
 @pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")  # gcsfs's
 def test_pack_to_a_url_times_its_upload_apart(
-    remote: Remote, voc8: Path, capsys: pytest.CaptureFixture[str]
+    store_remote: Remote, voc8: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The summary's time is the local pack's; the upload after it gets its own line (it
     said nothing of it, however long the upload took)."""
-    url = remote.url + "/voc"
-    remote.proxy.configure(latency=0.3)  # every request: the upload takes >= 0.3 s
-    options = ["--storage-options", json.dumps(remote.storage_options)]
+    url = store_remote.url + "/voc"
+    store_remote.proxy.configure(latency=0.3)  # every request: the upload takes >= 0.3 s
+    options = ["--storage-options", json.dumps(store_remote.storage_options)]
     status, out, err = run(capsys, "pack", voc8, url, "--samples-per-shard", 3, "-q", *options)
-    remote.proxy.configure()
+    store_remote.proxy.configure()
     assert status == 0, err
     packing = re.search(r"\n  time +([\d.]+) s: ", out)
     upload = re.search(r"\n  upload +([\d.]+) s: ([\d.,]+) MB/s\n", out)

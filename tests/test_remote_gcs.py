@@ -1,8 +1,8 @@
 """Packs at ``gs://`` URLs through gcsfs, against a real GCS server on 127.0.0.1
-(gcp-storage-emulator's JSON API, behind the fault proxy), where GCS differs from what the
-``remote`` matrix checks (it runs on GCS too, but for ``_remote_cases.NOT_GCS``): gcsfs asks a
-size with GETs of metadata (no HEAD) and sets no read timeout; and what only object stores
-do, which the matrix checks on S3 alone: packing to and appending at a URL."""
+(gcp-storage-emulator's JSON API, behind the fault proxy): the GCS side of the checks the
+``remote`` matrix leaves out for GCS (``_remote_cases.NOT_GCS``: gcsfs asks a size with GETs
+of metadata, no HEAD, and sets no read timeout), and what the matrix checks on S3 alone:
+packing to and appending at a URL."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from _reliability_helpers import PACK_FORMS, out_name
+from test_remote_datasets import upload
+from test_remote_pack import FAST, MANIFEST, PART, blob
 from test_voc_append import YEAR, Source, as_bytes, pack
-from torch.utils.data import DataLoader
 
 import torch_serialized as ts
-from torch_serialized.errors import RemoteNotFoundError
-from torch_serialized.remote import RemoteStore, RetryPolicy
+from torch_serialized.remote import RemoteStore
 from torch_serialized.remote_pack import resolve
 
 if TYPE_CHECKING:
@@ -30,33 +30,6 @@ pytest_plugins = ["remote_fixtures"]
 # (ResourceWarning: "might lock the event loop"); harmless at these sizes, and not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")
 
-PART = 64 << 10
-FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
-
-
-def upload(remote: Remote, pack: Path) -> None:
-    """Put a local pack (a shard folder's files, or one file) under ``remote``'s folder."""
-    files = sorted(pack.iterdir()) if pack.is_dir() else [pack]
-    files.sort(key=lambda f: f.name == "manifest.json")  # manifest last
-    for f in files:
-        remote.put(f.name, f.read_bytes())
-
-
-def test_download_is_ranged_parts_identical_to_the_object(
-    gcs_remote: Remote, tmp_path: Path
-) -> None:
-    data = os.urandom(3 * PART + 123)
-    gcs_remote.put("obj.bin", data)
-    store = RemoteStore(gcs_remote.url, gcs_remote.storage_options, part_size=PART)
-    assert store.size("obj.bin") == len(data)
-    got = store.download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
-    assert got.read_bytes() == data
-    assert gcs_remote.proxy.count("GET", gcs_remote.path("obj.bin")) == 4  # one per part
-    assert store.read_bytes("obj.bin", 10, 5000) == data[10:5000]
-    with pytest.raises(RemoteNotFoundError, match=r"gs://.*missing\.bin"):
-        store.download("missing.bin", tmp_path / "missing.bin")
-    assert sorted(os.listdir(tmp_path)) == ["obj.bin"]
-
 
 def test_a_download_asks_the_size_once(
     gcs_remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -65,7 +38,6 @@ def test_a_download_asks_the_size_once(
     ``info``, which makes two or three metadata and listing requests of its own), then its
     ranged parts; a single file: size, footer, whole file."""
     import gcsfs.core
-    from test_remote_pack import MANIFEST, blob
 
     asked: list[str] = []
     info = gcsfs.core.GCSFileSystem._info
@@ -92,20 +64,6 @@ def test_a_download_asks_the_size_once(
     assert gcs_remote.proxy.count("HEAD", "/") == 0
 
 
-def test_a_transient_fault_is_retried_and_the_bytes_are_whole(
-    gcs_remote: Remote, tmp_path: Path
-) -> None:
-    data = os.urandom(2 * PART)
-    gcs_remote.put("obj.bin", data)
-    store = RemoteStore(gcs_remote.url, gcs_remote.storage_options, part_size=PART)
-    path = gcs_remote.path("obj.bin")
-    gcs_remote.proxy.add_fault("status", status=503, count=1, path=path, method="GET")
-    gcs_remote.proxy.add_fault("truncate", count=1, path=path, method="GET")
-    got = store.download("obj.bin", tmp_path / "obj.bin", expected_size=len(data))
-    assert got.read_bytes() == data
-    assert gcs_remote.proxy.count("GET", path) >= 4  # two parts, two faults
-
-
 def test_a_stalled_response_meets_the_deadline_and_is_retried(
     gcs_remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -126,9 +84,11 @@ def test_a_stalled_response_meets_the_deadline_and_is_retried(
 
 
 @pytest.mark.parametrize("layout", ["shards", "single"])
-def test_the_readers_at_a_url_equal_the_local_pack(
+def test_map_style_dataset_at_a_url_equals_the_local_pack(
     gcs_remote: Remote, stream_packs: dict[str, Path], tmp_path: Path, layout: str
 ) -> None:
+    """test_remote_datasets.py's check of this counts GETs by name (NOT_GCS): here, every
+    sample of both layouts."""
     local_pack = stream_packs[layout]
     upload(gcs_remote, local_pack)
     url = gcs_remote.url if layout == "shards" else f"{gcs_remote.url}/{local_pack.name}"
@@ -139,20 +99,6 @@ def test_the_readers_at_a_url_equal_the_local_pack(
     for i in range(len(local)):
         (a, ta), (b, tb) = ours[i], local[i]
         assert ta == tb and as_bytes(a) == as_bytes(b)
-    if layout == "single":
-        return
-
-    def epoch(path: str | Path, **kwargs: object) -> list[str]:
-        ds = ts.VOCSerializedIterableDataset(
-            path, "trainval", shuffle=True, seed=3, decode="none", **kwargs
-        )
-        ds.set_epoch(1)
-        loader = DataLoader(ds, batch_size=None, num_workers=2)
-        return [target["annotation"]["filename"] for _, target in loader]
-
-    want = epoch(local_pack)
-    assert sorted(want) == sorted(t["annotation"]["filename"] for _, t in local)
-    assert epoch(url, storage_options=gcs_remote.storage_options, cache_dir=tmp_path / "it") == want
 
 
 @pytest.mark.parametrize("form", ["shards", "single"])

@@ -62,14 +62,6 @@ def source(tmp_path: Path, pristine: Path) -> Source:
     return Source(tmp_path / "src", copy_of=pristine)
 
 
-@pytest.fixture(params=["s3", "gcs"])
-def store_remote(request: pytest.FixtureRequest) -> Remote:
-    """A fresh folder on the loopback S3 or GCS server: for the tests that read what is there
-    but count no uploads (GCS names an upload in its query string, which the proxy's log of
-    paths leaves out)."""
-    return request.getfixturevalue(f"{request.param}_remote")
-
-
 @pytest.fixture
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two tries, a few milliseconds apart: a fault that persists fails the call quickly."""

@@ -35,9 +35,10 @@ from torch_serialized.voc.reader import VOCPackReader
 
 
 def _deep() -> bytes:
-    """An annotation nested near Python's recursion limit: parsed, but not storable."""
+    """An annotation that parses but nests deeper than a target may be stored (a dict and a
+    list at each level: over ``schema.MAX_TARGET_DEPTH``, on every Python)."""
     nested = "<v>1</v>"
-    for _ in range(500):
+    for _ in range(520):
         nested = f"<n>{nested}</n><n>x</n>"
     return voc_xml("deep.jpg", 40, 30, [obj("dog", (1, 2, 20, 25), extra=Raw(nested))])
 

@@ -350,11 +350,11 @@ def test_the_reader_gives_no_object_rows_for_them(untyped_packs: dict[str, Path]
 
 
 def test_an_annotation_nested_too_deeply_to_store_is_refused_by_name(tmp_path: Path) -> None:
-    """Nested near Python's recursion limit, an annotation fails in the parser or in storing
-    its target: a SourceDataError naming the file either way (which ``on_error="skip"``
-    skips), never a bare RecursionError."""
+    """Nested deeper than a target may be stored, an annotation fails in the parser or in
+    storing its target: a SourceDataError naming the file either way (which ``on_error="skip"``
+    skips), never a bare RecursionError, and never stored so that it reads as damaged."""
     nested = "<v>1</v>"
-    for _ in range(500):  # a dict and a list at each level
+    for _ in range(520):  # a dict and a list at each level: over schema.MAX_TARGET_DEPTH
         nested = f"<n>{nested}</n><n>x</n>"
     deep = voc_xml("deep.jpg", 40, 30, [obj("dog", (1, 2, 20, 25), extra=Raw(nested))])
     samples = [

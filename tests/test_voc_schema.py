@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +40,42 @@ def test_stored_target_round_trips_exactly(target: dict[str, Any]) -> None:
         back = schema.decode_target(data)
         assert back == target == json.loads(stored)
         assert json.dumps(back) == json.dumps(target)  # same key order at every level
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    """A target whose JSON nests lists and dicts ``levels`` deep (the top dict included)."""
+    inner: Any = "x"
+    for level in range(levels - 1):
+        inner = [inner] if level % 2 else {"n": inner}
+    return {"annotation": inner}
+
+
+@pytest.fixture
+def deep_recursion() -> Iterator[None]:
+    """A recursion limit at which ``json`` writes documents deeper than orjson reads, as it
+    does on Python >= 3.12 under the default limit (C recursion is checked apart there)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    yield
+    sys.setrecursionlimit(limit)
+
+
+@pytest.mark.usefixtures("deep_recursion")
+def test_a_target_nested_as_deep_as_the_reader_parses_is_stored() -> None:
+    target = _nested(schema.MAX_TARGET_DEPTH)
+    assert schema.decode_target(schema.encode_target(target)) == target
+
+
+@pytest.mark.usefixtures("deep_recursion")
+def test_a_target_nested_deeper_than_the_reader_parses_is_refused() -> None:
+    """Stored, it would read back as a damaged pack ("not valid JSON"), on every re-pack."""
+    with pytest.raises(schema.TargetTooDeepError, match="deeper than the 1024 levels"):
+        schema.encode_target(_nested(schema.MAX_TARGET_DEPTH + 1))
+
+
+def test_a_target_deeper_than_json_writes_is_refused_as_too_deep() -> None:
+    with pytest.raises(schema.TargetTooDeepError, match="recursion limit"):
+        schema.encode_target(_nested(100_000))  # past C recursion checks too
 
 
 @settings(max_examples=100, deadline=None)

@@ -8,7 +8,8 @@ samples with these byte fields:
 - ``annotation``: the Annotations XML bytes, unchanged (empty when the id has none);
 - ``mask``: the SegmentationClass PNG bytes, unchanged (empty when none);
 - ``object_mask``: the SegmentationObject PNG bytes, unchanged (empty when none);
-- ``target``: torchvision's parsed target dict as compact UTF-8 JSON (empty when no XML);
+- ``target``: torchvision's parsed target dict as compact UTF-8 JSON (empty when no XML),
+  lists and dicts nested at most ``MAX_TARGET_DEPTH`` deep;
 - ``objects``: one ``OBJECT_DTYPE`` row per ``<object>``, for the fast tensor target.
 
 The per-record ``records`` array has dtype ``COLUMNS``. Dataset-level arrays: ``ids`` (UTF-8
@@ -83,6 +84,8 @@ __all__ = [
     "KNOWN_FLAGS",
     "schema_version",
     "split_array_name",
+    "MAX_TARGET_DEPTH",
+    "TargetTooDeepError",
     "encode_target",
     "decode_target",
     "encode_objects",
@@ -171,9 +174,36 @@ def split_array_name(task: str, image_set: str) -> str:
     return f"split/{task}/{image_set}"
 
 
+#: The deepest nesting of lists and dicts a stored target may have: what ``decode_target``'s
+#: parser (orjson) reads. ``json`` writes deeper documents wherever Python's recursion limit
+#: lets it (Python >= 3.12 checks C recursion apart), so a writer checks.
+MAX_TARGET_DEPTH = 1024
+
+
+class TargetTooDeepError(ValueError):
+    """A target nested too deeply to store: deeper than ``MAX_TARGET_DEPTH``, or than Python's
+    recursion limit lets ``json`` write."""
+
+
 def encode_target(target: dict[str, Any]) -> bytes:
-    """torchvision's target dict as compact JSON: strings, lists and dicts only, order kept."""
-    return json.dumps(target, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """torchvision's target dict as compact JSON: strings, lists and dicts only, order kept.
+
+    Raises ``TargetTooDeepError`` rather than write a target ``decode_target`` cannot read.
+    """
+    try:
+        data = json.dumps(target, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except RecursionError:
+        raise TargetTooDeepError("deeper than Python's recursion limit lets json write") from None
+    # only a document holding that many brackets can nest that deep: free for every other one
+    if data.count(b"[") + data.count(b"{") > MAX_TARGET_DEPTH:
+        try:
+            orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise TargetTooDeepError(
+                f"lists and dicts nested deeper than the {MAX_TARGET_DEPTH} levels a pack's "
+                f"reader parses ({exc})"
+            ) from None
+    return data
 
 
 def decode_target(data: bytes | memoryview) -> dict[str, Any]:

@@ -292,10 +292,10 @@ def load(job: Job) -> LoadedSample:
     if target is not None:
         try:
             target_json = schema.encode_target(target)
-        except RecursionError:  # nested near Python's limit: parsed, but not serializable
+        except schema.TargetTooDeepError as exc:  # parsed, but not storable so it reads back
             error = SourceDataError(
-                f"{xml_path}: elements are nested too deeply to store (Python's recursion "
-                "limit); flatten the annotation."
+                f"{xml_path}: elements are nested too deeply to store ({exc}); flatten the "
+                "annotation."
             )
             target, unparsed = None, _unparsed(error, job)
     if target is not None:

@@ -494,11 +494,11 @@ def test_clear_never_removes_a_folder_a_writer_is_about_to_lock(
     writer: list[threading.Thread] = []
     real_open, real_unless = os.open, cache_module._unless_locked
 
-    def paused_open(path: Any, flags: int, *args: Any) -> int:
+    def paused_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         if threading.current_thread() in writer and str(path).endswith(".pack.lock"):
             at_open.set()
             go_open.wait(5)
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)  # shutil.rmtree passes dir_fd=
 
     @contextmanager
     def unless_then_writer_goes(lock: Path, create: bool = False) -> Iterator[bool]:

@@ -29,7 +29,6 @@ def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, st
     return status, out, err
 
 
-@pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")  # gcsfs's
 def test_pack_to_a_url_times_its_upload_apart(
     store_remote: Remote, voc8: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

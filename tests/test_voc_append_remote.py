@@ -45,9 +45,6 @@ if TYPE_CHECKING:
     from remote_fixtures import Remote
 
 pytest_plugins = ["remote_fixtures"]
-# gcsfs uploads an object of up to 5 MiB as one bytes body, which aiohttp warns about
-# (ResourceWarning: "might lock the event loop"); harmless at these sizes, and not ours.
-pytestmark = pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")
 
 
 @pytest.fixture(scope="module")

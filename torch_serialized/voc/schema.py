@@ -197,7 +197,7 @@ def encode_target(target: dict[str, Any]) -> bytes:
     # only a document holding that many brackets can nest that deep: free for every other one
     if data.count(b"[") + data.count(b"{") > MAX_TARGET_DEPTH:
         try:
-            orjson.loads(data)
+            decode_target(data)  # the reader's own parser
         except orjson.JSONDecodeError as exc:
             raise TargetTooDeepError(
                 f"lists and dicts nested deeper than the {MAX_TARGET_DEPTH} levels a pack's "

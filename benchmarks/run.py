@@ -6,7 +6,7 @@ python benchmarks/run.py --num-images 2000     # results in benchmarks/out/
 import sys
 from pathlib import Path
 
-from torch_serialized.tools.benchmark import main
+from tsbench import main
 
 if __name__ == "__main__":
     sys.exit(main(default_out_dir=Path(__file__).resolve().parent / "out"))

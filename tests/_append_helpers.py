@@ -66,7 +66,7 @@ def append_and_report(root: str, source_pack: str, folder: str, fsize: str) -> N
     ``fsize`` bytes (0: no limit), print what it raised, whether the pack is unchanged and
     readable, and what ``folder`` holds."""
     from torch_serialized.voc.append import append_voc
-    from torch_serialized.voc.reader import VOCPackReader
+    from torch_serialized.voc.packed import VOCPackReader
 
     src = Path(source_pack)
     pack = Path(folder) / src.name

@@ -29,10 +29,10 @@ import pytest
 from _reliability_helpers import PACK_ID, TOKEN, pinned_identity  # noqa: F401 (re-exported)
 from torch.utils.data import Dataset
 
-from torch_serialized import format as fmt
+from torch_serialized.container import spec as fmt
+from torch_serialized.container.reader import PackReader
+from torch_serialized.container.writer import PackWriter
 from torch_serialized.errors import TorchSerializedError
-from torch_serialized.reader import PackReader
-from torch_serialized.writer import PackWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ["image", "target"]
@@ -203,7 +203,7 @@ import sys, types
 package = types.ModuleType("torch_serialized")
 package.__path__ = [{str(ROOT / "torch_serialized")!r}]
 sys.modules["torch_serialized"] = package
-from torch_serialized.writer import PackWriter
+from torch_serialized.container.writer import PackWriter
 from torch_serialized.errors import WriteError
 assert "torch" not in sys.modules, "the writer imported torch"
 """

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from torch_serialized.iterable import VOCSerializedIterableDataset
+from torch_serialized.data.iterable import VOCSerializedIterableDataset
 
 
 def digest(image: torch.Tensor) -> str:

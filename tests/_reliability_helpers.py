@@ -40,7 +40,7 @@ def pinned_identity() -> Iterator[None]:
     """Every pack written inside gets the same pack id, file-name token (random otherwise) and
     history time (the clock otherwise), so two writes of the same records can be compared
     byte for byte."""
-    from torch_serialized import format as fmt
+    from torch_serialized.container import spec as fmt
     from torch_serialized.voc import pack
 
     with (
@@ -104,7 +104,7 @@ def crc_reader(path: str, rank: int, passes: int, barrier: Any, results: Any) ->
     """Open the pack, wait for every reader, then CRC every field in a random order ``passes``
     times; report ``(rank, pid, {(record, field): crc}, changed, torch_loaded)``."""
     light_import()
-    from torch_serialized.reader import open_pack
+    from torch_serialized.container.reader import open_pack
 
     reader = open_pack(path)
     order = [(i, k) for i in range(len(reader)) for k in range(len(reader.fields))]

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torch_serialized.cache import Cache
-from torch_serialized.remote import RetryPolicy
-from torch_serialized.remote_pack import RemotePack, resolve
+from torch_serialized.remote.cache import Cache
+from torch_serialized.remote.packs import RemotePack, resolve
+from torch_serialized.remote.store import RetryPolicy
 
 
 def _sha256(path: Path) -> str:

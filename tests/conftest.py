@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 from _container_helpers import FORMS, write_pack
 from _reliability_helpers import PACK_FORMS, out_name
+from support.loopback import GCS_ENVIRONMENT
 from vocfactory import Sample, build_corner_case_devkit, jpeg, obj, palette_mask, voc_xml, write_voc
 
 from torch_serialized import pack_voc
 from torch_serialized.tools import make_synthetic_voc
-from torch_serialized.tools.loopback import GCS_ENVIRONMENT
 
 # Before any test imports gcsfs, which reads it then: the gs:// tests talk to an emulator
 # (remote_fixtures.py), and this process and its children must never wait on gcsfs's gRPC.

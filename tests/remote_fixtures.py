@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from torch_serialized.tools.loopback import (
+from support.loopback import (
     S3_ENVIRONMENT,
     FaultProxy,
     LoopbackServer,

@@ -9,7 +9,7 @@ from _container_helpers import payload
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from torch_serialized import format as fmt
+from torch_serialized.container import spec as fmt
 
 SIMPLE_CODES = ["|b1", "|i1", "|u1", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"]
 

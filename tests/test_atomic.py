@@ -38,13 +38,11 @@ from _reliability_helpers import (
     snapshot,
 )
 
-from torch_serialized import atomic
-from torch_serialized.errors import (
-    WriteError,
-)
-from torch_serialized.reader import open_pack
+from torch_serialized.container import atomic
+from torch_serialized.container.reader import open_pack
+from torch_serialized.container.writer import PackWriter
+from torch_serialized.errors import WriteError
 from torch_serialized.voc.pack import pack_voc
-from torch_serialized.writer import PackWriter
 
 
 @pytest.fixture(autouse=True)
@@ -378,7 +376,7 @@ def test_an_old_output_that_cannot_be_removed_after_the_commit_is_logged(
         real_remove(path)
 
     monkeypatch.setattr(atomic, "remove", failing_remove)
-    with caplog.at_level(logging.WARNING, "torch_serialized.atomic"):
+    with caplog.at_level(logging.WARNING, "torch_serialized.container.atomic"):
         result = pack_voc(voc40, out, year="2007", **PACK_FORMS["shards"])
     monkeypatch.undo()
     assert result.num_samples == len(open_pack(out)) > 8

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-import torch_serialized.cache as cache_module
-from torch_serialized.cache import (
+import torch_serialized.remote.cache as cache_module
+from torch_serialized.errors import CacheLimitWarning
+from torch_serialized.remote.cache import (
     CACHE_ENV,
     Cache,
     PackCache,
@@ -28,7 +29,6 @@ from torch_serialized.cache import (
     list_cache,
     pack_key,
 )
-from torch_serialized.errors import CacheLimitWarning
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote

@@ -21,10 +21,10 @@ from PIL import Image
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 from torch_serialized import __version__, pack_voc
-from torch_serialized import format as fmt
 from torch_serialized.cli import main, parse_size
+from torch_serialized.container import spec as fmt
 from torch_serialized.voc import schema
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 COMMANDS = ("pack", "info", "verify", "export", "bench", "demo")
 SCRIPT = Path(sys.executable).with_name("torch-serialized")
@@ -688,7 +688,7 @@ def test_errors_are_one_line_unless_debug(
 
 # -- bench (a child process; the benchmark itself is tested in test_tools_benchmark.py) ---------
 def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
-    from torch_serialized.tools.benchmark import SCENARIOS
+    from tsbench import SCENARIOS
 
     status, out, _ = run(capsys, "bench", "--help")
     assert status == 0

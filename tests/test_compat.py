@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import torch_serialized as ts
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 
 def test_serializer_packs_the_voc_folder_itself(synthetic_devkit: Path, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from vocfactory import real_voc_roots, real_voc_skip_reason
 import torch_serialized as ts
 from torch_serialized import VOCSerializedDataset, VOCSerializedSegmentation
 from torch_serialized.voc.classes import VOC_CLASSES
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 if TYPE_CHECKING:
     from conftest import Packed
@@ -668,8 +668,7 @@ def test_undecoded_bytes_batch_decode_like_the_tensor_path(
     import warnings
 
     from torchvision.io import ImageReadMode, decode_jpeg
-
-    from torch_serialized.tools.benchmark.gpu import batched_decode
+    from tsbench.gpu import batched_decode
 
     if not batched_decode():  # README's recipe says so
         pytest.skip("decode_jpeg takes a list from torchvision 0.19 on")

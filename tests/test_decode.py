@@ -21,12 +21,12 @@ from torch_serialized import (
     VOCSerializedSegmentation,
     pack_voc,
 )
-from torch_serialized.decode import SampleDecoder, label_names
+from torch_serialized.container.reader import PackReader
+from torch_serialized.data.decode import SampleDecoder, label_names
 from torch_serialized.errors import FormatError, ImageTooLargeError
-from torch_serialized.reader import PackReader
 from torch_serialized.voc import schema
 from torch_serialized.voc.classes import VOC_CLASSES
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +290,7 @@ def test_the_limit_is_pillows_read_at_call_time(
 def test_hot_path_target_parser_is_the_schema_one() -> None:
     """``decode`` calls ``schema.decode_target``'s parser directly (a call less per sample):
     both read every stored target alike, and give a fresh dict per call."""
-    from torch_serialized import decode as decode_module
+    from torch_serialized.data import decode as decode_module
 
     target = {"annotation": {"filename": "a.jpg", "object": [{"name": "cat"}], "é": "ü"}}
     data = schema.encode_target(target)

@@ -1,7 +1,7 @@
 """format.py is the spec in code, docs/FORMAT.md the spec in prose: they must say the same.
 
 The tables of FORMAT.md are parsed here and compared with the constants, structs and dtypes of
-``torch_serialized.format``; then the pack/unpack and dtype codecs are round-tripped.
+``torch_serialized.container.spec``; then the pack/unpack and dtype codecs are round-tripped.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_serialized import format as fmt
+from torch_serialized.container import spec as fmt
+from torch_serialized.container.reader import ContainerReader, PackReader
+from torch_serialized.container.writer import PackWriter
 from torch_serialized.errors import (
     CorruptFileError,
     FormatError,
     TruncatedFileError,
     UnsupportedVersionError,
 )
-from torch_serialized.reader import ContainerReader, PackReader
-from torch_serialized.writer import PackWriter
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md").read_text(encoding="utf-8")
 
@@ -263,7 +263,7 @@ def test_worked_example_matches_writer(tmp_path, monkeypatch):
     # created_by names the writing version: the example's bytes are those of the version the
     # document shows, whatever version runs the test
     documented = json.loads(re.search(r"```json\n(.*?)```", section("Worked example"), re.S)[1])
-    monkeypatch.setattr("torch_serialized.writer.CREATED_BY", documented["created_by"])
+    monkeypatch.setattr("torch_serialized.container.writer.CREATED_BY", documented["created_by"])
     with PackWriter(path, ["image", "target"], pack_id=pack_id) as w:
         w.add([b"\xff\xd8jpeg", b'{"a":1}'])
         w.add([b"", b"{}"])

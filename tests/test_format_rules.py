@@ -18,10 +18,10 @@ from _container_helpers import (
     rewrite_container,
 )
 
-from torch_serialized import format as fmt
+from torch_serialized.container import spec as fmt
+from torch_serialized.container.reader import ContainerReader, PackReader, open_pack
+from torch_serialized.container.writer import PackWriter
 from torch_serialized.errors import CorruptFileError, UnsupportedVersionError
-from torch_serialized.reader import ContainerReader, PackReader, open_pack
-from torch_serialized.writer import PackWriter
 
 _PACK_ID = "0123456789abcdef" * 2
 

@@ -18,11 +18,11 @@ from torch.utils.data import DataLoader
 from torchvision.transforms.functional import pil_to_tensor
 
 import torch_serialized
-import torch_serialized.pipeline
-import torch_serialized.workers
-from torch_serialized.datasets import VOCSerializedDataset, VOCSerializedSegmentation
-from torch_serialized.iterable import VOCSerializedIterableDataset
-from torch_serialized.topology import Topology
+import torch_serialized.data.pipeline
+import torch_serialized.data.workers
+from torch_serialized.data.datasets import VOCSerializedDataset, VOCSerializedSegmentation
+from torch_serialized.data.iterable import VOCSerializedIterableDataset
+from torch_serialized.data.topology import Topology
 
 # DataLoader warns when asked for more workers than this machine's suggested maximum.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -143,7 +143,7 @@ def test_pickled_copy_iterates_alike(stream_packs) -> None:
     ds = cheap(stream_packs["shards"], "test", shuffle=True)
     ds.set_epoch(4)
     copy = pickle.loads(pickle.dumps(ds))
-    assert torch_serialized.workers.reopen_dataset(copy) == 1  # what worker_init_fn does
+    assert torch_serialized.data.workers.reopen_dataset(copy) == 1  # what worker_init_fn does
     assert [d for d, _ in copy] == [d for d, _ in ds]
 
 
@@ -419,13 +419,13 @@ def test_a_resume_reads_none_of_the_samples_it_skips(stream_packs, monkeypatch) 
         next(it)
     state = ds.state_dict()
     read: list[int] = []
-    real = torch_serialized.pipeline.read_block
+    real = torch_serialized.data.pipeline.read_block
 
     def counted(reader: Any, records: np.ndarray, *args: Any, **kwargs: Any) -> Any:
         read.extend(np.asarray(records).tolist())
         return real(reader, records, *args, **kwargs)
 
-    monkeypatch.setattr(torch_serialized.pipeline, "read_block", counted)
+    monkeypatch.setattr(torch_serialized.data.pipeline, "read_block", counted)
     resumed = cheap(stream_packs["shards"], "trainval")
     resumed.load_state_dict(state)
     tail = list(resumed)
@@ -499,9 +499,9 @@ def test_plain_pickle_keeps_the_epoch_number(stream_packs) -> None:
 def test_copied_reads_yield_what_views_yield(stream_packs, monkeypatch) -> None:
     """A pack of many tiny shards is streamed from private copies (``views_fit``: views would
     keep a map, and a descriptor, per shard in flight): the samples are the same."""
-    import torch_serialized.iterable as iterable_module
-    from torch_serialized.pipeline import views_fit
-    from torch_serialized.reader import open_pack
+    import torch_serialized.data.iterable as iterable_module
+    from torch_serialized.container.reader import open_pack
+    from torch_serialized.data.pipeline import views_fit
 
     reader = open_pack(stream_packs["shards"], max_open_shards=1)
     assert reader.num_shards > 1
@@ -525,7 +525,7 @@ def test_read_blocks_yields_each_records_fields_in_block_order(
     """``read_blocks`` items are ``(record, fields)`` in block order, repeats included (the
     one-file view path looks a block up at once; the others run by run), with the bytes
     ``read_block`` gives; a closed gate yields the records without reading."""
-    from torch_serialized.pipeline import Gate, read_block, read_blocks
+    from torch_serialized.data.pipeline import Gate, read_block, read_blocks
     from torch_serialized.voc import schema
 
     ds = VOCSerializedIterableDataset(stream_packs[kind], "trainval", decode="none")
@@ -558,7 +558,7 @@ def test_worker_streams_send_each_run_in_one_block(stream_packs, layout, monkeyp
     """In a DataLoader worker each run of ``SHARED_RUN`` samples travels in one shared block
     (one segment per batch when the batch size is the run's, not one per image), and the
     samples are the stream's."""
-    monkeypatch.setattr(torch_serialized.iterable, "SHARED_RUN", 4)  # forked workers see it
+    monkeypatch.setattr(torch_serialized.data.iterable, "SHARED_RUN", 4)  # forked workers see it
     ds = VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="none")
     expected = sorted(image.numpy().tobytes() for image, _ in ds)
     loader = DataLoader(
@@ -577,10 +577,10 @@ def test_a_worker_stream_copies_each_image_once(stream_packs, layout, monkeypatc
     run's shared block (no private copy first: Python allocates a fraction of the run's
     image bytes, for planning the reads), and a last run of one sample gets an image of its
     own, never a map view."""
-    monkeypatch.setattr(torch_serialized.iterable, "in_worker", lambda: True)
+    monkeypatch.setattr(torch_serialized.data.iterable, "in_worker", lambda: True)
     alone = list(VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="none"))
     run = len(alone) - 1  # a run of all but one sample, then a run of one
-    monkeypatch.setattr(torch_serialized.iterable, "SHARED_RUN", run)
+    monkeypatch.setattr(torch_serialized.data.iterable, "SHARED_RUN", run)
     ds = VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="none")
     it = iter(ds)
     first, peak = traced_peak(lambda: next(it))  # the whole first run is read and moved here
@@ -606,9 +606,9 @@ def test_a_worker_stream_holds_one_decoded_image_at_a_time(
     block is now made first from the pack's columns and each image copied in as it is
     decoded; a last run of one sample is left for torch to share."""
     alone = list(VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="tensor"))
-    monkeypatch.setattr(torch_serialized.iterable, "in_worker", lambda: True)
+    monkeypatch.setattr(torch_serialized.data.iterable, "in_worker", lambda: True)
     run = len(alone) - 1
-    monkeypatch.setattr(torch_serialized.iterable, "SHARED_RUN", run)
+    monkeypatch.setattr(torch_serialized.data.iterable, "SHARED_RUN", run)
     ds = VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="tensor")
     decode = ds.decoder.image_reader()
     made: list[weakref.ref[torch.Tensor]] = []
@@ -633,7 +633,7 @@ def test_a_worker_stream_holds_one_decoded_image_at_a_time(
 def test_a_worker_stream_counts_only_samples_handed_out(stream_packs, monkeypatch) -> None:
     """Runs are read ahead of their samples, yet ``state_dict`` counts what left the stream,
     so a checkpoint taken mid-run resumes at the next sample."""
-    monkeypatch.setattr(torch_serialized.iterable, "in_worker", lambda: True)
+    monkeypatch.setattr(torch_serialized.data.iterable, "in_worker", lambda: True)
     ds = VOCSerializedIterableDataset(stream_packs["single"], "trainval", decode="none")
     alone = [
         image

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_serialized
-from torch_serialized.datasets import VOCSerializedDataset
+from torch_serialized.data.datasets import VOCSerializedDataset
 from torch_serialized.tools import make_synthetic_voc
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")

@@ -1,4 +1,4 @@
-"""The loopback servers of ``torch_serialized.tools.loopback`` do what the remote tests rely on."""
+"""The loopback servers of ``support.loopback`` do what the remote tests rely on."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-
-from torch_serialized.tools import loopback
-from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
+from support import loopback
+from support.loopback import start_fault_proxy, start_http_server
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote, Served
@@ -156,7 +155,7 @@ def test_the_bandwidth_cap_is_reached_though_every_sleep_wakes_late(
     100 MB/s take 0.66 s of link time, not 1,000 x (0.66 + 1) ms."""
     import asyncio
 
-    from torch_serialized.tools import loopback
+    from support import loopback
 
     clock = [1000.0]
 

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from torch_serialized import VOCSerializedDataset, VOCSerializedIterableDataset, oscompat
+from torch_serialized import VOCSerializedDataset, VOCSerializedIterableDataset
+from torch_serialized.container import oscompat
 
 
 def test_preadv_by_pread_fills_buffers_like_preadv(tmp_path: Path) -> None:
@@ -49,7 +50,7 @@ def test_the_iterable_reads_the_same_without_preadv(
 
 
 def test_without_pread_the_reader_says_which_platforms_work() -> None:
-    code = "import os; del os.pread; import torch_serialized.reader"
+    code = "import os; del os.pread; import torch_serialized.container.reader"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 1
     assert "ImportError: torch_serialized reads packs with positional reads (os.pread)" in (

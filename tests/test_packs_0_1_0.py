@@ -27,8 +27,8 @@ from torch_serialized import (
     open_pack,
     pack_voc,
 )
-from torch_serialized import format as fmt
 from torch_serialized.cli import main
+from torch_serialized.container import spec as fmt
 
 DATA = Path(__file__).resolve().parent / "data" / "v1"
 DEVKIT = DATA / "devkit"

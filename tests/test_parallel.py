@@ -32,8 +32,8 @@ from vocfactory import (
 )
 
 import torch_serialized as ts
-from torch_serialized.parallel import copy_range
-from torch_serialized.writer import PackWriter
+from torch_serialized.container.parallel import copy_range
+from torch_serialized.container.writer import PackWriter
 
 
 @pytest.mark.parametrize("form", ["single", "shards"])
@@ -50,7 +50,7 @@ def test_reserved_records_copied_in_equal_added_ones(form, data, limit, reserved
     holes, shard limits and the pread/pwrite fallback included)."""
     from unittest import mock
 
-    from torch_serialized.writer import ContainerWriter
+    from torch_serialized.container.writer import ContainerWriter
 
     limit = limit if form == "shards" else {}
     rows = data["rows"]
@@ -113,7 +113,7 @@ def test_reserved_records_copied_in_equal_added_ones(form, data, limit, reserved
 
 
 def test_reserve_refuses_a_foreign_layout(tmp_path):
-    from torch_serialized.writer import ContainerWriter
+    from torch_serialized.container.writer import ContainerWriter
 
     with open(tmp_path / "x", "wb") as f:
         w = ContainerWriter(f, ["a", "b"])

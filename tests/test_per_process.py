@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch_serialized.cache import Cache
-from torch_serialized.remote import PerProcess, RemoteStore, RetryPolicy
-from torch_serialized.remote_pack import RemotePack, resolve
+from torch_serialized.remote.cache import Cache
+from torch_serialized.remote.packs import RemotePack, resolve
+from torch_serialized.remote.store import PerProcess, RemoteStore, RetryPolicy
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -35,8 +35,8 @@ MANIFEST = b'{"format": "torch_serialized.shards", "shards": ["a.tser", "b.tser"
 # Unpickles (obj, name, size) from stdin, uses obj as a worker would, prints the bytes' sha256.
 _CHILD = """
 import hashlib, pickle, sys
-from torch_serialized.cache import PackCache
-from torch_serialized.remote import RemoteStore
+from torch_serialized.remote.cache import PackCache
+from torch_serialized.remote.store import RemoteStore
 
 obj, name, size = pickle.load(sys.stdin.buffer)
 if isinstance(obj, RemoteStore):

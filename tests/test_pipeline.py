@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_serialized.pipeline import (
+from torch_serialized.data.pipeline import (
     MAX_GAP,
     block_bounds,
     epoch_order,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tsbench.system import PageCache
 
-from torch_serialized import pipeline
-from torch_serialized import reader as reader_module
-from torch_serialized.iterable import VOCSerializedIterableDataset
-from torch_serialized.reader import ContainerReader
-from torch_serialized.tools.benchmark.system import PageCache
+from torch_serialized.container import reader as reader_module
+from torch_serialized.container.reader import ContainerReader
+from torch_serialized.data import pipeline
+from torch_serialized.data.iterable import VOCSerializedIterableDataset
 
 
 def evict(path: Path) -> None:

@@ -59,7 +59,9 @@ from _reliability_helpers import (
 )
 
 import torch_serialized
-from torch_serialized import format as fmt
+from torch_serialized.container import spec as fmt
+from torch_serialized.container.reader import ContainerReader, open_pack
+from torch_serialized.container.writer import PackWriter
 from torch_serialized.errors import (
     ChecksumError,
     CorruptFileError,
@@ -68,9 +70,7 @@ from torch_serialized.errors import (
     TruncatedFileError,
     UnsupportedVersionError,
 )
-from torch_serialized.reader import ContainerReader, open_pack
 from torch_serialized.voc.pack import pack_voc
-from torch_serialized.writer import PackWriter
 
 
 def test_manifest_path_and_reader_shapes(container_packs):
@@ -373,7 +373,7 @@ def test_a_pack_replaced_between_its_manifest_and_catalog_raises_file_changed(
     """Opening a shard folder while it is re-packed: the manifest read names a catalog the
     new pack removed. That raised a bare ``FileNotFoundError`` naming the catalog (20 of
     ~1,400 opens under a re-pack loop); shards already said ``FileChangedError``."""
-    from torch_serialized import reader as reader_module
+    from torch_serialized.container import reader as reader_module
 
     out = write_pack(tmp_path / "out", 30, **SHARDED)
     locate = reader_module._locate
@@ -402,8 +402,8 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
     folder without manifest.json" (2 of ~9,000 opens under a re-pack loop,
     t4_open_during_rename.py): now it looks again a few ms later and opens the pack there,
     or says the pack is being replaced."""
-    from torch_serialized import reader as reader_module
-    from torch_serialized.atomic import temp_sibling
+    from torch_serialized.container import reader as reader_module
+    from torch_serialized.container.atomic import temp_sibling
 
     out = write_pack(tmp_path / "out", 30, **SHARDED)
     new = write_pack(tmp_path / "new", 30, seed=7, **SHARDED)
@@ -464,7 +464,7 @@ def test_an_open_beside_a_pack_an_interrupted_re_pack_moved_aside(tmp_path, monk
     running here it still looks again for a while (the writer may run on another machine of
     a shared file system, and its new pack then opens), then says that the path does not
     exist, which pack is beside it (a link: beside its target) and both ways out."""
-    from torch_serialized import reader as reader_module
+    from torch_serialized.container import reader as reader_module
 
     (tmp_path / "real").mkdir()
     out = write_pack(tmp_path / "real" / "out", 30, **SHARDED)
@@ -504,8 +504,8 @@ def test_an_open_through_a_link_mid_swap_and_a_denied_folder(tmp_path, monkeypat
     such file or directory" (its manifest.json: "does not exist; pack a VOC dataset
     first"), since the moved-aside folder was looked for beside the link; and a folder that
     may not be searched (EACCES) was said not to exist instead of raising PermissionError."""
-    from torch_serialized import reader as reader_module
-    from torch_serialized.atomic import temp_sibling
+    from torch_serialized.container import reader as reader_module
+    from torch_serialized.container.atomic import temp_sibling
 
     (tmp_path / "real").mkdir()
     out = write_pack(tmp_path / "real" / "out", 30, **SHARDED)
@@ -660,8 +660,8 @@ def test_a_run_is_read_in_bounded_sequential_calls(stream_packs, monkeypatch) ->
     """A multi-megabyte run is split into ``preadv`` calls of about ``_READ_SIZE`` bytes that
     follow each other through the file, so read-ahead streams the run (one whole-run call
     was measured ~1.7x slower on a cold disk), and the bytes still equal the mapped ones."""
-    from torch_serialized import oscompat
-    from torch_serialized import reader as reader_module
+    from torch_serialized.container import oscompat
+    from torch_serialized.container import reader as reader_module
 
     shard = ContainerReader(stream_packs["single"])
     records = list(range(len(shard)))
@@ -830,7 +830,7 @@ def test_checked_record_and_views_report_damage(tmp_path, container_packs):
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
 def test_advise_hints_each_window_once_in_small_pieces(container_packs, monkeypatch):
-    from torch_serialized import reader as reader_module
+    from torch_serialized.container import reader as reader_module
 
     shard = open_pack(container_packs["single"]).shard(0)
     calls: list[tuple[int, int, int]] = []
@@ -904,8 +904,8 @@ def test_open_file_descriptors_stay_bounded(tmp_path):
 TEN_THOUSAND_SHARDS = """
 import json, os, resource, sys
 import numpy as np
-from torch_serialized.reader import open_pack
-from torch_serialized.pipeline import read_block, views_fit
+from torch_serialized.container.reader import open_pack
+from torch_serialized.data.pipeline import read_block, views_fit
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 reader = open_pack(sys.argv[1])
 n = len(reader)
@@ -950,7 +950,7 @@ def test_ten_thousand_shards_read_under_ulimit_256(tmp_path, monkeypatch):
 
 OPEN_UNTIL_EMFILE = """
 import json, resource, sys
-from torch_serialized.reader import open_pack
+from torch_serialized.container.reader import open_pack
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 readers = []
 try:

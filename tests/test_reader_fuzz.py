@@ -29,14 +29,14 @@ from _reliability_helpers import (
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from torch_serialized import format as fmt
+from torch_serialized.container import spec as fmt
+from torch_serialized.container.reader import open_pack
 from torch_serialized.errors import (
     ChecksumError,
     CorruptFileError,
     FormatError,
     TorchSerializedError,
 )
-from torch_serialized.reader import open_pack
 from torch_serialized.voc.pack import pack_voc
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from _remote_cases import NOT_GCS
+from support.loopback import start_fault_proxy, start_http_server
 
 from torch_serialized.errors import (
     ChecksumError,
@@ -27,7 +28,7 @@ from torch_serialized.errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from torch_serialized.remote import (
+from torch_serialized.remote.store import (
     Fault,
     RemoteStore,
     RetryPolicy,
@@ -35,7 +36,6 @@ from torch_serialized.remote import (
     is_url,
     redact_url,
 )
-from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote, Served
@@ -100,9 +100,9 @@ def test_import_and_local_use_load_no_backend(tmp_path: Path) -> None:
 import sys
 import torch_serialized
 from torch_serialized import pack_voc, VOCSerializedDataset
-from torch_serialized.cache import Cache
-from torch_serialized.remote import RemoteStore, is_url
-from torch_serialized.remote_pack import resolve
+from torch_serialized.remote.cache import Cache
+from torch_serialized.remote.store import RemoteStore, is_url
+from torch_serialized.remote.packs import resolve
 from torch_serialized.tools import make_synthetic_voc
 root = make_synthetic_voc({str(tmp_path)!r}, 4, year="2007")
 pack = pack_voc(root, {str(tmp_path / "p.tser")!r}, year="2007").path
@@ -121,7 +121,7 @@ def test_a_missing_backend_names_the_extra_to_install() -> None:
     code = """
 import sys
 sys.modules["s3fs"] = None  # as if not installed
-from torch_serialized.remote import RemoteStore
+from torch_serialized.remote.store import RemoteStore
 try:
     RemoteStore("s3://bucket/voc").size("manifest.json")
 except ImportError as exc:
@@ -395,7 +395,7 @@ def test_a_slow_drip_body_meets_a_deadline(
     data = payload(PART)
     (http_server.root / "drip.bin").write_bytes(data)
     http_server.proxy.configure(bandwidth=32 << 10)  # 2 s for the object
-    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.2)
+    monkeypatch.setattr("torch_serialized.remote.store._DEADLINE_GRACE", 0.2)
     import aiohttp
 
     s = RemoteStore(http_server.proxy.url, retry=QUICK, part_size=PART)
@@ -428,7 +428,7 @@ def test_a_slow_drip_stream_meets_a_deadline(
         # the first download learns that Range is ignored; the next ones stream
         assert s.download("obj.bin", tmp_path / "a", expected_size=len(data)).read_bytes() == data
         proxy.configure(bandwidth=16 << 10)  # the first 64 KiB after 4 s, the whole after 12 s
-        monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.5)  # 0.69 s in all
+        monkeypatch.setattr("torch_serialized.remote.store._DEADLINE_GRACE", 0.5)  # 0.69 s in all
         start = time.monotonic()
         with pytest.raises(RemoteError, match=r"obj\.bin.*3 times.*Timeout.*0 of 196608 bytes"):
             s.download("obj.bin", tmp_path / "b", expected_size=len(data))
@@ -459,7 +459,7 @@ def test_parts_in_flight_share_the_deadline(
     monkeypatch.setattr(s, "_deadline", spy)
     s.download("four.bin", tmp_path / "four.bin", expected_size=len(data))
     assert (tmp_path / "four.bin").read_bytes() == data
-    from torch_serialized.remote import _DEADLINE_GRACE, _MIN_RATE
+    from torch_serialized.remote.store import _DEADLINE_GRACE, _MIN_RATE
 
     # the first part is read alone (it probes Range support: a server ignoring Range would
     # send the whole object, so it has the whole object's time), the other three together
@@ -474,7 +474,7 @@ def test_the_minimum_rate_sets_the_deadline(monkeypatch: pytest.MonkeyPatch) -> 
     every async backend; 0 turns it off; an aiohttp ClientTimeout with a total still does."""
     import aiohttp
 
-    from torch_serialized.remote import _DEADLINE_GRACE, _MIN_RATE, MIN_RATE_ENV
+    from torch_serialized.remote.store import _DEADLINE_GRACE, _MIN_RATE, MIN_RATE_ENV
 
     n = 1 << 20
     for url in ("http://127.0.0.1:9/p", "s3://bucket/p"):  # opened, never connected
@@ -496,13 +496,13 @@ def test_a_lower_minimum_rate_lets_a_slow_link_through(
 ) -> None:
     """A link slower than the minimum rate times out on HTTP and S3 alike; lowering the rate
     (by the environment or the policy) or turning the deadline off lets it through."""
-    from torch_serialized.remote import MIN_RATE_ENV
+    from torch_serialized.remote.store import MIN_RATE_ENV
 
     data = payload(4 << 10, seed=7)
     for name in ("slow.bin", "slow-b.bin", "slow-c.bin"):
         remote.put(name, data)
     remote.proxy.configure(bandwidth=4 << 10)  # 1 s for the object
-    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.1)  # 0.35 s at 16 KiB/s
+    monkeypatch.setattr("torch_serialized.remote.store._DEADLINE_GRACE", 0.1)  # 0.35 s at 16 KiB/s
     two = dataclasses.replace(FAST, attempts=2)
     with pytest.raises(RemoteError, match=r"slow\.bin.*2 times.*Timeout"):
         store(remote, two).download("slow.bin", tmp_path / "a", expected_size=len(data))
@@ -848,7 +848,7 @@ def test_an_unknown_size_says_what_a_user_can_do(monkeypatch: pytest.MonkeyPatch
 
 
 def test_prune_over_http_says_where_to_prune() -> None:
-    from torch_serialized.upload import prune_remote
+    from torch_serialized.remote.upload import prune_remote
 
     # no request is made: HTTP cannot delete, so nothing is read first
     with pytest.raises(RemoteError, match=r"127\.0\.0\.1:9/pack: http:// cannot delete.*dry run"):
@@ -858,7 +858,7 @@ def test_prune_over_http_says_where_to_prune() -> None:
 def test_retry_policy_from_the_environment() -> None:
     """Retries are configurable without code (every worker and rank reads the same
     variables): attempts and the longest wait; bad values name the variable."""
-    from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
+    from torch_serialized.remote.store import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
 
     assert RetryPolicy.from_env({}) == RetryPolicy()
     policy = RetryPolicy.from_env({RETRY_ATTEMPTS_ENV: "9", RETRY_MAX_DELAY_ENV: "0.2"})
@@ -871,7 +871,7 @@ def test_retry_policy_from_the_environment() -> None:
 
 
 def test_the_minimum_rate_from_the_environment() -> None:
-    from torch_serialized.remote import MIN_RATE_ENV
+    from torch_serialized.remote.store import MIN_RATE_ENV
 
     assert RetryPolicy.from_env({MIN_RATE_ENV: "1024"}) == RetryPolicy(min_rate=1024)
     assert RetryPolicy.from_env({MIN_RATE_ENV: "0"}).min_rate == 0
@@ -889,7 +889,7 @@ def test_a_store_without_a_policy_follows_the_environment(
     and the error names the variable that allows more."""
     from remote_fixtures import Remote
 
-    from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
+    from torch_serialized.remote.store import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
 
     remote = Remote("http", http_server, "retry-env")
     http_server.proxy.reset()
@@ -907,7 +907,7 @@ def test_a_streams_deadline_keeps_the_other_http_limits() -> None:
     user's (or our default) connect and socket limits stay as they were."""
     import aiohttp
 
-    from torch_serialized.remote import _http_deadline
+    from torch_serialized.remote.store import _http_deadline
 
     own = aiohttp.ClientTimeout(total=None, connect=3, sock_read=5, sock_connect=7)
     got = _http_deadline({"client_kwargs": {"timeout": own}}, 12.5)["timeout"]
@@ -965,7 +965,7 @@ def test_the_range_probe_of_a_server_ignoring_range_gets_the_whole_objects_deadl
     served.mkdir()
     data = payload(4 * PART, seed=8)
     (served / "obj.bin").write_bytes(data)
-    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.2)
+    monkeypatch.setattr("torch_serialized.remote.store._DEADLINE_GRACE", 0.2)
     slow = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.02, min_rate=PART)
     with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
         proxy.configure(bandwidth=2 * PART)  # 2 s for the object: a part's deadline is 1.2 s
@@ -1065,8 +1065,8 @@ def test_a_minimum_rate_is_zero_or_at_least_one_byte_a_second(rate: Any) -> None
 def test_a_dry_run_prune_lists_what_prune_then_deletes(tmp_path: Path) -> None:
     """``dry_run`` only lists: the files earlier packs left (shards and catalogs no manifest
     names) are deleted by the real prune, and nothing else is, ever."""
-    from torch_serialized.upload import prune_remote
-    from torch_serialized.writer import PackWriter
+    from torch_serialized.container.writer import PackWriter
+    from torch_serialized.remote.upload import prune_remote
 
     folder = tmp_path / "pack"
     with PackWriter(folder, ["a"], max_records_per_shard=1) as writer:

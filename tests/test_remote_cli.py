@@ -123,7 +123,7 @@ def test_verify_names_a_damaged_shard_at_a_url(
 def test_cache_list_hides_passwords_and_shows_partial_downloads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from torch_serialized.cache import Cache
+    from torch_serialized.remote.cache import Cache
 
     pc = Cache(tmp_path).pack("https://alice:S3cretPW@127.0.0.1:1/voc?sig=T0ken", "i")
     pc.put("manifest.json", b"{}")
@@ -195,7 +195,7 @@ def test_cache_list_counts_the_files_in_use(
 ) -> None:
     """A pack whose files a process holds says how many, so ``cache clear`` leaving them is
     no surprise; once they are let go the line says nothing of it."""
-    from torch_serialized.cache import Cache
+    from torch_serialized.remote.cache import Cache
 
     pc = Cache(tmp_path).pack("s3://bucket/voc", "0123456789abcdef")
     pc.put("manifest.json", b"{}")  # held by this process until closed

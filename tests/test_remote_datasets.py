@@ -21,8 +21,8 @@ from _remote_cases import NOT_GCS
 from torch.utils.data import DataLoader
 
 import torch_serialized as ts
+from torch_serialized.container.reader import open_pack
 from torch_serialized.errors import ChecksumError, RemoteNotFoundError
-from torch_serialized.reader import open_pack
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -543,8 +543,8 @@ def test_pack_voc_to_a_url_uploads_the_manifest_after_every_file_it_names(
     the catalog it names are there already, however slow their uploads were."""
     import time
 
-    from torch_serialized import format as fmt
-    from torch_serialized.remote import RemoteStore
+    from torch_serialized.container import spec as fmt
+    from torch_serialized.remote.store import RemoteStore
 
     dest = tmp_path / "dest"
     real = RemoteStore.upload_file

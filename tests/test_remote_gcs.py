@@ -19,8 +19,8 @@ from test_remote_pack import FAST, MANIFEST, PART, blob
 from test_voc_append import YEAR, Source, as_bytes, pack
 
 import torch_serialized as ts
-from torch_serialized.remote import RemoteStore
-from torch_serialized.remote_pack import resolve
+from torch_serialized.remote.packs import resolve
+from torch_serialized.remote.store import RemoteStore
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -68,7 +68,7 @@ def test_a_stalled_response_meets_the_deadline_and_is_retried(
     read is what ends a stalled answer, and the read is tried again."""
     data = os.urandom(PART // 2)
     gcs_remote.put("obj.bin", data)
-    monkeypatch.setattr("torch_serialized.remote._DEADLINE_GRACE", 0.5)
+    monkeypatch.setattr("torch_serialized.remote.store._DEADLINE_GRACE", 0.5)
     quick = dataclasses.replace(FAST, min_rate=1 << 20)  # a deadline of 0.53 s for the read
     store = RemoteStore(gcs_remote.url, gcs_remote.storage_options, retry=quick, part_size=PART)
     assert store.size("obj.bin") == len(data)  # the session first: not part of the wait

@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING
 import pytest
 from _remote_cases import NOT_GCS
 from _remote_worker import fetch_in_worker
+from support.loopback import start_fault_proxy, start_http_server
 
-from torch_serialized.cache import list_cache
 from torch_serialized.errors import (
     ChecksumError,
     CorruptFileError,
     RemoteError,
     RemoteNotFoundError,
 )
-from torch_serialized.remote import RemoteStore, RetryPolicy
-from torch_serialized.remote_pack import RemotePack, ShardRequest, file_tail, resolve
-from torch_serialized.tools.loopback import start_fault_proxy, start_http_server
+from torch_serialized.remote.cache import list_cache
+from torch_serialized.remote.packs import RemotePack, ShardRequest, file_tail, resolve
+from torch_serialized.remote.store import RemoteStore, RetryPolicy
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote

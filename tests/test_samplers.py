@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from torch_serialized.samplers import BlockShuffleSampler, block_shuffle
+from torch_serialized.data.samplers import BlockShuffleSampler, block_shuffle
 
 
 @settings(max_examples=80, deadline=None)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from torch_serialized import BlockShuffleSampler, VOCSerializedDataset, VOCSerializedIterableDataset
-from torch_serialized import state as keys
-from torch_serialized.state import Stateful
+from torch_serialized.data import state as keys
+from torch_serialized.data.state import Stateful
 
 
 def test_the_iterable_dataset_and_the_sampler_are_stateful(stream_packs: dict[str, Any]) -> None:

@@ -15,28 +15,15 @@ import numpy as np
 import pytest
 import torch
 from torchvision.datasets import VOCDetection
+from tsbench import SCENARIOS, Row, Stat, lmdb_store, main, run_benchmark, system
+from tsbench.access import tv_bytes_getter
+from tsbench.context import Bench
+from tsbench.gpu import NO_BATCHED_DECODE, batched_decode, decode_epochs, scenario_gpu
+from tsbench.report import SMALL_SET, render_markdown
+from tsbench.system import SEQUENTIAL_READERS
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 from torch_serialized import SourceDataError, VOCSerializedDataset
-from torch_serialized.tools.benchmark import (
-    SCENARIOS,
-    Row,
-    Stat,
-    lmdb_store,
-    main,
-    run_benchmark,
-    system,
-)
-from torch_serialized.tools.benchmark.access import tv_bytes_getter
-from torch_serialized.tools.benchmark.context import Bench
-from torch_serialized.tools.benchmark.gpu import (
-    NO_BATCHED_DECODE,
-    batched_decode,
-    decode_epochs,
-    scenario_gpu,
-)
-from torch_serialized.tools.benchmark.report import SMALL_SET, render_markdown
-from torch_serialized.tools.benchmark.system import SEQUENTIAL_READERS
 
 
 def _numbers(row: dict[str, Any]) -> list[float]:
@@ -113,7 +100,7 @@ def test_a_set_too_small_to_time_is_flagged_above_the_table() -> None:
     not apply, marks no row MISSED and lists no missed targets."""
     from dataclasses import asdict
 
-    from torch_serialized.tools.benchmark.core import Row, Stat
+    from tsbench.core import Row, Stat
 
     slow = Row(
         key="k",
@@ -364,6 +351,6 @@ def test_importing_the_benchmark_does_not_import_torch() -> None:
     """A spawned pack process re-imports ``benchmarks/run.py``'s imports: a module-level import
     of torch there (one crept in with a note's constant) costs every such process a torch
     import, and the 2-process pack row fell from ~3,000 to ~600 samples/s."""
-    code = "import sys, torch_serialized.tools.benchmark.run; print('torch' in sys.modules)"
+    code = "import sys, tsbench.run; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

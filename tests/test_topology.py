@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_serialized.pipeline import rank_share, worker_share
-from torch_serialized.samplers import BlockShuffleSampler
-from torch_serialized.topology import (
+from torch_serialized.data.pipeline import rank_share, worker_share
+from torch_serialized.data.samplers import BlockShuffleSampler
+from torch_serialized.data.topology import (
     Topology,
     distributed_info,
     epoch_total,

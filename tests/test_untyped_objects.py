@@ -32,7 +32,7 @@ from torch_serialized import (
 )
 from torch_serialized.cli import main as cli_main
 from torch_serialized.voc import schema
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 
 def _box(*xyxy: float) -> dict[str, float]:

@@ -34,11 +34,11 @@ from torch_serialized import (
     pack_voc,
 )
 from torch_serialized.cli import main
+from torch_serialized.container.reader import ContainerReader
 from torch_serialized.errors import FormatError
-from torch_serialized.reader import ContainerReader
 from torch_serialized.tools import make_synthetic_voc
 from torch_serialized.voc import schema
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 YEAR = "2007"
 TASKS = (
@@ -376,7 +376,7 @@ def test_append_to_an_empty_path_says_so_and_touches_nothing(tmp_path, source, m
 def test_prune_remote_on_a_local_path_says_what_pruning_is_for(tmp_path, source) -> None:
     """``prune_remote("local/path")`` said "is not a URL (a local path is read without
     RemoteStore)"; it now says what the CLI says, and for a folder which URL to pass."""
-    from torch_serialized.upload import prune_remote
+    from torch_serialized.remote.upload import prune_remote
 
     folder = pack(source, tmp_path / "pack", "shards")
     for path in (folder, tmp_path / "none.tser"):
@@ -957,8 +957,8 @@ def _reads_as_before_or_as_grown(
     """What a killed append left: the previous pack byte for byte (a shard folder may also hold
     files the killed append wrote and no manifest names: the next run removes them), or the
     complete grown one."""
-    from torch_serialized import format as fmt
-    from torch_serialized.atomic import is_temporary
+    from torch_serialized.container import spec as fmt
+    from torch_serialized.container.atomic import is_temporary
 
     state = snapshot(path)
     assert state is not None
@@ -1325,9 +1325,9 @@ def test_an_append_from_an_unrelated_folder_is_refused(tmp_path, source, form):
 # -- GrowWriter itself, on a generic shard folder ----------------------------------------------
 def _generic_folder(path: Path, ends: list[int], token: str | None = None) -> Any:
     """A shard folder of one field whose shards end after record counts ``ends``; its manifest."""
-    from torch_serialized import format as fmt
-    from torch_serialized.reader import read_manifest
-    from torch_serialized.writer import PackWriter
+    from torch_serialized.container import spec as fmt
+    from torch_serialized.container.reader import read_manifest
+    from torch_serialized.container.writer import PackWriter
 
     with PackWriter(path, ["a"], shard_ends=ends, token=token) as writer:
         for i in range(ends[-1]):
@@ -1336,7 +1336,7 @@ def _generic_folder(path: Path, ends: list[int], token: str | None = None) -> An
 
 
 def _grow(path: Path, manifest: Any, **options: Any) -> Any:
-    from torch_serialized.grow import GrowWriter
+    from torch_serialized.container.grow import GrowWriter
 
     limits = {"max_records_per_shard": None, "max_shard_bytes": None}
     return GrowWriter(
@@ -1345,8 +1345,8 @@ def _grow(path: Path, manifest: Any, **options: Any) -> Any:
 
 
 def test_a_grow_without_limits_fills_new_shards_as_the_largest_existing_one(tmp_path):
-    from torch_serialized import format as fmt
-    from torch_serialized.reader import read_manifest
+    from torch_serialized.container import spec as fmt
+    from torch_serialized.container.reader import read_manifest
 
     path = tmp_path / "pack"
     manifest = _generic_folder(path, [3, 4])  # shards of 3 and 1 records
@@ -1381,9 +1381,9 @@ def test_a_failure_after_the_manifest_commit_keeps_the_grown_pack(tmp_path, monk
     saying "No partial output was left" for an append that had taken effect)."""
     import logging
 
-    from torch_serialized import format as fmt
-    from torch_serialized import grow
-    from torch_serialized.reader import PackReader, read_manifest
+    from torch_serialized.container import grow
+    from torch_serialized.container import spec as fmt
+    from torch_serialized.container.reader import PackReader, read_manifest
 
     path = tmp_path / "pack"
     manifest = _generic_folder(path, [2, 4])
@@ -1392,7 +1392,10 @@ def test_a_failure_after_the_manifest_commit_keeps_the_grown_pack(tmp_path, monk
         raise OSError(5, "the disk went away", str(manifest_path))
 
     monkeypatch.setattr(grow, "read_manifest", failing)
-    with caplog.at_level(logging.WARNING, "torch_serialized.grow"), _grow(path, manifest) as w:
+    with (
+        caplog.at_level(logging.WARNING, "torch_serialized.container.grow"),
+        _grow(path, manifest) as w,
+    ):
         for i in range(3):
             w.add([bytes([10 + i])])
     assert "appended, but files it no longer needs could not be removed" in caplog.text

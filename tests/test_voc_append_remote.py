@@ -33,13 +33,13 @@ from torch_serialized import (
     pack_voc,
 )
 from torch_serialized.cli import main
+from torch_serialized.container.fileio import DEFAULT_MAX_FILE_BYTES
 from torch_serialized.errors import RemoteError, WriteError
-from torch_serialized.remote import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV, RemoteStore
-from torch_serialized.safeio import DEFAULT_MAX_FILE_BYTES
-from torch_serialized.upload import prune_remote
+from torch_serialized.remote.store import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV, RemoteStore
+from torch_serialized.remote.upload import prune_remote
 from torch_serialized.voc.append import _append_local
 from torch_serialized.voc.append_remote import append_to_url
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote

@@ -28,9 +28,7 @@ from vocfactory import (
 
 import torch_serialized
 import torch_serialized as ts
-from torch_serialized.errors import (
-    SourceDataError,
-)
+from torch_serialized.errors import SourceDataError
 from torch_serialized.voc.images import declared_size, jpeg_size, png_size, resized_size
 from torch_serialized.voc.pack import pack_voc
 

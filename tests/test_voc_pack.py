@@ -34,7 +34,7 @@ from vocfactory import (
 
 import torch_serialized as ts
 from torch_serialized.tools.synthetic import make_synthetic_voc
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 
 def test_one_pack_serves_every_image_set(synthetic_devkit: Path, tmp_path: Path) -> None:

@@ -18,15 +18,15 @@ from torch_serialized import (
     VOCSerializedSegmentation,
     append_voc,
     export_voc,
-    iterable,
     open_pack,
 )
 from torch_serialized.cli import main
+from torch_serialized.container.writer import PackWriter
+from torch_serialized.data import iterable
 from torch_serialized.errors import ChecksumError, FormatError, UnsupportedVersionError
 from torch_serialized.voc import schema
 from torch_serialized.voc.classes import label_classes
-from torch_serialized.voc.reader import VOCPackReader
-from torch_serialized.writer import PackWriter
+from torch_serialized.voc.packed import VOCPackReader
 
 
 def test_ids_splits_and_columns_are_the_source_s(synthetic_packs: Any) -> None:

@@ -15,7 +15,7 @@ from vocfactory import (
 )
 
 import torch_serialized as ts
-from torch_serialized.voc.reader import VOCPackReader
+from torch_serialized.voc.packed import VOCPackReader
 
 
 def test_missing_image_names_file_and_list_line(tmp_path: Path) -> None:
@@ -204,7 +204,7 @@ def test_the_survey_gives_the_jobs_and_reads_a_full_pack_plans(
 def test_a_prefix_read_returns_the_first_bytes_up_to_the_cap(tmp_path: Path) -> None:
     """``prefix=True`` (how a pack's header is read before it is replaced) returns at most
     ``max_bytes``; without it a longer file is refused, naming it, the cap and its size."""
-    from torch_serialized.safeio import FileSizeError, read_regular_file
+    from torch_serialized.container.fileio import FileSizeError, read_regular_file
 
     path = tmp_path / "ten.bin"
     path.write_bytes(bytes(range(10)))
@@ -219,7 +219,7 @@ def test_a_file_that_grows_while_it_is_read_is_read_whole_or_refused(
 ) -> None:
     """The size ``fstat`` gave is no limit: a file longer by the time it is read (a writer
     still appending) is read to its end, or refused once past the cap, never cut short."""
-    from torch_serialized import safeio
+    from torch_serialized.container import fileio as safeio
 
     path = tmp_path / "growing.bin"
     path.write_bytes(bytes(range(10)))

@@ -23,7 +23,7 @@ from torchvision.transforms.functional import pil_to_tensor
 
 import torch_serialized
 import torch_serialized as ts
-from torch_serialized.workers import reopen_dataset, share_as_made, share_batch
+from torch_serialized.data.workers import reopen_dataset, share_as_made, share_batch
 
 
 def first_item(batch: list[Any]) -> Any:
@@ -261,7 +261,7 @@ def test_share_as_made_hands_freed_pages_back_once_per_batch(monkeypatch) -> Non
     made and freed; the worker then asks glibc to return the freed pages (``malloc_trim``),
     once per batch, so its heap does not keep them as its high-water mark (10-13 MB per
     worker in some benchmark runs before). Without the sizes the batch path is unchanged."""
-    from torch_serialized import workers
+    from torch_serialized.data import workers
 
     if workers._MALLOC_TRIM is None:
         pytest.skip("this C library has no malloc_trim")
@@ -364,7 +364,7 @@ def test_a_workers_batch_copies_each_image_once(
     )
     indices = [5, 0, 3, 3, 9, 1]
     expected = [ds[i] for i in indices]
-    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    monkeypatch.setattr(torch_serialized.data.datasets, "in_worker", lambda: True)
     ds.__getitems__(indices)  # the first call builds what later calls reuse
     got, peak = traced_peak(lambda: ds.__getitems__(indices))
     assert peak < min(image.numel() for image, _ in expected)
@@ -403,7 +403,7 @@ def test_a_workers_batch_of_decoded_images_holds_one_at_a_time(
         return image
 
     monkeypatch.setattr(ds, "_image_of", counting)
-    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    monkeypatch.setattr(torch_serialized.data.datasets, "in_worker", lambda: True)
     got = ds.__getitems__(indices)
     assert len(alive) == len(indices) and max(alive) == 0
     assert len({image.untyped_storage().data_ptr() for image, _ in got}) == 1
@@ -435,7 +435,7 @@ def test_a_workers_block_is_never_sized_past_the_pixel_limit(
     monkeypatch.setattr(ds.decoder, "_sizes", sizes)
     if limit == "default":
         assert ds.decoder.decoded_nbytes([0, 1]) is None
-    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    monkeypatch.setattr(torch_serialized.data.datasets, "in_worker", lambda: True)
     got = ds.__getitems__([0, 1, 2])
     for (image, target), (expected_image, expected_target) in zip(got, expected, strict=True):
         assert torch.equal(image, expected_image) and target == expected_target
@@ -451,7 +451,7 @@ def test_a_workers_batch_of_raw_pixels_copies_each_image_once(
     ds = ts.VOCSerializedDataset(raw, "trainval", decode=decode)
     indices = [4, 1, 7]
     expected = [ds[i] for i in indices]
-    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    monkeypatch.setattr(torch_serialized.data.datasets, "in_worker", lambda: True)
     ds.__getitems__(indices)
     got, peak = traced_peak(lambda: ds.__getitems__(indices))
     assert peak < min(image.numel() for image, _ in expected)
@@ -471,7 +471,7 @@ def test_a_workers_batch_of_one_owns_its_image(
     ds = ts.VOCSerializedDataset(
         synthetic_packs.single, "trainval", decode="none", zero_copy=zero_copy
     )
-    monkeypatch.setattr(torch_serialized.datasets, "in_worker", lambda: True)
+    monkeypatch.setattr(torch_serialized.data.datasets, "in_worker", lambda: True)
     [(image, target)] = ds.__getitems__([2])
     assert torch.equal(image, ds[2][0]) and target == ds[2][1]
     assert image.data_ptr() != _map_address(ds, 2) and not image.is_shared()

@@ -30,12 +30,10 @@ from _container_helpers import (
 from hypothesis import HealthCheck, given, settings
 from strategies import datasets, limits
 
-from torch_serialized import format as fmt
-from torch_serialized.errors import (
-    WriteError,
-)
-from torch_serialized.reader import ContainerReader, open_pack
-from torch_serialized.writer import PackWriter
+from torch_serialized.container import spec as fmt
+from torch_serialized.container.reader import ContainerReader, open_pack
+from torch_serialized.container.writer import PackWriter
+from torch_serialized.errors import WriteError
 
 
 @pytest.mark.parametrize("form", ["single", "shards"])

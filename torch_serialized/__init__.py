@@ -30,17 +30,17 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .cache import clear_cache, list_cache
-    from .compat import SerializedDataset, Serializer
-    from .datasets import VOCSerializedDataset, VOCSerializedSegmentation
-    from .iterable import VOCSerializedIterableDataset
-    from .reader import PackReader, open_pack
-    from .samplers import BlockShuffleSampler
-    from .upload import prune_remote
+    from .container.reader import PackReader, open_pack
+    from .data.datasets import VOCSerializedDataset, VOCSerializedSegmentation
+    from .data.iterable import VOCSerializedIterableDataset
+    from .data.samplers import BlockShuffleSampler
+    from .data.workers import worker_init_fn
+    from .legacy import SerializedDataset, Serializer
+    from .remote.cache import clear_cache, list_cache
+    from .remote.upload import prune_remote
     from .voc.append import append_voc
     from .voc.export import export_voc
     from .voc.pack import PackResult, SkippedSample, pack_voc
-    from .workers import worker_init_fn
 
 #: public name -> module that defines it
 _LAZY = {
@@ -48,19 +48,19 @@ _LAZY = {
     "append_voc": ".voc.append",
     "PackResult": ".voc.pack",
     "SkippedSample": ".voc.pack",
-    "Serializer": ".compat",
+    "Serializer": ".legacy",
     "export_voc": ".voc.export",
-    "VOCSerializedDataset": ".datasets",
-    "VOCSerializedSegmentation": ".datasets",
-    "SerializedDataset": ".compat",
-    "VOCSerializedIterableDataset": ".iterable",
-    "BlockShuffleSampler": ".samplers",
-    "worker_init_fn": ".workers",
-    "open_pack": ".reader",
-    "PackReader": ".reader",
-    "prune_remote": ".upload",
-    "list_cache": ".cache",
-    "clear_cache": ".cache",
+    "VOCSerializedDataset": ".data.datasets",
+    "VOCSerializedSegmentation": ".data.datasets",
+    "SerializedDataset": ".legacy",
+    "VOCSerializedIterableDataset": ".data.iterable",
+    "BlockShuffleSampler": ".data.samplers",
+    "worker_init_fn": ".data.workers",
+    "open_pack": ".container.reader",
+    "PackReader": ".container.reader",
+    "prune_remote": ".remote.upload",
+    "list_cache": ".remote.cache",
+    "clear_cache": ".remote.cache",
 }
 
 __all__ = [

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import format as fmt
 from ._version import __version__
+from .container import spec as fmt
+from .container.fileio import DEFAULT_MAX_FILE_BYTES
 from .errors import ChecksumError, FormatError, TorchSerializedError, UntypedObjectsWarning
-from .safeio import DEFAULT_MAX_FILE_BYTES
 
 if TYPE_CHECKING:
-    from .reader import Member, PackReader
+    from .container.reader import Member, PackReader
 
 __all__ = ["main", "parse_size"]
 
@@ -128,17 +128,17 @@ def _remote(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _is_url(path: str) -> bool:
-    from .remote import is_url
+    from .remote.store import is_url
 
     return is_url(path)
 
 
 # -- pack ---------------------------------------------------------------------------------------
 def _cmd_pack(args: argparse.Namespace) -> int:
-    from .reader import open_pack
-    from .upload import check_writable
+    from .container.reader import open_pack
+    from .container.writer import member_refusal
+    from .remote.upload import check_writable
     from .voc.pack import pack_voc
-    from .writer import member_refusal
 
     _check_output(args.output)
     cache = [flag for dest, flag in _CACHE_OPTIONS.items() if getattr(args, dest) is not None]
@@ -280,7 +280,7 @@ def _check_output(output: str) -> None:
 
 def _remote_pack_exists(url: str, storage_options: dict[str, Any] | None) -> bool:
     from .errors import RemoteNotFoundError
-    from .remote import RemoteStore
+    from .remote.store import RemoteStore
 
     store = RemoteStore(url, storage_options)
     try:
@@ -291,7 +291,7 @@ def _remote_pack_exists(url: str, storage_options: dict[str, Any] | None) -> boo
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from .upload import local_prune_refusal, prune_remote
+    from .remote.upload import local_prune_refusal, prune_remote
 
     if not _is_url(args.url):
         raise ValueError(local_prune_refusal(args.url, f"run {PROG} prune"))
@@ -305,7 +305,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 
 # -- cache --------------------------------------------------------------------------------------
 def _cmd_cache(args: argparse.Namespace) -> int:
-    from .cache import cache_folder, clear_cache, list_cache
+    from .remote.cache import cache_folder, clear_cache, list_cache
 
     folder = cache_folder(args.cache_dir)  # a file given as the folder is refused, named
     if args.action == "clear":
@@ -421,7 +421,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
 def _pack_info(path: str, remote: dict[str, Any]) -> dict[str, Any]:
     """Everything ``info`` shows, as JSON-ready values."""
     from .voc import schema
-    from .voc.reader import VOCPackReader
+    from .voc.packed import VOCPackReader
 
     pack = VOCPackReader(path, **remote)
     reader, meta = pack.reader, pack.meta
@@ -502,7 +502,7 @@ def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
 
 def _member(path: str) -> Member | None:
     """What ``path`` is when it is a shard or catalog file of a shard folder, else None."""
-    from .reader import member_of, read_binding
+    from .container.reader import member_of, read_binding
 
     if _is_url(path) or not Path(path).is_file():
         return None
@@ -511,7 +511,7 @@ def _member(path: str) -> Member | None:
 
 def _member_info(path: str, member: Member) -> dict[str, Any]:
     """What ``info`` shows for one shard or catalog file: where it belongs and what it holds."""
-    from .reader import ContainerReader
+    from .container.reader import ContainerReader
 
     reader = ContainerReader(path)
     try:
@@ -638,9 +638,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 # -- verify -------------------------------------------------------------------------------------
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .reader import PackReader, member_of
+    from .container.reader import PackReader, member_of
     from .voc import schema
-    from .voc.reader import check_record_fields, check_voc_pack
+    from .voc.packed import check_record_fields, check_voc_pack
 
     started = time.perf_counter()
     try:
@@ -706,8 +706,8 @@ def _damaged_records(
 ) -> list[str]:
     """One line per damaged record: its id when the pack is a readable VOC pack, its shard,
     and the fields that fail their checksum."""
-    from .reader import PackReader
-    from .voc.reader import VOCPackReader
+    from .container.reader import PackReader
+    from .voc.packed import VOCPackReader
 
     try:
         ids: Callable[[int], str] | None = VOCPackReader(path, **remote).id
@@ -742,7 +742,7 @@ def _safe_id(ids: Callable[[int], str], record: int) -> str:
 # -- export -------------------------------------------------------------------------------------
 def _cmd_export(args: argparse.Namespace) -> int:
     from .voc.export import export_voc
-    from .voc.reader import VOCPackReader
+    from .voc.packed import VOCPackReader
 
     started = time.perf_counter()
     remote = _remote(args)
@@ -971,7 +971,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(run=_cmd_export)
 
-    from .tools.benchmark.core import OPTIONAL_SCENARIOS, SCENARIOS
+    from tsbench.core import OPTIONAL_SCENARIOS, SCENARIOS
 
     bench = command(
         "bench",

@@ -1,16 +1,13 @@
-"""Tooling that ships with the package: the benchmark, the demo and the synthetic VOC generator.
+"""What the main job needs beside the library: the demo and the synthetic VOC generator.
 
-They ship because ``torch-serialized bench`` and ``torch-serialized demo`` are commands, and
-examples and tests need a VOCdevkit without the 2 GB download. The library never imports this
-package (only the command line dispatches to it), and its modules use the library's public
-names. Its public entry points are the names below, imported on first use (PEP 562):
+They ship because ``torch-serialized demo`` and ``bench`` are commands, and examples and tests
+need a VOCdevkit without the 2 GB download. The library never imports this package (only the
+command line dispatches to it). Its entry points, imported on first use (PEP 562):
 
 - ``make_synthetic_voc(root, num_images, *, year, seed, ...)``: a deterministic VOCdevkit;
-- ``run_benchmark(root=None, *, quick=False, ...)``: the benchmark (``torch-serialized bench``);
 - ``run_demo(*, num_images=200, workers=2, ...)``: the demo (``torch-serialized demo``).
 
-``tools.loopback`` holds the real servers on 127.0.0.1 (HTTP with Range, S3 through moto, a
-fault-injecting proxy) that the tests and the remote benchmark use.
+The full benchmark lives in ``benchmarks/`` of a checkout, the test servers in ``tests/support/``.
 """
 
 from __future__ import annotations
@@ -19,18 +16,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .benchmark import run_benchmark
     from .demo import run_demo
     from .synthetic import make_synthetic_voc
 
 #: public name -> module that defines it
 _LAZY = {
     "make_synthetic_voc": ".synthetic",
-    "run_benchmark": ".benchmark",
     "run_demo": ".demo",
 }
 
-__all__ = ["make_synthetic_voc", "run_benchmark", "run_demo"]
+__all__ = ["make_synthetic_voc", "run_demo"]
 
 
 def __getattr__(name: str) -> Any:

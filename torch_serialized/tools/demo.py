@@ -34,10 +34,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import VOCDetection, wrap_dataset_for_transforms_v2
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
+from tsbench.system import PageCache, files_under
 
-from torch_serialized import VOCSerializedDataset, VOCSerializedIterableDataset, pack_voc
-
-from .benchmark.system import PageCache, files_under
+from .. import VOCSerializedDataset, VOCSerializedIterableDataset, pack_voc
 from .synthetic import make_synthetic_voc
 
 __all__ = ["run_demo", "list_collate", "Comparison", "Spread"]

@@ -28,8 +28,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from torch_serialized.voc.classes import VOC_CLASSES, VOC_IGNORE_INDEX, VOC_PALETTE
-from torch_serialized.voc.layout import base_dir
+from ..voc.classes import VOC_CLASSES, VOC_IGNORE_INDEX, VOC_PALETTE
+from ..voc.layout import base_dir
 
 __all__ = ["make_synthetic_voc"]
 

@@ -30,14 +30,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .. import format as fmt
+from ..container import spec as fmt
+from ..container.fileio import DEFAULT_MAX_FILE_BYTES, open_regular
+from ..container.grow import GrowWriter
+from ..container.parallel import SpillPool, copy_range, pays_off
+from ..container.reader import ContainerReader
+from ..container.writer import PackWriter
 from ..errors import FormatError, SourceDataError, SourceNotFoundError, WriteError
-from ..grow import GrowWriter
-from ..parallel import SpillPool, copy_range, pays_off
-from ..reader import ContainerReader
-from ..remote import is_url
-from ..safeio import DEFAULT_MAX_FILE_BYTES, open_regular
-from ..writer import PackWriter
+from ..remote.store import is_url
 from . import schema
 from .changes import Plan, classify
 from .classes import label_classes
@@ -58,7 +58,7 @@ from .pack import (
     write_records,
     write_report,
 )
-from .reader import VOCPackReader
+from .packed import VOCPackReader
 from .source import Job, survey
 
 __all__ = ["append_voc"]

@@ -41,16 +41,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .. import format as fmt
-from ..atomic import clean_stale, temp_sibling
-from ..cache import Cache
+from ..container import spec as fmt
+from ..container.atomic import clean_stale, temp_sibling
+from ..container.reader import PackReader, read_manifest
 from ..errors import WriteError
-from ..reader import PackReader, read_manifest
-from ..remote import RemoteStore, is_url, redact_url
-from ..remote_pack import file_identity, file_tail, local_file_identity
-from ..upload import READ_ONLY_PROTOCOLS, check_writable
+from ..remote.cache import Cache
+from ..remote.packs import file_identity, file_tail, local_file_identity
+from ..remote.store import RemoteStore, is_url, redact_url
+from ..remote.upload import READ_ONLY_PROTOCOLS, check_writable
 from .pack import REPORT_SUFFIX, PackResult, size_on_disk
-from .reader import VOCPackReader
+from .packed import VOCPackReader
 
 __all__ = ["append_to_url", "READ_ONLY_PROTOCOLS"]
 

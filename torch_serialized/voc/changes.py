@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..container.fileio import read_regular_file
 from ..errors import SourceDataError
-from ..safeio import read_regular_file
 from . import schema
 from .images import image_scale, resize_mask, same_mask
-from .reader import VOCPackReader
+from .packed import VOCPackReader
 from .source import Job, Planned, load, reads, source_paths, stores_digest
 
 __all__ = ["Verdict", "Plan", "classify", "compare"]

@@ -32,10 +32,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..atomic import AtomicOutput, replace_file_at
+from ..container.atomic import AtomicOutput, replace_file_at
 from ..errors import ChecksumError, FormatError, WriteError
 from . import schema
-from .reader import VOCPackReader
+from .packed import VOCPackReader
 
 __all__ = ["export_voc"]
 

@@ -17,8 +17,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Final
 
+from ..container.fileio import (
+    DEFAULT_MAX_FILE_BYTES,
+    FileKindError,
+    FileSizeError,
+    read_regular_file,
+)
 from ..errors import SourceDataError, SourceNotFoundError
-from ..safeio import DEFAULT_MAX_FILE_BYTES, FileKindError, FileSizeError, read_regular_file
 
 __all__ = [
     "STANDARD_IMAGE_SETS",

@@ -15,7 +15,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from .reader import VOCPackReader
+from .packed import VOCPackReader
 
 __all__ = ["RecordNames"]
 

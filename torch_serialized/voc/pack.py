@@ -31,15 +31,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .. import format as fmt
-from ..atomic import replace_file
+from ..container import spec as fmt
+from ..container.atomic import replace_file
+from ..container.fileio import DEFAULT_MAX_FILE_BYTES, read_regular_file
+from ..container.parallel import Record, Spilled, SpillPool, pays_off
+from ..container.reader import read_manifest
+from ..container.writer import CREATED_BY, PackWriter, check_output_name
 from ..errors import SourceDataError, UntypedObjectsWarning, WriteError
-from ..parallel import Record, Spilled, SpillPool, pays_off
-from ..reader import read_manifest
-from ..remote import is_url
-from ..safeio import DEFAULT_MAX_FILE_BYTES, read_regular_file
-from ..upload import check_writable, write_then_upload
-from ..writer import CREATED_BY, PackWriter, check_output_name
+from ..remote.store import is_url
+from ..remote.upload import check_writable, write_then_upload
 from . import schema
 from .images import ImageOptions
 from .layout import base_dir, find_voc_root, image_set_files, read_image_sets

@@ -1,6 +1,6 @@
 """The VOC sample schema: which fields and arrays a packed VOC dataset holds, and their codecs.
 
-A packed VOC dataset is a container (see ``torch_serialized.format``) whose records are
+A packed VOC dataset is a container (see ``torch_serialized.container.spec``) whose records are
 samples with these byte fields:
 
 - ``image``: the JPEGImages file bytes, unchanged (or raw RGB pixels / a resized JPEG when

@@ -20,17 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SourceDataError, SourceNotFoundError
-from ..safeio import DEFAULT_MAX_FILE_BYTES, FileKindError, FileSizeError, read_regular_file_stat
-from . import schema
-from .images import (
-    SKIP_HINT,
-    ImageOptions,
-    check_mask,
-    resize_mask,
-    scale_target,
-    store_image,
+from ..container.fileio import (
+    DEFAULT_MAX_FILE_BYTES,
+    FileKindError,
+    FileSizeError,
+    read_regular_file_stat,
 )
+from ..errors import SourceDataError, SourceNotFoundError
+from . import schema
+from .images import SKIP_HINT, ImageOptions, check_mask, resize_mask, scale_target, store_image
 from .layout import TASKS, near_miss
 from .xml import VOCObjects, extract_objects, parse_annotation
 

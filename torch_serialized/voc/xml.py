@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from torch_serialized.errors import SourceDataError
+from ..errors import SourceDataError
 
 __all__ = ["VOCObjects", "parse_annotation", "extract_objects"]
 

@@ -1,0 +1,921 @@
+"""The torch_serialized container format, version 1.1: the one place it is specified.
+
+docs/FORMAT.md says the same in prose; ``tests/test_format.py`` checks that the two agree.
+
+A container (``.tser`` file) holds ``N`` records of ``K`` named byte fields, named numpy
+arrays and a JSON metadata object. It is written front to back in one pass and read
+through ``mmap``. All integers are little-endian.
+
+Layout::
+
+    offset 0            header (64 bytes)
+    offset 64           record fields, each starting at a multiple of ``alignment``
+    ...                 arrays (the record index first), each aligned
+    meta_offset         metadata: UTF-8 JSON object, ``meta_length`` bytes
+    file_size - 64      footer (64 bytes), ending with the magic again
+
+Header (``HEADER``): ``magic`` (8 bytes, ``MAGIC``), ``major`` u16, ``minor`` u16,
+``header_size`` u32 (64), ``alignment`` u32 (a power of two from 8 to ``MAX_ALIGNMENT``),
+``flags`` u32 (0), 36 reserved zero bytes, ``header_crc32`` u32 of the preceding 60 bytes.
+
+Footer (``FOOTER``): ``meta_offset`` u64, ``meta_length`` u64, ``file_size`` u64,
+``num_records`` u64, ``meta_crc32`` u32, ``major`` u16, ``minor`` u16, 12 reserved zero
+bytes, ``footer_crc32`` u32 of the preceding 52 bytes, ``magic`` (8 bytes). A file whose
+last 8 bytes are not the magic, or whose size differs from ``file_size``, is truncated.
+
+Metadata (strict JSON object, see ``loads_json``) keys:
+
+- ``format``: ``"torch_serialized"``; ``format_version``: ``[major, minor]``;
+- ``created_by``: the writing software (informative);
+- ``num_records``: ``N``; ``fields``: the ``K`` field names in index column order;
+- ``alignment``: as in the header;
+- ``index``: an array descriptor for the record index, shape ``(N, K)``, dtype
+  ``INDEX_DTYPE`` (offset u64, length u64, crc32 u32, reserved u32);
+- ``arrays``: name -> array descriptor, plus ``per_record`` (first axis is ``N``);
+- ``user``: the writer's own metadata object (schema, packing options, counts...);
+- ``pack`` (1.1): the container's ``binding`` to its pack (pack id, role, place).
+
+An array descriptor is ``{"dtype", "shape", "offset", "nbytes", "crc32"}``. ``dtype`` is a
+simple type code (exactly one of ``|b1 |i1 |u1 <i2 <i4 <i8 <u2 <u4 <u8 <f2 <f4 <f8``) or a
+list of ``[name, code]`` pairs for a packed structured dtype; no object or pointer types
+exist, so nothing in a file can execute code. Each record field's CRC32 is stored in the
+index; ``verify`` recomputes them.
+
+Readers MUST reject a newer ``major`` and major 0 (never written), and a footer or
+``format_version`` whose version differs from the header's; they MAY read a newer ``minor``
+(additions only).
+
+A shard folder holds shards, a catalog (a 0-record container with the dataset-level arrays,
+every record's columns and ``user``) and ``MANIFEST_NAME``: strict JSON naming each with its
+size and ``meta_crc32``, protected by ``checksum`` (sha256 of the canonical JSON of every other
+key); every member carries its ``binding``, so a file swapped, duplicated or taken from another
+pack is refused (docs/FORMAT.md, "Integrity rules"). Manifest version 1 (0.1.0) is still read.
+
+Each structure has its writing and its reading function side by side: ``pack_header`` /
+``unpack_header``, ``pack_footer`` / ``unpack_footer``, ``array_descriptor`` /
+``check_descriptor``, ``binding`` / ``parse_binding``, ``build_metadata`` / ``parse_metadata``,
+``build_manifest`` / ``parse_manifest``.
+"""
+
+# More than 400 lines: the whole specification in one module, docs/FORMAT.md's twin, each
+# structure's writing and reading functions side by side, the manifest's included.
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import secrets
+import struct
+import unicodedata
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import numpy as np
+
+from ..errors import CorruptFileError, TruncatedFileError, UnsupportedVersionError
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_NAME",
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "HEADER",
+    "FOOTER",
+    "HEADER_SIZE",
+    "FOOTER_SIZE",
+    "DEFAULT_ALIGNMENT",
+    "MAX_ALIGNMENT",
+    "INDEX_DTYPE",
+    "FILE_SUFFIX",
+    "MANIFEST_NAME",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "MAX_META_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_INT",
+    "ROLE_SINGLE",
+    "ROLE_SHARD",
+    "ROLE_CATALOG",
+    "canonical_json",
+    "is_member_name",
+    "crc32",
+    "pad_to",
+    "pack_header",
+    "unpack_header",
+    "pack_footer",
+    "unpack_footer",
+    "dtype_to_json",
+    "dtype_from_json",
+    "array_bytes",
+    "array_descriptor",
+    "check_descriptor",
+    "DAMAGED",
+    "damaged",
+    "loads_json",
+    "new_pack_id",
+    "new_token",
+    "shard_file_name",
+    "catalog_file_name",
+    "binding",
+    "parse_binding",
+    "build_metadata",
+    "parse_metadata",
+    "ShardEntry",
+    "CatalogEntry",
+    "Manifest",
+    "manifest_checksum",
+    "build_manifest",
+    "parse_manifest",
+]
+
+#: First and last 8 bytes of every container. The high-bit byte catches 7-bit transfers,
+#: CR LF catches newline translation, 0x1A stops ``type`` on DOS (as PNG does).
+MAGIC = b"\x89TSER\r\n\x1a"
+#: The metadata's ``format`` value.
+FORMAT_NAME = "torch_serialized"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 1
+FILE_SUFFIX = ".tser"
+DEFAULT_ALIGNMENT = 64
+#: Largest alignment a reader accepts (1 MiB); writers refuse larger ones.
+MAX_ALIGNMENT = 1 << 20
+
+HEADER = struct.Struct("<8sHHIII36sI")
+FOOTER = struct.Struct("<QQQQIHH12sI8s")
+HEADER_SIZE = HEADER.size
+FOOTER_SIZE = FOOTER.size
+assert HEADER_SIZE == 64 and FOOTER_SIZE == 64  # the layout tables rely on it
+
+#: One row per (record, field): where the bytes are and their CRC32.
+INDEX_DTYPE = np.dtype(
+    [("offset", "<u8"), ("length", "<u8"), ("crc32", "<u4"), ("reserved", "<u4")]
+)
+
+#: A shard set is a folder holding shards and this JSON file.
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "torch_serialized.shards"
+#: The manifest version written; readers also read version 1 (written by 0.1.0).
+MANIFEST_VERSION = 2
+#: Largest manifest a reader accepts (64 MiB: about 400,000 shard entries).
+MAX_MANIFEST_BYTES = 64 << 20
+#: Deepest nesting of JSON arrays and objects a reader accepts in metadata and manifests.
+MAX_JSON_DEPTH = 64
+#: Largest magnitude of an integer in metadata and manifests: 2**53 - 1. Every integer up to
+#: it is exactly a double (I-JSON, RFC 7493), so a reader that parses numbers as doubles
+#: (JavaScript, many C libraries) reads the value written.
+MAX_JSON_INT = (1 << 53) - 1
+#: A container's role in its pack (its ``pack`` metadata, see ``binding``).
+ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG = "single", "shard", "catalog"
+ROLES = (ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG)
+_PACK_ID = re.compile(r"[0-9a-f]{32}")
+
+#: The only simple type codes a file may use: numpy's own ``dtype.str`` of little-endian
+#: bool, signed and unsigned integers and IEEE floats.
+_SIMPLE_CODE = re.compile(r"\|[biu]1|<[iu][248]|<f[248]")  # use fullmatch: "$" allows "\n"
+_MAX_FIELDS = 1024
+#: A run of digits long enough to be an integer beyond ``MAX_JSON_INT`` (16 digits): JSON text
+#: without one needs no integer check.
+_LONG_DIGITS = re.compile(r"[0-9]{16,}")
+#: Largest metadata a reader accepts.
+MAX_META_BYTES = 1 << 30
+
+
+def crc32(data: bytes | memoryview, value: int = 0) -> int:
+    """CRC32 (zlib polynomial) of ``data``, continuing from ``value``."""
+    return zlib.crc32(data, value) & 0xFFFFFFFF
+
+
+def pad_to(position: int, alignment: int) -> int:
+    """Bytes of zero padding that bring ``position`` to a multiple of ``alignment``."""
+    return -position % alignment
+
+
+#: How every message about a file that fails a check of this format ends: what to do.
+DAMAGED = "the file is damaged or not a torch_serialized pack: re-copy or re-pack it"
+
+
+def damaged(
+    path: str, fault: str, error: type[CorruptFileError] = CorruptFileError
+) -> CorruptFileError:
+    """The error for the file at ``path`` failing a check of this format: the file, ``fault``
+    (the field at fault and what it holds) and what to do (``DAMAGED``). ``error`` is the
+    class: ``CorruptFileError`` or ``TruncatedFileError``."""
+    return error(f"{path}: {fault}; {DAMAGED}")
+
+
+def pack_header(alignment: int) -> bytes:
+    """The 64-byte header of a new container."""
+    body = HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, HEADER_SIZE, alignment, 0, b"", 0)
+    return body[:-4] + struct.pack("<I", crc32(body[:-4]))
+
+
+def unpack_header(data: bytes, path: str) -> tuple[int, int, int]:
+    """Validate a header; return ``(major, minor, alignment)``."""
+    if len(data) < HEADER_SIZE:
+        raise damaged(path, f"{len(data)} bytes, too short for the {HEADER_SIZE}-byte header")
+    magic, major, minor, header_size, alignment, _flags, _reserved, stored = HEADER.unpack(
+        data[:HEADER_SIZE]
+    )
+    if magic != MAGIC:
+        raise damaged(path, f"not a torch_serialized file (magic {magic!r}, expected {MAGIC!r})")
+    if crc32(data[: HEADER_SIZE - 4]) != stored:
+        raise damaged(path, "header checksum mismatch (header_crc32)")
+    if major == 0:
+        raise damaged(path, "the header's major version is 0, which is never written")
+    if header_size != HEADER_SIZE:
+        raise damaged(path, f"the header's header_size is {header_size}, not {HEADER_SIZE}")
+    if alignment < 8 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
+        raise damaged(
+            path,
+            f"the header's alignment is {alignment}, not a power of two from 8 to {MAX_ALIGNMENT}",
+        )
+    return major, minor, alignment
+
+
+def pack_footer(
+    meta_offset: int, meta_length: int, file_size: int, num_records: int, meta_crc32: int
+) -> bytes:
+    """The 64-byte footer that closes a container."""
+    body = FOOTER.pack(
+        meta_offset,
+        meta_length,
+        file_size,
+        num_records,
+        meta_crc32,
+        FORMAT_MAJOR,
+        FORMAT_MINOR,
+        b"",
+        0,
+        MAGIC,
+    )
+    crc = crc32(body[:52])
+    return body[:52] + struct.pack("<I", crc) + MAGIC
+
+
+def unpack_footer(data: bytes, path: str) -> dict[str, int]:
+    """Validate a footer; return its fields by name."""
+    if len(data) != FOOTER_SIZE:
+        raise damaged(
+            path,
+            f"{len(data)} bytes where the {FOOTER_SIZE}-byte footer should be (truncated)",
+            TruncatedFileError,
+        )
+    (
+        meta_offset,
+        meta_length,
+        file_size,
+        num_records,
+        meta_crc32,
+        major,
+        minor,
+        _reserved,
+        stored,
+        magic,
+    ) = FOOTER.unpack(data)
+    if magic != MAGIC or crc32(data[:52]) != stored:
+        raise damaged(
+            path, "footer checksum mismatch (footer_crc32 or the closing magic): truncated?"
+        )
+    return {
+        "meta_offset": meta_offset,
+        "meta_length": meta_length,
+        "file_size": file_size,
+        "num_records": num_records,
+        "meta_crc32": meta_crc32,
+        "major": major,
+        "minor": minor,
+    }
+
+
+def dtype_to_json(dtype: np.dtype) -> str | list[list[str]]:
+    """A JSON description of a simple or flat structured dtype (see ``dtype_from_json``)."""
+    if dtype.names is None:
+        return _simple_code(dtype)
+    out: list[list[str]] = []
+    for name in dtype.names:
+        sub = dtype.fields[name][0]  # type: ignore[index]
+        out.append([name, _simple_code(sub)])
+    if np.dtype([(n, c) for n, c in out]) != dtype:
+        raise ValueError(f"structured dtype {dtype} has padding or offsets; use a packed dtype")
+    return out
+
+
+def _simple_code(dtype: np.dtype) -> str:
+    code = dtype.newbyteorder("<").str if dtype.byteorder == "=" else dtype.str
+    if not _SIMPLE_CODE.fullmatch(code):
+        raise ValueError(
+            f"dtype {dtype} cannot be stored; use little-endian bool, int, uint or float"
+        )
+    return code
+
+
+def dtype_from_json(value: Any, path: str, what: str = "an array") -> np.dtype:
+    """Rebuild a dtype from its JSON description, refusing anything but plain numbers
+    (``what``: the array it describes, for the error)."""
+    if isinstance(value, str) and _SIMPLE_CODE.fullmatch(value):
+        return np.dtype(value)  # every code the pattern admits is one numpy understands
+    if (
+        isinstance(value, list)
+        and 0 < len(value) <= _MAX_FIELDS
+        and all(
+            isinstance(item, list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and item[0]
+            and isinstance(item[1], str)
+            and _SIMPLE_CODE.fullmatch(item[1])
+            for item in value
+        )
+    ):
+        try:
+            return np.dtype([(name, code) for name, code in value])
+        except (TypeError, ValueError) as exc:
+            raise damaged(
+                path, f"{what} has an invalid dtype {_clip(repr(value))}: {exc}"
+            ) from None
+    raise damaged(path, f"{what} has an invalid dtype {_clip(repr(value))}")
+
+
+def array_bytes(array: np.ndarray) -> memoryview:
+    """The bytes of ``array`` in C order, as a flat byte view (copied only if not contiguous).
+
+    Unlike ``memoryview(array).cast("B")`` this also works for arrays with a zero-length axis.
+    """
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+
+
+def array_descriptor(array: np.ndarray, offset: int) -> dict[str, Any]:
+    """Metadata entry for ``array`` stored at ``offset``."""
+    return {
+        "dtype": dtype_to_json(array.dtype),
+        "shape": list(array.shape),
+        "offset": offset,
+        "nbytes": int(array.nbytes),
+        "crc32": crc32(array_bytes(array)),
+    }
+
+
+def check_descriptor(
+    desc: Any, name: str, data_end: int, path: str
+) -> tuple[np.dtype, tuple[int, ...], int, int, int]:
+    """Validate an array descriptor against the file; return dtype, shape, offset, nbytes, crc."""
+    what = f"array {_clip(repr(name))}"
+    if not isinstance(desc, Mapping):
+        raise damaged(path, f"the descriptor of {what} is not an object")
+    missing = [key for key in ("dtype", "shape", "offset", "nbytes", "crc32") if key not in desc]
+    if missing:
+        raise damaged(path, f"the descriptor of {what} lacks {', '.join(missing)}")
+    dtype = dtype_from_json(desc["dtype"], path, what)
+    dims = desc["shape"]
+    if not isinstance(dims, list) or not all(_is_count(d) for d in dims):
+        raise damaged(
+            path, f"the shape of {what} is {_clip(repr(dims))}, not a list of non-negative integers"
+        )
+    for key in ("offset", "nbytes", "crc32"):
+        if not _is_count(desc[key]):
+            raise damaged(
+                path, f"the {key} of {what} is {_clip(repr(desc[key]))}, not a non-negative integer"
+            )
+    shape: tuple[int, ...] = tuple(dims)
+    offset, nbytes, crc = desc["offset"], desc["nbytes"], desc["crc32"]
+    count = 1
+    for dim in shape:
+        count *= dim
+    if count * dtype.itemsize != nbytes or offset + nbytes > data_end or offset < HEADER_SIZE:
+        raise damaged(
+            path,
+            f"{what} ({nbytes} bytes at {offset}) does not fit its shape {shape} or the file",
+        )
+    return dtype, shape, offset, nbytes, crc
+
+
+# -- strict JSON ----------------------------------------------------------------------------------
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {_clip(repr(dup))}")
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {_clip(text)} is out of range")
+    return value
+
+
+def _exact_int(text: str) -> int:
+    """A JSON integer, refused beyond ``MAX_JSON_INT``: a double-based parser reads such a
+    number as another one (or as Infinity), so two readers would see two contents."""
+    digits = text.lstrip("-")
+    if len(digits) <= 16 and abs(value := int(text)) <= MAX_JSON_INT:
+        return value
+    raise ValueError(
+        f"integer {_clip(text, 40)} is beyond {MAX_JSON_INT} (2**53 - 1) in magnitude, "
+        "which a double cannot hold exactly"
+    )
+
+
+def _dumps(value: Any, **options: Any) -> str:
+    """``json.dumps`` of ``value`` as strict JSON (``loads_json``): a ``ValueError`` for NaN,
+    Infinity or an integer beyond ``MAX_JSON_INT``, so a writer never writes what a reader
+    refuses."""
+    text = json.dumps(value, allow_nan=False, **options)
+    if _LONG_DIGITS.search(text):
+        json.loads(text, parse_int=_exact_int)  # raises at the first integer out of range
+    return text
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, for messages that quote file content."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
+    """Parse strict JSON (RFC 8259): UTF-8, no duplicate keys, no ``NaN`` or ``Infinity``
+    (nor numbers that overflow to them), no integer beyond ``MAX_JSON_INT`` in magnitude,
+    arrays and objects nested at most ``MAX_JSON_DEPTH`` deep. Anything else raises
+    ``CorruptFileError`` naming ``path`` and ``what`` it is.
+
+    Duplicate keys are refused because readers disagree on them (first or last wins), so
+    another reader could see other content behind the same checksum.
+    """
+    try:
+        text = bytes(data).decode("utf-8")
+        value = json.loads(
+            text,
+            object_pairs_hook=_unique_keys,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+            parse_int=_exact_int if _LONG_DIGITS.search(text) else None,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise damaged(path, f"{what} is not valid JSON ({_clip(str(exc), 160)})") from None
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return value  # too few brackets to nest too deep: skip the walk
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:  # no recursion: a deep structure must not exhaust the stack here either
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise damaged(path, f"{what} nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return value
+
+
+def _is_count(value: Any, limit: int = 1 << 63) -> TypeGuard[int]:
+    """An integer (not a bool) in ``0..limit-1``."""
+    return type(value) is int and 0 <= value < limit
+
+
+# -- pack binding -----------------------------------------------------------------------------
+def new_pack_id() -> str:
+    """A random pack id: 32 lowercase hex digits, made once per pack (kept by appends)."""
+    return secrets.token_hex(16)
+
+
+def new_token() -> str:
+    """A random per-write token for file names: 8 lowercase hex digits."""
+    return secrets.token_hex(4)
+
+
+def shard_file_name(index: int, token: str) -> str:
+    """``shard-00003-<token>.tser``: the name of shard ``index`` written by write ``token``."""
+    return f"shard-{index:05d}-{token}{FILE_SUFFIX}"
+
+
+def catalog_file_name(token: str) -> str:
+    """``catalog-<token>.tser``: the name of the catalog written by write ``token``."""
+    return f"catalog-{token}{FILE_SUFFIX}"
+
+
+_MEMBER_NAME = re.compile(r"(?:shard-\d{5,}-|catalog-)[0-9a-f]{8}" + re.escape(FILE_SUFFIX))
+
+
+def is_member_name(name: str) -> bool:
+    """Whether ``name`` is a shard or catalog name as ``shard_file_name`` and
+    ``catalog_file_name`` make them: a file of this pack or of an earlier generation of it
+    (an append keeps the previous catalog for readers that opened the pack before)."""
+    return _MEMBER_NAME.fullmatch(name) is not None
+
+
+def binding(
+    role: str,
+    pack_id: str,
+    *,
+    index: int = 0,
+    first_record: int = 0,
+    num_records: int = 0,
+    num_shards: int = 0,
+) -> dict[str, Any]:
+    """A container's ``pack`` metadata: which pack it belongs to and its place in it.
+
+    ``"single"``: a one-file pack (``pack_id`` only). ``"shard"``: shard ``index`` of a shard
+    folder, holding global records ``first_record`` to ``first_record + num_records - 1``.
+    ``"catalog"``: the catalog of a shard folder of ``num_records`` records in ``num_shards``
+    shards.
+    """
+    if role == ROLE_SINGLE:
+        return {"pack_id": pack_id, "role": role}
+    if role == ROLE_SHARD:
+        return {
+            "pack_id": pack_id,
+            "role": role,
+            "index": index,
+            "first_record": first_record,
+            "num_records": num_records,
+        }
+    if role == ROLE_CATALOG:
+        return {
+            "pack_id": pack_id,
+            "role": role,
+            "num_records": num_records,
+            "num_shards": num_shards,
+        }
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+def parse_binding(value: Any, path: str) -> dict[str, Any]:
+    """Validate a container's ``pack`` metadata; return it."""
+    if not isinstance(value, dict):
+        raise damaged(path, f"the metadata's pack binding is {_clip(repr(value))}, not an object")
+    role, pack_id = value.get("role"), value.get("pack_id")
+    if role not in ROLES:
+        raise damaged(
+            path, f"the metadata's pack binding has role {_clip(repr(role))}, not one of {ROLES}"
+        )
+    if not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
+        raise damaged(
+            path,
+            f"the metadata's pack binding has pack_id {_clip(repr(pack_id))}, not 32 lowercase "
+            "hex digits",
+        )
+    expected = binding(role, pack_id)
+    for key in expected:
+        if key not in ("pack_id", "role") and not _is_count(value.get(key)):
+            raise damaged(
+                path,
+                f"the metadata's pack binding ({role}) has {key} "
+                f"{_clip(repr(value.get(key)))}, not a non-negative integer",
+            )
+    return {key: value[key] for key in expected}
+
+
+# -- metadata -----------------------------------------------------------------------------------
+def build_metadata(
+    *,
+    created_by: str,
+    num_records: int,
+    fields: Sequence[str],
+    alignment: int,
+    index: Mapping[str, Any],
+    arrays: Mapping[str, Mapping[str, Any]],
+    user: Mapping[str, Any],
+    pack: Mapping[str, Any] | None = None,
+) -> bytes:
+    """The metadata of a container, encoded: compact UTF-8 JSON, keys in the documented order.
+
+    ``index`` and ``arrays`` are descriptors made by ``array_descriptor`` (arrays with their
+    ``per_record`` flag); ``user`` is the writer's own JSON object; ``pack`` the container's
+    ``binding`` (since format 1.1).
+    """
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
+        "created_by": created_by,
+        "num_records": num_records,
+        "fields": list(fields),
+        "alignment": alignment,
+        "index": dict(index),
+        "arrays": {name: dict(desc) for name, desc in arrays.items()},
+        "user": dict(user),
+    }
+    if pack is not None:
+        meta["pack"] = dict(pack)
+    try:
+        text = _dumps(meta, ensure_ascii=False, separators=(",", ":"))
+    except ValueError as exc:
+        raise ValueError(f"the metadata cannot be stored as strict JSON: {exc}") from None
+    return text.encode("utf-8")
+
+
+def parse_metadata(
+    data: bytes, *, version: tuple[int, int], num_records: int, data_end: int, path: str
+) -> dict[str, Any]:
+    """Validate a container's metadata bytes; return the object.
+
+    ``version`` is the header's ``(major, minor)``, ``num_records`` the footer's count and
+    ``data_end`` the metadata's offset, the end of the space arrays may occupy. Raises
+    ``CorruptFileError`` for anything but strict JSON (``loads_json``) that describes a
+    container of that version with those records, a valid index descriptor, valid arrays and,
+    if present, a valid pack binding.
+    """
+    meta = loads_json(data, path, "metadata")
+    if not isinstance(meta, dict):
+        raise damaged(path, "the metadata is not a JSON object")
+    if meta.get("format") != FORMAT_NAME:
+        raise damaged(
+            path, f"the metadata's format is {_clip(repr(meta.get('format')))}, not {FORMAT_NAME!r}"
+        )
+    version_found = meta.get("format_version")
+    if version_found != list(version) or not all(type(v) is int for v in version_found):
+        raise damaged(
+            path,
+            f"the metadata's format_version is {_clip(repr(version_found))}, the header's "
+            f"version {version[0]}.{version[1]}",
+        )
+    fields = meta.get("fields")
+    if (
+        not isinstance(fields, list)
+        or not 0 < len(fields) <= _MAX_FIELDS
+        or not all(isinstance(f, str) for f in fields)
+        or len(set(fields)) != len(fields)
+    ):
+        raise damaged(
+            path,
+            f"the metadata's fields are {_clip(repr(fields))}, not 1 to {_MAX_FIELDS} distinct "
+            "names",
+        )
+    num = meta.get("num_records")
+    if type(num) is not int or num != num_records:
+        raise damaged(
+            path,
+            f"the metadata's num_records is {_clip(repr(num))}, the footer's {num_records}",
+        )
+    for key in ("arrays", "user"):
+        if not isinstance(meta.get(key), dict):
+            raise damaged(
+                path, f"the metadata's {key} is {_clip(repr(meta.get(key)))}, not an object"
+            )
+    dtype, shape, *_ = check_descriptor(meta.get("index"), "index", data_end, path)
+    if dtype != INDEX_DTYPE or shape != (num, len(fields)):
+        raise damaged(
+            path,
+            f"the record index has dtype {dtype} and shape {shape}, not {INDEX_DTYPE} and "
+            f"{(num, len(fields))}",
+        )
+    for name, desc in meta["arrays"].items():
+        check_descriptor(desc, name, data_end, path)
+        per_record = desc.get("per_record", False)
+        if not isinstance(per_record, bool):
+            raise damaged(
+                path,
+                f"the per_record of array {_clip(repr(name))} is {_clip(repr(per_record))}, "
+                "not true or false",
+            )
+        if per_record and desc["shape"][:1] != [num]:
+            raise damaged(
+                path,
+                f"per-record array {_clip(repr(name))} has shape {desc['shape']}, whose first "
+                f"axis is not the {num} records",
+            )
+    if "pack" in meta:
+        meta["pack"] = parse_binding(meta["pack"], path)
+    return meta
+
+
+# -- shard manifest -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardEntry:
+    """A shard as its manifest names it: file, global records, size and checksum."""
+
+    file: str
+    first_record: int
+    num_records: int
+    bytes: int
+    meta_crc32: int  # the shard footer's meta_crc32
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "first_record": self.first_record,
+            "num_records": self.num_records,
+            "bytes": self.bytes,
+            "meta_crc32": self.meta_crc32,
+        }
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """The catalog as its manifest names it: file, size and checksum."""
+
+    file: str
+    bytes: int
+    meta_crc32: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "bytes": self.bytes, "meta_crc32": self.meta_crc32}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest of either version.
+
+    Version 2 has ``pack_id``, ``catalog`` and ``checksum``; version 1 (written by 0.1.0) has
+    ``user`` instead and no protection of its own (see docs/FORMAT.md, "Manifest version 1").
+    """
+
+    version: int
+    created_by: str
+    num_records: int
+    fields: tuple[str, ...]
+    shards: tuple[ShardEntry, ...]
+    pack_id: str | None = None
+    catalog: CatalogEntry | None = None
+    checksum: str | None = None
+    user: dict[str, Any] | None = None
+
+    def files(self) -> list[str]:
+        """Every file the manifest names (catalog first), the manifest itself excluded."""
+        return [*([self.catalog.file] if self.catalog else []), *(s.file for s in self.shards)]
+
+    def files_bytes(self) -> int:
+        """The bytes of every file the manifest names, as it records them (the manifest
+        itself excluded): with the manifest's own size, the pack's size on disk."""
+        return sum(s.bytes for s in self.shards) + (self.catalog.bytes if self.catalog else 0)
+
+
+def canonical_json(value: Any) -> str:
+    """The canonical JSON text of ``value`` that a manifest's checksum covers: keys sorted at
+    every level, no whitespace, non-ASCII characters unescaped, no NaN or Infinity (encode it
+    as UTF-8). docs/FORMAT.md, "The manifest checksum", spells out the same call."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+
+
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """``"sha256:<hex>"`` of the canonical JSON (``canonical_json``) of every key of
+    ``manifest`` but ``checksum``, in UTF-8."""
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    return "sha256:" + hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+
+
+def build_manifest(
+    *,
+    created_by: str,
+    pack_id: str,
+    num_records: int,
+    fields: Sequence[str],
+    catalog: CatalogEntry,
+    shards: Sequence[ShardEntry],
+) -> bytes:
+    """The version-2 manifest of a shard folder, encoded: indented UTF-8 JSON ending with a
+    newline, its ``checksum`` last. ``shards`` are in record order."""
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "created_by": created_by,
+        "pack_id": pack_id,
+        "num_records": num_records,
+        "fields": list(fields),
+        "catalog": catalog.to_json(),
+        "shards": [shard.to_json() for shard in shards],
+    }
+    manifest["checksum"] = manifest_checksum(manifest)
+    try:
+        text = _dumps(manifest, indent=1, ensure_ascii=False)
+    except ValueError as exc:
+        raise ValueError(f"the manifest cannot be stored as strict JSON: {exc}") from None
+    return (text + "\n").encode("utf-8")
+
+
+def parse_manifest(data: bytes, path: str) -> Manifest:
+    """Validate a manifest's bytes (version 1 or 2); return it.
+
+    Raises ``UnsupportedVersionError`` for a newer manifest version and ``CorruptFileError``
+    for anything else that is not a manifest whose checksum (version 2) matches and whose
+    entries are plain file names with consistent record counts.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise damaged(
+            path, f"{len(data)} bytes is larger than a manifest may be ({MAX_MANIFEST_BYTES})"
+        )
+    raw = loads_json(data, path, "manifest")
+    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else raw
+        raise damaged(
+            path,
+            f"not a torch_serialized shard manifest (format {_clip(repr(found))}, expected "
+            f"{MANIFEST_FORMAT!r})",
+        )
+    version: Any = raw.get("version")
+    if not _is_count(version) or version < 1:
+        raise damaged(path, f"the manifest's version is {_clip(repr(version))}, not 1 or more")
+    if version > MANIFEST_VERSION:
+        raise UnsupportedVersionError(
+            f"{path}: manifest version {version} is newer than this torch_serialized reads "
+            f"({MANIFEST_VERSION}); upgrade torch_serialized"
+        )
+    if version >= 2 and raw.get("checksum") != manifest_checksum(raw):
+        raise damaged(path, "the manifest's checksum does not match its content (edited?)")
+    fields = raw.get("fields")
+    if (
+        not isinstance(fields, list)
+        or not 0 < len(fields) <= _MAX_FIELDS
+        or not all(isinstance(f, str) and f for f in fields)
+        or len(set(fields)) != len(fields)
+    ):
+        raise damaged(
+            path,
+            f"the manifest's fields are {_clip(repr(fields))}, not 1 to {_MAX_FIELDS} distinct "
+            "non-empty names",
+        )
+    entries = raw.get("shards")
+    if not isinstance(entries, list) or not entries:
+        raise damaged(path, f"the manifest lists no shards (shards: {_clip(repr(entries))})")
+    shards: list[ShardEntry] = []
+    for k, entry in enumerate(entries):
+        first = shards[-1].first_record + shards[-1].num_records if shards else 0
+        shards.append(_shard_entry(entry, k, first, version, path))
+    num_records = raw.get("num_records")
+    if num_records != shards[-1].first_record + shards[-1].num_records:
+        raise damaged(
+            path,
+            f"the manifest's num_records is {_clip(repr(num_records))}, not the sum of the "
+            "shards' records",
+        )
+    created_by = raw.get("created_by")
+    manifest = Manifest(
+        version=version,
+        created_by=created_by if isinstance(created_by, str) else "",
+        num_records=num_records,
+        fields=tuple(fields),
+        shards=tuple(shards),
+    )
+    if version == 1:
+        user = raw.get("user")
+        if not isinstance(user, dict):
+            raise damaged(path, "the version-1 manifest's user is not an object")
+        manifest = dataclasses.replace(manifest, user=user)
+    else:
+        pack_id = raw.get("pack_id")
+        if not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
+            raise damaged(
+                path,
+                f"the manifest's pack_id is {_clip(repr(pack_id))}, not 32 lowercase hex digits",
+            )
+        catalog = _catalog_entry(raw.get("catalog"), path)
+        manifest = dataclasses.replace(
+            manifest, pack_id=pack_id, catalog=catalog, checksum=raw["checksum"]
+        )
+    names = manifest.files()
+    if len(set(names)) != len(names):
+        twice = next(name for k, name in enumerate(names) if name in names[:k])
+        raise damaged(path, f"the manifest names {twice!r} twice")
+    return manifest
+
+
+def _plain_name(name: Any) -> TypeGuard[str]:
+    """A file name inside the pack's folder: not a path, not hidden, no control characters."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name.encode("utf-8", "surrogatepass")) <= 255
+        and not name.startswith(".")
+        and name != MANIFEST_NAME
+        and not any(c in name for c in "/\\")
+        and not any(unicodedata.category(c) in ("Cc", "Cs") for c in name)
+    )
+
+
+def _shard_entry(entry: Any, k: int, first: int, version: int, path: str) -> ShardEntry:
+    """Shard entry ``k`` of a manifest, whose records must start at ``first``."""
+    if isinstance(entry, dict):
+        name, count = entry.get("file"), entry.get("num_records")
+        size, crc = entry.get("bytes"), entry.get("meta_crc32")
+        start = entry.get("first_record") if version >= 2 else first
+        if (
+            _plain_name(name)
+            and _is_count(count)
+            and _is_count(size)
+            and size >= HEADER_SIZE + FOOTER_SIZE
+            and _is_count(crc, 1 << 32)
+            and start == first
+        ):
+            return ShardEntry(name, first, count, size, crc)
+    raise damaged(path, f"the manifest's shard entry {k} is invalid ({_clip(repr(entry))})")
+
+
+def _catalog_entry(entry: Any, path: str) -> CatalogEntry:
+    if isinstance(entry, dict):
+        name, size, crc = entry.get("file"), entry.get("bytes"), entry.get("meta_crc32")
+        if (
+            _plain_name(name)
+            and _is_count(size)
+            and size >= HEADER_SIZE + FOOTER_SIZE
+            and _is_count(crc, 1 << 32)
+        ):
+            return CatalogEntry(name, size, crc)
+    raise damaged(path, f"the manifest's catalog entry is invalid ({_clip(repr(entry))})")

@@ -1,0 +1,1 @@
+"""From packed records to what a DataLoader gets: decoding, map-style and streaming datasets."""

@@ -1,0 +1,81 @@
+"""The original design's API, kept for code written against it: ``Serializer`` and
+``SerializedDataset``. New code uses ``pack_voc`` and ``VOCSerializedDataset``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .data.decode import SampleDecoder
+from .voc import schema
+from .voc.pack import PackResult, pack_voc
+from .voc.packed import VOCPackReader
+
+__all__ = ["Serializer", "SerializedDataset"]
+
+
+class Serializer:
+    """The original design's packer: ``Serializer(source_dir, output_file).serialize()``.
+
+    ``source_dir`` is the ``VOCdevkit/VOC20xx`` folder; ``kwargs`` go to ``pack_voc``.
+    """
+
+    def __init__(
+        self, source_dir: str | os.PathLike[str], output_file: str | os.PathLike[str], **kwargs: Any
+    ) -> None:
+        self.source_dir = Path(source_dir)
+        self.output_file = Path(output_file)
+        self.kwargs = kwargs
+
+    def serialize(self) -> PackResult:
+        """Pack ``source_dir`` into ``output_file``."""
+        return pack_voc(self.source_dir, self.output_file, **self.kwargs)
+
+
+class SerializedDataset:
+    """Every packed sample in storage order, as in the original design (records an append
+    retired left out).
+
+    ``get_sample(i)`` returns ``{"id", "image": HWC uint8 numpy array, "target": dict}``
+    (``target`` is ``{}`` for ids without an annotation, and for ids only in segmentation
+    image sets whose annotation did not parse: ``PackResult.unparsed``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        self.pack = VOCPackReader(
+            path,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )
+        self.decoder = SampleDecoder(self.pack)
+        self.records = self.pack.live  # records an append retired are not samples
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def get_sample(self, index: int) -> dict[str, Any]:
+        record = int(self.records[range(len(self.records))[index]])
+        pack, decoder = self.pack, self.decoder
+        flags = int(pack.columns[record]["flags"])
+        target = {}
+        if flags & schema.HAS_ANNOTATION and not flags & schema.UNPARSED_ANNOTATION:
+            target = decoder.target(record, pack.field(record, decoder.target_field))
+        return {
+            "id": pack.id(record),
+            "image": np.asarray(decoder.image(record, pack.field(record, schema.IMAGE))),
+            "target": target,
+        }
+
+    __getitem__ = get_sample

@@ -1,5 +1,6 @@
-"""README.md stays true for a first-time reader: two commands, every CLI option, the Python
-floor that is tested, no internal target columns or unmeasured references."""
+"""README.md stays true for a first-time reader: short, two commands, every CLI option, the
+Python floor that is tested, no internal target columns or unmeasured references, links that
+lead somewhere; and CHANGELOG.md's Unreleased section stays a short list for users."""
 
 from __future__ import annotations
 
@@ -12,12 +13,29 @@ from torch_serialized.cli import _parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+CHANGELOG = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 def section(title: str) -> str:
     start = README.index(f"\n## {title}\n")
     end = README.find("\n## ", start + 1)
     return README[start : end if end > 0 else None]
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings (fenced code left out)."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    titles = re.findall(r"^#{1,6} (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-") for t in titles}
+
+
+def test_readme_and_changelog_stay_short() -> None:
+    assert len(README.splitlines()) <= 300
+    start = CHANGELOG.index("## [Unreleased]")
+    end = CHANGELOG.find("\n## [", start)
+    unreleased = CHANGELOG[start : end if end > 0 else None].rstrip("\n")
+    assert len(unreleased.splitlines()) <= 120
 
 
 def test_exactly_two_commands_for_a_fresh_machine() -> None:
@@ -60,8 +78,18 @@ def test_performance_shows_measured_figures_only() -> None:
     assert "PEERS.md" not in README
 
 
-def test_named_examples_and_files_exist() -> None:
+def test_named_examples_exist() -> None:
     for name in re.findall(r"`(\w+\.py)`", section("Which API to use")):
         assert (ROOT / "examples" / name).is_file(), name
-    for link in re.findall(r"\]\(((?!http|#)[^)]+)\)", README):
-        assert (ROOT / link.split("#")[0]).exists(), link
+
+
+def test_links_in_readme_and_docs_lead_somewhere() -> None:
+    pages = [ROOT / "README.md", *DOCS]
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for link in re.findall(r"\]\(((?!http)[^)]+)\)", text):
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path) if path else page
+            assert target.exists(), f"{page.name}: {link}"
+            if anchor and target.suffix == ".md":
+                assert anchor in anchors(target.read_text(encoding="utf-8")), f"{page.name}: {link}"

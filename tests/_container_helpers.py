@@ -29,9 +29,10 @@ import pytest
 from _reliability_helpers import PACK_ID, TOKEN, pinned_identity  # noqa: F401 (re-exported)
 from torch.utils.data import Dataset
 
+from torch_serialized.container import manifest as mf
 from torch_serialized.container import spec as fmt
-from torch_serialized.container.reader import PackReader
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container.shards import PackReader
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import TorchSerializedError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +145,7 @@ def edit_manifest(
     manifest_path = path / fmt.MANIFEST_NAME
     edited = edit(json.loads(manifest_path.read_text()))
     if isinstance(edited, dict) and checksum and "checksum" in edited:
-        edited["checksum"] = fmt.manifest_checksum(edited)
+        edited["checksum"] = mf.manifest_checksum(edited)
     manifest_path.write_text(edited if isinstance(edited, str) else json.dumps(edited, indent=1))
 
 
@@ -203,7 +204,7 @@ import sys, types
 package = types.ModuleType("torch_serialized")
 package.__path__ = [{str(ROOT / "torch_serialized")!r}]
 sys.modules["torch_serialized"] = package
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import WriteError
 assert "torch" not in sys.modules, "the writer imported torch"
 """

@@ -41,7 +41,7 @@ def pinned_identity() -> Iterator[None]:
     history time (the clock otherwise), so two writes of the same records can be compared
     byte for byte."""
     from torch_serialized.container import spec as fmt
-    from torch_serialized.voc import pack
+    from torch_serialized.voc import records as pack
 
     with (
         mock.patch.object(fmt, "new_pack_id", lambda: PACK_ID),
@@ -104,7 +104,7 @@ def crc_reader(path: str, rank: int, passes: int, barrier: Any, results: Any) ->
     """Open the pack, wait for every reader, then CRC every field in a random order ``passes``
     times; report ``(rank, pid, {(record, field): crc}, changed, torch_loaded)``."""
     light_import()
-    from torch_serialized.container.reader import open_pack
+    from torch_serialized.container.shards import open_pack
 
     reader = open_pack(path)
     order = [(i, k) for i in range(len(reader)) for k in range(len(reader.fields))]
@@ -178,15 +178,15 @@ def child_main(command: str, *args: str) -> None:
 def slow_pack(root: str, output: str, options: str, per_image: str) -> None:
     """``pack_voc`` with a pause before each image is read (a slow source disk), so that a
     SIGKILL sent at a random moment lands while the pack is being written."""
-    from torch_serialized.voc import pack
+    from torch_serialized.voc import pack, records
 
-    load, pause = pack.load, float(per_image)
+    load, pause = records.load, float(per_image)
 
     def slow_load(job: Any, *args: Any) -> Any:
         time.sleep(pause)
         return load(job, *args)
 
-    pack.load = slow_load  # type: ignore[assignment]
+    records.load = slow_load  # type: ignore[assignment]
     print("started", flush=True)
     with pinned_identity():  # the test compares what is left with packs it wrote itself
         pack.pack_voc(root, output, year="2007", **json.loads(options))

@@ -38,9 +38,9 @@ from _reliability_helpers import (
     snapshot,
 )
 
-from torch_serialized.container import atomic
-from torch_serialized.container.reader import open_pack
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container import fileio
+from torch_serialized.container.shards import open_pack
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import WriteError
 from torch_serialized.voc.pack import pack_voc
 
@@ -56,35 +56,35 @@ def _same_identity() -> Any:
 # -- the helpers themselves ---------------------------------------------------------------------
 def test_temporary_names_are_hidden_siblings_that_name_their_process(tmp_path: Path) -> None:
     final = tmp_path / "out.tser"
-    temp = atomic.temp_sibling(final)
+    temp = fileio.temp_sibling(final)
     assert temp.parent == tmp_path and temp.name.startswith(f".out.tser.tmp-{os.getpid()}-")
-    assert atomic.temp_sibling(final) != temp
-    assert atomic.temp_sibling(final, "old").name.startswith(f".out.tser.old-{os.getpid()}-")
+    assert fileio.temp_sibling(final) != temp
+    assert fileio.temp_sibling(final, "old").name.startswith(f".out.tser.old-{os.getpid()}-")
     with pytest.raises(ValueError, match="kind"):
-        atomic.temp_sibling(final, "bak")
+        fileio.temp_sibling(final, "bak")
 
 
 def test_replace_file_leaves_the_old_file_or_the_new_one(tmp_path: Path) -> None:
     target = tmp_path / "a.txt"
     target.write_bytes(b"old")
-    atomic.replace_file(target, b"new")
+    fileio.replace_file(target, b"new")
     assert target.read_bytes() == b"new" and listing(tmp_path) == ["a.txt"]
 
     with pytest.raises(TypeError):  # fails after the temporary was created
-        atomic.replace_file(target, "not bytes")  # type: ignore[arg-type]
+        fileio.replace_file(target, "not bytes")  # type: ignore[arg-type]
     assert target.read_bytes() == b"new" and listing(tmp_path) == ["a.txt"]
 
 
 def test_output_commits_and_removes_its_scratch(tmp_path: Path) -> None:
     final = tmp_path / "out"
-    output = atomic.AtomicOutput(final, folder=True)
+    output = fileio.AtomicOutput(final, folder=True)
     scratch = output.scratch()
     (output.path / "f").write_bytes(b"x")
     (scratch / "chunk").write_bytes(b"y")
     output.commit()
     assert listing(tmp_path) == ["out"] and (final / "f").read_bytes() == b"x"
 
-    again = atomic.AtomicOutput(final, folder=True)
+    again = fileio.AtomicOutput(final, folder=True)
     again.scratch()
     again.abort()
     assert listing(tmp_path) == ["out"] and (final / "f").read_bytes() == b"x"
@@ -102,7 +102,7 @@ def test_stale_temporaries_of_dead_processes_only_are_removed(tmp_path: Path) ->
     ]
     for name in names:
         (tmp_path / name).write_bytes(b"")
-    atomic.clean_stale(final)
+    fileio.clean_stale(final)
     assert listing(tmp_path) == sorted(names[1:])
 
 
@@ -307,7 +307,7 @@ def test_crash_between_the_two_renames_restores_the_previous_pack(tmp_path, voc8
     out, _ = make_crash_state(work, voc8, voc40, old_form)
     assert not out.exists()
 
-    atomic.clean_stale(out)
+    fileio.clean_stale(out)
     assert listing(work) == ["voc"]
     assert snapshot(out) == previous
     assert len(open_pack(out)) == 8
@@ -320,7 +320,7 @@ def test_crash_after_the_second_rename_keeps_the_new_pack(tmp_path, voc8, voc40)
     out, pid = make_crash_state(tmp_path, voc8, voc40, "shards")
     os.replace(tmp_path / f".voc.tmp-{pid}-0ddba11a", out)  # the second rename happened
     committed = snapshot(out)
-    atomic.clean_stale(out)
+    fileio.clean_stale(out)
     assert listing(tmp_path) == ["voc"] and snapshot(out) == committed
 
 
@@ -331,7 +331,7 @@ def test_a_live_writers_folders_are_left_alone(tmp_path, voc8, voc40):
         for name in listing(tmp_path):
             os.replace(tmp_path / name, tmp_path / name.replace(f"-{pid}-", f"-{sleeper.pid}-"))
         before = listing(tmp_path)
-        atomic.clean_stale(out)  # that writer may still be between renames
+        fileio.clean_stale(out)  # that writer may still be between renames
         assert listing(tmp_path) == before and not out.exists()
     finally:
         sleeper.kill()
@@ -350,7 +350,7 @@ def test_failure_between_the_two_renames_puts_the_previous_pack_back(
             raise OSError(errno.EIO, "Input/output error (injected)")
         real_replace(src, dst)
 
-    monkeypatch.setattr(atomic.os, "replace", failing_replace)
+    monkeypatch.setattr(fileio.os, "replace", failing_replace)
     with pytest.raises(WriteError, match="injected") as info:
         pack_voc(voc40, out, year="2007", **PACK_FORMS["shards"])
     monkeypatch.undo()
@@ -368,15 +368,15 @@ def test_an_old_output_that_cannot_be_removed_after_the_commit_is_logged(
 
     out = tmp_path / "voc"
     pack_voc(voc8, out, year="2007", **PACK_FORMS["shards"])
-    real_remove = atomic.remove
+    real_remove = fileio.remove
 
     def failing_remove(path: Any) -> None:
         if ".voc.old-" in Path(path).name:
             raise OSError(errno.EIO, "Input/output error (injected)")
         real_remove(path)
 
-    monkeypatch.setattr(atomic, "remove", failing_remove)
-    with caplog.at_level(logging.WARNING, "torch_serialized.container.atomic"):
+    monkeypatch.setattr(fileio, "remove", failing_remove)
+    with caplog.at_level(logging.WARNING, "torch_serialized.container.fileio"):
         result = pack_voc(voc40, out, year="2007", **PACK_FORMS["shards"])
     monkeypatch.undo()
     assert result.num_samples == len(open_pack(out)) > 8

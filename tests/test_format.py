@@ -7,6 +7,7 @@ The tables of FORMAT.md are parsed here and compared with the constants, structs
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -19,9 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch_serialized.container import manifest as mf
 from torch_serialized.container import spec as fmt
-from torch_serialized.container.reader import ContainerReader, PackReader
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container.reader import ContainerReader
+from torch_serialized.container.shards import PackReader
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import (
     CorruptFileError,
     FormatError,
@@ -254,7 +257,7 @@ def test_manifest_checksum_is_the_documented_computation(tmp_path):
     code = re.search(r"```python\n(.*?)```", section("The manifest checksum"), re.S).group(1)
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     documented = eval(code, {"hashlib": hashlib, "json": json, "body": body})
-    assert manifest["checksum"] == "sha256:" + documented == fmt.manifest_checksum(manifest)
+    assert manifest["checksum"] == "sha256:" + documented == mf.manifest_checksum(manifest)
 
 
 def test_worked_example_matches_writer(tmp_path, monkeypatch):
@@ -263,7 +266,10 @@ def test_worked_example_matches_writer(tmp_path, monkeypatch):
     # created_by names the writing version: the example's bytes are those of the version the
     # document shows, whatever version runs the test
     documented = json.loads(re.search(r"```json\n(.*?)```", section("Worked example"), re.S)[1])
-    monkeypatch.setattr("torch_serialized.container.writer.CREATED_BY", documented["created_by"])
+    for module in ("writer", "shardwriter"):
+        monkeypatch.setattr(
+            f"torch_serialized.container.{module}.CREATED_BY", documented["created_by"]
+        )
     with PackWriter(path, ["image", "target"], pack_id=pack_id) as w:
         w.add([b"\xff\xd8jpeg", b'{"a":1}'])
         w.add([b"", b"{}"])
@@ -451,18 +457,18 @@ def test_parse_metadata_refuses(edit, message):
         )
 
 
-def _shards(count: int, size: int = 1) -> list[fmt.ShardEntry]:
+def _shards(count: int, size: int = 1) -> list[mf.ShardEntry]:
     return [
-        fmt.ShardEntry(f"shard-{i:05d}-0badcafe.tser", i * size, size, 200 + i, i)
+        mf.ShardEntry(f"shard-{i:05d}-0badcafe.tser", i * size, size, 200 + i, i)
         for i in range(count)
     ]
 
 
-_CATALOG = fmt.CatalogEntry("catalog-0badcafe.tser", 300, 7)
+_CATALOG = mf.CatalogEntry("catalog-0badcafe.tser", 300, 7)
 
 
-def _manifest(shards: list[fmt.ShardEntry], fields: list[str] | None = None) -> bytes:
-    return fmt.build_manifest(
+def _manifest(shards: list[mf.ShardEntry], fields: list[str] | None = None) -> bytes:
+    return mf.build_manifest(
         created_by="test",
         pack_id=_PACK_ID,
         num_records=sum(s.num_records for s in shards),
@@ -481,8 +487,8 @@ def _manifest(shards: list[fmt.ShardEntry], fields: list[str] | None = None) -> 
 def test_manifest_round_trip(count, size, fields):
     shards = _shards(count, size)
     data = _manifest(shards, fields)
-    manifest = fmt.parse_manifest(data, "manifest.json")
-    assert manifest == fmt.Manifest(
+    manifest = mf.parse_manifest(data, "manifest.json")
+    assert manifest == mf.Manifest(
         version=fmt.MANIFEST_VERSION,
         created_by="test",
         num_records=count * size,
@@ -506,7 +512,7 @@ def _manifest_text(**edits) -> bytes:
         else:
             manifest[key] = value
     if "checksum" not in edits:
-        manifest["checksum"] = fmt.manifest_checksum(manifest)
+        manifest["checksum"] = mf.manifest_checksum(manifest)
     return json.dumps(manifest).encode()
 
 
@@ -530,13 +536,17 @@ def _manifest_text(**edits) -> bytes:
         (_manifest_text(pack_id="ABC"), CorruptFileError, "pack_id"),
         (_manifest_text(fields=["a", "a"]), CorruptFileError, "fields"),
         (_manifest_text(catalog=None), CorruptFileError, "catalog"),
-        (_manifest_text(catalog={**_CATALOG.to_json(), "bytes": 5}), CorruptFileError, "catalog"),
+        (
+            _manifest_text(catalog={**dataclasses.asdict(_CATALOG), "bytes": 5}),
+            CorruptFileError,
+            "catalog",
+        ),
         (_manifest_text(checksum=None), CorruptFileError, "checksum"),
     ],
 )
 def test_parse_manifest_refuses(data, error, message):
     with pytest.raises(error, match=message):
-        fmt.parse_manifest(data, "manifest.json")
+        mf.parse_manifest(data, "manifest.json")
 
 
 @pytest.mark.parametrize(
@@ -560,10 +570,11 @@ def test_parse_manifest_refuses(data, error, message):
 )
 def test_parse_manifest_refuses_shard_names(name):
     shards = [
-        {**s.to_json(), "file": name} if i == 1 else s.to_json() for i, s in enumerate(_shards(2))
+        {**dataclasses.asdict(s), "file": name} if i == 1 else dataclasses.asdict(s)
+        for i, s in enumerate(_shards(2))
     ]
     with pytest.raises(CorruptFileError, match="entry 1 is invalid") as info:
-        fmt.parse_manifest(_manifest_text(shards=shards), "manifest.json")
+        mf.parse_manifest(_manifest_text(shards=shards), "manifest.json")
     assert "manifest.json" in str(info.value)
 
 
@@ -581,20 +592,20 @@ def test_parse_manifest_refuses_shard_names(name):
     ],
 )
 def test_parse_manifest_refuses_shard_numbers(edit):
-    shards = [s.to_json() for s in _shards(3)]
+    shards = [dataclasses.asdict(s) for s in _shards(3)]
     shards[1] = edit(shards[1])
     with pytest.raises(CorruptFileError, match="entry 1 is invalid"):
-        fmt.parse_manifest(_manifest_text(shards=shards), "manifest.json")
+        mf.parse_manifest(_manifest_text(shards=shards), "manifest.json")
 
 
 def test_parse_manifest_refuses_a_file_named_twice():
-    shards = [s.to_json() for s in _shards(2)]
+    shards = [dataclasses.asdict(s) for s in _shards(2)]
     shards[1]["file"] = shards[0]["file"]
     with pytest.raises(CorruptFileError, match="twice"):
-        fmt.parse_manifest(_manifest_text(shards=shards), "manifest.json")
-    catalog = {**_CATALOG.to_json(), "file": shards[0]["file"]}
+        mf.parse_manifest(_manifest_text(shards=shards), "manifest.json")
+    catalog = {**dataclasses.asdict(_CATALOG), "file": shards[0]["file"]}
     with pytest.raises(CorruptFileError, match="twice"):
-        fmt.parse_manifest(_manifest_text(catalog=catalog), "manifest.json")
+        mf.parse_manifest(_manifest_text(catalog=catalog), "manifest.json")
 
 
 @pytest.mark.parametrize(
@@ -619,7 +630,7 @@ def test_strict_json_refusals_name_the_file(text, message):
     for where in ("manifest", "metadata"):
         with pytest.raises(CorruptFileError):
             if where == "manifest":
-                fmt.parse_manifest(text.encode(), "m.json")
+                mf.parse_manifest(text.encode(), "m.json")
             else:
                 fmt.parse_metadata(
                     text.encode(),

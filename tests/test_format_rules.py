@@ -18,9 +18,11 @@ from _container_helpers import (
     rewrite_container,
 )
 
+from torch_serialized.container import manifest as mf
 from torch_serialized.container import spec as fmt
-from torch_serialized.container.reader import ContainerReader, PackReader, open_pack
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container.reader import ContainerReader
+from torch_serialized.container.shards import PackReader, open_pack
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import CorruptFileError, UnsupportedVersionError
 
 _PACK_ID = "0123456789abcdef" * 2
@@ -71,9 +73,9 @@ def test_writer_refuses_metadata_integers_a_reader_would_refuse(tmp_path):
 
 
 def test_manifest_refuses_integers_a_double_cannot_hold():
-    catalog = fmt.CatalogEntry("catalog-00000000.tser", 200, 1)
-    shard = fmt.ShardEntry("shard-00000-00000000.tser", 0, 1, 200, 1)
-    data = fmt.build_manifest(
+    catalog = mf.CatalogEntry("catalog-00000000.tser", 200, 1)
+    shard = mf.ShardEntry("shard-00000-00000000.tser", 0, 1, 200, 1)
+    data = mf.build_manifest(
         created_by="t",
         pack_id=_PACK_ID,
         num_records=1,
@@ -84,15 +86,15 @@ def test_manifest_refuses_integers_a_double_cannot_hold():
     manifest = json.loads(data)
     text = json.dumps(manifest).replace('"version": 2', f'"version": 2, "x": {2**53}')
     with pytest.raises(CorruptFileError, match="integer"):
-        fmt.parse_manifest(text.encode(), "/p/manifest.json")
+        mf.parse_manifest(text.encode(), "/p/manifest.json")
     with pytest.raises(ValueError, match="integer"):
-        fmt.build_manifest(
+        mf.build_manifest(
             created_by="t",
             pack_id=_PACK_ID,
             num_records=2**60,
             fields=["a"],
             catalog=catalog,
-            shards=[fmt.ShardEntry("s.tser", 0, 2**60, 200, 1)],
+            shards=[mf.ShardEntry("s.tser", 0, 2**60, 200, 1)],
         )
 
 
@@ -344,10 +346,10 @@ def test_container_refusals_name_the_file_the_fault_and_what_to_do(tmp_path, dam
     ],
 )
 def test_manifest_refusals_name_the_file_the_fault_and_what_to_do(edit, fault):
-    catalog = fmt.CatalogEntry("catalog-00000000.tser", 200, 1)
-    shard = fmt.ShardEntry("shard-00000-00000000.tser", 0, 1, 200, 1)
+    catalog = mf.CatalogEntry("catalog-00000000.tser", 200, 1)
+    shard = mf.ShardEntry("shard-00000-00000000.tser", 0, 1, 200, 1)
     manifest = json.loads(
-        fmt.build_manifest(
+        mf.build_manifest(
             created_by="t",
             pack_id=_PACK_ID,
             num_records=1,
@@ -357,9 +359,9 @@ def test_manifest_refusals_name_the_file_the_fault_and_what_to_do(edit, fault):
         )
     )
     edit(manifest)
-    manifest["checksum"] = fmt.manifest_checksum(manifest)
+    manifest["checksum"] = mf.manifest_checksum(manifest)
     with pytest.raises(CorruptFileError, match=fault) as info:
-        fmt.parse_manifest(json.dumps(manifest).encode(), "/p/manifest.json")
+        mf.parse_manifest(json.dumps(manifest).encode(), "/p/manifest.json")
     message = str(info.value)
     assert message.startswith("/p/manifest.json: ") and message.endswith(fmt.DAMAGED)
 
@@ -367,9 +369,9 @@ def test_manifest_refusals_name_the_file_the_fault_and_what_to_do(edit, fault):
 # -- the manifest checksum's canonical JSON: fixed, not a mutable module dict -----------------
 def test_canonical_json_has_fixed_options():
     body = {"b": [1, "é"], "a": {"z": None, "y": "\n\x1f"}}
-    assert fmt.canonical_json(body) == '{"a":{"y":"\\n\\u001f","z":null},"b":[1,"é"]}'
+    assert mf.canonical_json(body) == '{"a":{"y":"\\n\\u001f","z":null},"b":[1,"é"]}'
     with pytest.raises(ValueError):
-        fmt.canonical_json({"x": float("nan")})
+        mf.canonical_json({"x": float("nan")})
     assert not hasattr(fmt, "CANONICAL_JSON")  # a dict anyone could change: every checksum
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from torch_serialized import VOCSerializedDataset, VOCSerializedIterableDataset
-from torch_serialized.container import oscompat
+from torch_serialized.container import fileio
 
 
 def test_preadv_by_pread_fills_buffers_like_preadv(tmp_path: Path) -> None:
@@ -30,7 +30,7 @@ def test_preadv_by_pread_fills_buffers_like_preadv(tmp_path: Path) -> None:
             for a, start in zip(expected, np.cumsum([0, *sizes[:-1]])):
                 chunk = data[start : start + len(a)]
                 a[: len(chunk)] = np.frombuffer(chunk, np.uint8)
-        assert oscompat.preadv_by_pread(fd, [a.data for a in actual], 10) == 1014
+        assert fileio.preadv_by_pread(fd, [a.data for a in actual], 10) == 1014
     finally:
         os.close(fd)
     for a, b in zip(actual, expected):
@@ -40,7 +40,7 @@ def test_preadv_by_pread_fills_buffers_like_preadv(tmp_path: Path) -> None:
 def test_the_iterable_reads_the_same_without_preadv(
     stream_packs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(oscompat, "preadv", oscompat.preadv_by_pread)
+    monkeypatch.setattr(fileio, "preadv", fileio.preadv_by_pread)
     for layout in ("single", "shards"):
         path = stream_packs[layout]
         stream = VOCSerializedIterableDataset(path, "trainval", decode="none")

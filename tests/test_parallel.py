@@ -33,7 +33,7 @@ from vocfactory import (
 
 import torch_serialized as ts
 from torch_serialized.container.parallel import copy_range
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container.shardwriter import PackWriter
 
 
 @pytest.mark.parametrize("form", ["single", "shards"])

@@ -60,8 +60,9 @@ from _reliability_helpers import (
 
 import torch_serialized
 from torch_serialized.container import spec as fmt
-from torch_serialized.container.reader import ContainerReader, open_pack
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container.reader import ContainerReader
+from torch_serialized.container.shards import open_pack
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import (
     ChecksumError,
     CorruptFileError,
@@ -373,21 +374,21 @@ def test_a_pack_replaced_between_its_manifest_and_catalog_raises_file_changed(
     """Opening a shard folder while it is re-packed: the manifest read names a catalog the
     new pack removed. That raised a bare ``FileNotFoundError`` naming the catalog (20 of
     ~1,400 opens under a re-pack loop); shards already said ``FileChangedError``."""
-    from torch_serialized.container import reader as reader_module
+    from torch_serialized.container import shards as shards_module
 
     out = write_pack(tmp_path / "out", 30, **SHARDED)
-    locate = reader_module._locate
+    locate = shards_module.find
 
     def late(*args: Any, **kwargs: Any) -> Any:
         located = locate(*args, **kwargs)  # the old manifest's bytes
         write_pack(out, 30, seed=7, **SHARDED)  # replaced before its catalog is opened
         return located
 
-    monkeypatch.setattr(reader_module, "_locate", late)
+    monkeypatch.setattr(shards_module, "find", late)
     with pytest.raises(FileChangedError, match="replaced after it was opened") as info:
         open_pack(out)
     assert str(out) in str(info.value) and "catalog-" in str(info.value)
-    monkeypatch.setattr(reader_module, "_locate", locate)
+    monkeypatch.setattr(shards_module, "find", locate)
     check_pack(open_pack(out), 30, seed=7)
 
     catalog_file(out).unlink()  # the manifest unchanged: an incomplete pack, not a replaced one
@@ -402,8 +403,8 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
     folder without manifest.json" (2 of ~9,000 opens under a re-pack loop,
     t4_open_during_rename.py): now it looks again a few ms later and opens the pack there,
     or says the pack is being replaced."""
-    from torch_serialized.container import reader as reader_module
-    from torch_serialized.container.atomic import temp_sibling
+    from torch_serialized.container import locate as locate_module
+    from torch_serialized.container.fileio import temp_sibling
 
     out = write_pack(tmp_path / "out", 30, **SHARDED)
     new = write_pack(tmp_path / "new", 30, seed=7, **SHARDED)
@@ -414,7 +415,7 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
         if new.exists():
             os.replace(new, out)
 
-    monkeypatch.setattr(reader_module, "_pause", swap_in)
+    monkeypatch.setattr(locate_module, "_pause", swap_in)
     aside = temp_sibling(out, "old")
     os.replace(out, aside)  # between the two renames: no folder at the path
     check_pack(open_pack(out), 30, seed=7)
@@ -423,17 +424,17 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
 
     # the folder moved aside while its manifest is read: looked up again, the new one opens
     new = write_pack(tmp_path / "new", 30, seed=3, **SHARDED)
-    read = reader_module.read_regular_file
+    read = locate_module.read_regular_file
 
     def moved_while_read(path: Any, *args: Any) -> bytes:
         if Path(path).parent == out and not aside.exists():
             os.replace(out, aside)
         return read(path, *args)
 
-    monkeypatch.setattr(reader_module, "read_regular_file", moved_while_read)
+    monkeypatch.setattr(locate_module, "read_regular_file", moved_while_read)
     check_pack(open_pack(out), 30, seed=3)
     assert len(pauses) == 2
-    monkeypatch.setattr(reader_module, "read_regular_file", read)
+    monkeypatch.setattr(locate_module, "read_regular_file", read)
     shutil.rmtree(aside)
 
     # nothing comes: a writer killed between its renames (or a very slow one)
@@ -443,7 +444,7 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
     message = str(info.value)
     assert str(out) in message and aside.name in message and "open it again" in message
     assert "pack a VOC dataset first" not in message
-    assert len(pauses) == 2 + len(reader_module._SWAP_PAUSES)
+    assert len(pauses) == 2 + len(locate_module._SWAP_PAUSES)
 
     # no swap: a missing path and a folder that is no pack are said so at once
     os.replace(aside, out)
@@ -453,7 +454,7 @@ def test_an_open_mid_swap_opens_a_pack_or_says_it_is_being_replaced(tmp_path, mo
     (tmp_path / "plain").mkdir()
     with pytest.raises(FormatError, match="folder without manifest.json"):
         open_pack(tmp_path / "plain")
-    assert len(pauses) == 2 + len(reader_module._SWAP_PAUSES)
+    assert len(pauses) == 2 + len(locate_module._SWAP_PAUSES)
     check_pack(open_pack(out), 30, seed=3)
 
 
@@ -464,7 +465,7 @@ def test_an_open_beside_a_pack_an_interrupted_re_pack_moved_aside(tmp_path, monk
     running here it still looks again for a while (the writer may run on another machine of
     a shared file system, and its new pack then opens), then says that the path does not
     exist, which pack is beside it (a link: beside its target) and both ways out."""
-    from torch_serialized.container import reader as reader_module
+    from torch_serialized.container import locate as locate_module
 
     (tmp_path / "real").mkdir()
     out = write_pack(tmp_path / "real" / "out", 30, **SHARDED)
@@ -478,10 +479,10 @@ def test_an_open_beside_a_pack_an_interrupted_re_pack_moved_aside(tmp_path, monk
         if new.exists():
             os.replace(new, out)
 
-    monkeypatch.setattr(reader_module, "_pause", swap_in)
+    monkeypatch.setattr(locate_module, "_pause", swap_in)
     check_pack(open_pack(out), 30, seed=7)
     shutil.rmtree(out)  # then deleted on purpose: only the old pack is left, aside
-    monkeypatch.setattr(reader_module, "_pause", lambda seconds: None)
+    monkeypatch.setattr(locate_module, "_pause", lambda seconds: None)
     for given, said in ((out, f"{out} does not exist"), (link, f"{link} links to {out}, which")):
         with pytest.raises(FileNotFoundError) as info:
             open_pack(given)
@@ -504,14 +505,14 @@ def test_an_open_through_a_link_mid_swap_and_a_denied_folder(tmp_path, monkeypat
     such file or directory" (its manifest.json: "does not exist; pack a VOC dataset
     first"), since the moved-aside folder was looked for beside the link; and a folder that
     may not be searched (EACCES) was said not to exist instead of raising PermissionError."""
-    from torch_serialized.container import reader as reader_module
-    from torch_serialized.container.atomic import temp_sibling
+    from torch_serialized.container import locate as locate_module
+    from torch_serialized.container.fileio import temp_sibling
 
     (tmp_path / "real").mkdir()
     out = write_pack(tmp_path / "real" / "out", 30, **SHARDED)
     link = tmp_path / "link"
     link.symlink_to(out)
-    monkeypatch.setattr(reader_module, "_pause", lambda seconds: None)
+    monkeypatch.setattr(locate_module, "_pause", lambda seconds: None)
     aside = temp_sibling(out, "old")
     os.replace(out, aside)
     for given in (link, link / fmt.MANIFEST_NAME):
@@ -529,7 +530,7 @@ def test_an_open_through_a_link_mid_swap_and_a_denied_folder(tmp_path, monkeypat
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_stat(path, *args, **kwargs)
 
-    monkeypatch.setattr(reader_module.os, "stat", denied)
+    monkeypatch.setattr(locate_module.os, "stat", denied)
     with pytest.raises(PermissionError, match="Permission denied"):
         open_pack(out)
 
@@ -646,9 +647,7 @@ def test_every_read_path_reads_the_mapped_file_after_a_replace(tmp_path, form):
     start = 0
     for shard in shards:
         records = list(range(len(shard)))
-        shard.advise(records)
         shard.prefetch(records)
-        assert shard.cached(records) in (True, False)
         rows = shard.read_records(records, [1, 0])
         expected = [[payload(start + i, k, size_of(start + i, k)) for k in (1, 0)] for i in records]
         assert [[row[0].tobytes(), row[1].tobytes()] for row in rows] == expected
@@ -660,8 +659,7 @@ def test_a_run_is_read_in_bounded_sequential_calls(stream_packs, monkeypatch) ->
     """A multi-megabyte run is split into ``preadv`` calls of about ``_READ_SIZE`` bytes that
     follow each other through the file, so read-ahead streams the run (one whole-run call
     was measured ~1.7x slower on a cold disk), and the bytes still equal the mapped ones."""
-    from torch_serialized.container import oscompat
-    from torch_serialized.container import reader as reader_module
+    from torch_serialized.container import fileio
 
     shard = ContainerReader(stream_packs["single"])
     records = list(range(len(shard)))
@@ -673,16 +671,16 @@ def test_a_run_is_read_in_bounded_sequential_calls(stream_packs, monkeypatch) ->
         calls.append((offset, sum(len(b) for b in buffers)))
         return preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(oscompat, "preadv", logged_preadv)  # the reader's scatter reads
+    monkeypatch.setattr(fileio, "preadv", logged_preadv)  # the reader's scatter reads
     rows = shard.read_records(records, fields)
     monkeypatch.undo()
 
     largest_field = max(len(shard.field(r, k)) for r in records for k in fields)
     span = sum(size for _, size in calls)
-    assert span > 3 * reader_module._READ_SIZE, "the fixture must span several calls"
-    assert len(calls) >= span // (reader_module._READ_SIZE + largest_field)
+    assert span > 3 * fileio.READ_SIZE, "the fixture must span several calls"
+    assert len(calls) >= span // (fileio.READ_SIZE + largest_field)
     for (offset, size), (next_offset, _) in zip(calls, calls[1:]):
-        assert size < reader_module._READ_SIZE + largest_field + 64
+        assert size < fileio.READ_SIZE + largest_field + 64
         gap = next_offset - (offset + size)  # at most the alignment padding between records
         assert 0 <= gap < 64, "calls follow each other through the file"
     for r, row in zip(records, rows):
@@ -792,7 +790,7 @@ def test_reader_keeps_old_data_while_another_process_repacks(tmp_path, voc40, vo
     assert str(out) in result[3]
 
 
-# --- the datasets' and iterable's read paths: record, views, advise -------------------------------
+# --- the datasets' and iterable's read paths: record, views, prefetch -------------------------------
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -829,7 +827,8 @@ def test_checked_record_and_views_report_damage(tmp_path, container_packs):
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
-def test_advise_hints_each_window_once_in_small_pieces(container_packs, monkeypatch):
+def test_prefetch_hints_the_span_in_small_pieces_unless_cached(container_packs, monkeypatch):
+    from torch_serialized.container import fileio
     from torch_serialized.container import reader as reader_module
 
     shard = open_pack(container_packs["single"]).shard(0)
@@ -837,14 +836,14 @@ def test_advise_hints_each_window_once_in_small_pieces(container_packs, monkeypa
     monkeypatch.setattr(
         reader_module.os, "posix_fadvise", lambda fd, o, n, a: calls.append((o, n, a))
     )
-    shard.advise([3, 1, 2])
+    monkeypatch.setattr(fileio.os, "posix_fadvise", reader_module.os.posix_fadvise)
+    monkeypatch.setattr(reader_module, "_cached", lambda fd, offset: False)
+    shard.prefetch([1, 2, 3])
     assert calls and all(a == os.POSIX_FADV_WILLNEED for _, _, a in calls)
-    assert all(0 < n <= reader_module._HINT_CHUNK for _, n, _ in calls)
-    start = min(o for o, _, _ in calls)
-    assert start % reader_module.HINT_WINDOW == 0
+    assert all(0 < n <= fileio.HINT_CHUNK for _, n, _ in calls)
     calls.clear()
-    shard.advise([2, 3])  # same window: hinted already in this process
-    shard.advise(1)
+    monkeypatch.setattr(reader_module, "_cached", lambda fd, offset: True)
+    shard.prefetch([1, 2, 3])  # already in the page cache: no hint
     assert calls == []
 
 
@@ -904,7 +903,7 @@ def test_open_file_descriptors_stay_bounded(tmp_path):
 TEN_THOUSAND_SHARDS = """
 import json, os, resource, sys
 import numpy as np
-from torch_serialized.container.reader import open_pack
+from torch_serialized.container.shards import open_pack
 from torch_serialized.data.pipeline import read_block, views_fit
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 reader = open_pack(sys.argv[1])
@@ -950,7 +949,7 @@ def test_ten_thousand_shards_read_under_ulimit_256(tmp_path, monkeypatch):
 
 OPEN_UNTIL_EMFILE = """
 import json, resource, sys
-from torch_serialized.container.reader import open_pack
+from torch_serialized.container.shards import open_pack
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 readers = []
 try:

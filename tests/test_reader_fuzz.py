@@ -29,8 +29,9 @@ from _reliability_helpers import (
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from torch_serialized.container import manifest as mf
 from torch_serialized.container import spec as fmt
-from torch_serialized.container.reader import open_pack
+from torch_serialized.container.shards import open_pack
 from torch_serialized.errors import (
     ChecksumError,
     CorruptFileError,
@@ -440,7 +441,7 @@ def hostile_manifest(draw: st.DrawFn, base: FuzzBase) -> tuple[dict[str, Any], l
                 entry["first_record"] = first
                 first += entry["num_records"]
         manifest["num_records"] = first
-    manifest["checksum"] = fmt.manifest_checksum(manifest)
+    manifest["checksum"] = mf.manifest_checksum(manifest)
     return manifest, done
 
 
@@ -531,7 +532,7 @@ def craft(base: FuzzBase, target: str, data: bytes) -> dict[str, bytes]:
                 entry["first_record"] = first
                 first += entry["num_records"]
         manifest["num_records"] = first
-        manifest["checksum"] = fmt.manifest_checksum(manifest)
+        manifest["checksum"] = mf.manifest_checksum(manifest)
         files[fmt.MANIFEST_NAME] = json.dumps(manifest).encode()
     return files
 

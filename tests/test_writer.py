@@ -31,8 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from strategies import datasets, limits
 
 from torch_serialized.container import spec as fmt
-from torch_serialized.container.reader import ContainerReader, open_pack
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container.reader import ContainerReader
+from torch_serialized.container.shards import open_pack
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import WriteError
 
 

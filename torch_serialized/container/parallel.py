@@ -28,7 +28,8 @@ import numpy as np
 
 from ..errors import TorchSerializedError
 from . import spec as fmt
-from .writer import ContainerWriter, PackWriter, Payload
+from .shardwriter import PackWriter
+from .writer import ContainerWriter, Payload
 
 __all__ = ["Record", "Spilled", "SpillPool", "pays_off", "copy_range"]
 

@@ -46,93 +46,32 @@ Readers MUST reject a newer ``major`` and major 0 (never written), and a footer 
 (additions only).
 
 A shard folder holds shards, a catalog (a 0-record container with the dataset-level arrays,
-every record's columns and ``user``) and ``MANIFEST_NAME``: strict JSON naming each with its
-size and ``meta_crc32``, protected by ``checksum`` (sha256 of the canonical JSON of every other
-key); every member carries its ``binding``, so a file swapped, duplicated or taken from another
-pack is refused (docs/FORMAT.md, "Integrity rules"). Manifest version 1 (0.1.0) is still read.
+every record's columns and ``user``) and ``MANIFEST_NAME`` (see ``manifest``); every member
+carries its ``binding``, so a file swapped, duplicated or taken from another pack is refused
+(docs/FORMAT.md, "Integrity rules").
 
 Each structure has its writing and its reading function side by side: ``pack_header`` /
 ``unpack_header``, ``pack_footer`` / ``unpack_footer``, ``array_descriptor`` /
-``check_descriptor``, ``binding`` / ``parse_binding``, ``build_metadata`` / ``parse_metadata``,
-``build_manifest`` / ``parse_manifest``.
+``check_descriptor``, ``binding`` / ``parse_binding``, ``build_metadata`` / ``parse_metadata``.
+``read_head`` and ``read_metadata`` apply them to an open file, in the order of docs/FORMAT.md
+("Truncation and damage detection").
 """
-
-# More than 400 lines: the whole specification in one module, docs/FORMAT.md's twin, each
-# structure's writing and reading functions side by side, the manifest's included.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
+import os
 import re
 import secrets
 import struct
-import unicodedata
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import numpy as np
 
 from ..errors import CorruptFileError, TruncatedFileError, UnsupportedVersionError
-
-__all__ = [
-    "MAGIC",
-    "FORMAT_NAME",
-    "FORMAT_MAJOR",
-    "FORMAT_MINOR",
-    "HEADER",
-    "FOOTER",
-    "HEADER_SIZE",
-    "FOOTER_SIZE",
-    "DEFAULT_ALIGNMENT",
-    "MAX_ALIGNMENT",
-    "INDEX_DTYPE",
-    "FILE_SUFFIX",
-    "MANIFEST_NAME",
-    "MANIFEST_FORMAT",
-    "MANIFEST_VERSION",
-    "MAX_MANIFEST_BYTES",
-    "MAX_META_BYTES",
-    "MAX_JSON_DEPTH",
-    "MAX_JSON_INT",
-    "ROLE_SINGLE",
-    "ROLE_SHARD",
-    "ROLE_CATALOG",
-    "canonical_json",
-    "is_member_name",
-    "crc32",
-    "pad_to",
-    "pack_header",
-    "unpack_header",
-    "pack_footer",
-    "unpack_footer",
-    "dtype_to_json",
-    "dtype_from_json",
-    "array_bytes",
-    "array_descriptor",
-    "check_descriptor",
-    "DAMAGED",
-    "damaged",
-    "loads_json",
-    "new_pack_id",
-    "new_token",
-    "shard_file_name",
-    "catalog_file_name",
-    "binding",
-    "parse_binding",
-    "build_metadata",
-    "parse_metadata",
-    "ShardEntry",
-    "CatalogEntry",
-    "Manifest",
-    "manifest_checksum",
-    "build_manifest",
-    "parse_manifest",
-]
 
 #: First and last 8 bytes of every container. The high-bit byte catches 7-bit transfers,
 #: CR LF catches newline translation, 0x1A stops ``type`` on DOS (as PNG does).
@@ -173,12 +112,12 @@ MAX_JSON_INT = (1 << 53) - 1
 #: A container's role in its pack (its ``pack`` metadata, see ``binding``).
 ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG = "single", "shard", "catalog"
 ROLES = (ROLE_SINGLE, ROLE_SHARD, ROLE_CATALOG)
-_PACK_ID = re.compile(r"[0-9a-f]{32}")
+PACK_ID = re.compile(r"[0-9a-f]{32}")
 
 #: The only simple type codes a file may use: numpy's own ``dtype.str`` of little-endian
 #: bool, signed and unsigned integers and IEEE floats.
 _SIMPLE_CODE = re.compile(r"\|[biu]1|<[iu][248]|<f[248]")  # use fullmatch: "$" allows "\n"
-_MAX_FIELDS = 1024
+MAX_FIELDS = 1024
 #: A run of digits long enough to be an integer beyond ``MAX_JSON_INT`` (16 digits): JSON text
 #: without one needs no integer check.
 _LONG_DIGITS = re.compile(r"[0-9]{16,}")
@@ -238,59 +177,33 @@ def unpack_header(data: bytes, path: str) -> tuple[int, int, int]:
     return major, minor, alignment
 
 
+#: The footer's fields before its reserved bytes, in order (``unpack_footer`` returns them).
+FOOTER_FIELDS = ("meta_offset", "meta_length", "file_size", "num_records", "meta_crc32")
+
+
 def pack_footer(
     meta_offset: int, meta_length: int, file_size: int, num_records: int, meta_crc32: int
 ) -> bytes:
     """The 64-byte footer that closes a container."""
-    body = FOOTER.pack(
-        meta_offset,
-        meta_length,
-        file_size,
-        num_records,
-        meta_crc32,
-        FORMAT_MAJOR,
-        FORMAT_MINOR,
-        b"",
-        0,
-        MAGIC,
-    )
-    crc = crc32(body[:52])
-    return body[:52] + struct.pack("<I", crc) + MAGIC
+    values = (meta_offset, meta_length, file_size, num_records, meta_crc32)
+    body = FOOTER.pack(*values, FORMAT_MAJOR, FORMAT_MINOR, b"", 0, MAGIC)[:52]
+    return body + struct.pack("<I", crc32(body)) + MAGIC
 
 
 def unpack_footer(data: bytes, path: str) -> dict[str, int]:
-    """Validate a footer; return its fields by name."""
+    """Validate a footer; return its fields by name (``FOOTER_FIELDS``, ``major``, ``minor``)."""
     if len(data) != FOOTER_SIZE:
         raise damaged(
             path,
             f"{len(data)} bytes where the {FOOTER_SIZE}-byte footer should be (truncated)",
             TruncatedFileError,
         )
-    (
-        meta_offset,
-        meta_length,
-        file_size,
-        num_records,
-        meta_crc32,
-        major,
-        minor,
-        _reserved,
-        stored,
-        magic,
-    ) = FOOTER.unpack(data)
+    *values, _reserved, stored, magic = FOOTER.unpack(data)
     if magic != MAGIC or crc32(data[:52]) != stored:
         raise damaged(
             path, "footer checksum mismatch (footer_crc32 or the closing magic): truncated?"
         )
-    return {
-        "meta_offset": meta_offset,
-        "meta_length": meta_length,
-        "file_size": file_size,
-        "num_records": num_records,
-        "meta_crc32": meta_crc32,
-        "major": major,
-        "minor": minor,
-    }
+    return dict(zip((*FOOTER_FIELDS, "major", "minor"), values))
 
 
 def dtype_to_json(dtype: np.dtype) -> str | list[list[str]]:
@@ -322,7 +235,7 @@ def dtype_from_json(value: Any, path: str, what: str = "an array") -> np.dtype:
         return np.dtype(value)  # every code the pattern admits is one numpy understands
     if (
         isinstance(value, list)
-        and 0 < len(value) <= _MAX_FIELDS
+        and 0 < len(value) <= MAX_FIELDS
         and all(
             isinstance(item, list)
             and len(item) == 2
@@ -336,10 +249,8 @@ def dtype_from_json(value: Any, path: str, what: str = "an array") -> np.dtype:
         try:
             return np.dtype([(name, code) for name, code in value])
         except (TypeError, ValueError) as exc:
-            raise damaged(
-                path, f"{what} has an invalid dtype {_clip(repr(value))}: {exc}"
-            ) from None
-    raise damaged(path, f"{what} has an invalid dtype {_clip(repr(value))}")
+            raise damaged(path, f"{what} has an invalid dtype {clip(repr(value))}: {exc}") from None
+    raise damaged(path, f"{what} has an invalid dtype {clip(repr(value))}")
 
 
 def array_bytes(array: np.ndarray) -> memoryview:
@@ -365,7 +276,7 @@ def check_descriptor(
     desc: Any, name: str, data_end: int, path: str
 ) -> tuple[np.dtype, tuple[int, ...], int, int, int]:
     """Validate an array descriptor against the file; return dtype, shape, offset, nbytes, crc."""
-    what = f"array {_clip(repr(name))}"
+    what = f"array {clip(repr(name))}"
     if not isinstance(desc, Mapping):
         raise damaged(path, f"the descriptor of {what} is not an object")
     missing = [key for key in ("dtype", "shape", "offset", "nbytes", "crc32") if key not in desc]
@@ -373,14 +284,14 @@ def check_descriptor(
         raise damaged(path, f"the descriptor of {what} lacks {', '.join(missing)}")
     dtype = dtype_from_json(desc["dtype"], path, what)
     dims = desc["shape"]
-    if not isinstance(dims, list) or not all(_is_count(d) for d in dims):
+    if not isinstance(dims, list) or not all(is_count(d) for d in dims):
         raise damaged(
-            path, f"the shape of {what} is {_clip(repr(dims))}, not a list of non-negative integers"
+            path, f"the shape of {what} is {clip(repr(dims))}, not a list of non-negative integers"
         )
     for key in ("offset", "nbytes", "crc32"):
-        if not _is_count(desc[key]):
+        if not is_count(desc[key]):
             raise damaged(
-                path, f"the {key} of {what} is {_clip(repr(desc[key]))}, not a non-negative integer"
+                path, f"the {key} of {what} is {clip(repr(desc[key]))}, not a non-negative integer"
             )
     shape: tuple[int, ...] = tuple(dims)
     offset, nbytes, crc = desc["offset"], desc["nbytes"], desc["crc32"]
@@ -401,7 +312,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(out) != len(pairs):
         seen: set[str] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {_clip(repr(dup))}")
+        raise ValueError(f"duplicate key {clip(repr(dup))}")
     return out
 
 
@@ -412,7 +323,7 @@ def _no_constant(name: str) -> Any:
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"number {_clip(text)} is out of range")
+        raise ValueError(f"number {clip(text)} is out of range")
     return value
 
 
@@ -423,12 +334,12 @@ def _exact_int(text: str) -> int:
     if len(digits) <= 16 and abs(value := int(text)) <= MAX_JSON_INT:
         return value
     raise ValueError(
-        f"integer {_clip(text, 40)} is beyond {MAX_JSON_INT} (2**53 - 1) in magnitude, "
+        f"integer {clip(text, 40)} is beyond {MAX_JSON_INT} (2**53 - 1) in magnitude, "
         "which a double cannot hold exactly"
     )
 
 
-def _dumps(value: Any, **options: Any) -> str:
+def dumps(value: Any, **options: Any) -> str:
     """``json.dumps`` of ``value`` as strict JSON (``loads_json``): a ``ValueError`` for NaN,
     Infinity or an integer beyond ``MAX_JSON_INT``, so a writer never writes what a reader
     refuses."""
@@ -438,7 +349,7 @@ def _dumps(value: Any, **options: Any) -> str:
     return text
 
 
-def _clip(text: str, limit: int = 80) -> str:
+def clip(text: str, limit: int = 80) -> str:
     """``text`` cut to ``limit`` characters, for messages that quote file content."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -462,7 +373,7 @@ def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
             parse_int=_exact_int if _LONG_DIGITS.search(text) else None,
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise damaged(path, f"{what} is not valid JSON ({_clip(str(exc), 160)})") from None
+        raise damaged(path, f"{what} is not valid JSON ({clip(str(exc), 160)})") from None
     if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
         return value  # too few brackets to nest too deep: skip the walk
     stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
@@ -475,7 +386,7 @@ def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
     return value
 
 
-def _is_count(value: Any, limit: int = 1 << 63) -> TypeGuard[int]:
+def is_count(value: Any, limit: int = 1 << 63) -> TypeGuard[int]:
     """An integer (not a bool) in ``0..limit-1``."""
     return type(value) is int and 0 <= value < limit
 
@@ -511,6 +422,14 @@ def is_member_name(name: str) -> bool:
     return _MEMBER_NAME.fullmatch(name) is not None
 
 
+#: The keys of a binding beside ``pack_id`` and ``role``, by role (their place in the pack).
+PLACE_KEYS = {
+    ROLE_SINGLE: (),
+    ROLE_SHARD: ("index", "first_record", "num_records"),
+    ROLE_CATALOG: ("num_records", "num_shards"),
+}
+
+
 def binding(
     role: str,
     pack_id: str,
@@ -527,50 +446,36 @@ def binding(
     ``"catalog"``: the catalog of a shard folder of ``num_records`` records in ``num_shards``
     shards.
     """
-    if role == ROLE_SINGLE:
-        return {"pack_id": pack_id, "role": role}
-    if role == ROLE_SHARD:
-        return {
-            "pack_id": pack_id,
-            "role": role,
-            "index": index,
-            "first_record": first_record,
-            "num_records": num_records,
-        }
-    if role == ROLE_CATALOG:
-        return {
-            "pack_id": pack_id,
-            "role": role,
-            "num_records": num_records,
-            "num_shards": num_shards,
-        }
-    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if role not in PLACE_KEYS:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    place = {"index": index, "first_record": first_record, "num_records": num_records}
+    place["num_shards"] = num_shards
+    return {"pack_id": pack_id, "role": role, **{key: place[key] for key in PLACE_KEYS[role]}}
 
 
 def parse_binding(value: Any, path: str) -> dict[str, Any]:
-    """Validate a container's ``pack`` metadata; return it."""
+    """Validate a container's ``pack`` metadata; return it (its documented keys only)."""
     if not isinstance(value, dict):
-        raise damaged(path, f"the metadata's pack binding is {_clip(repr(value))}, not an object")
+        raise damaged(path, f"the metadata's pack binding is {clip(repr(value))}, not an object")
     role, pack_id = value.get("role"), value.get("pack_id")
     if role not in ROLES:
         raise damaged(
-            path, f"the metadata's pack binding has role {_clip(repr(role))}, not one of {ROLES}"
+            path, f"the metadata's pack binding has role {clip(repr(role))}, not one of {ROLES}"
         )
-    if not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
+    if not isinstance(pack_id, str) or not PACK_ID.fullmatch(pack_id):
         raise damaged(
             path,
-            f"the metadata's pack binding has pack_id {_clip(repr(pack_id))}, not 32 lowercase "
+            f"the metadata's pack binding has pack_id {clip(repr(pack_id))}, not 32 lowercase "
             "hex digits",
         )
-    expected = binding(role, pack_id)
-    for key in expected:
-        if key not in ("pack_id", "role") and not _is_count(value.get(key)):
+    for key in PLACE_KEYS[role]:
+        if not is_count(value.get(key)):
             raise damaged(
                 path,
                 f"the metadata's pack binding ({role}) has {key} "
-                f"{_clip(repr(value.get(key)))}, not a non-negative integer",
+                f"{clip(repr(value.get(key)))}, not a non-negative integer",
             )
-    return {key: value[key] for key in expected}
+    return {"pack_id": pack_id, "role": role, **{key: value[key] for key in PLACE_KEYS[role]}}
 
 
 # -- metadata -----------------------------------------------------------------------------------
@@ -605,7 +510,7 @@ def build_metadata(
     if pack is not None:
         meta["pack"] = dict(pack)
     try:
-        text = _dumps(meta, ensure_ascii=False, separators=(",", ":"))
+        text = dumps(meta, ensure_ascii=False, separators=(",", ":"))
     except ValueError as exc:
         raise ValueError(f"the metadata cannot be stored as strict JSON: {exc}") from None
     return text.encode("utf-8")
@@ -627,37 +532,36 @@ def parse_metadata(
         raise damaged(path, "the metadata is not a JSON object")
     if meta.get("format") != FORMAT_NAME:
         raise damaged(
-            path, f"the metadata's format is {_clip(repr(meta.get('format')))}, not {FORMAT_NAME!r}"
+            path, f"the metadata's format is {clip(repr(meta.get('format')))}, not {FORMAT_NAME!r}"
         )
     version_found = meta.get("format_version")
     if version_found != list(version) or not all(type(v) is int for v in version_found):
         raise damaged(
             path,
-            f"the metadata's format_version is {_clip(repr(version_found))}, the header's "
+            f"the metadata's format_version is {clip(repr(version_found))}, the header's "
             f"version {version[0]}.{version[1]}",
         )
     fields = meta.get("fields")
     if (
         not isinstance(fields, list)
-        or not 0 < len(fields) <= _MAX_FIELDS
+        or not 0 < len(fields) <= MAX_FIELDS
         or not all(isinstance(f, str) for f in fields)
         or len(set(fields)) != len(fields)
     ):
         raise damaged(
             path,
-            f"the metadata's fields are {_clip(repr(fields))}, not 1 to {_MAX_FIELDS} distinct "
-            "names",
+            f"the metadata's fields are {clip(repr(fields))}, not 1 to {MAX_FIELDS} distinct names",
         )
     num = meta.get("num_records")
     if type(num) is not int or num != num_records:
         raise damaged(
             path,
-            f"the metadata's num_records is {_clip(repr(num))}, the footer's {num_records}",
+            f"the metadata's num_records is {clip(repr(num))}, the footer's {num_records}",
         )
     for key in ("arrays", "user"):
         if not isinstance(meta.get(key), dict):
             raise damaged(
-                path, f"the metadata's {key} is {_clip(repr(meta.get(key)))}, not an object"
+                path, f"the metadata's {key} is {clip(repr(meta.get(key)))}, not an object"
             )
     dtype, shape, *_ = check_descriptor(meta.get("index"), "index", data_end, path)
     if dtype != INDEX_DTYPE or shape != (num, len(fields)):
@@ -672,13 +576,13 @@ def parse_metadata(
         if not isinstance(per_record, bool):
             raise damaged(
                 path,
-                f"the per_record of array {_clip(repr(name))} is {_clip(repr(per_record))}, "
+                f"the per_record of array {clip(repr(name))} is {clip(repr(per_record))}, "
                 "not true or false",
             )
         if per_record and desc["shape"][:1] != [num]:
             raise damaged(
                 path,
-                f"per-record array {_clip(repr(name))} has shape {desc['shape']}, whose first "
+                f"per-record array {clip(repr(name))} has shape {desc['shape']}, whose first "
                 f"axis is not the {num} records",
             )
     if "pack" in meta:
@@ -686,236 +590,72 @@ def parse_metadata(
     return meta
 
 
-# -- shard manifest -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ShardEntry:
-    """A shard as its manifest names it: file, global records, size and checksum."""
-
-    file: str
-    first_record: int
-    num_records: int
-    bytes: int
-    meta_crc32: int  # the shard footer's meta_crc32
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "first_record": self.first_record,
-            "num_records": self.num_records,
-            "bytes": self.bytes,
-            "meta_crc32": self.meta_crc32,
-        }
-
-
-@dataclass(frozen=True)
-class CatalogEntry:
-    """The catalog as its manifest names it: file, size and checksum."""
-
-    file: str
-    bytes: int
-    meta_crc32: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "bytes": self.bytes, "meta_crc32": self.meta_crc32}
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A parsed manifest of either version.
-
-    Version 2 has ``pack_id``, ``catalog`` and ``checksum``; version 1 (written by 0.1.0) has
-    ``user`` instead and no protection of its own (see docs/FORMAT.md, "Manifest version 1").
-    """
-
-    version: int
-    created_by: str
-    num_records: int
-    fields: tuple[str, ...]
-    shards: tuple[ShardEntry, ...]
-    pack_id: str | None = None
-    catalog: CatalogEntry | None = None
-    checksum: str | None = None
-    user: dict[str, Any] | None = None
-
-    def files(self) -> list[str]:
-        """Every file the manifest names (catalog first), the manifest itself excluded."""
-        return [*([self.catalog.file] if self.catalog else []), *(s.file for s in self.shards)]
-
-    def files_bytes(self) -> int:
-        """The bytes of every file the manifest names, as it records them (the manifest
-        itself excluded): with the manifest's own size, the pack's size on disk."""
-        return sum(s.bytes for s in self.shards) + (self.catalog.bytes if self.catalog else 0)
-
-
-def canonical_json(value: Any) -> str:
-    """The canonical JSON text of ``value`` that a manifest's checksum covers: keys sorted at
-    every level, no whitespace, non-ASCII characters unescaped, no NaN or Infinity (encode it
-    as UTF-8). docs/FORMAT.md, "The manifest checksum", spells out the same call."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
-
-
-def manifest_checksum(manifest: Mapping[str, Any]) -> str:
-    """``"sha256:<hex>"`` of the canonical JSON (``canonical_json``) of every key of
-    ``manifest`` but ``checksum``, in UTF-8."""
-    body = {key: value for key, value in manifest.items() if key != "checksum"}
-    return "sha256:" + hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
-
-
-def build_manifest(
-    *,
-    created_by: str,
-    pack_id: str,
-    num_records: int,
-    fields: Sequence[str],
-    catalog: CatalogEntry,
-    shards: Sequence[ShardEntry],
-) -> bytes:
-    """The version-2 manifest of a shard folder, encoded: indented UTF-8 JSON ending with a
-    newline, its ``checksum`` last. ``shards`` are in record order."""
-    manifest: dict[str, Any] = {
-        "format": MANIFEST_FORMAT,
-        "version": MANIFEST_VERSION,
-        "created_by": created_by,
-        "pack_id": pack_id,
-        "num_records": num_records,
-        "fields": list(fields),
-        "catalog": catalog.to_json(),
-        "shards": [shard.to_json() for shard in shards],
-    }
-    manifest["checksum"] = manifest_checksum(manifest)
-    try:
-        text = _dumps(manifest, indent=1, ensure_ascii=False)
-    except ValueError as exc:
-        raise ValueError(f"the manifest cannot be stored as strict JSON: {exc}") from None
-    return (text + "\n").encode("utf-8")
-
-
-def parse_manifest(data: bytes, path: str) -> Manifest:
-    """Validate a manifest's bytes (version 1 or 2); return it.
-
-    Raises ``UnsupportedVersionError`` for a newer manifest version and ``CorruptFileError``
-    for anything else that is not a manifest whose checksum (version 2) matches and whose
-    entries are plain file names with consistent record counts.
-    """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise damaged(
-            path, f"{len(data)} bytes is larger than a manifest may be ({MAX_MANIFEST_BYTES})"
-        )
-    raw = loads_json(data, path, "manifest")
-    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
-        found = raw.get("format") if isinstance(raw, dict) else raw
+# -- reading an open file -----------------------------------------------------------------------
+def read_head(fd: int, size: int, path: str) -> tuple[tuple[int, int], int, dict[str, int]]:
+    """Check the header and footer of the container open as ``fd`` (``size`` bytes): the
+    magic, checksums, a major version this package reads, no truncation, the metadata's place.
+    Return ``((major, minor), alignment, footer)``."""
+    if size < HEADER_SIZE + FOOTER_SIZE:
         raise damaged(
             path,
-            f"not a torch_serialized shard manifest (format {_clip(repr(found))}, expected "
-            f"{MANIFEST_FORMAT!r})",
+            f"{size} bytes, too short for a torch_serialized file (truncated?)",
+            TruncatedFileError,
         )
-    version: Any = raw.get("version")
-    if not _is_count(version) or version < 1:
-        raise damaged(path, f"the manifest's version is {_clip(repr(version))}, not 1 or more")
-    if version > MANIFEST_VERSION:
+    major, minor, alignment = unpack_header(os.pread(fd, HEADER_SIZE, 0), path)
+    if major > FORMAT_MAJOR:
         raise UnsupportedVersionError(
-            f"{path}: manifest version {version} is newer than this torch_serialized reads "
-            f"({MANIFEST_VERSION}); upgrade torch_serialized"
+            f"{path}: format version {major}.{minor} is newer than this torch_serialized "
+            f"reads ({FORMAT_MAJOR}.{FORMAT_MINOR}); upgrade torch_serialized"
         )
-    if version >= 2 and raw.get("checksum") != manifest_checksum(raw):
-        raise damaged(path, "the manifest's checksum does not match its content (edited?)")
-    fields = raw.get("fields")
+    tail = os.pread(fd, FOOTER_SIZE, size - FOOTER_SIZE)
+    if tail[-len(MAGIC) :] != MAGIC:
+        raise damaged(
+            path,
+            "the file does not end with the torch_serialized footer: it was truncated "
+            "(an interrupted copy or write?) or appended to",
+            TruncatedFileError,
+        )
+    footer = unpack_footer(tail, path)
+    if (footer["major"], footer["minor"]) != (major, minor):
+        raise damaged(
+            path,
+            f"its footer says format version {footer['major']}.{footer['minor']}, its "
+            f"header {major}.{minor}",
+        )
+    if footer["file_size"] != size:
+        raise damaged(
+            path,
+            f"the file has {size} bytes, its footer says {footer['file_size']} "
+            f"(file_size): {'truncated' if size < footer['file_size'] else 'appended to'}",
+            TruncatedFileError,
+        )
+    meta_offset, meta_length = footer["meta_offset"], footer["meta_length"]
     if (
-        not isinstance(fields, list)
-        or not 0 < len(fields) <= _MAX_FIELDS
-        or not all(isinstance(f, str) and f for f in fields)
-        or len(set(fields)) != len(fields)
+        meta_offset < HEADER_SIZE
+        or meta_offset + meta_length != size - FOOTER_SIZE
+        or meta_length > MAX_META_BYTES
     ):
         raise damaged(
             path,
-            f"the manifest's fields are {_clip(repr(fields))}, not 1 to {_MAX_FIELDS} distinct "
-            "non-empty names",
+            f"the footer's meta_offset {meta_offset} and meta_length {meta_length} do not "
+            f"place the metadata between the header and the footer (at most "
+            f"{MAX_META_BYTES} bytes)",
         )
-    entries = raw.get("shards")
-    if not isinstance(entries, list) or not entries:
-        raise damaged(path, f"the manifest lists no shards (shards: {_clip(repr(entries))})")
-    shards: list[ShardEntry] = []
-    for k, entry in enumerate(entries):
-        first = shards[-1].first_record + shards[-1].num_records if shards else 0
-        shards.append(_shard_entry(entry, k, first, version, path))
-    num_records = raw.get("num_records")
-    if num_records != shards[-1].first_record + shards[-1].num_records:
-        raise damaged(
-            path,
-            f"the manifest's num_records is {_clip(repr(num_records))}, not the sum of the "
-            "shards' records",
-        )
-    created_by = raw.get("created_by")
-    manifest = Manifest(
+    return (major, minor), alignment, footer
+
+
+def read_metadata(
+    fd: int, version: tuple[int, int], footer: Mapping[str, int], path: str
+) -> dict[str, Any]:
+    """The metadata of the container open as ``fd`` whose head ``read_head`` checked: its
+    checksum, then its content (``parse_metadata``)."""
+    raw = os.pread(fd, footer["meta_length"], footer["meta_offset"])
+    if crc32(raw) != footer["meta_crc32"]:
+        raise damaged(path, "metadata checksum mismatch (the footer's meta_crc32)")
+    return parse_metadata(
+        raw,
         version=version,
-        created_by=created_by if isinstance(created_by, str) else "",
-        num_records=num_records,
-        fields=tuple(fields),
-        shards=tuple(shards),
+        num_records=footer["num_records"],
+        data_end=footer["meta_offset"],
+        path=path,
     )
-    if version == 1:
-        user = raw.get("user")
-        if not isinstance(user, dict):
-            raise damaged(path, "the version-1 manifest's user is not an object")
-        manifest = dataclasses.replace(manifest, user=user)
-    else:
-        pack_id = raw.get("pack_id")
-        if not isinstance(pack_id, str) or not _PACK_ID.fullmatch(pack_id):
-            raise damaged(
-                path,
-                f"the manifest's pack_id is {_clip(repr(pack_id))}, not 32 lowercase hex digits",
-            )
-        catalog = _catalog_entry(raw.get("catalog"), path)
-        manifest = dataclasses.replace(
-            manifest, pack_id=pack_id, catalog=catalog, checksum=raw["checksum"]
-        )
-    names = manifest.files()
-    if len(set(names)) != len(names):
-        twice = next(name for k, name in enumerate(names) if name in names[:k])
-        raise damaged(path, f"the manifest names {twice!r} twice")
-    return manifest
-
-
-def _plain_name(name: Any) -> TypeGuard[str]:
-    """A file name inside the pack's folder: not a path, not hidden, no control characters."""
-    return (
-        isinstance(name, str)
-        and 0 < len(name.encode("utf-8", "surrogatepass")) <= 255
-        and not name.startswith(".")
-        and name != MANIFEST_NAME
-        and not any(c in name for c in "/\\")
-        and not any(unicodedata.category(c) in ("Cc", "Cs") for c in name)
-    )
-
-
-def _shard_entry(entry: Any, k: int, first: int, version: int, path: str) -> ShardEntry:
-    """Shard entry ``k`` of a manifest, whose records must start at ``first``."""
-    if isinstance(entry, dict):
-        name, count = entry.get("file"), entry.get("num_records")
-        size, crc = entry.get("bytes"), entry.get("meta_crc32")
-        start = entry.get("first_record") if version >= 2 else first
-        if (
-            _plain_name(name)
-            and _is_count(count)
-            and _is_count(size)
-            and size >= HEADER_SIZE + FOOTER_SIZE
-            and _is_count(crc, 1 << 32)
-            and start == first
-        ):
-            return ShardEntry(name, first, count, size, crc)
-    raise damaged(path, f"the manifest's shard entry {k} is invalid ({_clip(repr(entry))})")
-
-
-def _catalog_entry(entry: Any, path: str) -> CatalogEntry:
-    if isinstance(entry, dict):
-        name, size, crc = entry.get("file"), entry.get("bytes"), entry.get("meta_crc32")
-        if (
-            _plain_name(name)
-            and _is_count(size)
-            and size >= HEADER_SIZE + FOOTER_SIZE
-            and _is_count(crc, 1 << 32)
-        ):
-            return CatalogEntry(name, size, crc)
-    raise damaged(path, f"the manifest's catalog entry is invalid ({_clip(repr(entry))})")

@@ -1,4 +1,4 @@
-"""Growing a shard folder in place: new shards and a new catalog, then a new manifest.
+"""Appending to a shard folder in place: new shards and a new catalog, then a new manifest.
 
 ``GrowWriter`` is a ``PackWriter`` whose output is an existing shard folder (manifest
 version 2). Shards already there are never opened for writing: new records go into new
@@ -27,17 +27,16 @@ import numpy as np
 
 from ..errors import WriteError
 from . import spec as fmt
-from .atomic import clean_stale, remove, temp_sibling
-from .fileio import read_regular_file
-from .reader import read_manifest
-from .writer import PackWriter
+from .fileio import clean_stale, fsync_dir, read_regular_file, remove, temp_sibling, write_synced
+from .manifest import CatalogEntry, Manifest, read_manifest
+from .shardwriter import PackWriter
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GrowWriter", "strays"]
 
 
-def strays(folder: Path, manifest: fmt.Manifest, keep: Sequence[str] = ()) -> list[Path]:
+def strays(folder: Path, manifest: Manifest, keep: Sequence[str] = ()) -> list[Path]:
     """Files in ``folder`` named as pack members that neither ``manifest`` nor ``keep`` names:
     left by a write that was interrupted, or catalogs of older generations."""
     wanted = {fmt.MANIFEST_NAME, *manifest.files(), *keep}
@@ -62,7 +61,7 @@ class GrowWriter(PackWriter):
     def __init__(
         self,
         output: str | os.PathLike[str],
-        manifest: fmt.Manifest,
+        manifest: Manifest,
         rows: np.ndarray,
         fields: Sequence[str],
         *,
@@ -145,23 +144,20 @@ class GrowWriter(PackWriter):
         self._scratch_dirs.append(path)
         return path
 
-    def _write_manifest(self, catalog: fmt.CatalogEntry) -> None:
+    def _write_manifest(self, catalog: CatalogEntry) -> None:
         data = self._manifest_bytes(catalog)
         final = self.output / fmt.MANIFEST_NAME
         temp = temp_sibling(final)
         try:
-            with open(temp, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(self.output)  # the new shards and catalog are durable before the commit
+            write_synced(temp, data, "xb")
+            fsync_dir(self.output)  # the new shards and catalog are durable before the commit
             os.replace(temp, final)
         except BaseException:
             with contextlib.suppress(OSError):
                 temp.unlink()
             raise
         self._committed = True
-        _fsync_dir(self.output)
+        fsync_dir(self.output)
 
     def _commit(self) -> None:
         """Clean up after the manifest's rename, which made the append take effect: what
@@ -203,11 +199,3 @@ class GrowWriter(PackWriter):
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

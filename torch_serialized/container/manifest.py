@@ -1,0 +1,427 @@
+"""The shard-folder manifest, and which pack a container belongs to.
+
+A shard folder holds shards, a catalog and ``MANIFEST_NAME``: strict JSON naming each with
+its size and ``meta_crc32``, protected by ``checksum`` (sha256 of the canonical JSON of every
+other key). Manifest version 1 (written by 0.1.0) is still read. ``build_manifest`` and
+``parse_manifest`` are the writing and reading halves; ``member_of`` says when a file is a
+member of a shard folder rather than a pack, which both writers (never replace one alone)
+and readers (never open one alone) ask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import unicodedata
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from ..errors import CorruptFileError, UnsupportedVersionError
+from .fileio import open_regular, read_regular_file
+from .spec import (
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    MAX_FIELDS,
+    MAX_MANIFEST_BYTES,
+    PACK_ID,
+    ROLE_CATALOG,
+    ROLE_SHARD,
+    binding,
+    clip,
+    damaged,
+    dumps,
+    is_count,
+    loads_json,
+    read_head,
+    read_metadata,
+)
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """A shard as its manifest names it: file, global records, size and checksum."""
+
+    file: str
+    first_record: int
+    num_records: int
+    bytes: int
+    meta_crc32: int  # the shard footer's meta_crc32
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """The catalog as its manifest names it: file, size and checksum."""
+
+    file: str
+    bytes: int
+    meta_crc32: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest of either version.
+
+    Version 2 has ``pack_id``, ``catalog`` and ``checksum``; version 1 (written by 0.1.0) has
+    ``user`` instead and no protection of its own (see docs/FORMAT.md, "Manifest version 1").
+    """
+
+    version: int
+    created_by: str
+    num_records: int
+    fields: tuple[str, ...]
+    shards: tuple[ShardEntry, ...]
+    pack_id: str | None = None
+    catalog: CatalogEntry | None = None
+    checksum: str | None = None
+    user: dict[str, Any] | None = None
+
+    def files(self) -> list[str]:
+        """Every file the manifest names (catalog first), the manifest itself excluded."""
+        return [*([self.catalog.file] if self.catalog else []), *(s.file for s in self.shards)]
+
+    def files_bytes(self) -> int:
+        """The bytes of every file the manifest names, as it records them (the manifest
+        itself excluded): with the manifest's own size, the pack's size on disk."""
+        return sum(s.bytes for s in self.shards) + (self.catalog.bytes if self.catalog else 0)
+
+    def expect_shard(self, k: int, name: str) -> Expected:
+        """What shard ``k`` must be (``name``: the manifest, for messages): its entry, and its
+        binding (none in a version-1 pack, whose manifest has no pack id)."""
+        entry = self.shards[k]
+        pack = None
+        if self.pack_id is not None:
+            pack = binding(
+                ROLE_SHARD,
+                self.pack_id,
+                index=k,
+                first_record=entry.first_record,
+                num_records=entry.num_records,
+            )
+        return Expected(
+            name,
+            entry.bytes,
+            entry.meta_crc32,
+            entry.num_records,
+            self.fields,
+            pack,
+            f"shard {k}",
+            entry.first_record,
+        )
+
+    def expect_catalog(self, name: str) -> Expected:
+        """What the catalog of a version-2 manifest must be (``name``: the manifest)."""
+        if self.catalog is None or self.pack_id is None:
+            raise ValueError("a version-1 manifest names no catalog")
+        pack = binding(
+            ROLE_CATALOG,
+            self.pack_id,
+            num_records=self.num_records,
+            num_shards=len(self.shards),
+        )
+        return Expected(
+            name, self.catalog.bytes, self.catalog.meta_crc32, 0, self.fields, pack, "the catalog"
+        )
+
+
+def canonical_json(value: Any) -> str:
+    """The canonical JSON text of ``value`` that a manifest's checksum covers: keys sorted at
+    every level, no whitespace, non-ASCII characters unescaped, no NaN or Infinity (encode it
+    as UTF-8). docs/FORMAT.md, "The manifest checksum", spells out the same call."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+
+
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """``"sha256:<hex>"`` of the canonical JSON (``canonical_json``) of every key of
+    ``manifest`` but ``checksum``, in UTF-8."""
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    return "sha256:" + hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+
+
+def build_manifest(
+    *,
+    created_by: str,
+    pack_id: str,
+    num_records: int,
+    fields: Sequence[str],
+    catalog: CatalogEntry,
+    shards: Sequence[ShardEntry],
+) -> bytes:
+    """The version-2 manifest of a shard folder, encoded: indented UTF-8 JSON ending with a
+    newline, its ``checksum`` last. ``shards`` are in record order."""
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "created_by": created_by,
+        "pack_id": pack_id,
+        "num_records": num_records,
+        "fields": list(fields),
+        "catalog": dataclasses.asdict(catalog),
+        "shards": [dataclasses.asdict(shard) for shard in shards],
+    }
+    manifest["checksum"] = manifest_checksum(manifest)
+    try:
+        text = dumps(manifest, indent=1, ensure_ascii=False)
+    except ValueError as exc:
+        raise ValueError(f"the manifest cannot be stored as strict JSON: {exc}") from None
+    return (text + "\n").encode("utf-8")
+
+
+def parse_manifest(data: bytes, path: str) -> Manifest:
+    """Validate a manifest's bytes (version 1 or 2); return it.
+
+    Raises ``UnsupportedVersionError`` for a newer manifest version and ``CorruptFileError``
+    for anything else that is not a manifest whose checksum (version 2) matches and whose
+    entries are plain file names with consistent record counts.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise damaged(
+            path, f"{len(data)} bytes is larger than a manifest may be ({MAX_MANIFEST_BYTES})"
+        )
+    raw = loads_json(data, path, "manifest")
+    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else raw
+        raise damaged(
+            path,
+            f"not a torch_serialized shard manifest (format {clip(repr(found))}, expected "
+            f"{MANIFEST_FORMAT!r})",
+        )
+    version: Any = raw.get("version")
+    if not is_count(version) or version < 1:
+        raise damaged(path, f"the manifest's version is {clip(repr(version))}, not 1 or more")
+    if version > MANIFEST_VERSION:
+        raise UnsupportedVersionError(
+            f"{path}: manifest version {version} is newer than this torch_serialized reads "
+            f"({MANIFEST_VERSION}); upgrade torch_serialized"
+        )
+    if version >= 2 and raw.get("checksum") != manifest_checksum(raw):
+        raise damaged(path, "the manifest's checksum does not match its content (edited?)")
+    fields = raw.get("fields")
+    if (
+        not isinstance(fields, list)
+        or not 0 < len(fields) <= MAX_FIELDS
+        or not all(isinstance(f, str) and f for f in fields)
+        or len(set(fields)) != len(fields)
+    ):
+        raise damaged(
+            path,
+            f"the manifest's fields are {clip(repr(fields))}, not 1 to {MAX_FIELDS} distinct "
+            "non-empty names",
+        )
+    entries = raw.get("shards")
+    if not isinstance(entries, list) or not entries:
+        raise damaged(path, f"the manifest lists no shards (shards: {clip(repr(entries))})")
+    shards: list[ShardEntry] = []
+    for k, entry in enumerate(entries):
+        first = shards[-1].first_record + shards[-1].num_records if shards else 0
+        name, size, crc = _file_entry(entry, f"shard entry {k}", path)
+        count = entry.get("num_records")
+        if not is_count(count) or (version >= 2 and entry.get("first_record") != first):
+            raise damaged(path, f"the manifest's shard entry {k} is invalid ({clip(repr(entry))})")
+        shards.append(ShardEntry(name, first, count, size, crc))
+    num_records = raw.get("num_records")
+    if num_records != shards[-1].first_record + shards[-1].num_records:
+        raise damaged(
+            path,
+            f"the manifest's num_records is {clip(repr(num_records))}, not the sum of the "
+            "shards' records",
+        )
+    pack_id = catalog = user = None
+    if version == 1:
+        user = raw.get("user")
+        if not isinstance(user, dict):
+            raise damaged(path, "the version-1 manifest's user is not an object")
+    else:
+        pack_id = raw.get("pack_id")
+        if not isinstance(pack_id, str) or not PACK_ID.fullmatch(pack_id):
+            raise damaged(
+                path,
+                f"the manifest's pack_id is {clip(repr(pack_id))}, not 32 lowercase hex digits",
+            )
+        catalog = CatalogEntry(*_file_entry(raw.get("catalog"), "catalog entry", path))
+    created_by = raw.get("created_by")
+    manifest = Manifest(
+        version=version,
+        created_by=created_by if isinstance(created_by, str) else "",
+        num_records=num_records,
+        fields=tuple(fields),
+        shards=tuple(shards),
+        pack_id=pack_id,
+        catalog=catalog,
+        checksum=raw.get("checksum") if version >= 2 else None,
+        user=user,
+    )
+    names = manifest.files()
+    if len(set(names)) != len(names):
+        twice = next(name for k, name in enumerate(names) if name in names[:k])
+        raise damaged(path, f"the manifest names {twice!r} twice")
+    return manifest
+
+
+def _plain_name(name: Any) -> TypeGuard[str]:
+    """A file name inside the pack's folder: not a path, not hidden, no control characters."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name.encode("utf-8", "surrogatepass")) <= 255
+        and not name.startswith(".")
+        and name != MANIFEST_NAME
+        and not any(c in name for c in "/\\")
+        and not any(unicodedata.category(c) in ("Cc", "Cs") for c in name)
+    )
+
+
+def _file_entry(entry: Any, what: str, path: str) -> tuple[str, int, int]:
+    """The file, bytes and meta_crc32 of a manifest's ``what`` (``"catalog entry"``...)."""
+    if isinstance(entry, dict):
+        name, size, crc = entry.get("file"), entry.get("bytes"), entry.get("meta_crc32")
+        if (
+            _plain_name(name)
+            and is_count(size)
+            and size >= HEADER_SIZE + FOOTER_SIZE
+            and is_count(crc, 1 << 32)
+        ):
+            return name, size, crc
+    raise damaged(path, f"the manifest's {what} is invalid ({clip(repr(entry))})")
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The parsed and checked manifest at ``path`` (a local ``manifest.json``), read as every
+    pack file is: a regular file only, at most ``MAX_MANIFEST_BYTES``."""
+    data = read_regular_file(path, MAX_MANIFEST_BYTES, "the manifest")
+    return parse_manifest(data, os.fspath(path))
+
+
+def read_binding(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``pack`` metadata of the container at ``path`` (``spec.binding``, checked with its
+    header, footer and metadata); None when it has none, or when the file is no readable
+    container."""
+    try:
+        fd = open_regular(path, "the file")
+        try:
+            version, _, footer = read_head(fd, os.fstat(fd).st_size, os.fspath(path))
+            meta = read_metadata(fd, version, footer, os.fspath(path))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        return None
+    return meta.get("pack")
+
+
+@dataclass(frozen=True)
+class Member:
+    """A shard or catalog file of a shard folder: part of a pack, never a pack by itself."""
+
+    role: str  # ``spec.ROLE_SHARD`` or ``spec.ROLE_CATALOG``
+    #: the shard folder to pass instead; None when the file is not in it (copied out)
+    folder: str | None
+    index: int | None = None  # a shard's number from 0 (None for a catalog)
+    #: the shards of the folder's manifest, which names this file; None when it does not
+    num_shards: int | None = None
+
+    def __str__(self) -> str:
+        """What the file is: ``shard 2 of 3 of the pack at data/voc``, ``the catalog of...``."""
+        shard = self.role == ROLE_SHARD
+        number = f"shard {self.index + 1}" if shard and self.index is not None else "a shard"
+        if self.folder is None:
+            what = number if shard else "a catalog"
+            return f"{what} of a shard folder (its metadata says so)"
+        if self.num_shards is None:  # the folder's earlier generation: an append kept it
+            kind = "a shard" if shard else "a catalog"
+            return f"{kind} of an earlier version of the pack at {self.folder}"
+        what = f"{number} of {self.num_shards}" if shard else "the catalog"
+        return f"{what} of the pack at {self.folder}"
+
+    @property
+    def advice(self) -> str:
+        """What to pass instead of the file."""
+        if self.folder is None:
+            return "pass the shard folder it belongs to (the folder with its manifest.json)"
+        return f"pass the folder {self.folder}"
+
+
+def member_of(path: str | os.PathLike[str], binding: Mapping[str, Any] | None) -> Member | None:
+    """What ``path`` is when it is a file of a shard folder rather than a pack: a file the
+    ``manifest.json`` beside it names, or one its metadata's ``binding`` (``spec.binding``;
+    None when it has none) makes a shard or a catalog. A URL's folder is not read."""
+    from ..remote.store import is_url
+
+    role = binding.get("role") if binding is not None else None
+    role = role if role in (ROLE_SHARD, ROLE_CATALOG) else None
+    index = binding.get("index") if binding is not None and role == ROLE_SHARD else None
+    file = Path(path)
+    manifest = None
+    if not is_url(path) and file.name != MANIFEST_NAME:
+        with contextlib.suppress(OSError, ValueError):  # no manifest, or none that reads
+            manifest = read_manifest(file.parent / MANIFEST_NAME)
+    if manifest is not None:
+        folder = str(file.parent)
+        names = [entry.file for entry in manifest.shards]
+        if file.name in names:
+            return Member(ROLE_SHARD, folder, names.index(file.name), len(names))
+        if manifest.catalog is not None and file.name == manifest.catalog.file:
+            return Member(ROLE_CATALOG, folder, None, len(names))
+        if role is not None and binding is not None and binding.get("pack_id") == manifest.pack_id:
+            return Member(role, folder, index)
+    return Member(role, None, index) if role is not None else None
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a manifest says about one of its containers (a shard or the catalog): checked
+    when the container is opened, before its records are trusted."""
+
+    manifest: str  # the manifest's path, named in errors
+    bytes: int
+    meta_crc32: int
+    num_records: int
+    fields: tuple[str, ...]
+    #: the binding its metadata must hold; None (manifest version 1): it must hold none, since
+    #: 0.1.0 never wrote one (a version-1 manifest over newer files is a downgrade)
+    pack: dict[str, Any] | None
+    what: str  # its place in the pack, named in errors: "shard 3", "the catalog"
+    first_record: int = 0  # the pack's number of its first record
+
+    @property
+    def member(self) -> str:
+        """What the file is, for messages: ``shard 3 named by data/voc/manifest.json``."""
+        return f"{self.what} named by {self.manifest}"
+
+    def mismatch(self, path: str, what: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{path} does not match {self.manifest}: {what}. A shard was swapped, renamed, "
+            "copied from another pack or damaged; copy the pack again or re-pack it"
+        )
+
+    def check(
+        self, path: str, fields: Sequence[str], num_records: int, pack: dict[str, Any] | None
+    ) -> None:
+        """The manifest's view of the container at ``path`` (whose metadata says ``fields``,
+        ``num_records`` and ``pack``): its fields, its records and its binding."""
+        if tuple(fields) != self.fields:
+            raise self.mismatch(path, "its fields differ from the manifest's")
+        if num_records != self.num_records:
+            raise self.mismatch(
+                path, f"{num_records} records, the manifest says {self.num_records}"
+            )
+        if pack != self.pack:
+            raise self.mismatch(
+                path,
+                f"it is bound to {_describe_binding(pack)}, the manifest expects "
+                f"{_describe_binding(self.pack)}",
+            )
+
+
+def _describe_binding(value: Any) -> str:
+    if not isinstance(value, dict):
+        return "no pack (written before format 1.1)"
+    parts = [f"{key} {value[key]}" for key in ("role", "index", "first_record") if key in value]
+    return f"pack {str(value.get('pack_id'))[:12]}... as " + ", ".join(parts)

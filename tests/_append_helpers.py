@@ -41,7 +41,7 @@ def child_main(command: str, *args: str) -> None:
 
 def slow_append(root: str, pack: str, per_image: str) -> None:
     """``append_voc`` with a pause before each new image is read (a slow source disk)."""
-    from torch_serialized.voc import pack as pack_module
+    from torch_serialized.voc import records as pack_module
     from torch_serialized.voc.append import append_voc
 
     load, pause = pack_module.load, float(per_image)

@@ -240,11 +240,11 @@ def _edited(src: Path, out: Path, edit: Any) -> Path:
         ),
         (
             lambda _, rows: rows["num_objects"].__setitem__(1, 1),
-            r"no objects counted for flag 8.*'1 objects in record 1'",
+            r"no objects counted for flag 8.*1 objects in record 1",
         ),
         (
             lambda _, rows: rows["flags"].__setitem__(0, 1 | 64),
-            r"flags within 31.*'65 in record 0'",
+            r"flags within 31.*flags 65, .* in record 0",
         ),
     ],
     ids=["older-version", "rows-claimed", "unknown-flag"],
@@ -339,14 +339,6 @@ def test_a_url_pack_and_append_name_the_url(untyped_root: Path, tmp_path: Path) 
         appended = ts.append_voc(root, grown, cache_dir=tmp_path / "cache")
     assert str(caught[0].message).startswith(f"{grown}: 1 sample(s) ('two_boxes')")
     assert caught[0].filename == __file__ and list(appended.untyped) == ["two_boxes"]
-
-
-def test_the_reader_gives_no_object_rows_for_them(untyped_packs: dict[str, Path]) -> None:
-    pack = VOCPackReader(untyped_packs["single"])
-    records = {pack.id(r): r for r in range(len(pack))}
-    assert len(pack.objects(records["ok_a"])) == 2
-    with pytest.raises(SourceDataError, match=r"\(id 'no_box'\).*read its dict target"):
-        pack.objects(records["no_box"])
 
 
 def test_an_annotation_nested_too_deeply_to_store_is_refused_by_name(tmp_path: Path) -> None:

@@ -466,6 +466,10 @@ def test_the_changed_ids_message_says_what_the_append_would_also_retire(
     assert ("check that this is the folder the pack was made from" in message) == warned
 
 
+def _class_ids(pack: VOCPackReader, record: int) -> np.ndarray:
+    return np.frombuffer(pack.field(record, schema.OBJECTS), schema.OBJECT_DTYPE)["class_id"]
+
+
 def _live_record(pack: VOCPackReader, image_id: str) -> int:
     (record,) = [int(r) for r in pack.live if pack.id(int(r)) == image_id]
     return record
@@ -550,7 +554,7 @@ def test_the_quick_path_stats_each_packed_file_once_and_opens_only_new_and_touch
     statistics differ; the files of the other packed ids are stat-ed once each, relative to
     their folder, and never opened."""
     from torch_serialized.voc import changes
-    from torch_serialized.voc import pack as pack_module
+    from torch_serialized.voc import records as pack_module
     from torch_serialized.voc.images import ImageOptions
     from torch_serialized.voc.layout import read_image_sets
     from torch_serialized.voc.source import Planned, plan, reads
@@ -718,7 +722,7 @@ def test_an_error_while_appending_leaves_the_previous_pack_and_nothing_else(
     path = pack(source, tmp_path / "pack", form)
     before = snapshot(path)
     source.grow()
-    from torch_serialized.voc import pack as pack_module
+    from torch_serialized.voc import records as pack_module
 
     calls = {"n": 0}
     real = pack_module.load
@@ -958,7 +962,7 @@ def _reads_as_before_or_as_grown(
     files the killed append wrote and no manifest names: the next run removes them), or the
     complete grown one."""
     from torch_serialized.container import spec as fmt
-    from torch_serialized.container.atomic import is_temporary
+    from torch_serialized.container.fileio import is_temporary
 
     state = snapshot(path)
     assert state is not None
@@ -1263,8 +1267,8 @@ def test_any_sequence_of_changes_appends_to_what_a_full_pack_holds(tmp_path_fact
             for ra, rb in zip(a.tolist(), b.tolist()):
                 for field in (schema.IMAGE, schema.ANNOTATION, schema.TARGET):
                     assert bytes(ours.field(ra, field)) == bytes(theirs.field(rb, field))
-                names_a = [ours.classes[c] for c in ours.objects(ra)["class_id"]]
-                names_b = [theirs.classes[c] for c in theirs.objects(rb)["class_id"]]
+                names_a = [ours.classes[c] for c in _class_ids(ours, ra)]
+                names_b = [theirs.classes[c] for c in _class_ids(theirs, rb)]
                 assert names_a == names_b
         assert sorted(ours.id(int(r)) for r in ours.live) == sorted(
             theirs.id(int(r)) for r in range(len(theirs))
@@ -1326,8 +1330,8 @@ def test_an_append_from_an_unrelated_folder_is_refused(tmp_path, source, form):
 def _generic_folder(path: Path, ends: list[int], token: str | None = None) -> Any:
     """A shard folder of one field whose shards end after record counts ``ends``; its manifest."""
     from torch_serialized.container import spec as fmt
-    from torch_serialized.container.reader import read_manifest
-    from torch_serialized.container.writer import PackWriter
+    from torch_serialized.container.manifest import read_manifest
+    from torch_serialized.container.shardwriter import PackWriter
 
     with PackWriter(path, ["a"], shard_ends=ends, token=token) as writer:
         for i in range(ends[-1]):
@@ -1336,7 +1340,7 @@ def _generic_folder(path: Path, ends: list[int], token: str | None = None) -> An
 
 
 def _grow(path: Path, manifest: Any, **options: Any) -> Any:
-    from torch_serialized.container.grow import GrowWriter
+    from torch_serialized.container.append import GrowWriter
 
     limits = {"max_records_per_shard": None, "max_shard_bytes": None}
     return GrowWriter(
@@ -1346,7 +1350,7 @@ def _grow(path: Path, manifest: Any, **options: Any) -> Any:
 
 def test_a_grow_without_limits_fills_new_shards_as_the_largest_existing_one(tmp_path):
     from torch_serialized.container import spec as fmt
-    from torch_serialized.container.reader import read_manifest
+    from torch_serialized.container.manifest import read_manifest
 
     path = tmp_path / "pack"
     manifest = _generic_folder(path, [3, 4])  # shards of 3 and 1 records
@@ -1381,9 +1385,10 @@ def test_a_failure_after_the_manifest_commit_keeps_the_grown_pack(tmp_path, monk
     saying "No partial output was left" for an append that had taken effect)."""
     import logging
 
-    from torch_serialized.container import grow
+    from torch_serialized.container import append as grow
     from torch_serialized.container import spec as fmt
-    from torch_serialized.container.reader import PackReader, read_manifest
+    from torch_serialized.container.manifest import read_manifest
+    from torch_serialized.container.shards import PackReader
 
     path = tmp_path / "pack"
     manifest = _generic_folder(path, [2, 4])
@@ -1393,7 +1398,7 @@ def test_a_failure_after_the_manifest_commit_keeps_the_grown_pack(tmp_path, monk
 
     monkeypatch.setattr(grow, "read_manifest", failing)
     with (
-        caplog.at_level(logging.WARNING, "torch_serialized.container.grow"),
+        caplog.at_level(logging.WARNING, "torch_serialized.container.append"),
         _grow(path, manifest) as w,
     ):
         for i in range(3):

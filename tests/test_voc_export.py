@@ -14,7 +14,7 @@ from torchvision.datasets import VOCDetection
 from vocfactory import jpeg
 
 from torch_serialized import ChecksumError, FormatError, SourceDataError, WriteError, pack_voc
-from torch_serialized.container.writer import PackWriter
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.tools import make_synthetic_voc
 from torch_serialized.voc import export, schema
 from torch_serialized.voc.export import export_voc

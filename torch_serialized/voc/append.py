@@ -1,4 +1,4 @@
-"""Grow a VOC pack from its source folder without re-packing: ``append_voc``.
+"""Append a VOC source folder's new and changed samples to its pack: ``append_voc``.
 
 The source is planned as a full pack plans it and each id sorted against the pack
 (``changes.classify``: new, unchanged, changed, no longer listed). New ids and, with
@@ -6,15 +6,11 @@ The source is planned as a full pack plans it and each id sorted against the pac
 unlisted records are retired. Image set lists, class counts and list files are rebuilt from
 the source as it is now, so the pack reads as a full re-pack; class ids never move.
 
-A shard folder grows in place (``grow.GrowWriter``: new shards, a new catalog, the manifest
-replaced last; retired records keep their bytes in their shards until the next full pack). A
-single file is rewritten: its kept records copied from the old file with ``copy_file_range``
-(no source file is read for them), the new ones after them, the result renamed over the old
-file. This module never imports torch.
+A shard folder is appended to in place (``GrowWriter``: new shards, a new catalog, the
+manifest replaced last; retired records keep their bytes until the next full pack). A single
+file is rewritten: its kept records copied from the old file with ``copy_file_range``, the
+new ones after them, the result renamed over the old file. This module never imports torch.
 """
-
-# More than 400 lines: the whole append, both forms, kept together so the two stay alike; the
-# decisions about what changed are apart, in changes.py.
 
 from __future__ import annotations
 
@@ -24,18 +20,18 @@ import fcntl
 import functools
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from ..container import spec as fmt
+from ..container.append import GrowWriter
 from ..container.fileio import DEFAULT_MAX_FILE_BYTES, open_regular
-from ..container.grow import GrowWriter
-from ..container.parallel import SpillPool, copy_range, pays_off
+from ..container.parallel import copy_range
 from ..container.reader import ContainerReader
-from ..container.writer import PackWriter
+from ..container.shardwriter import PackWriter
 from ..errors import FormatError, SourceDataError, SourceNotFoundError, WriteError
 from ..remote.store import is_url
 from . import schema
@@ -43,23 +39,19 @@ from .changes import Plan, classify
 from .classes import label_classes
 from .images import ImageOptions
 from .layout import find_voc_root, image_set_files, read_image_sets
-from .pack import (
-    REPORT_SUFFIX,
+from .packed import VOCPackReader
+from .records import (
     Books,
     PackResult,
+    check_options,
     check_report_path,
     history_entry,
-    load_spilled,
     progress_bar,
-    rate,
     size_on_disk,
     warn_untyped,
-    write_dataset_arrays,
-    write_records,
-    write_report,
+    write,
 )
-from .packed import VOCPackReader
-from .source import Job, survey
+from .source import survey
 
 __all__ = ["append_voc"]
 
@@ -100,22 +92,17 @@ def append_voc(
 
     ``pack`` may be a writable URL (``s3://bucket/prefix/voc``; ``storage_options``,
     ``cache_dir`` and ``cache_limit_bytes`` as the readers take them; all three are ignored
-    for a local path): the pack is staged through the cache, grown
-    locally by these same rules, and only its new files are uploaded, the manifest last
+    for a local path): the pack is staged through the cache, appended
+    to locally by these same rules, and only its new files are uploaded, the manifest last
     (``append_remote``).
     """
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    if max_file_bytes < 1:
-        raise ValueError(f"max_file_bytes must be a positive number, got {max_file_bytes}")
-    if os.fspath(pack) == "":  # Path("") is the current folder: never grow that by accident
+    check_options(on_error, workers, max_file_bytes)
+    if os.fspath(pack) == "":  # Path("") is the current folder: never append to that by accident
         raise ValueError(
-            "the pack path is empty: pass the .tser file (or shard folder) to grow, e.g. "
+            "the pack path is empty: pass the .tser file (or shard folder) to append to, e.g. "
             "'voc.tser', or its URL"
         )
-    grow = functools.partial(
+    local = functools.partial(
         _append_local,
         root,
         year=year,
@@ -127,11 +114,9 @@ def append_voc(
         max_file_bytes=max_file_bytes,
         retire_all=retire_all,
     )
-    if is_url(pack):  # staged locally, grown by this function, the growth uploaded
+    if is_url(pack):  # staged locally, appended to by this function, the new files uploaded
         from .append_remote import append_to_url
 
-        # the old shards not staged are checked by their download
-        local = functools.partial(grow, check_shards=False)
         compare = functools.partial(  # replace_changed: the sort must not raise, the append will
             _sort_source,
             root,
@@ -143,14 +128,14 @@ def append_voc(
         )
         result = append_to_url(
             str(pack),
-            local,
+            functools.partial(local, check_shards=False),  # the download checks the others
             compare,
             storage_options=storage_options,
             cache_dir=cache_dir,
             cache_limit_bytes=cache_limit_bytes,
         )
     else:
-        result = grow(pack, check_shards=True)
+        result = local(pack, check_shards=True)
     warn_untyped(result)
     return result
 
@@ -175,7 +160,7 @@ def _append_local(
     started = time.perf_counter()
     old = VOCPackReader(pack)
     path = Path(old.path)
-    check_report_path(report := path.with_name(path.name + REPORT_SUFFIX))
+    report = check_report_path(path)
     voc_root, image_sets, plan_ = _sort_source(
         root,
         old,
@@ -191,38 +176,35 @@ def _append_local(
     sharded = old.reader.manifest is not None
     if sharded and check_shards:
         _check_shards(old)
-    books, bytes_written, new_meta = (_grow_shards if sharded else _rewrite_file)(
-        old,
-        plan_,
-        voc_root,
-        image_sets,
-        on_error == "skip",
-        progress,
-        started,
-        workers,
-        max_file_bytes,
-    )
-    write_report(report, books.skipped)
-    replaced = [job.id for job in plan_.replaced if job.id in books.record_of]
-    written = len(books.ids) - (len(old) if sharded else len(plan_.kept))  # records
-    return PackResult(
-        path=path,
-        num_samples=len(books.record_of),
-        num_bytes=size_on_disk(path),
-        source_bytes=int(new_meta["source_bytes"]),
-        seconds=time.perf_counter() - started,
-        skipped=books.skipped,
-        report=report if books.skipped else None,
-        year=old.year,
-        voc_root=voc_root,
-        added=written - len(replaced),
-        replaced=replaced,
-        retired=_retired_ids(plan_, books),
-        notes=plan_.notes,
-        bytes_written=bytes_written,
-        untyped=dict(books.untyped),
-        unparsed=dict(books.unparsed),
-    )
+    books = _old_books(old, plan_, sharded)
+    copied = len(books.ids)
+    with progress_bar(len(plan_.jobs), f"appending to {old.reader.path}", progress) as bar:
+        written = functools.partial(
+            write,
+            jobs=plan_.jobs,
+            books=books,
+            source=(voc_root, image_sets, max_file_bytes),
+            metadata=functools.partial(_metadata, old, plan_),
+            skip=on_error == "skip",
+            workers=workers,
+            bar=bar,
+            started=started,
+        )
+        bytes_written = (_append_shards if sharded else _append_file)(old, plan_, written)
+        replaced = [job.id for job in plan_.replaced if job.id in books.record_of]
+        return books.result(
+            path,
+            report,
+            started,
+            bar,
+            year=old.year,
+            voc_root=voc_root,
+            added=len(books.ids) - copied - len(replaced),
+            replaced=replaced,
+            retired=_retired_ids(plan_, books),
+            notes=plan_.notes,
+            bytes_written=bytes_written,
+        )
 
 
 def _retired_ids(plan: Plan, books: Books) -> list[str]:
@@ -233,7 +215,7 @@ def _retired_ids(plan: Plan, books: Books) -> list[str]:
 
 
 def _check_shards(old: VOCPackReader) -> None:
-    """Every shard of the folder, which the grown pack keeps, opens as a reader's first read
+    """Every shard of the folder, which the appended pack keeps, opens as a reader's first read
     of it opens it (size and metadata checksum against the manifest, binding, header, footer,
     index, arrays: O(metadata), no record's bytes read), so that an append never builds a new
     generation on a damaged one. Raises the reader's error, saying nothing was appended."""
@@ -298,13 +280,14 @@ def _sort_source(
 
 
 # -- writing -------------------------------------------------------------------------------------
-def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
-    """Books for the kept ``records`` of the old pack, in that order (record numbers as the
-    new pack numbers them follow from their position): ids, class ids, statistics, digests."""
+def _old_books(old: VOCPackReader, plan: Plan, sharded: bool) -> Books:
+    """Books for the old pack's records the new one holds first: every record of a shard
+    folder (its shards are kept; those not kept by ``plan`` retired), the kept ones of a
+    single file (copied, in order): ids, class ids, statistics, digests."""
     books = Books(classes={name: c for c, name in enumerate(old.classes)})
     names = schema.decode_ids(*old.id_table())
     classes, counts = old.object_classes()  # the catalog's, or read from old shards
-    chosen = np.asarray(records, dtype=np.int64)
+    chosen = np.arange(len(old)) if sharded else plan.kept
     books.base_classes = classes[np.repeat(np.isin(np.arange(len(counts)), chosen), counts)]
     books.base_counts = counts[chosen]
     books.ids = [names[r] for r in chosen.tolist()]
@@ -315,17 +298,19 @@ def _old_books(old: VOCPackReader, plan: Plan, records: Sequence[int]) -> Books:
     flags = old.columns["flags"][chosen]
     books.base_untyped = int(np.count_nonzero(flags & schema.UNTYPED_OBJECTS))
     books.base_unparsed = int(np.count_nonzero(flags & schema.UNPARSED_ANNOTATION))
+    if sharded:
+        books.record_of = {books.ids[r]: r for r in plan.kept.tolist()}
+        books.retired = np.setdiff1d(chosen, plan.kept).tolist()
+    else:
+        books.record_of = {name: r for r, name in enumerate(books.ids)}
     return books
 
 
 def _metadata(
-    old: VOCPackReader,
-    books: Books,
-    plan: Plan,
-    splits: Mapping[str, Mapping[str, int]],
-    counts: Mapping[str, Mapping[str, int]],
+    old: VOCPackReader, plan: Plan, books: Books, values: dict[str, Any]
 ) -> dict[str, Any]:
-    """The old pack's metadata brought up to date, with this append in its history."""
+    """The old pack's metadata brought up to date (``values``: ``Books.metadata``), with this
+    append in its history."""
     meta = dict(old.meta)
     if "label_base" not in meta:  # the label lists as they are, kept: no label ever moves
         meta["label_base"] = {
@@ -347,163 +332,95 @@ def _metadata(
             len(_retired_ids(plan, books)),  # as PackResult counts them: ids, not records
         )
     )
-    meta.update(
-        schema_version=books.schema_version,
-        num_samples=len(books.ids),
-        splits=splits,
-        classes=list(books.classes),
-        class_counts=counts,
-        source_bytes=books.source_bytes,
-        skipped=[{"id": s.id, "reason": s.reason} for s in books.skipped],
-        source_stats=schema.SOURCE_STATS_VERSION,
-        history=history,
-    )
+    meta.update(values, history=history)
+    manifest = old.reader.manifest
+    if manifest is not None:  # the catalog it replaces, kept for readers of the old manifest
+        assert manifest.catalog is not None
+        meta["previous_catalog"] = manifest.catalog.file
     return meta
 
 
-def _pool(jobs: Sequence[Job], skip: bool, workers: int) -> SpillPool[Job] | None:
-    load = functools.partial(load_spilled, skip=skip)
-    return SpillPool(load, jobs, schema.FIELDS, workers) if pays_off(len(jobs), workers) else None
+#: ``records.write`` with all but its first argument given: the writer's opener
+_Write = Callable[[Callable[[Callable[[], None] | None], Any]], Path]
 
 
-def _grow_shards(
-    old: VOCPackReader,
-    plan: Plan,
-    voc_root: Path,
-    image_sets: Mapping[str, Mapping[str, Sequence[str]]],
-    skip: bool,
-    progress: bool,
-    started: float,
-    workers: int,
-    max_file_bytes: int,
-) -> tuple[Books, int, dict[str, Any]]:
-    """Grow a shard folder: new shards, a new catalog, the manifest last; return the books,
-    the bytes of the files written and the metadata."""
+def _append_shards(old: VOCPackReader, plan: Plan, written: _Write) -> int:
+    """Append to a shard folder: new shards, a new catalog, the manifest last; return the
+    bytes of the files written."""
     manifest = old.reader.manifest
     assert manifest is not None
-    everything = range(len(old))
-    books = _old_books(old, plan, everything)
-    books.record_of = {books.ids[r]: r for r in plan.kept.tolist()}
-    retired = np.ones(len(old), dtype=bool)
-    retired[plan.kept] = False
-    books.retired = np.flatnonzero(retired).tolist()
-    kept_catalog, jobs = old.meta.get("previous_catalog"), plan.jobs
-    pool = _pool(jobs, skip, workers)
+    kept_catalog = old.meta.get("previous_catalog")
     opts = old.meta.get("options", {})
     folder = Path(old.reader.path)
     before = set(os.listdir(folder))
-    with contextlib.ExitStack() as outer:
-        bar = outer.enter_context(
-            progress_bar(len(jobs), old.reader.path, progress, "appending to")
+    written(
+        lambda before_finish: GrowWriter(
+            old.reader.path,
+            manifest,
+            old.columns,
+            schema.FIELDS,
+            columns=schema.COLUMNS,
+            max_records_per_shard=opts.get("max_samples_per_shard"),
+            max_shard_bytes=opts.get("max_shard_bytes"),
+            before_finish=before_finish,
+            keep=[kept_catalog] if isinstance(kept_catalog, str) else [],
+            manifest_sha256=old.reader.manifest_sha256,
         )
-        with contextlib.ExitStack() as stack:
-            writer = stack.enter_context(
-                GrowWriter(
-                    old.reader.path,
-                    manifest,
-                    old.columns,
-                    schema.FIELDS,
-                    columns=schema.COLUMNS,
-                    max_records_per_shard=opts.get("max_samples_per_shard"),
-                    max_shard_bytes=opts.get("max_shard_bytes"),
-                    before_finish=pool.drain if pool is not None else None,
-                    keep=[kept_catalog] if isinstance(kept_catalog, str) else [],
-                    manifest_sha256=old.reader.manifest_sha256,
-                )
-            )
-            if pool is not None:
-                stack.callback(pool.close)
-            write_records(writer, jobs, pool, skip, bar, started, books)
-            splits, counts = write_dataset_arrays(
-                writer, books, image_sets, voc_root, max_file_bytes
-            )
-            meta = _metadata(old, books, plan, splits, counts)
-            assert manifest.catalog is not None
-            meta["previous_catalog"] = manifest.catalog.file
-            writer.close(meta)
-        bar.set_postfix_str(
-            rate(writer.bytes_written, time.perf_counter() - started), refresh=False
-        )
-    written = sum(
+    )
+    return sum(
         (folder / name).stat().st_size
         for name in os.listdir(folder)
         if name not in before or name == fmt.MANIFEST_NAME
     )
-    return books, written, meta
 
 
-def _rewrite_file(
-    old: VOCPackReader,
-    plan: Plan,
-    voc_root: Path,
-    image_sets: Mapping[str, Mapping[str, Sequence[str]]],
-    skip: bool,
-    progress: bool,
-    started: float,
-    workers: int,
-    max_file_bytes: int,
-) -> tuple[Books, int, dict[str, Any]]:
+def _append_file(old: VOCPackReader, plan: Plan, written: _Write) -> int:
     """Rewrite a single file: kept records copied from the old file, new ones after them;
-    return the books, the bytes written (the whole new file) and the metadata."""
+    return the bytes written (the whole new file)."""
     kept = plan.kept.tolist()  # ascending
-    books = _old_books(old, plan, kept)
-    books.record_of = {books.ids[i]: i for i in range(len(kept))}
-    jobs = plan.jobs
-    pool = _pool(jobs, skip, workers)
     source = old.reader.shard(0)
-    rows = source.index_rows(kept)
-    columns = old.columns
     copies: list[list[int]] = []  # [source offset, target offset, length], runs merged
     target: list[Path] = []
-    locked: list[int] = []  # the old file, open and locked
 
-    def before_finish() -> None:  # the kept records' bytes, copied in before the file ends
-        if copies:
-            dst = os.open(target[0], os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                for offset, at, length in copies:
-                    copy_range(locked[0], offset, dst, at, length)
-            finally:
-                os.close(dst)
-            copies.clear()
-        if pool is not None:
-            pool.drain()
+    @contextlib.contextmanager
+    def open_writer(drain: Callable[[], None] | None) -> Iterator[PackWriter]:
+        def before_finish() -> None:  # the kept records' bytes, copied in before the file ends
+            if copies:
+                dst = os.open(target[0], os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    for offset, at, length in copies:
+                        copy_range(locked, offset, dst, at, length)
+                finally:
+                    os.close(dst)
+                copies.clear()
+            if drain is not None:
+                drain()
 
-    with contextlib.ExitStack() as outer:
-        locked.append(outer.enter_context(_locked(source)))
-        bar = outer.enter_context(
-            progress_bar(len(jobs), old.reader.path, progress, "appending to")
-        )
-        with contextlib.ExitStack() as stack:
-            writer = stack.enter_context(
-                PackWriter(
-                    old.reader.path,
-                    schema.FIELDS,
-                    columns=schema.COLUMNS,
-                    before_finish=before_finish,
-                    pack_id=_pack_id(old),
-                    locked=True,  # by _locked, above
-                )
-            )
-            if pool is not None:
-                stack.callback(pool.close)
-            for record, entries in zip(kept, rows):
-                _, file, at = writer.reserve(entries, tuple(columns[record].tolist()))
-                _add_copy(copies, int(entries["offset"][0]), at, _span(entries))
+        with PackWriter(
+            old.reader.path,
+            schema.FIELDS,
+            columns=schema.COLUMNS,
+            before_finish=before_finish,
+            pack_id=(old.reader.binding or {}).get("pack_id"),  # kept by the new file
+            locked=True,  # by _locked, below
+        ) as writer:
+            for record, entries in zip(kept, source.index_rows(kept)):
+                _, file, at = writer.reserve(entries, tuple(old.columns[record].tolist()))
+                offsets, lengths = entries["offset"].astype(int), entries["length"].astype(int)
+                span = int(offsets[-1] + lengths[-1] - offsets[0])
+                _add_copy(copies, int(offsets[0]), at, span)
                 if not target:
                     target.append(file)
-            write_records(writer, jobs, pool, skip, bar, started, books)
-            splits, counts = write_dataset_arrays(
-                writer, books, image_sets, voc_root, max_file_bytes
-            )
-            meta = _metadata(old, books, plan, splits, counts)
-            writer.close(meta)
-    return books, os.path.getsize(old.reader.path), meta
+            yield writer
+
+    with _locked(source) as locked:
+        written(open_writer)
+    return os.path.getsize(old.reader.path)
 
 
 @contextlib.contextmanager
 def _locked(source: ContainerReader) -> Iterator[int]:
-    """The single file being grown, open (its descriptor) with an exclusive ``flock``, checked
+    """The single file appended to, open (its descriptor) with an exclusive ``flock``, checked
     to be the file ``source`` validated: a second append is refused, not waited for, and one
     that opened the file before another append replaced it is refused rather than undoing
     it."""
@@ -516,7 +433,8 @@ def _locked(source: ContainerReader) -> Iterator[int]:
                 errno.EBUSY,
                 f"{source.path} is being appended to by another process; wait for it to finish",
             ) from None
-        if not _still_the_file(fd, source):
+        # still at the path, and its size and footer as ``source`` validated them
+        if not (os.path.samestat(os.fstat(fd), os.stat(source.path)) and source.holds(fd)):
             raise WriteError(
                 errno.EBUSY,
                 f"{source.path} changed since it was opened for this append (another process "
@@ -525,23 +443,6 @@ def _locked(source: ContainerReader) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
-
-
-def _still_the_file(fd: int, source: ContainerReader) -> bool:
-    """Whether ``fd``, opened on ``source``'s path, is the file ``source`` validated: still at
-    the path, and its size and footer as readers check them (``ContainerReader.holds``)."""
-    return os.path.samestat(os.fstat(fd), os.stat(source.path)) and source.holds(fd)
-
-
-def _pack_id(old: VOCPackReader) -> str | None:
-    """The single file's pack id, kept by the file that replaces it."""
-    binding = old.reader.shard(0).meta.get("pack")
-    return binding.get("pack_id") if isinstance(binding, dict) else None
-
-
-def _span(entries: np.ndarray) -> int:
-    offsets, lengths = entries["offset"].astype(np.int64), entries["length"].astype(np.int64)
-    return int(offsets[-1] + lengths[-1] - offsets[0])
 
 
 def _add_copy(copies: list[list[int]], offset: int, at: int, length: int) -> None:

@@ -29,9 +29,6 @@ from .source import Job, Planned, load, reads, source_paths, stores_digest
 
 __all__ = ["Verdict", "Plan", "classify", "compare"]
 
-_FOLDERS = ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject")
-_EXTENSIONS = (".jpg", ".xml", ".png", ".png")
-_FLAGS = (0, schema.HAS_ANNOTATION, schema.HAS_MASK, schema.HAS_OBJECT_MASK)
 #: How many changed ids an error message names before it counts the rest.
 _NAMED = 10
 Stat = tuple[int, int]
@@ -57,8 +54,8 @@ class Verdict:
 @dataclass
 class Plan:
     """Every listed id sorted out: records kept (their numbers, and the statistics and
-    digests to record for them), jobs to load (new ids, then changed ones to replace), ids
-    dropped from the lists, and notes for the user."""
+    digests to record for them), jobs to load (new ids and changed ones to replace, the
+    changed ones also in ``replaced``), ids dropped from the lists, and notes for the user."""
 
     kept: np.ndarray  # record numbers of the old pack left alone, ascending
     #: int64 ``[len(pack), 4, 2]``: size and mtime_ns of each source file of each kept record
@@ -67,7 +64,6 @@ class Plan:
     #: uint8 ``[len(pack), 32]``: each kept record's source image digest (zeros: not known),
     #: or ``None`` where the pack keeps none and none was learnt
     digests: np.ndarray | None
-    new: list[Job]
     replaced: list[Job]
     dropped: list[str]
     notes: list[str]
@@ -94,10 +90,9 @@ def classify(
     names = schema.decode_ids(*old.id_table())
     live = old.live.tolist()
     record_of = {names[r]: r for r in live}
+    # with source_stats, the pack holds the statistics (check_voc_pack): rsync's quick check
     has_stats = old.meta.get("source_stats") == schema.SOURCE_STATS_VERSION
-    sizes, mtimes = arrays.get(schema.SIZE_ARRAY), arrays.get(schema.MTIME_ARRAY)
     stored_digests = arrays.get(schema.DIGEST_ARRAY)
-    quick = has_stats and not checksum and sizes is not None and mtimes is not None
     records = np.fromiter(
         (record_of.get(i, -1) for i in planned.ids), dtype=np.int64, count=len(planned)
     )
@@ -114,19 +109,18 @@ def classify(
     digests = None if stored_digests is None else np.zeros((len(old), 32), dtype=np.uint8)
     passed = np.zeros(len(packed), dtype=bool)
     pairs = None  # the pack's statistics, [len(pack), 4, 2]
-    if quick and sizes is not None and mtimes is not None:  # rsync's quick check
-        pairs = np.stack([sizes, mtimes], axis=2).astype(np.int64, copy=False)
+    if has_stats and not checksum:
+        pairs = np.stack([arrays[schema.SIZE_ARRAY], arrays[schema.MTIME_ARRAY]], axis=2)
         files, needs = planned.reads(packed.tolist())
         now = _quick_stats(planned, packed, files)
         chosen = records[packed]
-        stored = pairs[chosen]
         unparsed = (old.columns["flags"][chosen] & schema.UNPARSED_ANNOTATION) != 0
         lacks = (
             (needs[:, 0] & (now[:, 1, 0] == schema.ABSENT))
             | (needs[:, 1] & (now[:, 2, 0] == schema.ABSENT))
             | (needs[:, 0] & unparsed)
         )  # a file the lists require is missing or unparsed: load must say so, as a pack would
-        passed = (now == stored).all(axis=(1, 2)) & (now[:, 0, 0] >= 0) & ~lacks
+        passed = (now == pairs[chosen]).all(axis=(1, 2)) & (now[:, 0, 0] >= 0) & ~lacks
         stats[chosen[passed]] = now[passed]
         if digests is not None and stored_digests is not None:
             digests[chosen[passed]] = stored_digests[chosen[passed]]
@@ -168,13 +162,11 @@ def classify(
         )
     loads = sorted([*new, *(p for p, _, _ in changed)])
     jobs = [made[p] if p in made else planned.job(p) for p in loads]
-    job_at = dict(zip(loads, jobs))
     return Plan(
         kept=np.array(sorted(kept), dtype=np.int64),
         stats=stats,
         digests=digests,
-        new=[job_at[p] for p in sorted(new)],
-        replaced=[job_at[p] for p, _, _ in changed],
+        replaced=[job for _, job, _ in changed],
         dropped=[i for i in record_of if i not in listed],
         notes=notes,
         jobs=jobs,
@@ -209,8 +201,8 @@ def compare(
             return verdict
         if before is not None and before[k] == now[k]:
             continue
-        had = k == 0 or bool(flags & _FLAGS[k])
-        name = f"{_FOLDERS[k]}/{os.path.basename(path)}"
+        had = k == 0 or bool(flags & schema.SOURCE_FLAGS[k])
+        name = f"{schema.SOURCE_FOLDERS[k]}/{os.path.basename(path)}"
         if size == schema.ABSENT:
             if had:
                 verdict.changes.append(f"{name} was removed")
@@ -269,7 +261,7 @@ def _quick_stats(planned: Planned, positions: np.ndarray, files: np.ndarray) -> 
     out = np.zeros((len(positions), len(schema.SOURCE_FILES), 2), dtype=np.int64)
     out[:, :, 0] = schema.ABSENT
     ids = planned.ids
-    for k, (folder, ext) in enumerate(zip(_FOLDERS, _EXTENSIONS)):
+    for k, (folder, ext) in enumerate(zip(schema.SOURCE_FOLDERS, schema.SOURCE_EXTENSIONS)):
         rows = np.flatnonzero(files[:, k])
         if rows.size:
             wanted = [ids[p] + ext for p in positions[rows].tolist()]

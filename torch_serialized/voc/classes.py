@@ -9,15 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = [
-    "VOC_CLASSES",
-    "VOC_COLORMAP",
-    "VOC_PALETTE",
-    "VOC_IGNORE_INDEX",
-    "voc_colormap",
-    "label_classes",
-]
-
 #: The 20 VOC object classes in alphabetical order; mask value ``i + 1`` is ``VOC_CLASSES[i]``
 #: and 0 is the background.
 VOC_CLASSES: tuple[str, ...] = (
@@ -80,8 +71,8 @@ VOC_PALETTE: bytes = bytes(v for rgb in VOC_COLORMAP for v in rgb)
 def label_classes(rule: str, classes: Sequence[str], base: Mapping[str, Any] | None) -> list[str]:
     """The class names after ``"__background__"`` in a pack's ``tv_tensors`` label list, for
     ``rule`` ``"default"`` (``classes=None``: VOC's 20 when every class of the pack is one,
-    else the pack's classes in pack order) or ``"packed"`` (sorted by name). A pack grown by
-    ``append_voc`` keeps the list its rule gave before it grew (``base``, metadata
+    else the pack's classes in pack order) or ``"packed"`` (sorted by name). A pack appended to by
+    ``append_voc`` keeps the list its rule gave before its first append (``base``, metadata
     ``label_base``) with classes added since after it, so no label of an existing class moves.
     """
     if base is not None:

@@ -13,7 +13,7 @@ symbolic link anywhere below ``out_root`` (``VOCdevkit/VOC2007/JPEGImages`` poin
 say) is refused, never followed. Records are read with their checksums verified.
 
 An export is all or nothing: every file is first written into a hidden temporary sibling
-(``atomic.AtomicOutput``) of the shallowest missing folder of ``out_root/<base_dir>``, which is
+(``fileio.AtomicOutput``) of the shallowest missing folder of ``out_root/<base_dir>``, which is
 renamed into place at the end. When that folder exists already (export into an existing
 devkit, with ``overwrite`` or beside files of the user) the staged files are renamed into it
 one by one, each replaced file moved aside first, and all of it is undone if one rename
@@ -32,19 +32,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..container.atomic import AtomicOutput, replace_file_at
+from ..container.fileio import AtomicOutput, replace_file_at
 from ..errors import ChecksumError, FormatError, WriteError
 from . import schema
 from .packed import VOCPackReader
 
 __all__ = ["export_voc"]
 
-# (field, flag that says the record has it, folder, extension); the image is always present.
-_OUTPUTS: tuple[tuple[int, int, str, str], ...] = (
-    (schema.IMAGE, 0, "JPEGImages", ".jpg"),
-    (schema.ANNOTATION, schema.HAS_ANNOTATION, "Annotations", ".xml"),
-    (schema.MASK, schema.HAS_MASK, "SegmentationClass", ".png"),
-    (schema.OBJECT_MASK, schema.HAS_OBJECT_MASK, "SegmentationObject", ".png"),
+#: (field, flag that says the record has it, folder, extension) of each file of an id
+_OUTPUTS = tuple(
+    zip(range(4), schema.SOURCE_FLAGS, schema.SOURCE_FOLDERS, schema.SOURCE_EXTENSIONS)
 )
 
 
@@ -135,7 +132,7 @@ def _stage_and_merge(
     it if one rename fails, so ``final`` ends with every file or as it was."""
     with _Tree(final, final) as target:
         for folder in sorted({folder for folder, *_ in plan}):
-            target.open_existing(folder)  # a link at any planned folder is refused up front
+            target.lookup(folder, create=False)  # a link at any planned folder: refused now
         if not overwrite:
             for folder, name, *_ in plan:
                 if target.exists(folder, name):
@@ -210,7 +207,7 @@ class _Tree:
             os.close(fd)
         self._fds.clear()
 
-    def _open(self, folder: _Folder, create: bool) -> int | None:
+    def lookup(self, folder: _Folder, create: bool) -> int | None:
         """The descriptor of ``root/folder``; ``None`` if it does not exist and not ``create``."""
         if folder in self._fds:
             return self._fds[folder]
@@ -222,7 +219,7 @@ class _Tree:
                     self.root.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.root, flags)
             else:
-                parent = self._open(folder[:-1], create)
+                parent = self.lookup(folder[:-1], create)
                 if parent is None:
                     return None
                 if create:
@@ -250,19 +247,15 @@ class _Tree:
 
     def open(self, folder: _Folder) -> int:
         """The descriptor of ``root/folder``, created if missing."""
-        fd = self._open(folder, create=True)
+        fd = self.lookup(folder, create=True)
         assert fd is not None
         return fd
-
-    def open_existing(self, folder: _Folder) -> None:
-        """Open ``root/folder`` if it exists, refusing a link or a file on the way."""
-        self._open(folder, create=False)
 
     def existing_depth(self, folder: _Folder) -> int:
         """How many leading components of ``folder`` exist below ``root`` (-1: not even
         ``root``), refusing a link or a file on the way."""
         for depth in range(len(folder), -1, -1):
-            if self._open(folder[:depth], create=False) is not None:
+            if self.lookup(folder[:depth], create=False) is not None:
                 return depth
         return -1
 
@@ -274,7 +267,7 @@ class _Tree:
         self._created.clear()
 
     def exists(self, folder: _Folder, name: str) -> bool:
-        fd = self._open(folder, create=False)
+        fd = self.lookup(folder, create=False)
         if fd is None:
             return False
         try:
@@ -284,7 +277,7 @@ class _Tree:
         return True
 
     def write(self, folder: _Folder, name: str, data: bytes | memoryview) -> None:
-        """Write one file atomically (``atomic.replace_file_at``), failing with a
+        """Write one file atomically (``fileio.replace_file_at``), failing with a
         ``WriteError``."""
         try:
             replace_file_at(self.open(folder), name, data)

@@ -22,19 +22,6 @@ from PIL import Image, UnidentifiedImageError
 
 from ..errors import SourceDataError
 
-__all__ = [
-    "ImageOptions",
-    "store_image",
-    "check_mask",
-    "jpeg_size",
-    "png_size",
-    "declared_size",
-    "check_pixels",
-    "scale_target",
-    "resize_mask",
-    "same_mask",
-]
-
 #: JPEG quality of images re-encoded after resizing (``max_size`` with original storage).
 RESIZE_QUALITY = 90
 #: How to leave bad samples out, for messages read by library and command line users alike.
@@ -69,28 +56,21 @@ def store_image(
         if size is not None:
             check_pixels(size, path, SourceDataError)
             return data, size[0], size[1], None
-    try:
-        img: Image.Image = Image.open(io.BytesIO(data))
+    with _opened(data, path, "image") as img:
         width, height = img.size
         if options.decodes:
             img = img.convert("RGB")  # decodes every pixel: truncated data fails here
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise _unreadable_image(path, exc) from None
-    except Image.DecompressionBombError as exc:
-        raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
-    scale = None
-    size = resized_size(width, height, options.max_size)
-    if size is not None:
+        size = resized_size(width, height, options.max_size)
+        if size is None:
+            stored = img.tobytes() if options.image_storage == "raw" else data
+            return stored, width, height, None
         img = img.resize(size, Image.Resampling.BILINEAR, reducing_gap=3.0)
         scale = (size[0] / width, size[1] / height)
-        width, height = size
-        if options.image_storage == "original":
-            out = io.BytesIO()
-            img.save(out, format="JPEG", quality=RESIZE_QUALITY)
-            return out.getvalue(), width, height, scale
-    if options.image_storage == "raw":
-        return img.tobytes(), width, height, scale
-    return data, width, height, scale
+        if options.image_storage == "raw":
+            return img.tobytes(), size[0], size[1], scale
+        out = io.BytesIO()
+        img.save(out, format="JPEG", quality=RESIZE_QUALITY)
+        return out.getvalue(), size[0], size[1], scale
 
 
 def resized_size(width: int, height: int, max_size: int | None) -> tuple[int, int] | None:
@@ -105,20 +85,10 @@ def resized_size(width: int, height: int, max_size: int | None) -> tuple[int, in
 def image_scale(data: bytes, path: str, options: ImageOptions) -> tuple[float, float] | None:
     """The scale ``store_image`` resizes this image (and so its masks and boxes) by, read
     from its header alone (nothing decoded); None when it is stored at its own size."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:  # as store_image sizes it
-            size = img.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise _unreadable_image(path, exc) from None
+    with _opened(data, path, "image") as img:  # as store_image sizes it
+        size = img.size
     resized = resized_size(size[0], size[1], options.max_size)
     return None if resized is None else (resized[0] / size[0], resized[1] / size[1])
-
-
-def _unreadable_image(path: str, exc: Exception) -> SourceDataError:
-    return SourceDataError(
-        f"{path}: not a readable image ({pil_reason(exc)}); replace the file or remove its id "
-        f"from the lists {SKIP_HINT}"
-    )
 
 
 def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
@@ -129,7 +99,7 @@ def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
         check_pixels(size, path, SourceDataError)
     if not options.check_images:
         return
-    with _mask_image(data, path) as img:
+    with _opened(data, path, "PNG mask") as img:
         if img.format != "PNG":
             raise ValueError(f"a {img.format} image, not a PNG")
         check_pixels(img.size, path, SourceDataError)
@@ -137,16 +107,16 @@ def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
 
 
 @contextlib.contextmanager
-def _mask_image(data: bytes, path: str) -> Iterator[Image.Image]:
-    """The mask in ``data`` opened by Pillow; what Pillow cannot read (or what the caller
-    finds wrong with it, as a ``ValueError``) raises ``SourceDataError`` naming ``path``."""
+def _opened(data: bytes | memoryview, path: str, what: str) -> Iterator[Image.Image]:
+    """``data`` opened by Pillow; what Pillow cannot read (or what the caller finds wrong with
+    it, as a ``ValueError``) raises ``SourceDataError`` naming ``path`` and ``what`` it is."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             yield img
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise SourceDataError(
-            f"{path}: not a readable PNG mask ({pil_reason(exc)}); replace the file or remove "
-            "its id from the lists (or pack with on_error='skip')"
+            f"{path}: not a readable {what} ({pil_reason(exc)}); replace the file or remove "
+            f"its id from the lists {SKIP_HINT}"
         ) from None
     except Image.DecompressionBombError as exc:
         raise SourceDataError(f"{path}: {exc}; refusing a decompression bomb") from None
@@ -278,7 +248,7 @@ def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
     """A segmentation mask PNG resized by ``scale`` as its image was (``max_size``), with
     nearest-neighbour sampling so every pixel keeps a class index of the source: same mode
     (P, its palette) and, for a mask the size of its image, exactly the image's new size."""
-    with _mask_image(data, path) as img:
+    with _opened(data, path, "PNG mask") as img:
         size = (max(1, round(img.width * scale[0])), max(1, round(img.height * scale[1])))
         resized = img.resize(size, Image.Resampling.NEAREST)  # keeps palette and info
     out = io.BytesIO()

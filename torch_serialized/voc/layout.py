@@ -25,16 +25,6 @@ from ..container.fileio import (
 )
 from ..errors import SourceDataError, SourceNotFoundError
 
-__all__ = [
-    "STANDARD_IMAGE_SETS",
-    "TASKS",
-    "base_dir",
-    "find_voc_root",
-    "read_image_sets",
-    "image_set_files",
-    "near_miss",
-]
-
 #: The ImageSets sub-folders torchvision reads: ``Main`` for detection, ``Segmentation`` for masks;
 #: also the order in which a pack lays out their ids.
 TASKS: tuple[str, ...] = ("Main", "Segmentation")
@@ -67,14 +57,27 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
     if not root.is_dir():
         error = SourceDataError if os.path.lexists(root) else SourceNotFoundError
         raise error(f"VOC root {str(root)!r} is not a directory; pass an existing folder.")
+    found = _found(root)
+    listed = ", ".join(repr(str(path)) for path in found)
+    years = " or ".join(repr(path.name[3:]) for path in found)
     if year is None:
-        return _infer(root)
+        if len(found) == 1:
+            return found[0], found[0].name[3:]
+        if found:
+            raise SourceDataError(
+                f"{str(root)!r} holds several VOC folders ({listed}); pick one with year= "
+                f"({years}; --year on the command line)."
+            )
+        raise SourceNotFoundError(
+            f"No Pascal VOC folder found under {str(root)!r}: looked for VOCdevkit/VOC<year>, "
+            "TrainVal/VOCdevkit/VOC<year> and a folder named VOC<year>. Pass torchvision's root "
+            "(the folder holding VOCdevkit/VOC2012) or the VOC2012 folder itself."
+        )
     candidates = _candidates(root, year)
     for candidate in candidates:
         if candidate.is_dir():
             return candidate, year
     looked = ", ".join(repr(str(c)) for c in candidates)
-    found = _found(root)
     if not found:
         advice = (
             f"Pass torchvision's root (the folder holding VOCdevkit/VOC{year}) or the "
@@ -83,13 +86,11 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
     elif len(found) == 1:
         other = found[0].name[3:]
         advice = (
-            f"Found VOC{other} ({str(found[0])!r}): pass year={other!r} (--year {other} on the "
+            f"Found VOC{other} ({listed}): pass year={other!r} (--year {other} on the "
             "command line) or leave the year out."
         )
     else:
         names = ", ".join(path.name for path in found)
-        listed = ", ".join(repr(str(path)) for path in found)
-        years = " or ".join(repr(path.name[3:]) for path in found)
         advice = f"Found {names} ({listed}): pass year={years} (--year on the command line)."
     raise SourceNotFoundError(f"No Pascal VOC {year} folder found: looked for {looked}. {advice}")
 
@@ -141,25 +142,6 @@ def _found(root: Path) -> list[Path]:
     if not found and _VOC_FOLDER.fullmatch(root.name) and root.is_dir():
         found = [root]
     return found
-
-
-def _infer(root: Path) -> tuple[Path, str]:
-    """``(voc_root, year)`` when the caller gave no year."""
-    found = _found(root)
-    if not found:
-        raise SourceNotFoundError(
-            f"No Pascal VOC folder found under {str(root)!r}: looked for VOCdevkit/VOC<year>, "
-            "TrainVal/VOCdevkit/VOC<year> and a folder named VOC<year>. Pass torchvision's root "
-            "(the folder holding VOCdevkit/VOC2012) or the VOC2012 folder itself."
-        )
-    if len(found) > 1:
-        listed = ", ".join(repr(str(path)) for path in found)
-        years = " or ".join(repr(path.name[3:]) for path in found)
-        raise SourceDataError(
-            f"{str(root)!r} holds several VOC folders ({listed}); pick one with year= "
-            f"({years}; --year on the command line)."
-        )
-    return found[0], found[0].name[3:]
 
 
 def _voc_folders(parent: Path) -> list[Path]:

@@ -96,18 +96,8 @@ class RecordNames(Sequence[str]):
         tail = ", ".join(repr(self[i]) for i in range(n - _SHOWN, n))
         return f"RecordNames([{head}, ..., {tail}], {n} items)"
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {
-            "pack": self._pack,
-            "records": self._records,
-            "prefix": self._prefix,
-            "suffix": self._suffix,
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["pack"], state["records"], state["prefix"], state["suffix"]
-        )
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled without the table, made again on use
+        return RecordNames, (self._pack, self._records, self._prefix, self._suffix)
 
 
 def record_names(

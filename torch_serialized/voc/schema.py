@@ -70,42 +70,6 @@ from typing import Any
 import numpy as np
 import orjson
 
-__all__ = [
-    "SCHEMA",
-    "SCHEMA_VERSION",
-    "FIELDS",
-    "COLUMNS",
-    "OBJECT_DTYPE",
-    "HAS_ANNOTATION",
-    "HAS_MASK",
-    "HAS_OBJECT_MASK",
-    "UNTYPED_OBJECTS",
-    "UNPARSED_ANNOTATION",
-    "KNOWN_FLAGS",
-    "schema_version",
-    "split_array_name",
-    "MAX_TARGET_DEPTH",
-    "TargetTooDeepError",
-    "encode_target",
-    "decode_target",
-    "encode_objects",
-    "encode_ids",
-    "decode_id",
-    "decode_ids",
-    "SOURCE_STATS_VERSION",
-    "SOURCE_FILES",
-    "ABSENT",
-    "SIZE_ARRAY",
-    "MTIME_ARRAY",
-    "DIGEST_ARRAY",
-    "RETIRED_ARRAY",
-    "OBJECT_CLASSES_ARRAY",
-    "RETIRED_SCHEMA_VERSION",
-    "UNTYPED_SCHEMA_VERSION",
-    "UNPARSED_SCHEMA_VERSION",
-    "BASE_SCHEMA_VERSION",
-]
-
 SCHEMA = "voc"
 #: The newest schema version read; a pack is written as the lowest version that holds it
 #: (``schema_version``), so older readers read every pack they can read correctly.
@@ -147,6 +111,11 @@ UNTYPED_OBJECTS = 8
 #: module docstring); always with ``HAS_ANNOTATION``, never in a ``Main`` image set
 UNPARSED_ANNOTATION = 16
 KNOWN_FLAGS = HAS_ANNOTATION | HAS_MASK | HAS_OBJECT_MASK | UNTYPED_OBJECTS | UNPARSED_ANNOTATION
+#: The flag that says a record has each of ``SOURCE_FILES`` (the image: always)
+SOURCE_FLAGS = (0, HAS_ANNOTATION, HAS_MASK, HAS_OBJECT_MASK)
+#: Where each of ``SOURCE_FILES`` is in a devkit: its folder, and its extension after the id
+SOURCE_FOLDERS = ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject")
+SOURCE_EXTENSIONS = (".jpg", ".xml", ".png", ".png")
 
 #: One row per object; ``class_id`` indexes the pack's ``classes`` list (its metadata).
 OBJECT_DTYPE = np.dtype(

@@ -32,20 +32,6 @@ from .images import SKIP_HINT, ImageOptions, check_mask, resize_mask, scale_targ
 from .layout import TASKS, near_miss
 from .xml import VOCObjects, extract_objects, parse_annotation
 
-__all__ = [
-    "Job",
-    "LoadedSample",
-    "Planned",
-    "plan",
-    "survey",
-    "load",
-    "source_paths",
-    "reads",
-    "stores_digest",
-]
-
-#: Per-id files that may be absent, by folder: the extension after the id.
-_OPTIONAL_FILES = {"Annotations": ".xml", "SegmentationClass": ".png", "SegmentationObject": ".png"}
 #: Image sets in layout order: train ids first, then val, test, trainval, then custom lists.
 _LAYOUT_ORDER = {"train": 0, "val": 1, "test": 2, "trainval": 3}
 
@@ -60,8 +46,8 @@ class Job:
     needs_annotation: bool
     needs_mask: bool
     options: ImageOptions
-    #: The ``_OPTIONAL_FILES`` folders that list this id's file: only those are opened, as a
-    #: failed open per absent file costs (benchmarks/README.md, "Measurements behind the code").
+    #: The folders (of files an id may lack) that hold this id's file: only those are opened,
+    #: as a failed open costs (benchmarks/README.md, "Measurements behind the code").
     listed_in_folders: frozenset[str]
     #: The largest file read (``pack_voc(max_file_bytes=...)``).
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
@@ -112,7 +98,7 @@ class Planned:
     ids: list[str]
     main: frozenset[str]  # ids listed in ImageSets/Main
     segmentation: frozenset[str]  # ids listed in ImageSets/Segmentation
-    #: per ``_OPTIONAL_FILES`` folder, the case-folded names of its files (casefold maps
+    #: per ``_FOLDERS`` folder, the case-folded names of its files (casefold maps
     #: character by character, so an id's file is listed when its folded name is)
     names: tuple[frozenset[str], ...]
     #: id -> where it is first listed: ``lists`` number << 32 | line number
@@ -155,9 +141,9 @@ class Planned:
         return files, needs
 
 
-#: ``_OPTIONAL_FILES``'s folders, in ``SOURCE_FILES`` order after the image
-_FOLDERS = tuple(_OPTIONAL_FILES)
-_EXTENSIONS = tuple(_OPTIONAL_FILES.values())
+#: The folders (and extensions) of the files an id may lack: all but the image's
+_FOLDERS = schema.SOURCE_FOLDERS[1:]
+_EXTENSIONS = schema.SOURCE_EXTENSIONS[1:]
 #: whether each folder lists an id's file -> ``Job.listed_in_folders``: the few distinct
 #: sets, shared by every job
 _KINDS = {
@@ -222,14 +208,12 @@ def stores_digest(options: ImageOptions) -> bool:
     return options.image_storage != "original" or options.max_size is not None
 
 
-def source_paths(job: Job) -> tuple[str, str, str, str]:
+def source_paths(job: Job) -> tuple[str, ...]:
     """The paths of ``job``'s image, annotation, mask and object mask (``SOURCE_FILES``)."""
     voc, name = job.voc_root, job.id  # plain strings, not pathlib: see benchmarks/README.md
-    return (
-        f"{voc}{os.sep}JPEGImages{os.sep}{name}.jpg",
-        f"{voc}{os.sep}Annotations{os.sep}{name}.xml",
-        f"{voc}{os.sep}SegmentationClass{os.sep}{name}.png",
-        f"{voc}{os.sep}SegmentationObject{os.sep}{name}.png",
+    return tuple(
+        f"{voc}{os.sep}{folder}{os.sep}{name}{ext}"
+        for folder, ext in zip(schema.SOURCE_FOLDERS, schema.SOURCE_EXTENSIONS)
     )
 
 
@@ -345,7 +329,7 @@ def _read_optional(
 ) -> bytes | None:
     """A file's bytes, or ``None`` when it is absent and not ``required``; its size and
     modification time go to ``stats[k]``. Only a regular file of at most
-    ``job.max_file_bytes`` is read (see ``safeio``)."""
+    ``job.max_file_bytes`` is read (see ``container.fileio``)."""
     try:
         data, st = read_regular_file_stat(path, job.max_file_bytes, what or "the file")
         stats[k] = (st.st_size, st.st_mtime_ns)

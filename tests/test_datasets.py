@@ -889,7 +889,7 @@ def test_bad_indices_name_the_index_and_the_length(
         ours["000002"]
     span = range(*slice(1, 3).indices(n))
     with pytest.raises(TypeError, match=re.escape(f"Subset(dataset, {span})")):
-        ours[1:3]  # a memoryview slice went on as a record number: "'<=' not supported"
+        ours[1:3]
     assert_same_value(ours[-1], ours[n - 1])
     for one in (True, np.int64(1), np.uint8(1), torch.tensor(1)):  # what a list accepts
         assert_same_value(ours[one], ours[int(one)])
@@ -897,7 +897,7 @@ def test_bad_indices_name_the_index_and_the_length(
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_index_lookup_survives_pickle_and_copy(corner_packs: Packed, layout: str) -> None:
-    """The record index (a memoryview, rebuilt after unpickling) indexes as a list does."""
+    """A pickled or copied dataset indexes as a list does."""
     ours = VOCSerializedDataset(corner_packs.path(layout), "trainval", decode="none")
     n = len(ours)
     for clone in (pickle.loads(pickle.dumps(ours)), copy.deepcopy(ours), copy.copy(ours)):

@@ -21,7 +21,7 @@ from torch_serialized import (
     VOCSerializedSegmentation,
     pack_voc,
 )
-from torch_serialized.container.reader import PackReader
+from torch_serialized.container.shards import PackReader
 from torch_serialized.data.decode import SampleDecoder, label_names
 from torch_serialized.errors import FormatError, ImageTooLargeError
 from torch_serialized.voc import schema
@@ -134,19 +134,21 @@ def test_arguments_are_checked(pack: VOCPackReader, kwargs: dict[str, str], mess
 @pytest.mark.parametrize("decode", ["pil", "tensor", "none"])
 @pytest.mark.parametrize("target_format", ["dict", "tv_tensors"])
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_readers_are_image_and_target(
+def test_every_buffer_kind_and_views_decode_alike(
     pack: VOCPackReader, decode: Any, target_format: Any, zero_copy: bool
 ) -> None:
-    """The per-sample callables the datasets bind once return what image/target return,
-    for buffers of every kind (map views, bytes, private arrays) and empty ones."""
+    """Targets and images are the same from buffers of every kind (map views, bytes, private
+    arrays) and empty ones; ``image(view=True)`` (a DataLoader worker's read) returns what
+    ``image`` returns, its stored bytes viewing the map instead of a copy."""
     decoder = SampleDecoder(
         pack, decode=decode, target_format=target_format, classes="packed", zero_copy=zero_copy
     )
-    image_of, target_of = decoder.image_reader(), decoder.target_reader()
+    assert decoder.stored_bytes == (decode == "none")
     for record in range(len(pack)):
         field = pack.field(record, decoder.target_field)
-        for data in (field, bytes(field), np.frombuffer(bytes(field), np.uint8).copy()):
-            expected, actual = decoder.target(record, data), target_of(record, data)
+        expected = decoder.target(record, field)
+        for data in (bytes(field), np.frombuffer(bytes(field), np.uint8).copy()):
+            actual = decoder.target(record, data)
             if target_format == "dict":
                 assert actual == expected
             else:
@@ -155,15 +157,20 @@ def test_readers_are_image_and_target(
                     assert type(actual[key]) is type(expected[key])
                     assert torch.equal(actual[key], expected[key])
         image = pack.field(record, schema.IMAGE)
-        for data in (image, bytes(image)):
-            expected, actual = decoder.image(record, data), image_of(record, data)
+        for data in (image, bytes(image), np.frombuffer(bytes(image), np.uint8).copy()):
+            expected, actual = decoder.image(record, data), decoder.image(record, data, view=True)
             if decode == "pil":
                 assert actual.tobytes() == expected.tobytes()
             else:
                 assert type(actual) is type(expected) and torch.equal(actual, expected)
-    if decode == "none" and not zero_copy:
-        empty = image_of(0, b"")
-        assert empty.dtype == torch.uint8 and empty.shape == (0,)
+        viewed = decoder.image(record, image, view=True)
+        if decode == "none":
+            address = np.frombuffer(image, np.uint8).ctypes.data
+            assert viewed.data_ptr() == address
+    for view in (False, True):
+        if decode == "none":
+            empty = decoder.image(0, b"", view=view)
+            assert empty.dtype == torch.uint8 and empty.shape == (0,)
 
 
 # -- issue #11 item 4: one pixel limit on every decode path, checked before allocating ----------
@@ -285,19 +292,6 @@ def test_the_limit_is_pillows_read_at_call_time(
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
     for read in readers.values():
         read()
-
-
-def test_hot_path_target_parser_is_the_schema_one() -> None:
-    """``decode`` calls ``schema.decode_target``'s parser directly (a call less per sample):
-    both read every stored target alike, and give a fresh dict per call."""
-    from torch_serialized.data import decode as decode_module
-
-    target = {"annotation": {"filename": "a.jpg", "object": [{"name": "cat"}], "é": "ü"}}
-    data = schema.encode_target(target)
-    for buffer in (data, memoryview(data)):
-        parsed = decode_module._parse_target(buffer)
-        assert parsed == schema.decode_target(buffer) == target
-        assert parsed is not decode_module._parse_target(buffer)
 
 
 @pytest.mark.parametrize("decode", ["pil", "tensor"])

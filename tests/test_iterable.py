@@ -500,7 +500,7 @@ def test_copied_reads_yield_what_views_yield(stream_packs, monkeypatch) -> None:
     """A pack of many tiny shards is streamed from private copies (``views_fit``: views would
     keep a map, and a descriptor, per shard in flight): the samples are the same."""
     import torch_serialized.data.iterable as iterable_module
-    from torch_serialized.container.reader import open_pack
+    from torch_serialized.container.shards import open_pack
     from torch_serialized.data.pipeline import views_fit
 
     reader = open_pack(stream_packs["shards"], max_open_shards=1)
@@ -610,17 +610,17 @@ def test_a_worker_stream_holds_one_decoded_image_at_a_time(
     run = len(alone) - 1
     monkeypatch.setattr(torch_serialized.data.iterable, "SHARED_RUN", run)
     ds = VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="tensor")
-    decode = ds.decoder.image_reader()
+    decode = ds.decoder.image
     made: list[weakref.ref[torch.Tensor]] = []
     alive: list[int] = []
 
-    def counting(record, data):
+    def counting(record, data, **kw):
         alive.append(sum(ref() is not None for ref in made))  # earlier private images
-        image = decode(record, data)
+        image = decode(record, data, **kw)
         made.append(weakref.ref(image))
         return image
 
-    monkeypatch.setattr(ds.decoder, "image_reader", lambda: counting)
+    monkeypatch.setattr(ds.decoder, "image", counting)
     got = list(ds)
     # at most the one the decoding generator still holds while the next is decoded
     assert len(alive) == len(alone) and max(alive) <= 1

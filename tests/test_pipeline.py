@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from torch_serialized.data.pipeline import (
     MAX_GAP,
+    ShardWindow,
     block_bounds,
     epoch_order,
     rank_share,
@@ -168,3 +169,31 @@ def test_shuffle_buffer_draws_in_chunks_with_the_same_stream(n, size, seed) -> N
     one_by_one = list(shuffle_buffer(range(n), size, np.random.default_rng(seed)))
     chunked = list(shuffle_buffer(range(n), size, np.random.default_rng(seed), total=n))
     assert chunked == one_by_one
+
+
+def test_shard_window_downloads_ahead_and_releases_behind() -> None:
+    """A remote stream holds the shards of the block in use and the next ``ahead`` distinct
+    shards later blocks read, and releases each one once no near block needs it."""
+    calls: list[tuple[str, object]] = []
+    reader = SimpleNamespace(
+        starts=np.array([0, 10, 20, 30, 40]),
+        prefetch_shards=lambda shards: calls.append(("get", list(shards))),
+        release_shard=lambda shard: calls.append(("drop", shard)),
+    )
+    blocks = [np.array([0, 5]), np.array([12]), np.array([25, 35]), np.array([3])]
+    window = ShardWindow(reader, blocks, ahead=1)  # type: ignore[arg-type]
+    assert [window.window(b) for b in range(5)] == [[0, 1], [1, 2], [2, 3, 0], [0], []]
+    for b in range(len(blocks)):
+        window.before(b)
+        window.after(b)
+    assert calls == [
+        ("get", [0, 1]),
+        ("drop", 0),
+        ("get", [2]),
+        ("drop", 1),
+        ("get", [3, 0]),
+        ("drop", 2),
+        ("drop", 3),
+        ("drop", 0),
+    ]
+    assert ShardWindow(reader, blocks, ahead=0).window(0) == [0]  # type: ignore[arg-type]

@@ -6,18 +6,15 @@ checks the order of reads, not their speed (timings live in benchmarks/).
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 from tsbench.system import PageCache
 
 from torch_serialized.container import reader as reader_module
 from torch_serialized.container.reader import ContainerReader
-from torch_serialized.data import pipeline
 from torch_serialized.data.iterable import VOCSerializedIterableDataset
 
 
@@ -78,11 +75,8 @@ def evict_after_open(path: Path) -> None:
 def test_cold_epoch_reads_each_block_in_storage_order(
     stream_packs, monkeypatch, tmp_path, kind, image_set, shuffle
 ) -> None:
-    """Each block of a sharded pack is looked up run by run, each run ascending and the runs
-    moving forward through the file, every record of the block exactly once; no record is
-    read apart. A one-file pack read through views looks a block up at once in block order:
-    the views' lookup reads nothing (the copies do, later, in sample order) and the block's
-    runs were hinted to the kernel in storage order before (next test)."""
+    """Each block is looked up run by run, each run ascending and the runs moving forward
+    through the file, every record of the block exactly once; no record is read apart."""
     ds = VOCSerializedIterableDataset(
         cold_copy(stream_packs[kind], tmp_path),
         image_set,
@@ -114,9 +108,6 @@ def test_cold_epoch_reads_each_block_in_storage_order(
     assert len(samples) == sum(len(b) for b in blocks) == len(ds.records)
     requests = iter(calls)
     for block in blocks:
-        if kind == "single":
-            assert next(requests) == ds.records[block].tolist(), "one lookup per block"
-            continue
         records = sorted(set(ds.records[block].tolist()))
         got: list[int] = []
         previous_end = -1
@@ -135,9 +126,8 @@ def test_cold_epoch_reads_each_block_in_storage_order(
 @pytest.mark.parametrize("kind", ["single", "shards"])
 def test_each_block_is_hinted_before_it_is_read(stream_packs, monkeypatch, tmp_path, kind) -> None:
     """On a cold cache every block's runs are hinted to the kernel (WILLNEED) before the
-    block is used, blocks ahead of the one in use, so their disk reads overlap decoding,
-    unless a probe finds the block's ends already cached (the read-ahead of an earlier hint
-    reached it); on a warm cache no hint is planned at all (``block_cached``). The probe is
+    block is used, blocks ahead of the one in use, so their disk reads overlap decoding;
+    on a warm cache the reader's probe finds the runs cached and sends no hint. The probe is
     ``mincore`` here (``resident``): this test checks the planning, not how fast the disk
     answers the reader's own probe."""
 
@@ -151,50 +141,35 @@ def test_each_block_is_hinted_before_it_is_read(stream_packs, monkeypatch, tmp_p
     evict_after_open(path)  # ...the eviction that makes the epoch cold
     start_of = {str(reader.shard_path(i)): int(reader.starts[i]) for i in range(reader.num_shards)}
     hinted: set[int] = set()
-    found_cached: set[int] = set()  # records of blocks whose ends a probe found cached
-    planned: list[int] = []  # blocks whose runs were planned, by size
     order_ok: list[bool] = []
     ahead: list[int] = []  # records hinted or found cached but not yet read, at each read
     advised: list[tuple[int, int, int]] = []
     prefetch, views = ContainerReader.prefetch, ContainerReader.views
-    block_cached, record_runs = pipeline.block_cached, pipeline.record_runs
     fadvise = os.posix_fadvise
     read: set[int] = set()
-
-    def logged_block_cached(reader, records):  # type: ignore[no-untyped-def]
-        got = block_cached(reader, records)
-        if got:
-            found_cached.update(records.tolist())
-        return got
-
-    def logged_record_runs(reader, records):  # type: ignore[no-untyped-def]
-        planned.append(len(records))
-        return record_runs(reader, records)
 
     def logged_prefetch(self: ContainerReader, records) -> None:  # type: ignore[no-untyped-def]
         hinted.update(start_of[self.path] + int(r) for r in records)
         prefetch(self, records)
 
     def logged_views(self: ContainerReader, records, fields):  # type: ignore[no-untyped-def]
-        order_ok.extend(start_of[self.path] + int(r) in hinted | found_cached for r in records)
+        order_ok.extend(start_of[self.path] + int(r) in hinted for r in records)
         read.update(start_of[self.path] + int(r) for r in records)
-        ahead.append(len((hinted | found_cached) - read))  # looked at ahead of use
+        ahead.append(len(hinted - read))  # hinted ahead of use
         return views(self, records, fields)
 
     def logged_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
         advised.append((offset, length, advice))
         fadvise(fd, offset, length, advice)
 
-    monkeypatch.setattr(pipeline, "block_cached", logged_block_cached)
-    monkeypatch.setattr(pipeline, "record_runs", logged_record_runs)
     monkeypatch.setattr(ContainerReader, "prefetch", logged_prefetch)
     monkeypatch.setattr(ContainerReader, "views", logged_views)
     monkeypatch.setattr(reader_module.os, "posix_fadvise", logged_fadvise)
     monkeypatch.setattr(reader_module, "_cached", resident)
     assert len(list(ds)) == len(ds.records)
 
-    assert order_ok and all(order_ok), "every record is hinted (or found cached) before it is read"
-    assert hinted | found_cached == set(ds.records.tolist())
+    assert order_ok and all(order_ok), "every record is hinted before it is read"
+    assert hinted == set(ds.records.tolist())
     assert ds.records[ds.blocks()[0]].tolist()[0] in hinted, "a cold epoch starts with hints"
     assert max(ahead) > 5, "hints run ahead of the block in use"
     assert advised and all(a == os.POSIX_FADV_WILLNEED and n > 0 for _, n, a in advised)
@@ -202,55 +177,6 @@ def test_each_block_is_hinted_before_it_is_read(stream_packs, monkeypatch, tmp_p
     shard = reader.shard(0)
     if not reader_module._cached(shard._mapped().fd, shard.size - 1):
         pytest.skip("this file system cannot tell what is cached (RWF_NOWAIT)")
-    advised.clear()  # now warm: the same epoch again sends no hint and plans none
-    planned.clear()
-    hinted.clear()
+    advised.clear()  # now warm: the same epoch again sends no hint
     assert len(list(ds)) == len(ds.records)
-    assert advised == [] and hinted == set()
-    if kind == "single":  # a shard folder's reads still cut blocks into runs (per shard)
-        assert planned == []
-
-
-def test_block_cached_probes_the_ends_of_a_block(tmp_path, stream_packs, monkeypatch) -> None:
-    """``ContainerReader.cached`` and ``block_cached`` say a span is cached only when its
-    first and last bytes are: after eviction not, after reading yes, and a span whose last
-    record was evicted again not. The reader's own probe answers "cached" once the file was
-    read; the rest is asked through ``mincore`` (``resident``), since the reader's probe of an
-    uncached page starts the kernel's read-ahead there, which a fast disk can finish before
-    the probe returns (so "not cached" is only ever a hint's trigger, never a promise)."""
-    path = cold_copy(stream_packs["single"], tmp_path)
-    ds = VOCSerializedIterableDataset(path, "trainval", decode="none")
-    reader = ds.pack.reader
-    container = reader.shard(0)
-    records = np.arange(10, 20)
-    with open(path, "rb") as f:
-        f.read()
-    if not container.cached(records):
-        pytest.skip("this file system cannot tell what is cached (RWF_NOWAIT)")
-    monkeypatch.setattr(reader_module, "_cached", resident)
-    evict_after_open(path)
-    assert not container.cached(records)
-    assert not pipeline.block_cached(reader, records)
-    with open(path, "rb") as f:
-        f.read()
-    assert pipeline.block_cached(reader, records) and container.cached([])
-    # evict from record 19's page on: the span of 10..19 ends there, that of 0..5 does not
-    start = container._span(container._mapped(), [19])[0] // mmap.PAGESIZE * mmap.PAGESIZE
-    assert container._span(container._mapped(), [5])[1] < start
-
-    def evict_tail() -> None:
-        """Read the tail first (a read-ahead a probe started is then done: pages under I/O
-        cannot be dropped), then drop it."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.pread(fd, os.fstat(fd).st_size - start, start)
-            os.posix_fadvise(fd, start, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-    evict_tail()
-    assert not container.cached(records)
-    evict_tail()
-    assert not pipeline.block_cached(reader, records)
-    evict_tail()
-    assert container.cached(np.arange(6)) and pipeline.block_cached(reader, np.arange(6))
+    assert advised == []

@@ -23,7 +23,7 @@ from torchvision.transforms.functional import pil_to_tensor
 
 import torch_serialized
 import torch_serialized as ts
-from torch_serialized.data.workers import reopen_dataset, share_as_made, share_batch
+from torch_serialized.data.workers import reopen_dataset, share_batch
 
 
 def first_item(batch: list[Any]) -> Any:
@@ -55,8 +55,8 @@ def test_reopen_is_idempotent_in_one_process(synthetic_packs: Any) -> None:
     ds = ts.VOCSerializedDataset(synthetic_packs.single, "train", decode="none")
     shard = ds.pack.reader.shard(0)
     before = shard._local
-    ts.workers.reopen_dataset(ds)
-    ts.workers.reopen_dataset(ds)
+    reopen_dataset(ds)
+    reopen_dataset(ds)
     assert shard._local is before  # same process: nothing to do, nothing dropped
     assert _bytes_of(ds[0]) == _bytes_of(
         ts.VOCSerializedDataset(synthetic_packs.single, "train", decode="none")[0]
@@ -256,7 +256,7 @@ def test_share_batch_moves_tensors_into_one_block_and_keeps_each_value(
                 )
 
 
-def test_share_as_made_hands_freed_pages_back_once_per_batch(monkeypatch) -> None:
+def test_a_batch_shared_as_made_hands_freed_pages_back_once(monkeypatch) -> None:
     """With the sizes known (decoded images), each image is copied into the block as it is
     made and freed; the worker then asks glibc to return the freed pages (``malloc_trim``),
     once per batch, so its heap does not keep them as its high-water mark (10-13 MB per
@@ -268,10 +268,10 @@ def test_share_as_made_hands_freed_pages_back_once_per_batch(monkeypatch) -> Non
     calls: list[int] = []
     monkeypatch.setattr(workers, "_MALLOC_TRIM", lambda pad: calls.append(pad) or 1)
     images = [torch.full((3, 4, 5), i, dtype=torch.uint8) for i in range(3)]
-    made = share_as_made(((image, {"i": i}) for i, image in enumerate(images)), [60] * 3)
+    made = share_batch(((image, {"i": i}) for i, image in enumerate(images)), [60] * 3)
     assert calls == [0]
     assert [torch.equal(a, b) and a.is_shared() for (a, _), b in zip(made, images)] == [True] * 3
-    share_as_made([(image, {}) for image in images], None)
+    share_batch([(image, {}) for image in images])
     assert calls == [0], "no trim on the share_batch path"
 
 
@@ -392,17 +392,17 @@ def test_a_workers_batch_of_decoded_images_holds_one_at_a_time(
     )
     indices = [5, 0, 3, 3, 9, 1]
     expected = [ds[i] for i in indices]
-    decode = ds._image_of
+    decode = ds.decoder.image
     made: list[weakref.ref[torch.Tensor]] = []
     alive: list[int] = []
 
-    def counting(record: int, data: Any) -> torch.Tensor:
+    def counting(record: int, data: Any, **kw: Any) -> torch.Tensor:
         alive.append(sum(ref() is not None for ref in made))  # earlier private images
-        image = decode(record, data)
+        image = decode(record, data, **kw)
         made.append(weakref.ref(image))
         return image
 
-    monkeypatch.setattr(ds, "_image_of", counting)
+    monkeypatch.setattr(ds.decoder, "image", counting)
     monkeypatch.setattr(torch_serialized.data.datasets, "in_worker", lambda: True)
     got = ds.__getitems__(indices)
     assert len(alive) == len(indices) and max(alive) == 0

@@ -10,27 +10,23 @@ returns for the same image set; ``VOCSerializedSegmentation`` does the same for
 the iterable dataset, so both kinds open packs and apply transforms the same way.
 """
 
-# More than 400 lines: both drop-in classes (torchvision's full argument lists, documented)
-# and the read paths they share, per index and per batch, kept where they must stay alike.
-
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from operator import index as _as_index
+from collections.abc import Callable, Mapping, Sequence
+from operator import index as as_index
 from typing import Any
 
 import numpy as np
 from torchvision.datasets import VOCDetection, VOCSegmentation
 from torchvision.datasets.vision import VisionDataset
 
-from ..container.reader import ContainerReader
 from ..errors import ChecksumError
 from ..voc import schema
 from ..voc.names import RecordNames, record_names
 from ..voc.packed import VOCPackReader
-from .decode import Buffer, Classes, Decode, SampleDecoder, TargetFormat
-from .workers import in_worker, share_as_made
+from .decode import Classes, Decode, SampleDecoder, TargetFormat
+from .workers import in_worker, share_batch
 
 __all__ = [
     "VOCSerializedDataset",
@@ -48,23 +44,15 @@ def open_split(
     decode: Decode = "pil",
     target_format: TargetFormat = "dict",
     classes: Classes = None,
-    checked: bool = False,
     zero_copy: bool = False,
     year: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    cache_limit_bytes: int | None = None,
+    **pack_options: Any,
 ) -> tuple[VOCPackReader, np.ndarray, SampleDecoder]:
     """Open the pack at ``path`` (local, or a URL read through the cache) for ``image_set``
     of ``task``: the pack, the image set's record numbers (list-file order) and the decoder
-    of its records. ``year``, if given, must be the pack's."""
-    pack = VOCPackReader(
-        path,
-        checked=checked,
-        storage_options=storage_options,
-        cache_dir=cache_dir,
-        cache_limit_bytes=cache_limit_bytes,
-    )
+    of its records. ``year``, if given, must be the pack's; ``pack_options`` go to
+    ``VOCPackReader`` (``checked``, ``storage_options``, ``cache_dir``...)."""
+    pack = VOCPackReader(path, **pack_options)
     if year is not None and str(year) != pack.year:
         raise ValueError(
             f"{pack.name} holds VOC{pack.year}, not VOC{year}; pass that pack's "
@@ -73,10 +61,11 @@ def open_split(
     records = pack.split(task, image_set)
     decoder = SampleDecoder(
         pack,
+        task=task,
+        image_set=image_set,
         decode=decode,
         target_format=target_format,
         classes=classes,
-        split_key=f"{task}/{image_set}",
         zero_copy=zero_copy,
     )
     return pack, records, decoder
@@ -92,120 +81,31 @@ def joint_transforms(
 
 
 class _PackedVOCBase:
-    """Shared by both datasets: the pack, the split's record numbers, the decoder, the
-    torchvision attributes as lazy sequences, and the single and batch read paths."""
+    """Shared by both datasets: opening the split, the torchvision attributes as lazy
+    sequences, index checks, and the per-index and per-batch read paths."""
 
     _TASK: str
     _TARGET_DIR: str
     _TARGET_EXT: str
-    pack: VOCPackReader
-    records: np.ndarray
-    decoder: SampleDecoder
-    image_set: str
-    year: str
-    _fields: tuple[int, int]
-    _index: memoryview
-    _single: ContainerReader | None
-    _fetch_fields: Callable[[int, tuple[int, int]], Sequence[Buffer]]
-    _image_of: Callable[[int, Buffer], Any]
-    _target_of: Callable[[int, Buffer], Any]
-    _ids: RecordNames
-    _images: RecordNames
-    _targets: RecordNames
     transforms: Callable | None  # set by torchvision's VisionDataset.__init__
 
-    def __getitem__(self, index: int) -> tuple[Any, Any]:  # each dataset's own
-        raise NotImplementedError
-
     def _open(
-        self,
-        path: str | os.PathLike[str],
-        image_set: str,
-        decode: Decode,
-        target_format: TargetFormat,
-        classes: Classes,
-        checked: bool,
-        year: str | None,
-        download: bool,
-        zero_copy: bool,
-        storage_options: Mapping[str, Any] | None,
-        cache_dir: str | os.PathLike[str] | None,
-        cache_limit_bytes: int | None,
+        self, path: str | os.PathLike[str], image_set: str, download: bool, **kw: Any
     ) -> None:
+        """Open the split; ``kw``: the keyword arguments of ``open_split``."""
         if download:
             raise ValueError(
                 "a pack is not downloaded from torchvision's mirrors: download with "
                 "torchvision's VOCDetection(download=True) once, pack it with "
                 "torch_serialized.pack_voc, then pass the pack's path or URL"
             )
-        self.pack, self.records, self.decoder = open_split(
-            path,
-            self._TASK,
-            image_set,
-            decode=decode,
-            target_format=target_format,
-            classes=classes,
-            checked=checked,
-            zero_copy=zero_copy,
-            year=year,
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit_bytes=cache_limit_bytes,
-        )
+        self.pack, self.records, self.decoder = open_split(path, self._TASK, image_set, **kw)
         self.year = self.pack.year
         self.image_set = image_set
-        target_field = schema.MASK if self._TASK == "Segmentation" else self.decoder.target_field
-        self._fields = (schema.IMAGE, target_field)
-        #: the per-sample calls, dispatched once (``_one_file``, ``SampleDecoder.image_reader``):
-        #: ``(record, fields) -> views of the map``, the image's and the target's decoders
-        self._single = self._one_file()
-        self._fetch_fields = self._located if self._single is None else self._single.record
-        self._image_of = self.decoder.image_reader()
-        self._view_of = self.decoder.view_reader()
-        self._target_of = self.decoder.target_reader()
-        self._index = _index_of(self.records)
+        self._fields = (schema.IMAGE, self.decoder.target_field)
         self._ids = record_names(self.pack, self.records)
         self._images = record_names(self.pack, self.records, "JPEGImages", ".jpg")
         self._targets = record_names(self.pack, self.records, self._TARGET_DIR, self._TARGET_EXT)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_index"]  # a memoryview: rebuilt from ``records``
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._index = _index_of(self.records)
-
-    def _record(self, index: int) -> int:
-        try:
-            return self._index[_as_index(index)]  # type: ignore[no-any-return]
-        except (IndexError, TypeError):
-            raise self._bad_index(index) from None
-
-    def _bad_index(self, index: Any) -> Exception:
-        """The ``IndexError`` or ``TypeError`` a list raises for ``index``, naming the index
-        and the length (the index memoryview's own messages name neither). Error path only:
-        the lookups call it after the memoryview refused ``index``."""
-        name = type(self).__name__
-        try:
-            index = _as_index(index)
-        except TypeError:
-            hint = ""
-            if isinstance(index, str):
-                hint = f"; to find an image id use dataset.ids.index({index!r})"
-            elif isinstance(index, slice):
-                span = range(*index.indices(len(self)))
-                hint = f"; for a part of the dataset use torch.utils.data.Subset(dataset, {span})"
-            return TypeError(f"{name} indices must be integers, not {type(index).__name__}{hint}")
-        n = len(self)
-        return IndexError(
-            f"{name} index {index} is out of range: image set {self.image_set!r} of "
-            f"{self.pack.name} has {n} samples (0 to {n - 1}, or -{n} to -1)"
-        )
 
     @property
     def ids(self) -> RecordNames:
@@ -223,6 +123,9 @@ class _PackedVOCBase:
         """Target paths relative to torchvision's ``root`` (lazy, as ``images``)."""
         return self._targets
 
+    def __len__(self) -> int:
+        return len(self.records)
+
     def extra_repr(self) -> str:
         lines = [f"Year: {self.year}", f"Image set: {self.image_set}"]
         if self.decoder.decode != "pil":
@@ -237,88 +140,70 @@ class _PackedVOCBase:
         """Map the packed file(s) again in this process (what ``worker_init_fn`` calls)."""
         self.pack.reader.reopen()
 
-    # -- reading -------------------------------------------------------------------------------
-    def _one_file(self) -> ContainerReader | None:
-        """The container of a one-file pack (its record numbers are the pack's: no shard to
-        locate per read), else None."""
-        reader = self.pack.reader
-        if reader.manifest_path is not None or not len(reader):
-            return None
-        return reader.locate(0)[0]
+    def _record(self, index: Any) -> int:
+        """The record number at dataset ``index``, or the ``IndexError`` / ``TypeError`` a
+        list raises, naming the index and the length (the one index check of a read: record
+        numbers of the split are valid by the pack's open-time checks)."""
+        name = type(self).__name__
+        try:
+            i = as_index(index)
+        except TypeError:
+            hint = ""
+            if isinstance(index, str):
+                hint = f"; to find an image id use dataset.ids.index({index!r})"
+            elif isinstance(index, slice):
+                span = range(*index.indices(len(self)))
+                hint = f"; for a part of the dataset use torch.utils.data.Subset(dataset, {span})"
+            raise TypeError(
+                f"{name} indices must be integers, not {type(index).__name__}{hint}"
+            ) from None
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(
+                f"{name} index {i} is out of range: image set {self.image_set!r} of "
+                f"{self.pack.name} has {n} samples (0 to {n - 1}, or -{n} to -1)"
+            )
+        return int(self.records[i])
 
-    def _located(self, record: int, fields: tuple[int, int]) -> Sequence[Buffer]:
-        """``(record, fields) -> views`` for a sharded pack: the shard located first."""
+    def _sample(self, record: int, view: bool = False) -> tuple[Any, Any]:
+        """The sample of ``record``: its fields read as views of the map, decoded (``view``:
+        see ``SampleDecoder.image``), transformed."""
         shard, local = self.pack.reader.locate(record)
-        return shard.record(local, fields)
+        try:
+            image, target = shard.record(local, self._fields)
+        except ChecksumError as exc:  # checked=True: name the sample, not only the file
+            raise self.pack.named(exc) from None
+        image = self.decoder.image(record, image, view=view)
+        target = self.decoder.target(record, target)
+        return (image, target) if self.transforms is None else self.transforms(image, target)
 
-    def _fetch_many(self, records: Sequence[int]) -> list[list[Buffer]]:
-        """The fields of every one of ``records`` (views of the map, in that order), the
-        kernel hinted to read all of them at once (``ContainerReader.advise``)."""
-        if self._single is not None:  # one file: record numbers are the file's
-            return self._views(self._single, records)
-        reader = self.pack.reader
-        groups: dict[int, tuple[Any, list[int], list[int]]] = {}
-        for position, record in enumerate(records):
-            shard, local = reader.locate(record)
-            group = groups.setdefault(id(shard), (shard, [], []))
-            group[1].append(local)
-            group[2].append(position)
-        out: list[list[Buffer]] = [[] for _ in records]
-        for shard, locals_, positions in groups.values():
-            for position, row in zip(positions, self._views(shard, locals_)):
-                out[position] = row
-        return out
-
-    def _views(self, shard: ContainerReader, records: Sequence[int]) -> list[list[Buffer]]:
-        """Views of the fields of ``records`` of ``shard`` after one read hint for them all
-        (the copies out of the map, made later in batch order, then find their pages read)."""
-        wanted = np.asarray(records, dtype=np.int64)
-        shard.advise(wanted)
-        return shard.views(wanted, self._fields)  # type: ignore[return-value]
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return self._sample(self._record(index))
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-        """The samples at ``indices``, exactly as ``[self[i] for i in indices]``, read as one
-        batch (what ``DataLoader`` calls with a batch of indices): one index lookup, reads
-        hinted together and done in storage order, targets built for the whole batch.
+        """The samples at ``indices``, exactly as ``[self[i] for i in indices]`` (what
+        ``DataLoader`` calls with a batch of indices); every index is checked before any read.
 
-        In a ``DataLoader`` worker the batch's tensors are then put in one block of shared
-        memory (``workers.share_batch``: same values, one segment per batch instead of one
-        per tensor, ~3x the samples/s of ``decode="none"`` through 2 workers).
+        In a ``DataLoader`` worker the batch's tensors are put in one block of shared memory
+        (``workers.share_batch``: same values, one segment per batch instead of one per
+        tensor, ~3x the samples/s of ``decode="none"`` through 2 workers).
 
         A subclass that overrides ``__getitem__`` (torchvision's transforms-v2 wrapper is
         one) gets per-index calls, so its ``__getitem__`` always decides.
         """
-        if type(self).__getitem__ not in _BATCHABLE:
+        if type(self).__getitem__ is not _PackedVOCBase.__getitem__:
             return [self[i] for i in indices]
-        index = self._index
-        try:
-            records = [index[_as_index(i)] for i in indices]  # IndexError before any read
-        except (IndexError, TypeError):
-            records = [self._record(i) for i in indices]  # raises, naming the first bad one
-        if not records:
-            return []
-        try:
-            rows = self._fetch_many(records)
-        except ChecksumError as exc:  # checked=True: name the sample, not only the file
-            raise self.pack.named(exc) from None
-        transforms, worker = self.transforms, in_worker()
-        # A worker copies the batch into shared memory: read as views of the map, the images
-        # are copied once (into the block) instead of twice (by us, then into the block).
-        view_of = self._view_of if worker and transforms is None else None
-        image_of = view_of or self._image_of
-        targets = self._batch_targets(records, [row[1] for row in rows])
-        made: Iterator[tuple[Any, Any]]  # samples made as taken: one decoded image at a time
-        if transforms is None:
-            made = ((image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets))
-        else:
-            made = (transforms(image_of(r, row[0]), t) for r, row, t in zip(records, rows, targets))
-        if not worker:
-            return list(made)
-        sizes = self.decoder.decoded_nbytes(records) if transforms is None else None
-        return share_as_made(made, sizes, borrowed=None if view_of is None else 0)
-
-    def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
-        raise NotImplementedError
+        records = [self._record(i) for i in indices]
+        if not in_worker():
+            return [self._sample(record) for record in records]
+        # Stored bytes are read as views of the map, so that the copy into the block is their
+        # only copy: the workers' CPU 107 -> 96 µs a sample of decode="none" (README.md of
+        # benchmarks, "Measurements behind the code"). Samples are made one at a time.
+        plain = self.transforms is None
+        view = plain and self.decoder.stored_bytes
+        made = (self._sample(record, view) for record in records)
+        sizes = self.decoder.decoded_nbytes(records) if plain else None
+        return share_batch(made, sizes, borrowed=0 if view else None)
 
 
 class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
@@ -375,46 +260,23 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         self._open(
             path,
             image_set,
-            decode,
-            target_format,
-            classes,
-            checked,
-            year,
             download,
-            zero_copy,
-            storage_options,
-            cache_dir,
-            cache_limit_bytes,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            checked=checked,
+            zero_copy=zero_copy,
+            year=year,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
-
-    @property
-    def annotations(self) -> RecordNames:
-        """Annotation paths relative to torchvision's ``root`` (lazy, as ``images``)."""
-        return self._targets
 
     @property
     def label_names(self) -> list[str]:
         """The name of each ``"tv_tensors"`` label (label ``i`` is ``label_names[i]``; 0 is
         ``"__background__"`` unless ``classes`` says otherwise): what ``classes`` resolved to."""
         return list(self.decoder.label_names)
-
-    def __getitem__(self, index: int) -> tuple[Any, Any]:
-        # the per-sample path, kept flat: each call or lookup saved is ~0.1 µs of a ~12 µs
-        # bytes-level sample (benchmarks/README.md, "Measurements behind the code")
-        try:
-            record = self._index[_as_index(index)]  # a memoryview takes slices and tuples
-        except (IndexError, TypeError):  # free until raised: the message costs only then
-            raise self._bad_index(index) from None
-        try:
-            image, target = self._fetch_fields(record, self._fields)
-        except ChecksumError as exc:  # checked=True: name the sample, not only the file
-            raise self.pack.named(exc) from None
-        image, target = self._image_of(record, image), self._target_of(record, target)
-        transforms = self.transforms
-        return (image, target) if transforms is None else transforms(image, target)
-
-    def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
-        return self.decoder.targets(records, data)
 
 
 class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignore[misc]
@@ -446,46 +308,12 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
         self._open(
             path,
             image_set,
-            decode,
-            "dict",
-            None,
-            checked,
-            year,
             download,
-            zero_copy,
-            storage_options,
-            cache_dir,
-            cache_limit_bytes,
+            decode=decode,
+            checked=checked,
+            zero_copy=zero_copy,
+            year=year,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
-
-    @property
-    def masks(self) -> RecordNames:
-        """Mask paths relative to torchvision's ``root`` (lazy, as ``images``)."""
-        return self._targets
-
-    def __getitem__(self, index: int) -> tuple[Any, Any]:
-        try:
-            record = self._index[_as_index(index)]  # flat, as VOCSerializedDataset.__getitem__
-        except (IndexError, TypeError):
-            raise self._bad_index(index) from None
-        try:
-            image_data, mask_data = self._fetch_fields(record, self._fields)
-        except ChecksumError as exc:  # as in VOCSerializedDataset.__getitem__
-            raise self.pack.named(exc) from None
-        image, mask = self._image_of(record, image_data), self.decoder.mask(record, mask_data)
-        transforms = self.transforms
-        return (image, mask) if transforms is None else transforms(image, mask)
-
-    def _batch_targets(self, records: list[int], data: list[Buffer]) -> list[Any]:
-        return [self.decoder.mask(r, mask) for r, mask in zip(records, data)]
-
-
-#: The ``__getitem__`` methods that ``__getitems__`` reproduces in batch form.
-_BATCHABLE = (VOCSerializedDataset.__getitem__, VOCSerializedSegmentation.__getitem__)
-
-
-def _index_of(records: np.ndarray) -> memoryview:
-    """``records`` as a memoryview of native int64: indexing it gives a Python ``int`` in a
-    third of the time of ``int(records[i])``, with a list's ``IndexError`` and negative
-    indices (a copy only on a big-endian host)."""
-    return np.ascontiguousarray(records, dtype=np.int64).data

@@ -1,33 +1,25 @@
 """Bytes of a packed VOC record -> what a dataset returns: image, target dict or tensors, mask.
 
-Like torchvision's ``read_file`` then ``decode_jpeg(data)``, reading and decoding are apart:
-the caller reads a record's fields (a view into the map, or a private copy from a streaming
-read) and passes them in; the decoder never reads the pack. One ``SampleDecoder`` serves both
-the map-style and the iterable datasets, so the two return identical samples. ``decode`` picks
-the image path (see ``Decode``), ``target_format`` the target (see ``TargetFormat``).
+As torchvision's ``read_file`` then ``decode_jpeg(data)``, reading and decoding are apart:
+the caller passes a record's fields in (views of the map, or private copies); the decoder
+never reads the pack. One ``SampleDecoder`` serves both the map-style and the iterable
+datasets, so the two return identical samples.
 
-Stored bytes are untrusted: every decode path (PIL, ``decode_jpeg``, raw pixels, masks) checks
-the size an image declares against Pillow's ``MAX_IMAGE_PIXELS`` rule before anything is
-allocated (``ImageTooLargeError``), and a record whose bytes cannot be decoded, whose target is
-not a JSON object or whose class ids are out of range raises ``FormatError`` naming the pack,
-the record and its id: never a foreign exception, never a wrong label. A record whose
-annotation's objects have no rows (``schema.UNTYPED_OBJECTS``) has no ``tv_tensors`` target:
-asking for one raises ``SourceDataError`` saying why, never an empty one.
+Stored bytes are untrusted, and this is where what cannot be checked at open is checked, per
+record: the size an image declares against Pillow's ``MAX_IMAGE_PIXELS`` before anything is
+allocated (``ImageTooLargeError``); bytes that do not decode, a target that is not a JSON
+object, class ids out of range (``FormatError`` naming the pack, the record and its id); a
+``tv_tensors`` target of objects packed without rows (``SourceDataError`` saying why).
 """
-
-# More than 400 lines: one decoder for every output (PIL, tensors, raw pixels, stored bytes;
-# dict and tv_tensors targets, one sample or a batch; masks), so both dataset kinds agree.
 
 from __future__ import annotations
 
 import io
-import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
-import orjson
 import torch
 from PIL import Image
 from torchvision import tv_tensors
@@ -65,11 +57,6 @@ Classes = Literal["packed"] | Sequence[str] | None
 #: Bytes of one record field: a read-only view into the map, or a private array.
 Buffer = memoryview | np.ndarray | bytes
 
-#: the per-sample calls of the bytes path, bound once (module attribute lookups add up there)
-_tensor_over, _TORCH_UINT8 = torch.frombuffer, torch.uint8
-#: ``schema.decode_target``'s parser itself, saving a call per sample (tests pin the two equal)
-_parse_target = orjson.loads
-_XYXY = tv_tensors.BoundingBoxFormat.XYXY
 #: torchvision >= 0.29 warns on every ``decode_jpeg`` call (moving to TorchCodec); the call is
 #: our choice, not the user's, so that one warning is silenced around it (``-W error`` safe).
 _TV_DECODE_DEPRECATED = r"The image decoding and encoding capabilities of TorchVision"
@@ -101,22 +88,21 @@ class SampleDecoder:
         self,
         pack: VOCPackReader,
         *,
+        task: str = "Main",
+        image_set: str | None = None,
         decode: Decode = "pil",
         target_format: TargetFormat = "dict",
         classes: Classes = None,
-        split_key: str | None = None,
         zero_copy: bool = False,
     ) -> None:
         if decode not in ("pil", "tensor", "none"):
             raise ValueError(f"decode must be 'pil', 'tensor' or 'none', got {decode!r}")
         if target_format not in ("dict", "tv_tensors"):
             raise ValueError(f"target_format must be 'dict' or 'tv_tensors', got {target_format!r}")
-        self.decode = decode
-        self.target_format = target_format
+        self.task, self.decode, self.target_format = task, decode, target_format
         self._where = pack.where  # names a record in errors: the decoder never reads the pack
         #: tensors of stored bytes (``decode="none"``, raw pixels) view the map, not a copy
         self.zero_copy = zero_copy
-        self._quiet_pid: int | None = None  # the process torch's warning was silenced in
         self.raw = pack.image_storage == "raw"
         self.label_names = label_names(pack, classes)
         position = {name: i for i, name in enumerate(self.label_names)}
@@ -127,14 +113,12 @@ class SampleDecoder:
         columns = pack.columns
         #: records whose annotations' objects have no rows (``schema.UNTYPED_OBJECTS``): a
         #: ``tv_tensors`` target of one raises, saying why (``_no_rows``) from its stored dict
-        self._untyped: frozenset[int] = frozenset()
-        if target_format == "tv_tensors":
-            marked = np.flatnonzero(columns["flags"] & schema.UNTYPED_OBJECTS)
-            self._untyped = frozenset(marked.tolist())
+        self._untyped = (columns["flags"] & schema.UNTYPED_OBJECTS) != 0
         self._field, self._id = pack.field, pack.id  # for that error only
         #: (height, width) of every stored image; one small array, read per sample
         self._sizes = np.stack([columns["height"], columns["width"]], axis=1).astype(np.int64)
-        if target_format == "tv_tensors" and split_key is not None:
+        split_key = f"{task}/{image_set}"
+        if target_format == "tv_tensors" and image_set is not None:
             present = pack.meta.get("class_counts", {}).get(split_key, {})
             unknown = sorted(n for n in present if n not in position)
             if unknown:
@@ -145,25 +129,10 @@ class SampleDecoder:
 
     @property
     def target_field(self) -> int:
-        """The record field ``target`` decodes: the JSON dict or the object rows."""
+        """The record field ``target`` decodes: the mask, the JSON dict or the object rows."""
+        if self.task == "Segmentation":
+            return schema.MASK
         return schema.TARGET if self.target_format == "dict" else schema.OBJECTS
-
-    def image_reader(self) -> Callable[[int, Buffer], Any]:
-        """``image`` with its dispatch on this decoder's settings done once, for loops that
-        call it per sample (the stored-bytes copy is then one call, not three)."""
-        if not self.raw and self.decode == "none" and not self.zero_copy:
-            return _bytes_image
-        return self.image
-
-    def view_reader(self) -> Callable[[int, Buffer], Any] | None:
-        """For a caller that copies every image into memory of its own anyway (a DataLoader
-        worker's batch, moved into shared memory): ``image_reader`` with the stored bytes as
-        read-only views of the map instead of a first copy (with ``zero_copy``, what
-        ``image_reader`` gives anyway); None for decoded images (new tensors, not views). The
-        caller must copy every view it hands on (a view written to crashes the process)."""
-        if self.decode == "pil" or (self.decode == "tensor" and not self.raw):
-            return None
-        return self._raw_view if self.raw else self._view_image
 
     def decoded_nbytes(self, records: Sequence[int]) -> list[int] | None:
         """Each record's decoded image size in bytes where the pack's columns give it
@@ -175,18 +144,24 @@ class SampleDecoder:
         limit = Image.MAX_IMAGE_PIXELS
         return None if limit and max(pixels, default=0) > limit else [3 * p for p in pixels]
 
-    def target_reader(self) -> Callable[[int, Buffer], Any]:
-        """``target`` with its dispatch done once (see ``image_reader``)."""
-        return self._dict_target if self.target_format == "dict" else self.target
+    @property
+    def stored_bytes(self) -> bool:
+        """Whether images are tensors of the stored bytes (``decode="none"``, raw pixels as
+        tensors): what ``image(view=True)`` returns as views of the map."""
+        return self.decode == "none" or (self.raw and self.decode == "tensor")
 
-    def image(self, record: int, data: Buffer) -> Any:
-        """The image of ``record`` from ``data``, its ``schema.IMAGE`` field."""
+    def image(self, record: int, data: Buffer, *, view: bool = False) -> Any:
+        """The image of ``record`` from ``data``, its ``schema.IMAGE`` field.
+
+        ``view``: stored bytes (``stored_bytes``) as read-only views of the map, as with
+        ``zero_copy``, for a caller that copies them anyway and never hands a view on (a
+        DataLoader worker's shared block: ``workers.share_batch(borrowed=)``)."""
         if self.raw:
-            return self._raw_image(record, data)
+            return self._raw_image(record, data, view)
         if self.decode == "pil":
-            return self._rgb(record, data)
+            return self._pil(record, data, "image")
         if self.decode == "none":
-            return self._tensor(data)
+            return self._tensor(data, view)
         size = jpeg_size(_view(data))
         if size is not None:
             self._check_pixels(record, size, warn=True)
@@ -198,7 +173,7 @@ class SampleDecoder:
                     return decode_jpeg(_owned_tensor(data), mode=ImageReadMode.RGB)
             except RuntimeError:
                 pass  # a JPEG flavour libjpeg in torchvision refuses: PIL below decides
-        return pil_to_tensor(self._rgb(record, data))
+        return pil_to_tensor(self._pil(record, data, "image"))
 
     def _check_pixels(self, record: int, size: tuple[int, int], *, warn: bool) -> None:
         """``voc.images.check_pixels`` with the limit read now; the record is named (its id
@@ -207,38 +182,30 @@ class SampleDecoder:
         if limit and size[0] * size[1] > (limit if warn else 2 * limit):
             check_pixels(size, self._where(record), ImageTooLargeError)
 
-    def _rgb(self, record: int, data: Buffer) -> Image.Image:
-        """The stored image decoded by PIL to RGB, exactly as torchvision's loader does."""
-        image = self._pil(record, data, "image")
-        try:
-            return image.convert("RGB")
-        except Image.DecompressionBombError as exc:
-            raise ImageTooLargeError(f"{self._where(record)}: the image: {exc}") from None
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise _undecodable(self._where(record), "image", exc) from exc
-
     def _pil(self, record: int, data: Buffer, what: str) -> Image.Image:
-        """``data`` opened by PIL (lazily, as torchvision opens a file: only the header is
-        read), its declared size checked first; PIL's errors as ours, naming the record."""
+        """``data`` decoded by PIL, its declared size checked first and PIL's errors raised as
+        ours, naming the record: the image converted to RGB exactly as torchvision's loader
+        does, or the mask as PIL opens it."""
         size = declared_size(_view(data))
         if size is not None:
             self._check_pixels(record, size, warn=False)  # PIL itself warns below
         try:
-            return Image.open(io.BytesIO(_view(data)))  # shares bytes, copies other buffers
+            image = Image.open(io.BytesIO(_view(data)))  # shares bytes, copies other buffers
+            if what == "image":
+                return image.convert("RGB")
+            image.load()
+            return image
         except Image.DecompressionBombError as exc:
             raise ImageTooLargeError(f"{self._where(record)}: the {what}: {exc}") from None
         except (OSError, ValueError, SyntaxError) as exc:
-            raise _undecodable(self._where(record), what, exc) from exc
+            raise FormatError(
+                f"{self._where(record)}: the stored {what} cannot be decoded "
+                f"({type(exc).__name__}: {pil_reason(exc)}); the source file was damaged (pack "
+                "with check_images=True to find such files) or the pack is, re-pack it"
+            ) from exc
 
-    def _raw_view(self, record: int, data: Buffer) -> Any:
-        """``_raw_image`` as a view of the map (``view_reader``)."""
-        return self._raw_image(record, data, self._view_image)
-
-    def _raw_image(
-        self, record: int, data: Buffer, viewer: Callable[[int, Buffer], Any] | None = None
-    ) -> Any:
-        """Raw stored pixels as ``decode`` asks; ``viewer(record, data)`` makes the 1-D tensor
-        of the bytes (default: ``_tensor``'s copy or view)."""
+    def _raw_image(self, record: int, data: Buffer, view: bool) -> Any:
+        """Raw stored pixels as ``decode`` asks."""
         height, width = self._sizes[record].tolist()
         # the same rule as every decode path, though the columns must also match the bytes
         self._check_pixels(record, (width, height), warn=True)
@@ -250,40 +217,37 @@ class SampleDecoder:
             )
         if self.decode == "pil":
             return Image.frombytes("RGB", (width, height), bytes(data))
-        pixels = self._tensor(data) if viewer is None else viewer(record, data)
+        pixels = self._tensor(data, view)
         if self.decode == "none":
             return pixels
         return pixels.view(height, width, 3).permute(2, 0, 1)
 
-    def _tensor(self, data: Buffer) -> torch.Tensor:
-        """Stored bytes as a 1-D uint8 tensor: a copy it owns, or with ``zero_copy`` a
-        read-only view of the map."""
-        if not self.zero_copy:
-            return _owned_tensor(data)
-        return self._view_image(-1, data)
+    def _tensor(self, data: Buffer, view: bool) -> torch.Tensor:
+        """Stored bytes as a 1-D uint8 tensor: a copy it owns, or with ``zero_copy`` or
+        ``view`` a read-only view of the map (a private array, or nothing, as a tensor of its
+        own).
 
-    def _view_image(self, record: int, data: Buffer) -> torch.Tensor:
-        """Stored bytes as a 1-D uint8 tensor viewing the map (a private array, or nothing, as
-        a tensor of its own). Torch warns once per process about read-only views; the
-        documented ``zero_copy`` contract is that warning, so it is silenced here."""
-        if isinstance(data, np.ndarray) or not len(data):
+        Torch warns once per process about read-only views; the documented ``zero_copy``
+        contract is that warning, so it is silenced."""
+        if not (view or self.zero_copy) or isinstance(data, np.ndarray) or not len(data):
             return _owned_tensor(data)
-        if self._quiet_pid != os.getpid():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.frombuffer(data, dtype=torch.uint8)
-            self._quiet_pid = os.getpid()
-            return tensor
-        return torch.frombuffer(data, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(data, dtype=torch.uint8)
 
     def target(self, record: int, data: Buffer) -> Any:
         """The target of ``record`` from ``data``, its ``target_field``."""
+        if self.task == "Segmentation":
+            return self.mask(record, data)
         if self.target_format == "dict":
             return self._dict_target(record, data)
         objects, labels = self._objects(record, data)
+        height, width = self._sizes[record].tolist()
         return {
-            "boxes": _boxes(
-                torch.from_numpy(objects["box"].copy()), tuple(self._sizes[record].tolist())
+            "boxes": tv_tensors.BoundingBoxes(
+                torch.from_numpy(objects["box"].copy()),
+                format=tv_tensors.BoundingBoxFormat.XYXY,
+                canvas_size=(height, width),
             ),
             "labels": torch.from_numpy(labels),
             "difficult": torch.from_numpy(objects["difficult"].astype(bool)),
@@ -291,10 +255,9 @@ class SampleDecoder:
 
     def _dict_target(self, record: int, data: Buffer) -> dict[str, Any]:
         """The stored target JSON as torchvision's dict (a fresh one per call: the caller may
-        mutate it); damaged bytes raise ours. ``schema.decode_target``'s parser, called
-        directly: this is the per-sample path of every dict target."""
+        mutate it); damaged bytes raise ours."""
         try:
-            target = _parse_target(data.data if isinstance(data, np.ndarray) else data)
+            target = schema.decode_target(_view(data))
         except ValueError as exc:  # orjson.JSONDecodeError
             raise FormatError(
                 f"{self._where(record)}: the stored target is not valid JSON ({exc}); "
@@ -311,7 +274,7 @@ class SampleDecoder:
         """The stored object rows of ``record`` and their labels, the class ids checked
         against the pack's classes and this decoder's label list (never a wrong label, never
         a wrapped index)."""
-        if self._untyped and record in self._untyped:
+        if self._untyped[record]:
             raise self._no_rows(record)
         try:
             objects = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
@@ -347,72 +310,11 @@ class SampleDecoder:
             "leave the id out of the image set."
         )
 
-    def targets(self, records: Sequence[int], data: Sequence[Buffer]) -> list[Any]:
-        """``[self.target(r, d) for r, d in zip(records, data)]``, built for the whole batch:
-        ``tv_tensors`` targets come from one array per key, split into per-sample views."""
-        if self.target_format == "dict":
-            return [self._dict_target(r, d) for r, d in zip(records, data)]
-        size = schema.OBJECT_DTYPE.itemsize
-        if any(len(d) % size for d in data) or not self._untyped.isdisjoint(records):
-            # damaged, or objects without rows: the per-record path raises, naming the record
-            return [self.target(r, d) for r, d in zip(records, data)]
-        objects = np.frombuffer(b"".join(_view(d) for d in data), dtype=schema.OBJECT_DTYPE)
-        ids = objects["class_id"].view(np.uint32)
-        labels = self._labels
-        if len(ids) and (
-            int(ids.max()) >= len(labels) or (self._unknown and (labels[ids] < 0).any())
-        ):
-            return [self.target(r, d) for r, d in zip(records, data)]
-        counts = [len(d) // size for d in data]
-        boxes = torch.from_numpy(objects["box"].copy()).split(counts)
-        labels = torch.from_numpy(self._labels[ids]).split(counts)
-        difficult = torch.from_numpy(objects["difficult"].astype(bool)).split(counts)
-        sizes = self._sizes[np.asarray(records, dtype=np.int64)].tolist()
-        return [
-            {"boxes": _boxes(b, (size[0], size[1])), "labels": lab, "difficult": d}
-            for b, lab, d, size in zip(boxes, labels, difficult, sizes)
-        ]
-
     def mask(self, record: int, data: Buffer) -> Image.Image:
         """A SegmentationClass mask from its ``schema.MASK`` field, as PIL opens the PNG (mode
-        P, palette), its declared size checked first and its pixels decoded here, so damaged
-        bytes raise our error naming the record rather than PIL's later in a transform."""
-        mask = self._pil(record, data, "mask")
-        try:
-            mask.load()
-        except Image.DecompressionBombError as exc:
-            raise ImageTooLargeError(f"{self._where(record)}: the mask: {exc}") from None
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise _undecodable(self._where(record), "mask", exc) from exc
-        return mask
-
-
-def _undecodable(where: str, what: str, exc: BaseException) -> FormatError:
-    return FormatError(
-        f"{where}: the stored {what} cannot be decoded ({type(exc).__name__}: "
-        f"{pil_reason(exc)}); the source file was damaged (pack with check_images=True to "
-        "find such files) or the pack is, re-pack it"
-    )
-
-
-def _bytes_image(record: int, data: Buffer) -> torch.Tensor:
-    """``SampleDecoder.image`` for ``decode="none"`` without ``zero_copy``: a copy it owns
-    (``_owned_tensor``, its map-view case inlined: this is the per-sample path)."""
-    if isinstance(data, np.ndarray) or not len(data):
-        return _owned_tensor(data)
-    return _tensor_over(bytearray(data), dtype=_TORCH_UINT8)
-
-
-def _boxes(tensor: torch.Tensor, canvas_size: tuple[int, int]) -> tv_tensors.BoundingBoxes:
-    """``BoundingBoxes(tensor, format=XYXY, canvas_size=canvas_size)`` for an (n, 4) float32
-    tensor, through torchvision's own ``_wrap`` (what its transforms use): the public
-    constructor re-checks and converts its input, ~4 µs of a ~12 µs target."""
-    try:
-        return tv_tensors.BoundingBoxes._wrap(
-            tensor, format=_XYXY, canvas_size=canvas_size, check_dims=False
-        )
-    except (AttributeError, TypeError):  # a torchvision without that private helper
-        return tv_tensors.BoundingBoxes(tensor, format=_XYXY, canvas_size=canvas_size)
+        P, palette), its pixels decoded here, so damaged bytes raise our error naming the
+        record rather than PIL's later in a transform."""
+        return self._pil(record, data, "mask")
 
 
 def _view(data: Buffer) -> memoryview | bytes:
@@ -426,6 +328,4 @@ def _owned_tensor(data: Buffer) -> torch.Tensor:
         return torch.from_numpy(data)
     if not len(data):
         return torch.empty(0, dtype=torch.uint8)
-    # a bytearray copy and a tensor over it: less than numpy's copy + from_numpy
-    # (benchmarks/README.md, "Measurements behind the code")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -39,15 +39,15 @@ from .pipeline import (
     views_fit,
     worker_share,
 )
-from .state import Stateful
+from .state import Resumable
 from .topology import Topology, distributed_info, seeded_rng
-from .workers import SHARED_RUN, in_worker, share_as_made
+from .workers import SHARED_RUN, in_worker, share_batch
 
 __all__ = ["VOCSerializedIterableDataset"]
 
 
 # -- the dataset -------------------------------------------------------------------------------
-class VOCSerializedIterableDataset(IterableDataset, Stateful):
+class VOCSerializedIterableDataset(IterableDataset, Resumable):
     """The samples of ``VOCSerializedDataset`` (or ``VOCSerializedSegmentation`` with
     ``task="Segmentation"``) streamed in blocks, split across ranks and DataLoader workers.
 
@@ -66,49 +66,34 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         prefetch: for a pack at a URL, shards each worker downloads ahead of the one it
             reads, in background threads (0: download each shard when first read).
 
-    **Work split.** Each epoch the image set's positions ``0..n-1`` are cut into blocks (see
-    ``block_bounds``: runs of at most ``block_size`` consecutive positions, also cut at shard
-    boundaries when the list visits the shards in order). The blocks, in epoch order, are
-    padded to a multiple of the world size with repeats of the first samples (as
-    ``DistributedSampler(drop_last=False)``) or cut (``drop_last=True``); rank ``r`` takes the
-    ``r``-th contiguous slice, and its DataLoader workers split that slice into contiguous,
-    near-equal pieces. Across ranks and workers an epoch delivers every sample once plus the
-    padding. ``len()`` is the samples one rank yields per epoch, all its workers together.
+    **Work split**, as ``DistributedSampler``: each epoch the image set's positions are cut
+    into blocks (``block_bounds``); the blocks, in epoch order, are padded to a multiple of
+    the world size with repeats of the first samples, or cut (``drop_last``); rank ``r``
+    takes the ``r``-th contiguous slice and its DataLoader workers split it into contiguous,
+    near-equal pieces. ``len()`` is the samples one rank yields per epoch.
 
-    **Reading.** A worker takes each block's fields as views of the mapped pack (see
-    ``read_blocks``) after hinting the kernel to read the next blocks' runs of neighbouring
-    records, so on a cold cache the disk reads ahead while this block is decoded; on a warm
-    one a sample costs a copy out of the page cache. The shuffle buffer holds views, not
-    copies: the only memory a worker holds per buffered sample is a few Python objects;
-    decoded images are never buffered.
+    **Reading.** A worker takes each block's fields as views of the mapped pack after
+    hinting the kernel to read the next blocks (``read_blocks``): on a cold cache the disk
+    reads ahead while this block is decoded. The shuffle buffer holds views, never decoded
+    images. A remote pack's shards are downloaded ``prefetch`` shards ahead and released
+    after their last block, so a bounded cache needs only the working set; the samples and
+    their order are those of the pack read locally.
 
-    **Randomness** (``shuffle=True``). The block order is a permutation seeded by
-    ``(seed, epoch)``, identical on every rank; the buffer is seeded by
-    ``(seed, epoch, rank, worker)``. The order therefore depends only on seed, epoch, world
-    size and number of workers, and changes with ``set_epoch``. It is not a uniform
-    permutation: the buffer emits a sample at most ``shuffle_buffer`` places before it was
-    read, so with buffer ``B`` and blocks of ``S`` a window of ``B`` consecutive samples mixes
-    about ``B / S + 1`` blocks and samples of one block stay within a few ``B`` of each other
-    (delays beyond that are geometrically rare). ``B < S`` mixes little beyond one block;
-    ``B >= 4 S`` (the default 256 over 64) gives batches drawn from several blocks. Smaller
+    **Randomness** (``shuffle=True``): the block order is seeded by ``(seed, epoch)``, the
+    same on every rank, the buffer by ``(seed, epoch, rank, worker)``, so the order depends
+    only on seed, epoch, world size and number of workers. It is not a uniform permutation:
+    the buffer emits a sample at most ``shuffle_buffer`` (``B``) places before it was read,
+    so with blocks of ``S`` a window of ``B`` samples mixes about ``B / S + 1`` blocks
+    (``B >= 4 S``, the default 256 over 64, draws batches from several blocks). Smaller
     blocks shuffle better and read less sequentially.
 
-    **Remote packs.** Each worker downloads only the shards its blocks touch, ``prefetch``
-    shards ahead, and releases each shard once it has read its last block there, so a bounded
-    cache (``cache_limit_bytes``) may evict it: streaming needs the working set cached, not the
-    pack. Workers and ranks on one machine sharing a cache download each shard once. The
-    samples and their order are those of the same pack read locally.
-
-    **Epochs and resumption.** Call ``set_epoch`` before each epoch, as with
-    ``DistributedSampler``. The epoch lives in a shared-memory integer handed to DataLoader
-    workers when they start, so ``persistent_workers=True`` workers see every ``set_epoch``
-    too (a plain pickle of the dataset carries the number only). ``state_dict`` /
-    ``load_state_dict`` follow torchdata's ``StatefulDataLoader`` protocol: it snapshots
-    each worker's copy of the dataset; the state is the epoch and the samples this worker
-    yielded in it (plus the settings, checked on load). A resumed
-    iterator replays the plan and the shuffle buffer's draws without reading, so it yields
-    exactly the rest of the interrupted epoch, in the same order. One live iterator per
-    dataset object.
+    **Epochs and resumption.** Call ``set_epoch`` before each epoch. The epoch lives in a
+    shared-memory integer that DataLoader workers inherit, so ``persistent_workers=True``
+    workers see every ``set_epoch``. ``state_dict`` / ``load_state_dict`` follow torchdata's
+    ``StatefulDataLoader`` protocol (``state.Resumable``): a worker's state is the epoch and
+    the samples it yielded, plus the settings, checked on resume. A resumed iterator replays
+    the plan and the buffer's draws without reading and yields exactly the rest of the
+    epoch, in the same order. One live iterator per dataset object.
     """
 
     def __init__(
@@ -141,17 +126,17 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         if task == "Segmentation" and (target_format != "dict" or classes is not None):
             raise ValueError("target_format and classes apply to task='Main' only")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if shuffle_buffer < 0:
-            raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("shuffle_buffer", shuffle_buffer, 0),
+            ("prefetch", prefetch, 0),
+        ):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
         self.transforms = joint_transforms(transforms, transform, target_transform)
         self.transform = transform
         self.target_transform = target_transform
-        if world_size is not None or rank is not None:
-            distributed_info(rank, world_size)  # validate early
+        distributed_info(rank, world_size)  # validates them now
 
         self.root = str(path)
         self.image_set = image_set
@@ -171,8 +156,7 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         self.prefetch = prefetch
         self.year = self.pack.year
         self.records = np.array(records, dtype=np.int64)
-        target_field = schema.MASK if task == "Segmentation" else self.decoder.target_field
-        self._fields = (schema.IMAGE, target_field)
+        self._fields = (schema.IMAGE, self.decoder.target_field)
         self._bounds = block_bounds(self.records, self.pack.reader.starts, block_size)
 
         self.shuffle, self.seed = shuffle, seed
@@ -182,9 +166,6 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         #: The epoch as DataLoader workers see it: shared memory they inherit at start, so a
         #: set_epoch in the main process reaches persistent workers (see __getstate__).
         self._shared_epoch: Any = multiprocessing.RawValue("q", 0)
-        self._yielded = 0  # samples the current iterator has yielded in this epoch
-        self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
-        #: the samples this dataset holds (``state.PACK``), named in every state
         self._identity = keys.samples_identity(self)
 
     # -- plan --------------------------------------------------------------------------------
@@ -217,13 +198,6 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         """The name of each ``"tv_tensors"`` label, as ``VOCSerializedDataset.label_names``."""
         return list(self.decoder.label_names)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows."""
-        if epoch != self.epoch:
-            self._resume = None
-            self._yielded = 0
-        self.epoch = epoch
-
     @property
     def epoch(self) -> int:
         """The epoch whose order the next iteration follows."""
@@ -245,12 +219,7 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         here = self._topology()
-        skip = 0
-        if self._resume is not None:
-            self._check_state(self._resume, here)
-            skip = int(self._resume[keys.YIELDED])
-            self._resume = None
-        self._yielded = skip
+        skip = self._start(self.root)
         return self._samples(self.blocks(here.worker, here.num_workers), here, skip)
 
     def _samples(
@@ -279,82 +248,41 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
         # in a worker the tensors of each run of samples travel in one shared block
         samples = self._shared_runs(items) if in_worker() else self._decoded(items)
         try:
-            for sample in samples:
-                self._yielded += 1  # counted when handed out: a state taken now resumes after it
-                yield sample
+            yield from self._counted(samples)
         except ChecksumError as exc:  # checked=True: name the sample, not only the file
             raise self.pack.named(exc) from None
 
-    def decode(self, item: Item) -> tuple[Any, Any]:
-        """The sample for one read item, as the map-style dataset returns it."""
-        return next(self._decoded((item,)))
-
-    def _decoded(
-        self, items: Iterable[Item], image: Callable[[int, Any], Any] | None = None
-    ) -> Iterator[tuple[Any, Any]]:
-        """The samples of read ``items``, with everything looked up per sample bound once:
-        the per-sample loop of every stream. ``image``: the image reader, if not the
-        decoder's ``image_reader``."""
-        image = image or self.decoder.image_reader()
-        target: Callable[[int, Any], Any] = (
-            self.decoder.mask if self.task == "Segmentation" else self.decoder.target_reader()
-        )
-        transforms, reader, fields = self.transforms, self.pack.reader, self._fields
+    def _decoded(self, items: Iterable[Item], view: bool = False) -> Iterator[tuple[Any, Any]]:
+        """The samples of read ``items`` (``view``: see ``SampleDecoder.image``)."""
+        decoder = self.decoder
         for record, data in items:
             if data is None:  # planned during a resume replay: read it now
-                data = read_block(reader, np.array([record]), fields)[record]
-            img, tgt = image(record, data[0]), target(record, data[1])
-            yield (img, tgt) if transforms is None else transforms(img, tgt)
+                data = read_block(self.pack.reader, np.array([record]), self._fields)[record]
+            image, tgt = decoder.image(record, data[0], view=view), decoder.target(record, data[1])
+            yield (image, tgt) if self.transforms is None else self.transforms(image, tgt)
 
     def _shared_runs(self, items: Iterator[Item]) -> Iterator[tuple[Any, Any]]:
         """A worker's samples, each run of ``SHARED_RUN`` sharing one block of shared memory
-        (``share_as_made``, as a map-style batch): stored bytes read as views of the map are
-        copied once, into the block, and decoded images go in as they are decoded."""
-        views = self.decoder.view_reader() if self.transforms is None else None
-        borrowed = None if views is None else 0
+        (``share_batch``, as a map-style batch: stored bytes read as views of the map are
+        copied once, into the block; decoded images go in as they are decoded)."""
+        plain = self.transforms is None
+        view = plain and self.decoder.stored_bytes
         while run := list(itertools.islice(items, SHARED_RUN)):
             records = [record for record, _ in run]
-            sizes = self.decoder.decoded_nbytes(records) if self.transforms is None else None
-            yield from share_as_made(self._decoded(run, views), sizes, borrowed=borrowed)
+            sizes = self.decoder.decoded_nbytes(records) if plain else None
+            yield from share_batch(self._decoded(run, view), sizes, borrowed=0 if view else None)
 
-    # -- resumption (``state``: torchdata's Stateful protocol) --------------------------------
+    # -- resumption (``state.Resumable``) ------------------------------------------------------
+    _HINT = "dataset arguments, world size and num_workers"
+
     def _settings(self) -> dict[str, Any]:
+        here = self._topology()
         values = (
-            len(self.records),
-            self.shuffle,
-            self.seed,
-            self.drop_last,
-            self.block_size,
-            self.shuffle_buffer,
+            *(here.rank, here.world_size, here.worker, here.num_workers),
+            *(len(self.records), self.shuffle, self.seed, self.drop_last),
+            *(self.block_size, self.shuffle_buffer),
         )
-        return dict(zip(keys.ORDER_KEYS, values, strict=True))
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this worker is: epoch, samples yielded in it, and the settings that fix the
-        order (JSON-compatible)."""
-        if self._resume is not None:  # loaded, not yet iterated: still that point
-            return dict(self._resume)
-        return {
-            keys.VERSION: keys.STATE_VERSION,
-            keys.EPOCH: self.epoch,
-            keys.YIELDED: self._yielded,
-            **_topology_state(self._topology()),
-            **self._settings(),
-            keys.PACK: self._identity,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the next iteration continues that epoch where it
-        stopped. Settings and topology must match the saved ones (checked then)."""
-        keys.check_version(state, "VOCSerializedIterableDataset")
-        self.epoch = int(state[keys.EPOCH])
-        self._yielded = int(state[keys.YIELDED])
-        self._resume = dict(state)
-
-    def _check_state(self, state: dict[str, Any], here: Topology) -> None:
-        now = {**_topology_state(here), **self._settings()}
-        keys.check_samples(state, self._identity, self.root)
-        keys.check_same(state, now, self.root, "dataset arguments, world size and num_workers")
+        return dict(zip(keys.TOPOLOGY_KEYS + keys.ORDER_KEYS, values, strict=True))
 
     def __repr__(self) -> str:
         lines = [
@@ -369,9 +297,3 @@ class VOCSerializedIterableDataset(IterableDataset, Stateful):
             lines.append(repr(self.transforms))
         body = "\n".join(" " * 4 + line for text in lines for line in text.splitlines())
         return f"{type(self).__name__}\n{body}"
-
-
-def _topology_state(here: Topology) -> dict[str, int]:
-    """The topology's part of a state (``state.TOPOLOGY_KEYS``)."""
-    values = (here.rank, here.world_size, here.worker, here.num_workers)
-    return dict(zip(keys.TOPOLOGY_KEYS, values, strict=True))

@@ -24,28 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..container.reader import PackReader
+from ..container.shards import PackReader
 from .topology import Topology, epoch_total, pad_or_trim, seeded_rng
-
-__all__ = [
-    "BLOCK_ORDER",
-    "BUFFER",
-    "block_bounds",
-    "epoch_order",
-    "rank_share",
-    "worker_share",
-    "split_blocks",
-    "Item",
-    "Gate",
-    "MAX_GAP",
-    "AHEAD",
-    "ShardWindow",
-    "record_runs",
-    "read_block",
-    "read_blocks",
-    "views_fit",
-    "shuffle_buffer",
-]
 
 #: Independent random streams under one seed: the block order, and the shuffle buffer.
 BLOCK_ORDER, BUFFER = 0, 1
@@ -55,17 +35,12 @@ BLOCK_ORDER, BUFFER = 0, 1
 def block_bounds(records: np.ndarray, shard_starts: np.ndarray, block_size: int) -> np.ndarray:
     """Block boundaries over positions ``0..n-1``: block ``b`` is ``[bounds[b], bounds[b+1])``.
 
-    Blocks hold at most ``block_size`` consecutive positions. When the image set visits the
-    shards in order (its records never step back into an earlier shard, as train, val, test and
-    the Segmentation lists laid out by the packer), blocks are also cut where the shard
-    changes, so each block reads from one file. An interleaved list (VOC's ``trainval`` mixes
-    the train and val regions every few ids) is cut by size only: cutting it at every shard
-    change would leave blocks of two or three samples; its blocks read each region they touch
-    in storage order instead.
-    """
+    Blocks hold at most ``block_size`` consecutive positions, and are cut where the shard
+    changes when the image set visits the shards in order (train, val, test as packed), so
+    each reads one file. An interleaved list (VOC's ``trainval`` mixes the train and val
+    regions every few ids) is cut by size only: cut at every shard change it would make
+    blocks of two or three samples."""
     n = len(records)
-    if n == 0:
-        return np.zeros(1, dtype=np.int64)
     segments = np.array([0, n], dtype=np.int64)
     if len(shard_starts) > 2:
         shard = np.searchsorted(shard_starts, records, side="right") - 1
@@ -89,12 +64,9 @@ def epoch_order(
         if shuffle
         else np.arange(num_blocks)
     )
-    lengths = np.diff(bounds)[order]
-    total = int(lengths.sum())
-    first = np.cumsum(lengths) - lengths
-    offset = np.arange(total, dtype=np.int64) - np.repeat(first, lengths)
-    positions = np.repeat(bounds[:-1][order], lengths) + offset
-    return positions, np.repeat(np.arange(num_blocks, dtype=np.int64), lengths)
+    blocks = [np.arange(bounds[b], bounds[b + 1], dtype=np.int64) for b in order]
+    positions = np.concatenate([np.zeros(0, np.int64), *blocks])
+    return positions, np.repeat(np.arange(num_blocks, dtype=np.int64), np.diff(bounds)[order])
 
 
 def rank_share(
@@ -142,10 +114,9 @@ def split_blocks(positions: np.ndarray, block_ids: np.ndarray) -> list[np.ndarra
 Fields = list[memoryview] | list[np.ndarray]
 
 
-#: One sample between the read and decode stages: ``(record, fields)``, its global record
-#: number and its field bytes; ``fields`` is ``None`` for an item produced while replaying a
-#: plan (resumption), which the decode stage then reads itself. A plain tuple: zip makes
-#: them in C, ~0.3 µs less per sample than an object with slots.
+#: One sample between the read and decode stages: ``(global record number, fields)``;
+#: ``fields`` is ``None`` for an item planned while replaying a resume (then read by the
+#: decode stage).
 Item = tuple[int, Fields | None]
 
 
@@ -169,27 +140,15 @@ def record_runs(reader: PackReader, records: np.ndarray) -> list[tuple[int, np.n
     A run stays in one shard and has no gap wider than ``MAX_GAP`` records, so it is one
     sequential read.
     """
-    # once per block of a stream: one sort, then slices of it (np.unique and np.split cost
-    # ~23 µs for 64 records, this ~11: benchmarks/README.md, "Measurements behind the code")
-    ordered = np.sort(records)
-    if len(ordered) > 1 and not bool((ordered[1:] != ordered[:-1]).all()):
-        ordered = np.unique(ordered)  # repeated records are read once
-    if len(ordered) == 0:
-        return []
-    cut = ordered[1:] - ordered[:-1] > MAX_GAP
+    ordered = np.unique(records)  # repeated records are read once
     starts = reader.starts
-    shard_of = None
-    if len(starts) > 2:  # shards: a run also ends at a shard's end
-        shard_of = np.searchsorted(starts, ordered, side="right") - 1
-        cut |= shard_of[1:] != shard_of[:-1]
-    bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), len(ordered)]
-    if shard_of is None:
-        return [(0, ordered[a:b]) for a, b in zip(bounds, bounds[1:])]
-    runs = []
-    for a, b in zip(bounds, bounds[1:]):
-        shard = int(shard_of[a])
-        runs.append((shard, ordered[a:b] - int(starts[shard])))
-    return runs
+    shard_of = np.searchsorted(starts, ordered, side="right") - 1
+    cut = (np.diff(ordered) > MAX_GAP) | (np.diff(shard_of) != 0)
+    return [
+        (int(shard_of[run[0]]), ordered[run] - int(starts[shard_of[run[0]]]))
+        for run in np.split(np.arange(len(ordered)), np.flatnonzero(cut) + 1)
+        if len(run)
+    ]
 
 
 def read_block(
@@ -213,15 +172,11 @@ def read_block(
 
 
 def views_fit(reader: PackReader, in_flight: int) -> bool:
-    """Whether a stream holding ``in_flight`` records at a time (its buffer and blocks) may
-    hold them as views of the map rather than private copies.
-
-    A view keeps its shard's map alive after the reader closed the shard, and on Python
-    < 3.13 each map holds a file descriptor, so views are used only while the records in
-    flight span few shards: when every shard can stay open, or when shards hold on average
-    more records than are in flight. Otherwise (thousands of tiny shards) reads are copies
-    and the descriptors stay bounded by ``max_open_shards``.
-    """
+    """Whether a stream holding ``in_flight`` records at a time may hold them as views of
+    the map rather than private copies: a view keeps its shard's map (on Python < 3.13, a
+    file descriptor) alive after the reader closed the shard, so views only while every
+    shard can stay open, or shards hold more records than are in flight; with thousands of
+    tiny shards, copies, and descriptors bounded by ``max_open_shards``."""
     if reader.num_shards <= reader.max_open_shards:
         return True
     return reader.num_records >= in_flight * reader.num_shards
@@ -229,19 +184,6 @@ def views_fit(reader: PackReader, in_flight: int) -> bool:
 
 #: Blocks hinted to the kernel ahead of the one being used (see ``read_blocks``).
 AHEAD = 2
-
-
-def block_cached(reader: PackReader, records: np.ndarray) -> bool:
-    """Whether a block's bytes look cached: the first byte of its lowest record and the last
-    byte of its highest are in the page cache (``ContainerReader.cached``). A warm epoch then
-    skips planning the block's hints, ~1 µs a sample there (benchmarks/README.md). A block
-    cached at its ends only goes unhinted: the kernel's read-around on faults reads it."""
-    if not len(records):
-        return True
-    (first, lo), (last, hi) = reader.locate(int(records.min())), reader.locate(int(records.max()))
-    if first is last:
-        return first.cached((lo, hi))
-    return first.cached((lo,)) and last.cached((hi,))
 
 
 def read_blocks(
@@ -254,20 +196,16 @@ def read_blocks(
     copy: bool = False,
     shards_ahead: int = 0,
 ) -> Iterator[Item]:
-    """Items of each block in position order, their fields as views of the map.
+    """Items of each block in position order, their fields as views of the map (with
+    ``copy``, private arrays: ``views_fit``); while ``gate`` is closed (a resume replay),
+    without data.
 
     Before a block is used, the runs of the ``AHEAD`` blocks after it are hinted to the
-    kernel (``ContainerReader.prefetch``: asynchronous read-ahead, skipped when cached), so
-    on a cold cache the disk reads ahead while this block is decoded, with no thread; on a
-    warm cache a block costs one index lookup (per run of a shard folder; for one file, one
-    in block order) and its samples copy straight from the page cache (see
-    benchmarks/README.md, "Measurements behind the code"). Nothing is held
-    but views: no block buffers (with ``copy``, private arrays instead: see ``views_fit``).
-    Items produced while ``gate`` is closed (a resume replay) carry no data.
-
-    A remote pack's shards are downloaded ``shards_ahead`` shards ahead of use and released
-    after their last block (``ShardWindow``); the kernel hints are then left out, since they
-    would open, and so wait for, shards still downloading.
+    kernel (``ContainerReader.prefetch``), so on a cold cache the disk reads ahead while
+    this block is decoded (a cold storage-order epoch: 6,160/s with the hints, 3,933/s
+    without; benchmarks/README.md). A remote pack's shards are downloaded ``shards_ahead``
+    ahead and released after their last block (``ShardWindow``), without kernel hints,
+    which would wait for shards still downloading.
     """
     gate = gate or Gate()
     runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
@@ -276,16 +214,11 @@ def read_blocks(
         window = ShardWindow(reader, [records[block] for block in blocks], shards_ahead)
 
     def hint(b: int) -> None:
-        recs = records[blocks[b]]
-        if window is None and block_cached(reader, recs):
-            return  # warm: no runs to plan (a shard folder's read plans them itself)
-        runs[b] = record_runs(reader, recs)
+        runs[b] = record_runs(reader, records[blocks[b]])
         if window is None:
             for shard, local in runs[b]:
                 reader.shard(shard).prefetch(local)
 
-    # one file read through views: a block is one index lookup in block order, no runs
-    single = reader.shard(0) if len(blocks) and len(reader.starts) == 2 and not copy else None
     hinted = 0  # blocks hinted so far
     for b, block in enumerate(blocks):
         recs = records[block]
@@ -298,12 +231,8 @@ def read_blocks(
         while hinted <= min(b + AHEAD, len(blocks) - 1):
             hint(hinted)
             hinted += 1
-        if single is not None:
-            runs.pop(b, None)
-            rows: Sequence[Fields] = single.views(recs, fields)
-        else:
-            data = read_block(reader, recs, fields, runs.pop(b, None), copy=copy)
-            rows = [data[record] for record in listed]
+        data = read_block(reader, recs, fields, runs.pop(b, None), copy=copy)
+        rows = [data[record] for record in listed]
         if window is not None:
             window.after(b)
         yield from zip(listed, rows)
@@ -312,12 +241,10 @@ def read_blocks(
 class ShardWindow:
     """Which shards of a remote pack a stream holds, downloads ahead and releases.
 
-    The window at block ``b`` is the shards block ``b`` reads plus the next ``ahead`` distinct
-    shards later blocks read. ``before(b)`` asks the reader to prefetch the window's shards not
-    yet held; ``after(b)`` releases the held shards that are not in the next block's window, so
-    a bounded cache may evict them (a shard read again later, as a shuffled epoch does, is
-    fetched again: from the cache if still there). Only shards of these blocks are touched, so
-    each worker of each rank downloads only what it reads.
+    The window at block ``b``: the shards it reads, then the next ``ahead`` distinct shards
+    later blocks read. ``before(b)`` prefetches the window's shards not yet held; ``after(b)``
+    releases those not in the next block's window, so a bounded cache may evict them. Each
+    worker of each rank downloads only the shards its blocks read.
     """
 
     #: blocks looked ahead at most for the window (bounds the work per block)
@@ -335,16 +262,14 @@ class ShardWindow:
         """Block ``b``'s shards, then the next ``ahead`` distinct shards, in order of use."""
         if b >= len(self.shards):
             return []
-        out = list(self.shards[b])
-        seen = set(out)
-        for c in range(b + 1, min(len(self.shards), b + 1 + self.SCAN)):
-            if len(out) - len(self.shards[b]) >= self.ahead:
-                break
-            for s in self.shards[c]:
-                if s not in seen and len(out) - len(self.shards[b]) < self.ahead:
-                    seen.add(s)
-                    out.append(s)
-        return out
+        own, ahead = self.shards[b], list[int]()
+        for later in self.shards[b + 1 : b + 1 + self.SCAN]:
+            for s in later:
+                if len(ahead) == self.ahead:
+                    return own + ahead
+                if s not in own and s not in ahead:
+                    ahead.append(s)
+        return own + ahead
 
     def before(self, b: int) -> None:
         wanted = [s for s in self.window(b) if s not in self.held]
@@ -368,8 +293,9 @@ def shuffle_buffer(
     which is emitted; at the end the rest leaves in random order. An item is never emitted
     more than ``size`` places before its input place, and may leave any time later.
 
-    ``total``, the number of items when known, lets the draws be made in chunks (one numpy
-    call per chunk instead of ~2-5 µs per item) with the very same random stream.
+    ``total``, the number of items when known, lets the draws be made in chunks with the very
+    same random stream: one numpy call per 1,024 items instead of ~7 µs per item, ~7% of a
+    worker's CPU per sample of a shuffled ``decode="none"`` stream (~100 µs).
     """
     if size <= 1:
         yield from items

@@ -1,11 +1,9 @@
 """A sampler for map-style datasets on a cold disk: shuffled, but reading mostly in order.
 
-``BlockShuffleSampler`` shuffles blocks of neighbouring indices, then shuffles indices within
-windows of a few consecutive blocks. A map-style pack stores neighbouring indices next to each
-other (the packer lays an image set out contiguously), so each window touches ``window``
-stretches of ``block_size`` records: the kernel's read-ahead turns most reads into sequential
-ones, where a full permutation would seek for every sample. It is torchdata-``Stateful``
-(``state``): a ``StatefulDataLoader`` resumes it mid-epoch, in any epoch.
+``BlockShuffleSampler`` shuffles blocks of neighbouring indices, then indices within windows
+of a few blocks. The packer lays an image set out contiguously, so each window touches
+``window`` stretches of ``block_size`` records: the kernel's read-ahead turns most reads into
+sequential ones, where a full permutation would seek for every sample.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from . import state as keys
-from .state import Stateful
+from .state import Resumable
 from .topology import Topology, distributed_info, epoch_total, pad_or_trim, seeded_rng
 
 __all__ = ["BlockShuffleSampler", "block_shuffle"]
@@ -33,7 +31,7 @@ def block_shuffle(n: int, block_size: int, window: int, rng: np.random.Generator
     return np.concatenate([rng.permutation(w) for w in windows] or [np.zeros(0, np.int64)])
 
 
-class BlockShuffleSampler(Sampler[int], Stateful):
+class BlockShuffleSampler(Sampler[int], Resumable):
     """Shuffles blocks of neighbouring indices, then indices within windows of blocks.
 
     Args:
@@ -52,15 +50,15 @@ class BlockShuffleSampler(Sampler[int], Stateful):
     moves only within its window, so two indices of one block always land within
     ``window * block_size`` places of each other. Call ``set_epoch`` before each epoch.
 
-    **Resuming.** ``state_dict`` / ``load_state_dict`` follow torchdata's
-    ``StatefulDataLoader`` protocol, as ``VOCSerializedIterableDataset`` does: the state is
-    the epoch and the indices this rank's iterator handed out in it, plus the settings that
-    fix the order (checked when the resumed iteration starts). After ``load_state_dict`` the
-    next iteration yields the rest of that epoch, in the same order; ``set_epoch`` with
-    another epoch drops the loaded position, with the same epoch keeps it. Given a
-    torch_serialized dataset, the state also names its samples (``state.PACK``), so a resume
-    on a pack re-packed since is refused.
+    **Resuming** (``state.Resumable``, torchdata's ``StatefulDataLoader`` protocol): the
+    state is the epoch and the indices this rank handed out in it, plus the settings that
+    fix the order, checked when the resumed iteration starts; it then yields the rest of that
+    epoch, in the same order. Given a torch_serialized dataset, the state also names its
+    samples (``state.PACK``), so a resume on a pack re-packed since is refused.
     """
+
+    _KIND = "BlockShuffleSampler"
+    _HINT = "sampler arguments, dataset length, rank and world size"
 
     def __init__(
         self,
@@ -74,10 +72,8 @@ class BlockShuffleSampler(Sampler[int], Stateful):
         world_size: int | None = None,
         drop_last: bool = False,
     ) -> None:
-        if isinstance(data_source_or_length, int):
-            n = data_source_or_length
-        else:
-            n = len(data_source_or_length)
+        source = data_source_or_length
+        n = source if isinstance(source, int) else len(source)
         if n < 0:
             raise ValueError(f"length must be >= 0, got {n}")
         if block_size < 1 or window < 1:
@@ -88,10 +84,7 @@ class BlockShuffleSampler(Sampler[int], Stateful):
         self.rank, self.world_size = distributed_info(rank, world_size)
         self.drop_last = drop_last
         self.epoch = 0
-        self._yielded = 0  # indices the current iterator has handed out in this epoch
-        self._resume: dict[str, Any] | None = None  # a loaded state awaiting the next __iter__
-        #: the samples a torch_serialized dataset holds (``state.PACK``), else None
-        self._identity = keys.samples_identity(data_source_or_length)
+        self._identity = keys.samples_identity(data_source_or_length)  # None for a length
 
     @property
     def total_size(self) -> int:
@@ -103,13 +96,6 @@ class BlockShuffleSampler(Sampler[int], Stateful):
 
     def _topology(self) -> Topology:
         return Topology(self.rank, self.world_size)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows."""
-        if epoch != self.epoch:
-            self._resume = None
-            self._yielded = 0
-        self.epoch = epoch
 
     def indices(self) -> np.ndarray:
         """This rank's indices for the current epoch."""
@@ -123,61 +109,14 @@ class BlockShuffleSampler(Sampler[int], Stateful):
         return pad_or_trim(order, self.total_size)[share]
 
     def __iter__(self) -> Iterator[int]:
-        skip = 0
-        if self._resume is not None:
-            keys.check_same(self._resume, self._settings(), "BlockShuffleSampler", _HINT)
-            keys.check_samples(self._resume, self._identity, "BlockShuffleSampler")
-            skip = int(self._resume[keys.YIELDED])
-            self._resume = None
-        return self._indices_from(self.indices(), skip)
+        skip = self._start("BlockShuffleSampler")
+        return self._counted(self.indices()[skip:].tolist())
 
-    def _indices_from(self, order: np.ndarray, skip: int) -> Iterator[int]:
-        self._yielded = skip
-        for index in order[skip:].tolist():
-            self._yielded += 1  # counted when handed out: a state taken now resumes after it
-            yield index
-
-    # -- resumption (``state``: torchdata's Stateful protocol) --------------------------------
     def _settings(self) -> dict[str, Any]:
-        topology = (self.rank, self.world_size)
-        order = (
-            self.num_indices,
-            self.shuffle,
-            self.seed,
-            self.drop_last,
-            self.block_size,
-            self.window,
+        values = (
+            *(self.rank, self.world_size),
+            *(self.num_indices, self.shuffle, self.seed, self.drop_last),
+            *(self.block_size, self.window),
         )
-        return {
-            **dict(zip(keys.SAMPLER_TOPOLOGY_KEYS, topology, strict=True)),
-            **dict(zip(keys.SAMPLER_ORDER_KEYS, order, strict=True)),
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this rank's iteration is: epoch, indices handed out in it, and the settings
-        that fix the order (JSON-compatible)."""
-        if self._resume is not None:  # loaded, not yet iterated: still that point
-            return dict(self._resume)
-        return {
-            keys.VERSION: keys.STATE_VERSION,
-            keys.KIND: _KIND,
-            keys.EPOCH: self.epoch,
-            keys.YIELDED: self._yielded,
-            **self._settings(),
-            **({} if self._identity is None else {keys.PACK: self._identity}),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the next iteration continues that epoch where it
-        stopped. The settings must match the saved ones (checked then)."""
-        keys.check_version(state, "BlockShuffleSampler", _KIND)
-        yielded = int(state[keys.YIELDED])
-        if yielded < 0:
-            raise ValueError(f"state yielded {yielded} is negative; it is not a saved position")
-        self.epoch = int(state[keys.EPOCH])
-        self._yielded = yielded
-        self._resume = dict(state)
-
-
-_KIND = "BlockShuffleSampler"
-_HINT = "sampler arguments, dataset length, rank and world size"
+        names = keys.SAMPLER_TOPOLOGY_KEYS + keys.SAMPLER_ORDER_KEYS
+        return dict(zip(names, values, strict=True))

@@ -1,38 +1,22 @@
-"""Resume state: the ``Stateful`` protocol, the names of the state's keys and their checks.
+"""Resume state: the ``Stateful`` protocol, the state's keys, and ``Resumable``, the resume
+logic the iterable dataset and ``BlockShuffleSampler`` share.
 
 torchdata's ``StatefulDataLoader`` saves and restores every dataset (and sampler) that has
 ``state_dict()`` and ``load_state_dict(state)``: its ``Stateful`` protocol, declared here
-again so that torchdata stays an optional dependency. ``VOCSerializedIterableDataset`` and
-``BlockShuffleSampler`` are ``Stateful``; a state is a flat JSON-compatible dict with the keys
-below (``version`` ``STATE_VERSION``): where the epoch stopped, and the settings and topology
-that fix the order, checked when the state is resumed (``check_version``, ``check_same``).
-Map-style datasets hold no state: with them the sampler's position is the state.
+again so that torchdata stays an optional dependency. A state is a flat JSON-compatible dict
+with the keys below: where the epoch stopped, and the settings and topology that fix the
+order, checked when the state is resumed. Map-style datasets hold no state: with them the
+sampler's position is the state.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any, Protocol, runtime_checkable
+from abc import abstractmethod
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
-
-__all__ = [
-    "Stateful",
-    "STATE_VERSION",
-    "VERSION",
-    "EPOCH",
-    "YIELDED",
-    "KIND",
-    "PACK",
-    "TOPOLOGY_KEYS",
-    "ORDER_KEYS",
-    "SAMPLER_TOPOLOGY_KEYS",
-    "SAMPLER_ORDER_KEYS",
-    "check_version",
-    "check_same",
-    "samples_identity",
-    "check_samples",
-]
 
 
 @runtime_checkable
@@ -44,7 +28,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any], /) -> None: ...
 
 
-#: Version of the iterable dataset's state; a state of another version is refused.
+#: Version of the states; a state of another version is refused.
 STATE_VERSION = 1
 
 VERSION = "version"
@@ -53,8 +37,7 @@ EPOCH = "epoch"
 YIELDED = "yielded"
 #: Which samples the state was saved on: the pack's id (new at every full pack, kept by
 #: ``append_voc``) and a digest of the image set's record numbers. A resume on a re-packed or
-#: changed image set is refused; a state saved before this key existed resumes unchecked
-#: on it.
+#: changed image set is refused; a state saved before this key existed resumes unchecked.
 PACK = "pack"
 #: Where the state was saved (``Topology``'s fields): a resume must match them.
 TOPOLOGY_KEYS = ("rank", "world_size", "worker", "num_workers")
@@ -67,31 +50,7 @@ KIND = "kind"
 SAMPLER_TOPOLOGY_KEYS = ("rank", "world_size")
 SAMPLER_ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "window")
 
-
-def check_version(state: dict[str, Any], owner: str, kind: str | None = None) -> None:
-    """Refuse a state of another version, or (with ``kind``) one another class saved."""
-    if state.get(VERSION) != STATE_VERSION:
-        raise ValueError(
-            f"state version {state.get(VERSION)!r} is not {STATE_VERSION}; it was not saved by "
-            f"this {owner}"
-        )
-    if kind is not None and state.get(KIND) != kind:
-        raise ValueError(
-            f"state kind {state.get(KIND)!r} is not {kind!r}: another class saved it; load "
-            f"what {owner}.state_dict() returned"
-        )
-
-
-def check_same(saved: dict[str, Any], now: dict[str, Any], where: str, hint: str) -> None:
-    """Refuse to resume when a setting or the topology differs from the saved one; ``hint``
-    says what must stay the same."""
-    diff = {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k]}
-    if diff:
-        detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(
-            f"cannot resume {where}: the state was saved with other settings ({detail}); "
-            f"resume with the same {hint}"
-        )
+T = TypeVar("T")
 
 
 def samples_identity(dataset: Any) -> str | None:
@@ -107,16 +66,94 @@ def samples_identity(dataset: Any) -> str | None:
     return f"{pack_id or 'unbound'}/{digest:08x}"
 
 
-def check_samples(saved: dict[str, Any], now: str | None, where: str) -> None:
-    """Refuse to resume on other samples than the state was saved on (``PACK``): a re-pack of
-    the same size would otherwise mix two packs in one epoch. Unchecked when either side does
-    not know (a state saved before the key existed, a sampler given a length)."""
-    before = saved.get(PACK)
-    if before is None or now is None or before == now:
-        return
-    raise ValueError(
-        f"cannot resume {where}: the state was saved on other samples (pack {before!r}, now "
-        f"{now!r}): the pack was re-packed, or appended to with this image set's records "
-        "changed; resuming would mix the two in one epoch, so start the epoch afresh "
-        "(set_epoch) instead"
-    )
+class Resumable(Stateful):
+    """The epoch, what the current iteration handed out in it, and a loaded state that the
+    next iteration resumes from once it has checked that the state describes the same
+    samples in the same order."""
+
+    #: the ``KIND`` a state carries (the sampler's), and what must stay the same to resume
+    _KIND: str | None = None
+    _HINT: str
+    epoch: int
+    _yielded = 0  # what the current iterator has handed out in this epoch
+    _resume: dict[str, Any] | None = None  # a loaded state awaiting the next iteration
+    _identity: str | None  # ``PACK`` of the samples, if known
+
+    @abstractmethod
+    def _settings(self) -> dict[str, Any]:
+        """The topology and settings that fix the order (each class's own keys)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows (a loaded position is
+        kept for the same epoch, dropped for another)."""
+        if epoch != self.epoch:
+            self._resume = None
+            self._yielded = 0
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this iteration is: epoch, samples handed out in it, and the settings that
+        fix the order (JSON-compatible)."""
+        if self._resume is not None:  # loaded, not yet iterated: still that point
+            return dict(self._resume)
+        return {
+            VERSION: STATE_VERSION,
+            **({} if self._KIND is None else {KIND: self._KIND}),
+            EPOCH: self.epoch,
+            YIELDED: self._yielded,
+            **self._settings(),
+            **({} if self._identity is None else {PACK: self._identity}),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next iteration continues that epoch where it
+        stopped. The settings must match the saved ones (checked then)."""
+        owner = type(self).__name__
+        if state.get(VERSION) != STATE_VERSION:
+            raise ValueError(
+                f"state version {state.get(VERSION)!r} is not {STATE_VERSION}; it was not "
+                f"saved by this {owner}"
+            )
+        if self._KIND is not None and state.get(KIND) != self._KIND:
+            raise ValueError(
+                f"state kind {state.get(KIND)!r} is not {self._KIND!r}: another class saved "
+                f"it; load what {owner}.state_dict() returned"
+            )
+        yielded = int(state[YIELDED])
+        if yielded < 0:
+            raise ValueError(f"state yielded {yielded} is negative; it is not a saved position")
+        self.epoch = int(state[EPOCH])
+        self._yielded = yielded
+        self._resume = dict(state)
+
+    def _start(self, where: str) -> int:
+        """Start an iteration: how many of its items a loaded state says to skip (0 without
+        one), after checking that the state was saved on these samples (``PACK``: unchecked
+        when either side does not know) with these settings; ``where`` names the dataset."""
+        state, skip = self._resume, 0
+        if state is not None:
+            before, now = state.get(PACK), self._identity
+            if before is not None and now is not None and before != now:
+                raise ValueError(
+                    f"cannot resume {where}: the state was saved on other samples (pack "
+                    f"{before!r}, now {now!r}): the pack was re-packed, or appended to with "
+                    "this image set's records changed; resuming would mix the two in one "
+                    "epoch, so start the epoch afresh (set_epoch) instead"
+                )
+            settings = self._settings()
+            diff = [(k, state.get(k), v) for k, v in settings.items() if state.get(k) != v]
+            if diff:
+                detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diff)
+                raise ValueError(
+                    f"cannot resume {where}: the state was saved with other settings "
+                    f"({detail}); resume with the same {self._HINT}"
+                )
+            skip, self._resume = int(state[YIELDED]), None
+        self._yielded = skip
+        return skip
+
+    def _counted(self, items: Iterable[T]) -> Iterator[T]:
+        """``items``, each counted as handed out: a state taken now resumes after it."""
+        for item in items:
+            self._yielded += 1
+            yield item

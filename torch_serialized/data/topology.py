@@ -1,18 +1,10 @@
 """Who this process is in a training job, and the rules that share an epoch among processes.
 
-``Topology`` is a small frozen value (like Mosaic Streaming's ``World``): ``rank`` and
-``world_size`` of DDP (the arguments, else torch.distributed's, else one process) and
-``worker`` and ``num_workers`` of this rank's DataLoader (``get_worker_info``). The iterable
-dataset and ``BlockShuffleSampler`` both use it and the rules below, so both share an epoch
-out in the same way, as ``DistributedSampler`` does:
-
-- ``epoch_total``: samples of an epoch across ranks: ``n`` rounded up to a multiple of the
-  world size (padding), or down with ``drop_last``;
-- ``pad_or_trim``: an epoch order extended with its own beginning (repeated as often as
-  needed), or cut, to that total;
-- ``Topology.rank_slice``: rank ``r`` takes the ``r``-th contiguous slice, and
-  ``Topology.worker_slice`` splits a rank's share among its workers;
-- ``seeded_rng``: the random generator of a seed and a key (epoch, stream, rank...).
+``Topology`` (like Mosaic Streaming's ``World``) is DDP's ``rank`` of ``world_size`` and this
+rank's DataLoader ``worker`` of ``num_workers``. The iterable dataset and
+``BlockShuffleSampler`` both share an epoch out by the rules below, as ``DistributedSampler``
+does: the order padded with its own beginning to a multiple of the world size (or cut, with
+``drop_last``), rank ``r`` taking the ``r``-th contiguous slice, its workers splitting that.
 """
 
 from __future__ import annotations
@@ -23,15 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import get_worker_info
-
-__all__ = [
-    "Topology",
-    "distributed_info",
-    "worker_info",
-    "epoch_total",
-    "pad_or_trim",
-    "seeded_rng",
-]
 
 
 @dataclass(frozen=True)
@@ -45,12 +28,12 @@ class Topology:
     num_workers: int = 1
 
     def __post_init__(self) -> None:
-        _check(self.rank, self.world_size)
-        if self.num_workers < 1 or not 0 <= self.worker < self.num_workers:
-            raise ValueError(
-                f"need 0 <= worker < num_workers, got worker={self.worker}, "
-                f"num_workers={self.num_workers}"
-            )
+        for (i, n), (a, b) in (
+            ((self.rank, self.world_size), ("rank", "world_size")),
+            ((self.worker, self.num_workers), ("worker", "num_workers")),
+        ):
+            if n < 1 or not 0 <= i < n:
+                raise ValueError(f"need 0 <= {a} < {b}, got {a}={i}, {b}={n}")
 
     @classmethod
     def current(cls, rank: int | None = None, world_size: int | None = None) -> Topology:
@@ -80,13 +63,8 @@ def distributed_info(rank: int | None = None, world_size: int | None = None) -> 
         world_size = dist.get_world_size() if initialised else 1
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    _check(rank, world_size)
+    Topology(rank, world_size)  # checks them
     return rank, world_size
-
-
-def _check(rank: int, world_size: int) -> None:
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
 
 
 def worker_info() -> tuple[int, int]:
@@ -103,8 +81,6 @@ def epoch_total(n: int, world_size: int, drop_last: bool) -> int:
 def pad_or_trim(order: np.ndarray, total: int) -> np.ndarray:
     """``order`` cut to ``total`` items, or extended with its own beginning (repeated as often
     as needed) to ``total``."""
-    if total <= len(order):
-        return order[:total]
     return np.resize(order, total)
 
 

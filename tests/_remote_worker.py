@@ -15,7 +15,7 @@ from typing import Any
 
 from torch_serialized.remote.cache import Cache
 from torch_serialized.remote.packs import RemotePack, resolve
-from torch_serialized.remote.store import RetryPolicy
+from torch_serialized.remote.retry import RetryPolicy
 
 
 def _sha256(path: Path) -> str:
@@ -35,7 +35,6 @@ def main(mode: str, spec: dict[str, Any]) -> None:
             spec["storage_options"],
             spec["cache_dir"],
             retry=RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02),
-            part_size=spec["part_size"],
         )
         path = pack.fetch_shard(spec["name"], spec["size"])
         print(_sha256(path), flush=True)

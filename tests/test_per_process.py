@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch_serialized.remote.cache import Cache
 from torch_serialized.remote.packs import RemotePack, resolve
-from torch_serialized.remote.store import PerProcess, RemoteStore, RetryPolicy
+from torch_serialized.remote.retry import RetryPolicy
+from torch_serialized.remote.store import PerProcess, RemoteStore
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -100,13 +101,13 @@ def test_a_used_remote_store_pickles_without_its_per_process_state(
     remote.put("obj.bin", data)
 
     def store() -> RemoteStore:
-        return RemoteStore(remote.url, remote.storage_options, retry=FAST, part_size=PART)
+        return RemoteStore(remote.url, remote.storage_options, retry=FAST)
 
     used = store()
-    assert used.download("obj.bin", tmp_path / "obj.bin").read_bytes() == data  # parts: Range
-    assert used._fs is not None and used._ranges_ok is not None
+    assert used.download("obj.bin", tmp_path / "obj.bin").read_bytes() == data
+    assert used._fs is not None
     clone = check_per_process(used, store())
-    assert clone._fs is None and clone._ranges_ok is None
+    assert clone._fs is None
     assert clone.read_bytes("obj.bin") == data
     assert in_fresh_process(used, "obj.bin") == sha(data)
 
@@ -132,7 +133,7 @@ def test_a_used_remote_pack_pickles_without_its_per_process_state(
         remote.put(name, content)
 
     def open_pack() -> RemotePack:
-        return resolve(remote.url, remote.storage_options, tmp_path, retry=FAST, part_size=PART)
+        return resolve(remote.url, remote.storage_options, tmp_path, retry=FAST)
 
     with open_pack() as used, open_pack() as fresh:
         used.fetch_shard("a.tser", len(shards["a.tser"]))
@@ -171,42 +172,3 @@ def test_a_child_multiprocessing_forks_resets_them_before_its_first_use(
         assert done.get(timeout=60) == [True, True, True]
         child.join(60)
         assert child.exitcode == 0
-
-
-def _read_with_the_parents_loop(store: RemoteStore, stale: tuple[Any, Any], done: Any) -> None:
-    """In a forked child: fsspec's loop and its thread as an fsspec without a fork hook
-    (before 2025.5) leaves them, then a read through a store made in the parent."""
-    import fsspec.asyn
-
-    fsspec.asyn.loop[0], fsspec.asyn.iothread[0] = stale
-    done.put(store.read_bytes("manifest.json"))
-
-
-def test_a_forked_child_reads_where_fsspec_kept_its_parents_loop(
-    remote: Remote, monkeypatch: Any
-) -> None:
-    """fsspec before 2025.5 (common beside libraries that cap it) kept its event loop across
-    a fork, though the thread running it is the parent's: every remote read in a forked
-    DataLoader worker waited for good (a URL's iterable hung on its first shard). A store
-    now lets fsspec start a new loop where the old one's thread is dead."""
-    import multiprocessing
-
-    import fsspec.asyn
-
-    remote.put("manifest.json", MANIFEST)
-    store = RemoteStore(remote.url, remote.storage_options, retry=FAST)
-    assert store.read_bytes("manifest.json") == MANIFEST  # the parent's loop runs now
-    stale = (fsspec.asyn.loop[0], fsspec.asyn.iothread[0])
-    assert stale[0] is not None and stale[1] is not None and stale[1].is_alive()
-    context = multiprocessing.get_context("fork")
-    done = context.Queue()
-    child = context.Process(target=_read_with_the_parents_loop, args=(store, stale, done))
-    child.start()
-    try:
-        assert done.get(timeout=60) == MANIFEST
-    finally:
-        child.join(10)
-        if child.exitcode is None:
-            child.kill()
-    assert child.exitcode == 0
-    assert (fsspec.asyn.loop[0], fsspec.asyn.iothread[0]) == stale  # the parent's untouched

@@ -21,7 +21,7 @@ from _remote_cases import NOT_GCS
 from torch.utils.data import DataLoader
 
 import torch_serialized as ts
-from torch_serialized.container.reader import open_pack
+from torch_serialized.container.shards import open_pack
 from torch_serialized.errors import ChecksumError, RemoteNotFoundError
 
 if TYPE_CHECKING:

@@ -18,13 +18,13 @@ from support.loopback import start_fault_proxy, start_http_server
 
 from torch_serialized.errors import (
     ChecksumError,
-    CorruptFileError,
     RemoteError,
     RemoteNotFoundError,
 )
 from torch_serialized.remote.cache import list_cache
 from torch_serialized.remote.packs import RemotePack, ShardRequest, file_tail, resolve
-from torch_serialized.remote.store import RemoteStore, RetryPolicy
+from torch_serialized.remote.retry import RetryPolicy
+from torch_serialized.remote.store import RemoteStore
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -59,7 +59,7 @@ def shards(remote: Remote) -> dict[str, bytes]:
 
 
 def open_pack(remote: Remote, cache_dir: Path) -> RemotePack:
-    return resolve(remote.url, remote.storage_options, cache_dir, retry=FAST, part_size=PART)
+    return resolve(remote.url, remote.storage_options, cache_dir, retry=FAST)
 
 
 def test_resolve_reads_the_manifest_into_the_cache(
@@ -84,8 +84,8 @@ def test_shards_are_fetched_once_and_verified(
         pack.fetch_shard("a.tser", len(shards["a.tser"]))
     with open_pack(remote, tmp_path) as again:  # a new run: the shards are cached
         assert again.fetch_shard("b.tser", len(shards["b.tser"])).read_bytes() == shards["b.tser"]
-    assert remote.proxy.count("GET", remote.path("a.tser")) == 3
-    assert remote.proxy.count("GET", remote.path("b.tser")) == 3
+    assert remote.proxy.count("GET", remote.path("a.tser")) == 1
+    assert remote.proxy.count("GET", remote.path("b.tser")) == 1
 
 
 @NOT_GCS
@@ -100,12 +100,12 @@ def test_a_download_asks_the_size_once(remote: Remote, tmp_path: Path) -> None:
         for name in ("a.tser", "b.tser"):
             assert pack.fetch_shard(name, len(data[name])).read_bytes() == data[name]
     url = f"{remote.url}/one.tser"  # a single file: its size (one HEAD), footer, whole file
-    with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as one:
+    with resolve(url, remote.storage_options, tmp_path, retry=FAST) as one:
         assert one.path.read_bytes() == data["one.tser"]
     heads = {name: remote.proxy.count("HEAD", remote.path(name)) for name in data}
     gets = {name: remote.proxy.count("GET", remote.path(name)) for name in data}
     assert heads == {"a.tser": 1, "b.tser": 1, "one.tser": 1}
-    assert gets == {"a.tser": 1, "b.tser": 3, "one.tser": 2}
+    assert gets == {"a.tser": 1, "b.tser": 1, "one.tser": 2}
 
 
 def test_prefetch_downloads_in_the_background(
@@ -176,7 +176,7 @@ def test_a_false_size_in_a_manifest_evicts_nothing(
     remote: Remote, shards: dict[str, bytes], tmp_path: Path
 ) -> None:
     limit = 1 << 20
-    with resolve(remote.url, remote.storage_options, tmp_path, limit, part_size=PART) as pack:
+    with resolve(remote.url, remote.storage_options, tmp_path, limit) as pack:
         for name, data in shards.items():
             pack.fetch_shard(name, len(data))
     remote.put("v2/manifest.json", b'{"shards": ["c.tser"]}')
@@ -193,7 +193,7 @@ def test_a_huge_false_size_fails_at_once_without_retries(
     remote: Remote, shards: dict[str, bytes], tmp_path: Path
 ) -> None:
     with open_pack(remote, tmp_path) as pack:
-        pack.fetch_shard("a.tser", len(shards["a.tser"]))  # the store knows Range works
+        pack.fetch_shard("a.tser", len(shards["a.tser"]))
         with pytest.raises(RemoteError, match=r"b\.tser.*disagree.*re-upload") as caught:
             pack.fetch_shard("b.tser", 1 << 40)
         assert "times" not in str(caught.value)  # not an outage: nothing to retry
@@ -210,7 +210,7 @@ def test_a_false_size_a_server_cannot_refute_fails_after_one_confirming_read(
     as an outage."""
     patient = RetryPolicy(attempts=5, base_delay=0.01, max_delay=0.02)
     url = remote.url
-    with resolve(url, remote.storage_options, tmp_path, retry=patient, part_size=PART) as pack:
+    with resolve(url, remote.storage_options, tmp_path, retry=patient) as pack:
         monkeypatch.setattr(pack.store.fs, "size", lambda path: None)  # no Content-Length
         claimed = len(shards["b.tser"]) + 100
         with pytest.raises(RemoteError) as caught:
@@ -221,7 +221,7 @@ def test_a_false_size_a_server_cannot_refute_fails_after_one_confirming_read(
             f"the manifest says {claimed}"
         )
         assert "re-upload" in first and "times" not in first
-        assert remote.proxy.count("GET", remote.path("b.tser")) == 4  # 3 parts, 1 confirming
+        assert remote.proxy.count("GET", remote.path("b.tser")) == 2  # 1 confirming
         assert not list(pack.path.glob("*b.tser*"))
 
 
@@ -234,12 +234,12 @@ def test_a_single_file_pack_is_downloaded_whole(remote: Remote, tmp_path: Path) 
     data = blob(3 * PART + 100, 5)
     remote.put("one.tser", data)
     url = f"{remote.url}/one.tser"
-    with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as pack:
+    with resolve(url, remote.storage_options, tmp_path, retry=FAST) as pack:
         assert pack.manifest_path is None
         assert pack.path.name == "one.tser" and pack.path.read_bytes() == data
         first = pack.identity
     remote.put("one.tser", data[:-64] + bytes(64))  # re-packed: a different footer
-    with resolve(url, remote.storage_options, tmp_path, retry=FAST, part_size=PART) as pack:
+    with resolve(url, remote.storage_options, tmp_path, retry=FAST) as pack:
         assert pack.identity != first
         assert pack.path.read_bytes() == data[:-64] + bytes(64)
 
@@ -249,17 +249,17 @@ def test_two_versions_of_a_url_leave_one_cache_folder(remote: Remote, tmp_path: 
     remote.put("one.tser", old)
     remote.put("two.tser", old)  # another URL: its folder is no version of one.tser
     options, url = remote.storage_options, f"{remote.url}/one.tser"
-    resolve(f"{remote.url}/two.tser", options, tmp_path, retry=FAST, part_size=PART).close()
-    with resolve(url, options, tmp_path, retry=FAST, part_size=PART) as first:
+    resolve(f"{remote.url}/two.tser", options, tmp_path, retry=FAST).close()
+    with resolve(url, options, tmp_path, retry=FAST) as first:
         assert first.path.read_bytes() == old
     remote.put("one.tser", new)  # replaced on the server: a new identity
-    with resolve(url, options, tmp_path, retry=FAST, part_size=PART) as second:
+    with resolve(url, options, tmp_path, retry=FAST) as second:
         assert second.path.read_bytes() == new
         listed = {(p.url.rsplit("/", 1)[-1], p.identity) for p in list_cache(tmp_path)}
         assert listed == {("one.tser", second.identity), ("two.tser", first.identity)}
         assert not first.cache.directory.exists()
         remote.put("one.tser", old)  # and back, while a reader holds the new version
-        with resolve(url, options, tmp_path, retry=FAST, part_size=PART) as third:
+        with resolve(url, options, tmp_path, retry=FAST) as third:
             assert third.identity == first.identity
             assert second.path.read_bytes() == new  # held: left whole
         assert len(list_cache(tmp_path)) == 3
@@ -281,7 +281,7 @@ def test_a_single_file_pack_replaced_while_it_downloads_opens_the_new_one(
 
     url = remote.url + "/one.tser"
     options = remote.storage_options
-    with resolve(url, options, tmp_path, retry=FAST, part_size=PART, verify_file=replace_once) as p:
+    with resolve(url, options, tmp_path, retry=FAST, verify_file=replace_once) as p:
         assert p.path.read_bytes() == new
         assert p.identity == sha256_of_size_and_tail(new)
     with pytest.raises(ChecksumError, match=r"one\.tser: the downloaded file failed.*damaged"):
@@ -299,7 +299,7 @@ def test_a_single_file_pack_on_a_server_without_range_support(tmp_path: Path) ->
     (served / "one.tser").write_bytes(data)
     with start_http_server(served, ranges=False) as server:
         url = f"{server.url}/one.tser"
-        with resolve(url, None, tmp_path / "cache", retry=FAST, part_size=PART) as pack:
+        with resolve(url, None, tmp_path / "cache", retry=FAST) as pack:
             assert pack.path.read_bytes() == data
 
 
@@ -315,7 +315,7 @@ def test_a_single_file_on_a_server_without_range_support_is_never_held(tmp_path:
     (served / "one.tser").write_bytes(data)
     with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
         url = f"{proxy.url}/one.tser"
-        store = RemoteStore(url, retry=FAST, part_size=PART)
+        store = RemoteStore(url, retry=FAST)
         store.fs  # noqa: B018 - imports and the HTTP session are not the read's memory
         peaks = []
         for step in (lambda: file_tail(store), lambda: resolve(url, None, tmp_path, retry=FAST)):
@@ -334,33 +334,6 @@ def test_a_single_file_on_a_server_without_range_support_is_never_held(tmp_path:
         assert proxy.count("GET", "/one.tser") == 3  # the footer's, then the footer's, the file's
 
 
-def test_a_damaged_manifest_is_read_again_and_never_cached(remote: Remote, tmp_path: Path) -> None:
-    remote.put("manifest.json", MANIFEST[:-9])  # cut short on the way
-    seen: list[bytes] = []
-
-    def check(data: bytes, url: str) -> None:
-        seen.append(data)
-        if data != MANIFEST:
-            remote.put("manifest.json", MANIFEST)  # the damage was in transit: gone next time
-            raise CorruptFileError(f"{url}: not a manifest")
-
-    options = remote.storage_options
-    with resolve(remote.url, options, tmp_path / "a", retry=FAST, verify_manifest=check) as pack:
-        assert pack.manifest_path is not None
-        assert pack.manifest_path.read_bytes() == MANIFEST
-    assert len(seen) == 2
-    assert [p.identity for p in list_cache(tmp_path / "a")] == [sha(MANIFEST)]
-
-    def reject(data: bytes, url: str) -> None:  # damaged on the server: read twice, then raise
-        seen.append(data)
-        raise CorruptFileError(f"{url}: not a manifest")
-
-    with pytest.raises(CorruptFileError, match=r"manifest\.json: not a manifest.*read twice"):
-        resolve(remote.url, options, tmp_path / "b", retry=FAST, verify_manifest=reject)
-    assert len(seen) == 4
-    assert list_cache(tmp_path / "b") == []
-
-
 @pytest.mark.parametrize("method", ["spawn", "fork"])
 def test_worker_processes_share_one_download(
     remote: Remote, shards: dict[str, bytes], tmp_path: Path, method: str
@@ -375,8 +348,8 @@ def test_worker_processes_share_one_download(
         with multiprocessing.get_context(method).Pool(2) as pool:
             digests = pool.map(fetch_in_worker, jobs, chunksize=1)
     assert digests == [sha(shards[name]) for _, name, _ in jobs]
-    assert remote.proxy.count("GET", remote.path("a.tser")) == 3
-    assert remote.proxy.count("GET", remote.path("b.tser")) == 3
+    assert remote.proxy.count("GET", remote.path("a.tser")) == 1
+    assert remote.proxy.count("GET", remote.path("b.tser")) == 1
     pack.close()
 
 

@@ -21,6 +21,7 @@ import io
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -84,9 +85,6 @@ class FsspecVOCDetection:
         if self._fs is None or self._pid != os.getpid():
             from fsspec.core import url_to_fs
 
-            from torch_serialized.remote.store import revive_fsspec_loop
-
-            revive_fsspec_loop()  # a forked DataLoader worker with an fsspec before 2025.5
             self._fs, self._root = url_to_fs(
                 self.url, skip_instance_cache=True, **self.storage_options
             )
@@ -151,6 +149,9 @@ def _ranks(url: str, options: dict[str, Any], cache: Path, workers: int) -> int:
 
 
 def scenario_remote(b: Bench) -> list[Row]:
+    tests = str(Path(__file__).resolve().parents[2] / "tests")
+    if tests not in sys.path:  # the loopback servers of the tests (tests/support/loopback.py)
+        sys.path.append(tests)
     from support.loopback import s3_storage_options, start_fault_proxy, start_s3_server
 
     from torch_serialized import pack_voc

@@ -1,14 +1,11 @@
 """A pack at a URL, read through the local cache: what a reader holds instead of a local path.
 
 :func:`resolve` opens a pack location: for a shard folder it reads ``manifest.json`` fresh from
-the server (it is small, and it is what changes when the pack is re-packed), names the pack by the
-sha256 of those bytes, and stores it in the cache; for a single ``.tser`` object it downloads the
-whole file. The :class:`RemotePack` it returns then gives shards on demand
-(:meth:`~RemotePack.fetch_shard`, a download on first touch) or ahead of time
+the server (it is small, and it is what changes when the pack is re-packed), names the pack by
+the sha256 of those bytes and stores them in the cache, where the reader parses them; for a
+single ``.tser`` object it downloads the whole file. The :class:`RemotePack` it returns gives
+shards on demand (:meth:`~RemotePack.fetch_shard`) or ahead of time
 (:meth:`~RemotePack.prefetch`, background threads, so downloading overlaps reading).
-
-Random access (map-style datasets) over a remote shard folder ends up with every shard cached;
-streaming needs only the shards in use plus the ones prefetched.
 """
 
 from __future__ import annotations
@@ -32,23 +29,9 @@ from ..errors import (
     RemoteNotFoundError,
 )
 from .cache import Cache, PackCache
-from .store import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_PART_SIZE,
-    PerProcess,
-    RemoteStore,
-    RetryPolicy,
-    redact_url,
-)
+from .store import PerProcess, RemoteStore, RetryPolicy, redact_url
 
-__all__ = [
-    "RemotePack",
-    "ShardRequest",
-    "file_identity",
-    "file_tail",
-    "local_file_identity",
-    "resolve",
-]
+__all__ = ["RemotePack", "ShardRequest", "file_identity", "file_tail", "resolve"]
 
 log = logging.getLogger(__name__)
 _TAIL = 64  # a container's footer: its identity, as a manifest is a shard folder's
@@ -71,26 +54,25 @@ def resolve(
     *,
     retry: RetryPolicy | None = None,
     prefetch_threads: int = 2,
-    part_size: int = DEFAULT_PART_SIZE,
-    max_concurrency: int = DEFAULT_CONCURRENCY,
     verify_file: Callable[[Path], bool] | None = None,
-    verify_manifest: Callable[[bytes, str], object] | None = None,
 ) -> RemotePack:
     """Open the pack at ``url`` through the cache: a shard folder, or one ``.tser`` object.
 
     A URL ending in ``.tser`` is a single-file pack, downloaded whole now (``verify_file``, if
     given, must pass on the download before it enters the cache); any other URL is a shard
     folder whose ``manifest.json`` is read now and whose shards are downloaded when asked.
-    ``verify_manifest(data, url)`` (``format.parse_manifest``) checks the manifest's bytes
-    before they enter the cache: a ``CorruptFileError`` reads them once more, then raises.
     """
-    store = RemoteStore(
-        url, storage_options, retry=retry, part_size=part_size, max_concurrency=max_concurrency
-    )
+    store = RemoteStore(url, storage_options, retry=retry)
     cache = Cache(cache_dir, cache_limit_bytes)
     if store.url.endswith(FILE_SUFFIX):
         return _resolve_file(store, cache, prefetch_threads, verify_file)
-    manifest = _read_manifest(store, verify_manifest)
+    try:
+        manifest = store.read_bytes(MANIFEST_NAME)
+    except RemoteNotFoundError as exc:
+        raise RemoteNotFoundError(
+            f"{exc}. A shard folder's URL must contain {MANIFEST_NAME}; a single-file "
+            f"pack's URL ends with {FILE_SUFFIX}"
+        ) from exc.__cause__
     pack_cache = cache.pack(store.url, hashlib.sha256(manifest).hexdigest())
     manifest_path = pack_cache.put(MANIFEST_NAME, manifest)
     _remove_other_versions(pack_cache)
@@ -98,8 +80,8 @@ def resolve(
 
 
 def _remove_other_versions(pack_cache: PackCache) -> None:
-    """Free the cache of the versions the URL held before this one (unless in use), which
-    would otherwise stay until evicted or cleared. Best effort: opening never fails for it."""
+    """Free the cache of the versions the URL held before this one (unless in use). Best
+    effort: opening never fails for it."""
     try:
         done = pack_cache.remove_other_versions()
     except OSError as exc:
@@ -108,9 +90,7 @@ def _remove_other_versions(pack_cache: PackCache) -> None:
     if done.packs_removed:
         log.info(
             "%s: removed %d older version(s) from the cache (%d bytes)",
-            redact_url(pack_cache.url),
-            done.packs_removed,
-            done.bytes_freed,
+            *(redact_url(pack_cache.url), done.packs_removed, done.bytes_freed),
         )
 
 
@@ -129,16 +109,12 @@ def _resolve_file(
         size, tail = opened
         pack_cache = cache.pack(store.url, file_identity(size, tail))
 
-        def same_tail(path: Path, size: int = size, tail: bytes = tail) -> bool:
-            with open(path, "rb") as f:  # the object was not replaced while we downloaded
-                f.seek(max(0, size - _TAIL))
-                if f.read() != tail:
-                    return False
+        def check(path: Path, tail: bytes = tail) -> bool:
+            if _tail_of(path)[1] != tail:  # the object was replaced while we downloaded
+                return False
             return verify_file is None or verify_file(path)
 
-        def download(
-            dest: Path, size: int = size, check: Callable[[Path], bool] = same_tail
-        ) -> Path:
+        def download(dest: Path, size: int = size, check: Callable[[Path], bool] = check) -> Path:
             return store.download("", dest, expected_size=size, verify=check)
 
         try:
@@ -167,55 +143,18 @@ def _resolve_file(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _read_manifest(store: RemoteStore, verify: Callable[[bytes, str], object] | None) -> bytes:
-    """The manifest's bytes, checked by ``verify``: a copy damaged on the way (cut short, a
-    flipped bit) is read once more and never reaches the cache."""
-    url = store.url_of(MANIFEST_NAME)
-    for round_ in (1, 2):
-        try:
-            data = store.read_bytes(MANIFEST_NAME)
-        except RemoteNotFoundError as exc:
-            raise RemoteNotFoundError(
-                f"{exc}. A shard folder's URL must contain {MANIFEST_NAME}; a single-file "
-                f"pack's URL ends with {FILE_SUFFIX}"
-            ) from exc.__cause__
-        if verify is None:
-            return data
-        try:
-            verify(data, url)
-            return data
-        except CorruptFileError as exc:
-            if round_ == 2:
-                raise CorruptFileError(
-                    f"{exc} (read twice from the server: the manifest there is damaged)"
-                ) from exc
-            log.warning("%s: damaged manifest (%s), reading it once more", url, exc)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _confirm_size(store: RemoteStore, key: str, expected: int) -> bool:
-    """Whether the server says object ``key`` has the ``expected`` bytes its manifest claims
-    (False: the server does not tell); raises ``RemoteError`` at once if it has another size.
-
-    One HEAD request before a download, so that a wrong manifest (stale, or hostile) neither
-    makes the cache evict other packs' files for bytes that never come nor has a download
-    retried as if the bytes it misses were an outage.
-    """
-    size = store.reported_size(key)
-    if size is None:  # an HTTP server that sends no Content-Length
-        return False
-    if size != expected:
-        raise RemoteError(
-            f"{store.url_of(key)}: the object has {size} bytes, expected {expected}. The "
-            "manifest and the object disagree: re-upload the pack (nothing was downloaded)"
-        )
-    return True
-
-
 def file_tail(store: RemoteStore) -> tuple[int, bytes]:
     """The size of the single-file pack at ``store`` and its footer's bytes (two requests)."""
     size = store.size()
     return size, store.read_bytes("", max(0, size - _TAIL), size) if size else b""
+
+
+def _tail_of(path: str | os.PathLike[str]) -> tuple[int, bytes]:
+    """``file_tail`` of a local file."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - _TAIL))
+        return size, f.read()
 
 
 def file_identity(size: int, tail: bytes) -> str:
@@ -226,10 +165,7 @@ def file_identity(size: int, tail: bytes) -> str:
 
 def local_file_identity(path: str | os.PathLike[str]) -> str:
     """``file_identity`` of a local file: what the object holds once ``path`` is uploaded."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        f.seek(max(0, size - _TAIL))
-        return file_identity(size, f.read())
+    return file_identity(*_tail_of(path))
 
 
 class RemotePack(PerProcess):
@@ -276,10 +212,6 @@ class RemotePack(PerProcess):
         self.close()
 
     @property
-    def url(self) -> str:
-        return self.store.url
-
-    @property
     def identity(self) -> str:
         """sha256 of the manifest (a shard folder) or of the size and footer (a single file)."""
         return self.cache.identity
@@ -292,10 +224,8 @@ class RemotePack(PerProcess):
     ) -> Path:
         """The local path of shard ``name``, downloaded now unless cached or prefetched.
 
-        ``verify(path)`` (the manifest's checksum) runs on each download; see
-        ``RemoteStore.download`` for errors. A
-        prefetch of ``name`` that failed is tried once more now (an outage may be over by the
-        time the shard is needed): its error is raised only if that fails too.
+        ``verify(path)`` (the manifest's checksum) runs on each download. A prefetch of
+        ``name`` that failed is tried once more now (an outage may be over by then).
         """
         self._check_fork()
         with self._mutex:
@@ -308,15 +238,27 @@ class RemotePack(PerProcess):
         return self._fetch(ShardRequest(name, expected_size, verify))
 
     def _fetch(self, shard: ShardRequest) -> Path:
-        size = shard.size
+        name, size = shard.name, shard.size
         return self.cache.fetch(
-            shard.name,
+            name,
             size,
-            lambda dest: self.store.download(
-                shard.name, dest, expected_size=size, verify=shard.verify
-            ),
-            None if size is None else lambda: _confirm_size(self.store, shard.name, size),
+            lambda dest: self.store.download(name, dest, expected_size=size, verify=shard.verify),
+            None if size is None else lambda: self._confirm_size(name, size),
         )
+
+    def _confirm_size(self, name: str, expected: int) -> bool:
+        """Whether the server says shard ``name`` has the ``expected`` bytes its manifest
+        claims (False: it does not tell); raises at once if it has another size. One HEAD,
+        so that a wrong manifest neither evicts other files for bytes that never come nor
+        has a download retried as if the missing bytes were an outage."""
+        size = self.store.reported_size(name)
+        if size is not None and size != expected:
+            raise RemoteError(
+                f"{self.store.url_of(name)}: the object has {size} bytes, expected {expected}. "
+                "The manifest and the object disagree: re-upload the pack (nothing was "
+                "downloaded)"
+            )
+        return size is not None
 
     def prefetch(self, shards: Iterable[ShardRequest | str]) -> None:
         """Start downloading ``shards`` in background threads; returns at once."""
@@ -344,9 +286,6 @@ class RemotePack(PerProcess):
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         kept = set(keep)
-        if not kept:
-            self.cache.close()
-            return
         for name in self.cache.held():
             if name not in kept:
                 self.cache.release(name)

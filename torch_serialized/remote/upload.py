@@ -1,16 +1,15 @@
 """Packs written to a URL: written locally first, then uploaded, the manifest last.
 
 ``write_then_upload`` wraps a local write (``pack_voc`` to a path) so that the pack goes up
-only once it is whole and checked: the shards and the catalog first (in parallel), then the
-manifest, which is what makes a reader see the new pack. Every write names its shards and
-catalog with a fresh token (docs/FORMAT.md, "Shard folders"), so a re-pack at the same URL
-never overwrites a file that the previous manifest names: a reader that opened the previous
-pack keeps reading it. Those older files stay behind as garbage until ``prune_remote``
-removes them. A single-file pack is one object, uploaded the same way.
+only once it is whole: the shards and the catalog first, then the manifest, which is what
+makes a reader see the new pack. A write names its shards and catalog with a fresh token
+(docs/FORMAT.md, "Shard folders"), so a re-pack never overwrites a file the previous manifest
+names: its readers keep reading. ``prune_remote`` removes those older files.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..container import spec as fmt
+from ..container.manifest import parse_manifest
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError
 from .store import HTTP_PROTOCOLS, RemoteStore, is_url, protocol_of, redact_url
 
@@ -125,9 +125,7 @@ def prune_remote(
             "where the pack is stored: its folder on the server's disk (delete the listed "
             "files), or the s3:// or gs:// URL it was uploaded to"
         )
-    manifest = fmt.parse_manifest(
-        store.read_bytes(fmt.MANIFEST_NAME), store.url_of(fmt.MANIFEST_NAME)
-    )
+    manifest = parse_manifest(store.read_bytes(fmt.MANIFEST_NAME), store.url_of(fmt.MANIFEST_NAME))
     keep = set(manifest.files())
     root = store.fs_path("")
     try:
@@ -148,17 +146,6 @@ def prune_remote(
     stale = sorted(base for base in bases if _PACK_FILE.match(base) and base not in keep)
     if not dry_run:
         for base in stale:
-            _delete(store, base)
+            store.call("delete", base, functools.partial(store.fs.rm_file, store.fs_path(base)))
         store.fs.invalidate_cache()
     return stale
-
-
-def _delete(store: RemoteStore, key: str) -> None:
-    path = store.fs_path(key)
-    try:
-        store.call("delete", key, lambda: store.fs.rm_file(path))
-    except NotImplementedError:  # a read-only fsspec backend
-        raise RemoteError(
-            f"{store.url_of(key)}: {store.protocol}:// cannot delete files; prune where the "
-            "pack is stored (its folder on disk, or the object store URL it was uploaded to)"
-        ) from None

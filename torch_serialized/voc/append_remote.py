@@ -1,29 +1,18 @@
 """``append_voc`` on a pack at a URL: stage it locally, append there, upload what is new.
 
-The pack at the URL is opened through the cache (``remote_pack``; every file checked against
-its manifest) and staged in a private folder inside the cache folder: the manifest's bytes, the
-catalog and the shards the append reads, those holding ids whose quick check failed (hard
-links to the cached copies where the file system allows, else copies), or a copy of a single
-``.tser`` file. The local ``append_voc`` then grows the staged
-pack with exactly its own rules, so the URL ends up holding what a local append, and a full
-re-pack, would give. Then:
+The pack at the URL is opened through the cache and staged in a private folder of the cache
+folder: its manifest, catalog and the shards the append compares by content (hard links to
+the cached copies where possible), or a copy of a single ``.tser`` file. The local
+``append_voc`` grows the staged pack with its own rules, so the URL ends up holding what a
+local append, or a full re-pack, would give. Then a shard folder uploads only the files the
+new manifest names and the old one did not (older files stay for readers of the previous
+manifest; ``prune_remote`` removes them); a single file is uploaded whole over the old one.
 
-* a shard folder: the files the new manifest names that the old one did not (new shards, the
-  new catalog) are uploaded; existing objects are never written. The previous catalog and
-  every old shard stay, so a reader that opened the previous manifest keeps working; older
-  generations' files are what ``prune_remote`` removes.
-* a single file: the whole new file is uploaded over the old object.
-
-Before the manifest (or the single file) is replaced, the object at the URL is read again and
-must still be the one the append started from (the manifest's sha256; a single file's size and
-footer): otherwise another writer got there first and this append stops, naming the URL. On a
-store without conditional writes this is a check, not a lock: two appends finishing within the
-same instant can still both replace it. Uploaded files of a failed or refused append are
-unnamed by any manifest: readers never see them, and ``prune_remote`` removes them.
-
-The staged copy of the grown pack is put in the cache as the new pack's files, so reading the
-URL after an append downloads nothing this machine already has. This module never imports
-torch.
+Before the manifest (or the single file) is replaced, the URL must still hold the pack the
+append started from (the manifest's sha256; a single file's size and footer), else another
+writer got there first and this append stops. Without conditional writes this is a check,
+not a lock. The grown pack's files are put in the cache, so reading the URL afterwards
+downloads nothing this machine has. This module never imports torch.
 """
 
 from __future__ import annotations
@@ -42,17 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from ..container import spec as fmt
-from ..container.atomic import clean_stale, temp_sibling
-from ..container.reader import PackReader, read_manifest
+from ..container.fileio import clean_stale, temp_sibling
+from ..container.manifest import Manifest, read_manifest
+from ..container.shards import PackReader
 from ..errors import WriteError
 from ..remote.cache import Cache
 from ..remote.packs import file_identity, file_tail, local_file_identity
 from ..remote.store import RemoteStore, is_url, redact_url
-from ..remote.upload import READ_ONLY_PROTOCOLS, check_writable
-from .pack import REPORT_SUFFIX, PackResult, size_on_disk
+from ..remote.upload import check_writable
 from .packed import VOCPackReader
+from .records import REPORT_SUFFIX, PackResult, size_on_disk
 
-__all__ = ["append_to_url", "READ_ONLY_PROTOCOLS"]
+__all__ = ["append_to_url"]
 
 _UPLOAD_THREADS = 4
 #: The name staging folders in the cache folder are temporaries of (``atomic.temp_sibling``).
@@ -185,7 +175,7 @@ def _naming(local: Path, url: str) -> Iterator[None]:
 
 
 def _upload_growth(
-    store: RemoteStore, before: fmt.Manifest | None, local: Path, started_from: str
+    store: RemoteStore, before: Manifest | None, local: Path, started_from: str
 ) -> None:
     """Upload the files of the grown folder ``local`` that the manifest ``before`` did not
     name, then, if the URL's manifest is still ``started_from`` (checked before the uploads,

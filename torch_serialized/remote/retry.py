@@ -1,0 +1,177 @@
+"""What a failed remote call means, and how the transfers that failed are retried.
+
+:func:`classify_error` reads the standard exceptions fsspec and its backends raise:
+``FileNotFoundError`` is not found, ``PermissionError`` (and HTTP 401/403) denied, other HTTP
+4xx, a full disk and programming errors fatal; anything else (a lost connection, HTTP
+408/429/5xx, a cut body, a stall) is transient. :class:`RetryPolicy` says how often and how
+long apart ``RemoteStore.call`` retries a whole transfer after a transient fault.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import math
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "MIN_RATE_ENV",
+    "RETRY_ATTEMPTS_ENV",
+    "RETRY_MAX_DELAY_ENV",
+    "Fault",
+    "RetryPolicy",
+    "ShortReadError",
+    "classify_error",
+]
+
+#: Environment variables that change the default ``RetryPolicy`` (``RetryPolicy.from_env``).
+RETRY_ATTEMPTS_ENV = "TORCH_SERIALIZED_RETRY_ATTEMPTS"
+RETRY_MAX_DELAY_ENV = "TORCH_SERIALIZED_RETRY_MAX_DELAY"
+MIN_RATE_ENV = "TORCH_SERIALIZED_MIN_RATE"
+_MIN_RATE = 16 << 10  # bytes per second: min_rate's default
+
+
+class Fault(enum.Enum):
+    """What a failed remote call means for the caller."""
+
+    TRANSIENT = "transient"  # retry with backoff
+    NOT_FOUND = "not found"  # never retried
+    DENIED = "denied"  # credentials or permissions: never retried
+    FATAL = "fatal"  # a bad request, a full disk, a bug: never retried
+
+
+class ShortReadError(ConnectionError):
+    """A body ended before the bytes asked for, or failed its check: retried."""
+
+
+# Raised as they are: bugs, not faults of the remote.
+OURS_TO_FIX = (TypeError, AttributeError, NameError, AssertionError, NotImplementedError)
+# The local disk's faults: retrying the download cannot help.
+_LOCAL_ERRNO = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (each once)."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo and len(seen) < 16:
+        e = todo.pop(0)
+        if all(e is not s for s in seen):
+            seen.append(e)
+            todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return seen
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries: aiohttp's ``status``, gcsfs's ``code``,
+    botocore's response metadata."""
+    response = getattr(exc, "response", None)
+    candidates = [getattr(exc, "status", None)]
+    if isinstance(response, Mapping):
+        candidates.append(response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+    if type(exc).__name__ == "HttpError":  # gcsfs; others' ``code`` may be a parser's
+        candidates.append(getattr(exc, "code", None))
+    for value in candidates:
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+            return value
+    return None
+
+
+def classify_error(exc: BaseException) -> Fault:
+    """What a remote call's exception means: retry it, or not found / denied / fatal.
+
+    Reads the standard exceptions fsspec's backends raise, and an HTTP status where one is
+    carried; what none of them marks is transient.
+    """
+    for e in causes(exc):
+        if isinstance(e, PermissionError):
+            return Fault.DENIED
+        if isinstance(e, OSError) and str(e).startswith("Forbidden"):  # gcsfs's 403
+            return Fault.DENIED
+        status = http_status(e)
+        if status is not None and e.__cause__ is None:  # with a cause: a client parser's
+            if status in (404, 410):
+                return Fault.NOT_FOUND
+            if status in (401, 403):
+                return Fault.DENIED
+            transient = status in (408, 425, 429) or status >= 500
+            return Fault.TRANSIENT if transient else Fault.FATAL
+        if isinstance(e, FileNotFoundError) and e.__cause__ is None:
+            return Fault.NOT_FOUND  # with a cause (fsspec's HTTP size probe, s3fs): it decides
+        if isinstance(e, OURS_TO_FIX) or (isinstance(e, OSError) and e.errno in _LOCAL_ERRNO):
+            return Fault.FATAL
+    return Fault.TRANSIENT
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient faults are retried: ``attempts`` tries in all, exponential backoff.
+
+    The wait before retry ``k`` (1, 2, ...) is ``min(max_delay, base_delay * 2 ** (k - 1))``;
+    with ``jitter`` a uniformly random half of it is dropped, so that many workers retrying
+    together do not hit the server in step. ``min_rate`` (bytes per second) makes a transfer
+    of known length stalled once it takes 60 s plus its size at that rate (fsspec's async
+    backends: HTTP, S3, GCS); ``0`` turns the deadline off.
+    """
+
+    attempts: int = 5
+    base_delay: float = 0.5
+    max_delay: float = 20.0
+    jitter: bool = True
+    min_rate: float = _MIN_RATE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+        if not 0 <= self.base_delay <= self.max_delay:
+            raise ValueError(
+                "RetryPolicy needs 0 <= base_delay <= max_delay, got "
+                f"base_delay={self.base_delay!r}, max_delay={self.max_delay!r}"
+            )
+        rate = self.min_rate
+        number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
+        if not number or not math.isfinite(rate) or (rate != 0 and rate < 1):
+            raise ValueError(
+                "RetryPolicy.min_rate must be 0 (reads have no deadline) or a finite number "
+                f"of bytes per second >= 1, got {rate!r}"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RetryPolicy:
+        """The default policy with ``TORCH_SERIALIZED_RETRY_ATTEMPTS`` (tries in all),
+        ``TORCH_SERIALIZED_RETRY_MAX_DELAY`` (seconds) and ``TORCH_SERIALIZED_MIN_RATE``
+        (bytes per second) applied when set, in every DataLoader worker and rank alike."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        given = []
+        for variable, key, kind, unit in (
+            (RETRY_ATTEMPTS_ENV, "attempts", int, "tries in all"),
+            (RETRY_MAX_DELAY_ENV, "max_delay", float, "seconds"),
+            (MIN_RATE_ENV, "min_rate", float, "bytes per second"),
+        ):
+            text = environ.get(variable, "")
+            if not text.strip():
+                continue
+            given.append(f"{variable}={text!r}")
+            try:
+                values[key] = kind(text)
+            except ValueError:
+                raise ValueError(
+                    f"{variable}={text!r} is not a number ({unit}); unset it or give e.g. "
+                    f"{variable}={getattr(cls, key)}"
+                ) from None
+        if "max_delay" in values:
+            values["base_delay"] = min(cls.base_delay, values["max_delay"])
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (from the environment: {', '.join(given)})") from None
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        """Seconds to wait before retry number ``retry`` (1 for the first retry)."""
+        full = min(self.max_delay, self.base_delay * 2.0 ** (retry - 1))
+        return full / 2 + rng.uniform(0.0, full / 2) if self.jitter else full

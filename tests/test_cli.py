@@ -20,9 +20,11 @@ from conftest import SYNTHETIC_YEAR, Packed
 from PIL import Image
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
-from torch_serialized import __version__, pack_voc
+import torch_serialized
+from torch_serialized import FormatError, __version__, pack_voc
 from torch_serialized.cli import main, parse_size
 from torch_serialized.container import spec as fmt
+from torch_serialized.summary import DamagedRecord, part_info
 from torch_serialized.voc import schema
 from torch_serialized.voc.packed import VOCPackReader
 
@@ -206,7 +208,7 @@ def test_cache_commands_refuse_a_file_and_call_a_missing_folder_empty(
     assert file.read_text() == "mine"
     status, out, err = run(capsys, "cache", "list", "--cache-dir", tmp_path / "none")
     assert status == 0, err
-    assert out == f"{tmp_path / 'none'}: 0 pack(s), 0.0 MB (no such folder yet: nothing cached)\n"
+    assert out.startswith(f"{tmp_path / 'none'}: 0 pack(s)") and "nothing cached" in out
     assert not (tmp_path / "none").exists()
 
 
@@ -352,8 +354,8 @@ def test_pack_refuses_an_empty_or_dash_output(
     named ``-``, where many tools would write to standard output, which a pack cannot be."""
     monkeypatch.chdir(tmp_path)
     status, _, err = run(capsys, "pack", "-q", synthetic_devkit, "", *append)
-    assert status == 2 and "OUTPUT is empty" in err and "already exists" not in err
-    assert "the .tser file (or shard folder)" in err
+    assert status == 2 and "empty" in err and "already exists" not in err
+    assert ".tser file (or shard folder)" in err
     status, _, err = run(capsys, "pack", "-q", synthetic_devkit, "-", *append)
     assert status == 2 and "standard output" in err and "./-" in err, err
     assert list(tmp_path.iterdir()) == []
@@ -374,10 +376,10 @@ def test_prune_on_a_local_path_says_what_prune_is_for(
         assert f"{path} is a local path" in text and "RemoteStore" not in text
         assert "files that earlier packs left at a URL" in text
         assert "A local pack needs no pruning: a re-pack replaces its files" in text
-        assert ("prune file://" in text) == path.is_dir()
+        assert ("written through a file:// URL" in text) == path.is_dir()
     # the URL it suggests for a folder is one prune takes (nothing to delete there)
     url = synthetic_packs.shards.absolute().as_uri()
-    assert f"prune {url}" in " ".join(run(capsys, "prune", synthetic_packs.shards)[2].split())
+    assert url in " ".join(run(capsys, "prune", synthetic_packs.shards)[2].split())
     status, out, err = run(capsys, "prune", url, "--dry-run")
     assert status == 0 and "would delete 0 file(s)" in out, err
 
@@ -493,36 +495,30 @@ def test_pack_never_replaces_one_file_of_a_shard_folder(
     assert status == 0 and out.startswith("OK ") and "(8 records in 3 shards)" in out, out + err
 
 
-def test_info_and_verify_on_one_shard_of_a_folder(
-    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
-) -> None:
-    shard = sorted(synthetic_packs.shards.glob("shard-*.tser"))[1]
-    status, out, err = run(capsys, "info", shard)
-    assert status == 0, err
-    assert f"shard        2 of 5 of the pack {synthetic_packs.shards}" in out
-    assert f"info {synthetic_packs.shards}" in out
-    status, out, _ = run(capsys, "info", "--json", shard)
-    info = json.loads(out)
-    assert (info["shard"], info["num_shards"], info["records"]) == (1, 5, 5)
-    status, out, _ = run(capsys, "verify", shard)
-    assert status == 0 and out.startswith("OK ") and "shard 2 of 5" in out
-
-
-def test_info_and_verify_on_the_catalog_of_a_folder(
-    capsys: pytest.CaptureFixture[str], synthetic_packs: Packed
+@pytest.mark.parametrize(
+    ("name", "what", "where"),
+    [("shard-*.tser", "shard 2 of 5", {"shard": 1, "num_shards": 5, "records": 5}),
+     ("catalog-*.tser", "the catalog", {"records": 0})],
+)  # fmt: skip
+def test_info_and_verify_on_one_file_of_a_folder_name_the_folder(
+    capsys: pytest.CaptureFixture[str],
+    synthetic_packs: Packed,
+    name: str,
+    what: str,
+    where: dict[str, int],
 ) -> None:
     folder = synthetic_packs.shards
-    catalog = next(folder.glob("catalog-*.tser"))
-    status, out, err = run(capsys, "info", catalog)
+    path = sorted(folder.glob(name))[where.get("shard", 0)]
+    status, out, err = run(capsys, "info", path)
     assert status == 0, err
-    assert f"catalog      of the pack {folder} (its manifest.json names it)" in out
-    assert f"info {folder}" in out and "damaged" not in out + err
-    status, out, _ = run(capsys, "info", "--json", catalog)
+    assert f"is {what} of the pack at {folder}" in out and f"info {folder}" in out
+    status, out, _ = run(capsys, "info", "--json", path)
     info = json.loads(out)
-    assert (info["catalog_of"], info["records"]) == (str(folder), 0)
-    status, out, _ = run(capsys, "verify", catalog)
+    assert {key: info[key] for key in where} == where and info["current"]
+    assert str(folder) in (info.get("shard_of"), info.get("catalog_of"))
+    status, out, _ = run(capsys, "verify", path)
     assert status == 0 and out.startswith("OK "), out
-    assert f"This file is the catalog of the pack at {folder}; " in out
+    assert f"This file is {what} of the pack at {folder}; " in out
     assert f"verify {folder} checks the whole pack" in out
 
 
@@ -542,7 +538,7 @@ def test_info_on_the_catalog_an_append_kept_says_it_is_an_earlier_version(
     assert first.exists() and len(list(folder.glob("catalog-*.tser"))) == 2
     status, out, err = run(capsys, "info", first)
     assert status == 0, err
-    assert f"catalog      of an earlier version of the pack at {folder}" in out
+    assert f"is a catalog of an earlier version of the pack at {folder}" in out
     assert f"info {folder}" in out
     status, out, _ = run(capsys, "info", "--json", first)
     info = json.loads(out)
@@ -660,6 +656,34 @@ def test_verify_fails_a_pack_that_every_voc_reader_refuses(
     assert status == 0 and "VOC metadata" in out
 
 
+def test_info_and_verify_answer_in_python_what_the_commands_print(
+    synthetic_packs: Packed, tmp_path: Path
+) -> None:
+    """``torch_serialized.info`` and ``verify`` return dataclasses; the commands format them."""
+    about = torch_serialized.info(synthetic_packs.shards)
+    assert isinstance(about, torch_serialized.PackInfo) and about.cached_in is None
+    assert about.num_samples == 24 and about.sharded and about.year == SYNTHETIC_YEAR
+    assert [(s.records, s.samples) for s in about.shards] == [(5, 5)] * 4 + [(4, 4)]
+    shard = sorted(synthetic_packs.shards.glob("shard-*.tser"))[1]
+    with pytest.raises(FormatError, match=f"pass the folder {synthetic_packs.shards}"):
+        torch_serialized.info(shard)
+    part = part_info(shard)
+    assert part is not None and (part.shard, part.num_shards, part.records) == (1, 5, 5)
+    assert part_info(synthetic_packs.single) is None
+
+    report = torch_serialized.verify(synthetic_packs.single)
+    assert isinstance(report, torch_serialized.VerifyReport) and report.ok and report.voc
+    assert (report.records, report.checksums) == (24, 24 * len(schema.FIELDS))
+    report = torch_serialized.verify(shard)
+    assert report.ok and not report.voc and report.folder == str(synthetic_packs.shards)
+    image_id = VOCPackReader(synthetic_packs.single).id(7)
+    jpeg = voc_folder(synthetic_packs) / "JPEGImages" / f"{image_id}.jpg"
+    damage(synthetic_packs.single, jpeg, tmp_path / "bad.tser")
+    report = torch_serialized.verify(tmp_path / "bad.tser")
+    assert not report.ok and report.damaged_shards == [] and report.voc_error is None
+    assert report.damaged_records == [DamagedRecord(7, image_id, "bad.tser", 7, ["image"])]
+
+
 @pytest.mark.parametrize("kind", ["missing", "truncated", "not a pack"])
 def test_verify_unopenable_exits_2(
     capsys: pytest.CaptureFixture[str], synthetic_packs: Packed, tmp_path: Path, kind: str
@@ -686,18 +710,27 @@ def test_errors_are_one_line_unless_debug(
         main(["--debug", "info", str(tmp_path / "missing.tser")])
 
 
-# -- bench (a child process; the benchmark itself is tested in test_tools_benchmark.py) ---------
-def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
-    from tsbench import SCENARIOS
+# -- bench: a short measurement that works from the wheel (tools/bench.py) ---------------------
+def test_bench_help_names_what_it_measures_and_the_full_benchmark(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from torch_serialized.tools.bench import FULL_ONLY, SCENARIOS
 
     status, out, _ = run(capsys, "bench", "--help")
-    assert status == 0
-    assert ", ".join(SCENARIOS) in " ".join(out.split())
+    text = " ".join(out.split())
+    assert status == 0 and ", ".join(SCENARIOS) in text and ", ".join(FULL_ONLY) in text
+    assert "python benchmarks/run.py" in text
 
 
 @pytest.mark.slow
-def test_bench_on_a_custom_2007_root_writes_nothing_by_default(tmp_path: Path) -> None:
-    """No year given, classes outside VOC's 20: it runs, prints the table, writes nothing."""
+@pytest.mark.parametrize("data", ["root", "voc folder", "synthetic"])
+def test_bench_prints_a_short_summary_and_writes_details_only_when_asked(
+    tmp_path: Path, data: str
+) -> None:
+    """ROOT a custom-class VOC2007 set (torchvision's root, or its VOC2007 folder), no year
+    given, or generated data: a few lines of ratios (issue #34: 106 lines with internal
+    targets and rows that did not apply)."""
+    synthetic = data == "synthetic"
     root = tmp_path / "custom"
     samples = [
         Sample(
@@ -711,36 +744,36 @@ def test_bench_on_a_custom_2007_root_writes_nothing_by_default(tmp_path: Path) -
     write_voc(root, "2007", samples, {"Main": {"train": ids[:4], "val": ids[4:], "trainval": ids}})
     work = tmp_path / "cwd"
     work.mkdir()
-    done = cli(
-        "bench", root, "--quick", "--scenarios", "bytes", "--workers", "0", timeout=290, cwd=work
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "benchmarking " in done.stdout and "(VOC2007)" in done.stdout
-    assert "| scenario |" in done.stdout and "peer" not in done.stdout
-    assert "nothing saved: --out-dir DIR" in done.stdout
-    assert list(work.iterdir()) == []
-
-
-@pytest.mark.slow
-def test_bench_quick(tmp_path: Path) -> None:
+    where = {
+        "root": [root],
+        "voc folder": [root / "VOCdevkit" / "VOC2007"],
+        "synthetic": ["--num-images", "12"],
+    }[data]
     out = tmp_path / "out"
     done = cli(
-        "bench",
-        "--quick",
-        "--scenarios",
-        "bytes",
-        "--workers",
-        "1",
-        "--out-dir",
-        out,
-        timeout=290,
-        cwd=tmp_path,
-    )
+        "bench", *where, "--quick", "--scenarios", "bytes,memory", "--workers", "0",
+        *(["--out-dir", out] if synthetic else []), timeout=290, cwd=work,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "out" / "results.md").is_file()
-    assert (tmp_path / "out" / "results.json").is_file()
-    assert "results written to" in done.stdout
-    assert list(json.loads((out / "results.json").read_text())["scenarios"]) == ["bytes"]
+    lines = done.stdout.splitlines()
+    assert len(lines) < 15, done.stdout
+    assert ("of VOC2012" if synthetic else f"of VOC2007 ({root}") in done.stdout
+    assert "bytes + dict, warm" in done.stdout and "identical" in done.stdout
+    assert "cold" not in done.stdout and "target" not in done.stdout.lower()
+    assert "Not measured here: memory (python benchmarks/run.py" in done.stdout
+    assert list(work.iterdir()) == []
+    if synthetic:
+        results = json.loads((out / "results.json").read_text())
+        assert results["config"]["scenarios"] == ["bytes"]
+        assert [r["name"] for r in results["rows"]][0] == "bytes + dict, warm"
+        assert "bytes + dict, warm" in (out / "results.txt").read_text()
+    else:
+        assert "nothing saved: --out-dir DIR" in done.stdout
+
+
+def test_bench_refuses_an_unknown_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "bench", "--scenarios", "bytes,nope")
+    assert status == 2 and out == "" and "nope" in err and "bytes" in err
 
 
 # -- issue #11 item 8: what info prints of a pack is escaped; a closed pipe ends quietly -------
@@ -847,12 +880,12 @@ def test_an_interrupt_exits_130_with_one_line(
 ) -> None:
     """Ctrl-C: status 130 (128 + SIGINT, as a shell reports it) and one line, no traceback;
     ``--debug`` lets the ``KeyboardInterrupt`` through."""
-    import torch_serialized.cli as cli_module
+    from torch_serialized.cli import commands
 
     def interrupted(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_module, "_cmd_info", interrupted)
+    monkeypatch.setattr(commands, "cmd_info", interrupted)
     status, out, err = run(capsys, "info", tmp_path / "x.tser")
     assert (status, out, err) == (130, "", "torch-serialized: error: interrupted\n")
     with pytest.raises(KeyboardInterrupt):

@@ -107,7 +107,7 @@ def test_the_library_never_imports_its_tools() -> None:
     offenders = [
         f"{module_name(path)} imports {target}"
         for path in package_sources()
-        if "tools" not in path.relative_to(ROOT).parts and path.name != "cli.py"
+        if not {"tools", "cli"} & set(path.relative_to(ROOT).parts)
         for target, _ in imports_of(path)
         if target == "torch_serialized.tools" or target.startswith("torch_serialized.tools.")
     ]
@@ -126,8 +126,23 @@ def test_no_module_imports_another_module_s_underscore_names() -> None:
     assert offenders == []
 
 
+def test_the_wheel_holds_no_development_tooling() -> None:
+    """The benchmark lives in benchmarks/, the loopback test servers in tests/support/: no
+    module of the package imports them, and no copy of them is left inside it."""
+    tooling = ("tsbench", "support", "tests", "benchmarks", "moto")
+    offenders = [
+        f"{module_name(path)} imports {target}"
+        for path in package_sources()
+        for target, _ in imports_of(path)
+        if target.split(".")[0] in tooling
+    ]
+    assert offenders == []
+    names = {p.name for p in (ROOT / "torch_serialized").rglob("*")}
+    assert not [n for n in names if n.startswith(("loopback", "benchmark", "tsbench"))]
+
+
 def test_format_imports_nothing_of_ours_but_errors() -> None:
-    ours = {t for t, _ in imports_of(ROOT / "torch_serialized" / "format.py")}
+    ours = {t for t, _ in imports_of(ROOT / "torch_serialized" / "container" / "spec.py")}
     assert {t for t in ours if t.startswith("torch_serialized")} == {"torch_serialized.errors"}
 
 
@@ -137,25 +152,27 @@ def test_nothing_imports_the_command_line() -> None:
         for path in package_sources()
         if path.name != "__main__.py"
         for target, _ in imports_of(path)
-        if target == "torch_serialized.cli"
+        if target == "torch_serialized.cli" or target.startswith("torch_serialized.cli.")
+        if "cli" not in path.relative_to(ROOT).parts
     ]
     assert offenders == []
 
 
 # -- modules stay small -------------------------------------------------------------------------
-MAX_LINES = 400
-REASON = "# More than 400 lines:"
+#: Lines a module may have; the format specification (its docstring is the spec) a few more.
+MAX_LINES, SPEC_MAX_LINES = 500, 700
+SPEC = ROOT / "torch_serialized" / "container" / "spec.py"
 
 
-def test_a_module_over_400_lines_says_why_at_its_top() -> None:
-    """A long module carries a one-line reason right after its docstring."""
-    unexplained = []
+def test_no_module_is_over_500_lines_but_the_spec() -> None:
+    """One concern per module: a newcomer reads one in a sitting (docs/FORMAT.md's code, the
+    spec, may take 700)."""
+    over = []
     for path in package_sources():
-        lines = path.read_text(encoding="utf-8").splitlines()
-        top = "\n".join(lines[:60])
-        if len(lines) > MAX_LINES and REASON not in top:
-            unexplained.append(f"{module_name(path)}: {len(lines)} lines")
-    assert unexplained == []
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > (SPEC_MAX_LINES if path == SPEC else MAX_LINES):
+            over.append(f"{module_name(path)}: {lines} lines")
+    assert over == []
 
 
 def test_examples_import_only_public_names() -> None:

@@ -35,6 +35,10 @@ PUBLIC = [
     "worker_init_fn",
     "open_pack",
     "PackReader",
+    "info",
+    "verify",
+    "PackInfo",
+    "VerifyReport",
     "prune_remote",
     "list_cache",
     "clear_cache",
@@ -95,21 +99,23 @@ def test_unknown_attribute_raises_attribute_error() -> None:
 
 
 def test_packing_and_reading_files_never_import_torch() -> None:
-    # pack workers and format tools must stay light: they are spawned processes.
+    # pack workers and format tools must stay light: they are spawned processes; info,
+    # verify and the command line's start need no torch either.
     light = [
-        "format",
-        "atomic",
-        "writer",
-        "reader",
-        "parallel",
+        "container.spec",
+        "container.writer",
+        "container.reader",
+        "container.parallel",
         "voc.layout",
         "voc.xml",
         "voc.schema",
         "voc.source",
         "voc.images",
         "voc.pack",
-        "voc.reader",
+        "voc.packed",
         "voc.export",
+        "summary",
+        "cli",
     ]
     imports = ", ".join(f"torch_serialized.{name}" for name in light)
     code = f"import sys, torch_serialized, {imports}; print('torch' in sys.modules)"

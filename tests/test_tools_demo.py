@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from torch_serialized.tools.demo import Comparison, Spread, _summary
+from torch_serialized.tools.bench import _image_set, _torchvision_root
+from torch_serialized.tools.demo import Comparison, Spread, summarize
 
 
 def test_spread_is_median_and_range_of_rates() -> None:
@@ -28,10 +29,23 @@ def test_overlapping_ranges_are_within_noise_and_said_so() -> None:
     assert noisy.within_noise and noisy.verdict == "1.20x, within noise"
     assert not clear.within_noise and clear.verdict == "5.00x faster"
     assert slower.verdict == "0.50x slower"
-    text = " ".join(_summary([noisy, clear, slower]))
+    text = " ".join(summarize([noisy, clear, slower]))
     assert "Faster beyond noise: bytes 5.0x." in text
     assert "Within noise, so no speed-up is claimed: epoch" in text
     assert "Slower: cold 0.50x." in text
+
+
+def test_bench_says_what_torchvision_cannot_read(tmp_path: Path) -> None:
+    """bench compares with VOCDetection: data it cannot read is refused, saying why."""
+    voc = tmp_path / "VOCdevkit" / "VOC2007"
+    (voc / "ImageSets" / "Segmentation").mkdir(parents=True)
+    with pytest.raises(ValueError, match="lists none of trainval, train, val, test"):
+        _image_set(voc)
+    assert _torchvision_root(voc, "2007") == tmp_path
+    with pytest.raises(ValueError, match="reads no VOC2020"):
+        _torchvision_root(voc, "2020")
+    with pytest.raises(ValueError, match="reads VOC2007 from ROOT/VOCdevkit/VOC2007"):
+        _torchvision_root(tmp_path / "data" / "VOC2007", "2007")
 
 
 @pytest.mark.slow

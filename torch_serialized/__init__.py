@@ -30,7 +30,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .container.reader import PackReader, open_pack
+    from .container.shards import PackReader, open_pack
     from .data.datasets import VOCSerializedDataset, VOCSerializedSegmentation
     from .data.iterable import VOCSerializedIterableDataset
     from .data.samplers import BlockShuffleSampler
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .legacy import SerializedDataset, Serializer
     from .remote.cache import clear_cache, list_cache
     from .remote.upload import prune_remote
+    from .summary import PackInfo, VerifyReport, info, verify
     from .voc.append import append_voc
     from .voc.export import export_voc
     from .voc.pack import PackResult, SkippedSample, pack_voc
@@ -56,8 +57,12 @@ _LAZY = {
     "VOCSerializedIterableDataset": ".data.iterable",
     "BlockShuffleSampler": ".data.samplers",
     "worker_init_fn": ".data.workers",
-    "open_pack": ".container.reader",
-    "PackReader": ".container.reader",
+    "open_pack": ".container.shards",
+    "PackReader": ".container.shards",
+    "info": ".summary",
+    "verify": ".summary",
+    "PackInfo": ".summary",
+    "VerifyReport": ".summary",
     "prune_remote": ".remote.upload",
     "list_cache": ".remote.cache",
     "clear_cache": ".remote.cache",
@@ -79,6 +84,10 @@ __all__ = [
     "worker_init_fn",
     "open_pack",
     "PackReader",
+    "info",
+    "verify",
+    "PackInfo",
+    "VerifyReport",
     "prune_remote",
     "list_cache",
     "clear_cache",

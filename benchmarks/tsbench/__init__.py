@@ -29,7 +29,8 @@ are interleaved within each repeat. Scenarios (``SCENARIOS``):
 
 Results go to ``out_dir``: ``results.md`` (the table), ``results.json`` (everything, with the
 environment) and ``results.png`` (ratios; needs matplotlib, imported only here). Run it with
-``python benchmarks/run.py`` or ``torch-serialized bench``.
+``python benchmarks/run.py`` from a checkout (development tooling, not in the wheel; the wheel's
+``torch-serialized bench`` is a short measurement of the demo's rows).
 """
 
 from __future__ import annotations

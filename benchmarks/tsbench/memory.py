@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from tsbench.context import Bench
@@ -75,10 +76,17 @@ def _memory_run(
         check=True,
         capture_output=True,
         text=True,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), "PYTHONPATH": _with_tsbench()},
     )
     result: dict[str, list[dict[str, float]]] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def _with_tsbench() -> str:
+    """``PYTHONPATH`` with the folder holding tsbench first: a child started with ``-c``
+    gets none of this process's ``sys.path`` (``python benchmarks/run.py`` adds it)."""
+    here = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
 
 
 def _growth(runs: list[dict[str, list[dict[str, float]]]], key: str, a: str, z: str) -> Stat:

@@ -158,7 +158,7 @@ def main(
     """Command line (``python benchmarks/run.py``, whose results go beside it by default, or
     ``python -m tsbench``, which writes files only with --out-dir)."""
     parser = argparse.ArgumentParser(
-        prog="torch-serialized bench",
+        prog="python benchmarks/run.py",
         description="Benchmark torch_serialized against torchvision's VOCDetection.",
     )
     parser.add_argument("--root", help="torchvision's VOC root (default: generate synthetic VOC)")

@@ -5,7 +5,9 @@ need a VOCdevkit without the 2 GB download. The library never imports this packa
 command line dispatches to it). Its entry points, imported on first use (PEP 562):
 
 - ``make_synthetic_voc(root, num_images, *, year, seed, ...)``: a deterministic VOCdevkit;
-- ``run_demo(*, num_images=200, workers=2, ...)``: the demo (``torch-serialized demo``).
+- ``run_demo(*, num_images=200, workers=2, ...)``: the demo (``torch-serialized demo``);
+- ``run_benchmark(root=None, *, quick=False, ...)``: a short measurement of your own data
+  against torchvision (``torch-serialized bench``).
 
 The full benchmark lives in ``benchmarks/`` of a checkout, the test servers in ``tests/support/``.
 """
@@ -16,16 +18,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .bench import run_benchmark
     from .demo import run_demo
     from .synthetic import make_synthetic_voc
 
 #: public name -> module that defines it
 _LAZY = {
     "make_synthetic_voc": ".synthetic",
+    "run_benchmark": ".bench",
     "run_demo": ".demo",
 }
 
-__all__ = ["make_synthetic_voc", "run_demo"]
+__all__ = ["make_synthetic_voc", "run_benchmark", "run_demo"]
 
 
 def __getattr__(name: str) -> Any:

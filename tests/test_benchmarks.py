@@ -1,4 +1,5 @@
-"""The benchmark runs end to end on tiny data and reports every scenario (no timing checks)."""
+"""The full benchmark (``benchmarks/tsbench``, development tooling run from a checkout) runs
+end to end on tiny data and reports every scenario (no timing checks)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from tsbench.system import SEQUENTIAL_READERS
 from vocfactory import Sample, jpeg, obj, voc_xml, write_voc
 
 from torch_serialized import SourceDataError, VOCSerializedDataset
+
+#: benchmarks/ of this checkout (tsbench is imported from there, as ``benchmarks/run.py`` does)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _numbers(row: dict[str, Any]) -> list[float]:
@@ -352,5 +356,21 @@ def test_importing_the_benchmark_does_not_import_torch() -> None:
     of torch there (one crept in with a note's constant) costs every such process a torch
     import, and the 2-process pack row fell from ~3,000 to ~600 samples/s."""
     code = "import sys, tsbench.run; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=BENCHMARKS
+    )
     assert out.stdout.strip() == "False"
+
+
+def test_the_benchmark_runs_from_a_checkout_as_its_readme_says() -> None:
+    """``python benchmarks/run.py`` finds tsbench beside it, without pytest's pythonpath."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=BENCHMARKS.parent,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python benchmarks/run.py")
+    assert "--scenarios" in done.stdout

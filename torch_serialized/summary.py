@@ -1,0 +1,361 @@
+"""What a pack holds and whether it is intact: ``info(path)`` and ``verify(path)``.
+
+The answers of ``torch-serialized info`` and ``verify`` as Python values (dataclasses): the
+command line only prints them. ``dataclasses.asdict(info(path))`` is what ``info --json``
+prints. A shard or catalog file of a shard folder is part of a pack, never a pack by itself:
+``info`` refuses it naming the folder to pass, ``part_info`` says where it belongs, and
+``verify`` checks it alone (``VerifyReport.part`` says what it is).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .container.manifest import member_of, read_binding
+from .container.reader import ContainerReader
+from .container.shards import PackReader
+from .errors import ChecksumError, FormatError, TorchSerializedError
+from .remote.store import is_url
+from .voc import schema
+from .voc.checks import check_record_fields, check_voc_pack
+from .voc.packed import VOCPackReader
+
+__all__ = [
+    "PackInfo",
+    "ShardInfo",
+    "PartInfo",
+    "VerifyReport",
+    "DamagedRecord",
+    "info",
+    "part_info",
+    "verify",
+    "describe_error",
+]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard of a pack: records stored, samples a reader shows (records an append
+    retired are not samples) and bytes on disk."""
+
+    file: str
+    records: int
+    samples: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PackInfo:
+    """What a pack holds (``info``). Ranges are ``{"min", "max"}`` dicts (``None`` for an
+    empty pack), ``objects_per_image`` with its ``"mean"``; ``common_sizes`` lists the five
+    most common ``[width, height, count]``; ``classes`` counts the objects of each class in
+    the samples, most common first."""
+
+    path: str
+    #: for a pack at a URL, where the cache holds it (else None)
+    cached_in: str | None
+    format_version: str
+    schema: str
+    packed_by: str | None
+    year: str
+    base_dir: str
+    options: dict[str, Any]
+    num_samples: int
+    #: records appends replaced or dropped (their bytes stay until the next full pack)
+    retired: int
+    with_annotation: int
+    with_mask: int
+    with_object_mask: int
+    with_untyped_objects: int
+    with_unparsed_annotation: int
+    #: task ("Main", "Segmentation") -> image set -> number of ids
+    image_sets: dict[str, dict[str, int]]
+    classes: dict[str, int]
+    class_counts: dict[str, Any]
+    num_objects: int
+    objects_per_image: dict[str, Any]
+    width: dict[str, Any]
+    height: dict[str, Any]
+    common_sizes: list[list[int]]
+    bytes: int
+    source_bytes: int | None
+    sharded: bool
+    shards: list[ShardInfo]
+    skipped: list[Any]
+    #: every pack and append of the pack, oldest first
+    history: list[dict[str, Any]]
+
+
+def info(
+    path: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
+) -> PackInfo:
+    """Describe the pack at ``path`` (a ``.tser`` file, a shard folder, or a URL, read with
+    ``storage_options`` through the cache as the datasets read it). Only the catalog is
+    read: no shard is (for a URL, none is downloaded)."""
+    pack = VOCPackReader(
+        path,
+        storage_options=storage_options,
+        cache_dir=cache_dir,
+        cache_limit_bytes=cache_limit_bytes,
+    )
+    reader, meta = pack.reader, pack.meta
+    live = pack.live  # records an append retired are not samples
+    columns = pack.columns[live]
+    flags = columns["flags"].astype(np.int64)
+    classes, counts = pack.object_classes()  # the catalog's class id of every object
+    alive = np.zeros(len(pack), dtype=bool)
+    alive[live] = True
+    per_class = np.bincount(classes[np.repeat(alive, counts)], minlength=len(pack.classes))
+    histogram = Counter({pack.classes[c]: int(n) for c, n in enumerate(per_class.tolist()) if n})
+    sizes = Counter(zip(columns["width"].tolist(), columns["height"].tolist()))
+    num_objects = columns["num_objects"]
+    samples = np.diff(np.searchsorted(live, reader.starts)).tolist()
+    major, minor = reader.version
+
+    def count(flag: int) -> int:
+        return int(np.count_nonzero(flags & flag))
+
+    return PackInfo(
+        path=reader.name,
+        cached_in=reader.path if reader.url else None,
+        format_version=f"{major}.{minor}",
+        schema=f"{meta.get('schema')} {meta.get('schema_version')}",
+        packed_by=meta.get("packed_by"),
+        year=pack.year,
+        base_dir=pack.base_dir,
+        options={
+            "image_storage": pack.image_storage,
+            "max_size": meta.get("max_size"),
+            **meta.get("options", {}),
+        },
+        num_samples=len(live),
+        retired=len(pack) - len(live),
+        with_annotation=count(schema.HAS_ANNOTATION),
+        with_mask=count(schema.HAS_MASK),
+        with_object_mask=count(schema.HAS_OBJECT_MASK),
+        with_untyped_objects=count(schema.UNTYPED_OBJECTS),
+        with_unparsed_annotation=count(schema.UNPARSED_ANNOTATION),
+        image_sets=meta.get("splits", {}),
+        classes=dict(histogram.most_common()),
+        class_counts=meta.get("class_counts", {}),
+        num_objects=int(num_objects.sum()),
+        objects_per_image=_range(num_objects, mean=True),
+        width=_range(columns["width"]),
+        height=_range(columns["height"]),
+        common_sizes=[[w, h, n] for (w, h), n in sizes.most_common(5)],
+        bytes=reader.nbytes,
+        source_bytes=meta.get("source_bytes"),
+        sharded=reader.manifest is not None,
+        shards=[
+            ShardInfo(entry.file, entry.num_records, n, entry.bytes)
+            for entry, n in zip(reader.entries, samples)
+        ],
+        skipped=meta.get("skipped", []),
+        history=meta.get("history", []),
+    )
+
+
+def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
+    if values.size == 0:
+        return {"min": None, "max": None, **({"mean": None} if mean else {})}
+    out: dict[str, Any] = {"min": int(values.min()), "max": int(values.max())}
+    if mean:
+        out["mean"] = round(float(values.mean()), 3)
+    return out
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One shard or catalog file of a shard folder (``part_info``): what it holds and the
+    pack it belongs to."""
+
+    path: str
+    role: str  # "shard" or "catalog"
+    #: the shard folder to pass instead; None when the file is not in it (copied out)
+    folder: str | None
+    shard: int | None  # a shard's number from 0 (None for a catalog)
+    #: the shards of the folder's manifest; None when the manifest does not name the file
+    num_shards: int | None
+    records: int
+    bytes: int
+    #: what the file is, e.g. "shard 2 of 3 of the pack at data/voc"
+    description: str
+
+    @property
+    def current(self) -> bool:
+        """Named by its folder's manifest (else an earlier version's, or outside a folder)."""
+        return self.num_shards is not None
+
+
+def part_info(path: str | os.PathLike[str]) -> PartInfo | None:
+    """What the local file ``path`` is when it is a shard or catalog of a shard folder (not
+    a pack by itself), else None: a pack, a folder, a URL, or a file that is no container."""
+    if is_url(os.fspath(path)) or not os.path.isfile(path):
+        return None
+    member = member_of(path, read_binding(path))
+    if member is None:
+        return None
+    reader = ContainerReader(path)
+    try:
+        records = len(reader)
+    finally:
+        reader.close()
+    return PartInfo(
+        path=os.fspath(path),
+        role=member.role,
+        folder=member.folder,
+        shard=member.index,
+        num_shards=member.num_shards,
+        records=records,
+        bytes=os.path.getsize(path),
+        description=str(member),
+    )
+
+
+@dataclass(frozen=True)
+class DamagedRecord:
+    """A record whose stored bytes fail their checksum (``verify``)."""
+
+    record: int
+    id: str | None  # its image id, when the pack is a readable VOC pack
+    shard: str  # the file holding it
+    local: int  # its number within that file
+    fields: list[str]  # the fields that fail
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify`` found. ``ok``: every check passed."""
+
+    path: str
+    records: int
+    num_shards: int
+    sharded: bool
+    #: field checksums checked (records times fields)
+    checksums: int
+    bytes: int
+    seconds: float
+    #: the pack's VOC metadata was checked too (a VOC pack, not one file of a folder)
+    voc: bool
+    #: when ``path`` is one shard or catalog file of a folder: what it is (``PartInfo``)
+    part: str | None = None
+    #: ... and the folder to verify for the whole pack (None if unknown)
+    folder: str | None = None
+    #: why every VOC reader refuses the pack, though its bytes check
+    voc_error: str | None = None
+    #: why each shard that fails its own checks does (every record of it is suspect)
+    damaged_shards: list[str] = field(default_factory=list)
+    damaged_records: list[DamagedRecord] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged_records and not self.damaged_shards and self.voc_error is None
+
+
+def verify(
+    path: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int | None = None,
+) -> VerifyReport:
+    """Check header, footer, metadata, index and arrays of the pack at ``path``, its VOC
+    metadata, and the checksum of every field of every record; report what fails.
+
+    A damaged record or shard is reported, not raised (the other shards are still checked);
+    a file that cannot be opened at all raises, as the readers do. A URL is downloaded into
+    the cache, each file checked in full before it enters it.
+    """
+    remote: dict[str, Any] = {
+        "storage_options": storage_options,
+        "cache_dir": cache_dir,
+        "cache_limit_bytes": cache_limit_bytes,
+    }
+    started = time.perf_counter()
+    # header, footer, metadata, index and arrays; each shard's columns against its fields
+    reader = PackReader(path, check_records=check_record_fields, **remote)
+    # one file of a shard folder (a shard, a catalog, one kept for readers) is no VOC pack
+    member = None if reader.manifest is not None else member_of(reader.name, reader.binding)
+    voc = reader.user.get("schema") == schema.SCHEMA and member is None
+    voc_error = None
+    if voc:
+        try:
+            check_voc_pack(reader)
+        except FormatError as exc:
+            voc_error = str(exc)
+    bad: list[int] = []
+    bad_shards: list[str] = []
+    for s, start in enumerate(reader.starts[:-1].tolist()):
+        try:
+            shard = reader.shard(s)
+        except (TorchSerializedError, OSError) as exc:
+            bad_shards.append(describe_error(exc))
+            continue
+        bad.extend(start + i for i in shard.verify())
+    return VerifyReport(
+        path=reader.name,
+        records=len(reader),
+        num_shards=reader.num_shards,
+        sharded=reader.manifest is not None,
+        checksums=len(reader) * len(reader.fields),
+        bytes=reader.nbytes,
+        seconds=time.perf_counter() - started,
+        voc=voc,
+        part=None if member is None else str(member),
+        folder=None if member is None else member.folder,
+        voc_error=voc_error,
+        damaged_shards=bad_shards,
+        damaged_records=_damaged(path, reader, bad, remote) if bad else [],
+    )
+
+
+def _damaged(
+    path: str | os.PathLike[str], reader: PackReader, bad: list[int], remote: dict[str, Any]
+) -> list[DamagedRecord]:
+    """Each damaged record: its id when the pack is a readable VOC pack, its file, and the
+    fields that fail their checksum."""
+    try:
+        pack: VOCPackReader | None = VOCPackReader(path, **remote)
+    except (TorchSerializedError, OSError):
+        pack = None
+    checked = PackReader(path, checked=True, **remote)
+    found = []
+    for record in bad:
+        failing = []
+        for k, name in enumerate(reader.fields):
+            try:
+                checked.field(record, k)
+            except ChecksumError:
+                failing.append(name)
+        shard, local = reader.locate(record)
+        found.append(
+            DamagedRecord(record, _id(pack, record), os.path.basename(shard.path), local, failing)
+        )
+    return found
+
+
+def _id(pack: VOCPackReader | None, record: int) -> str | None:
+    try:
+        return None if pack is None else pack.id(record)
+    except (UnicodeDecodeError, IndexError, ValueError):
+        return None
+
+
+def describe_error(exc: BaseException) -> str:
+    """The message of an error, without ``[Errno N]`` and with the file an OSError names."""
+    if isinstance(exc, OSError) and exc.strerror:
+        if exc.filename is not None and str(exc.filename) not in exc.strerror:
+            return f"{exc.filename}: {exc.strerror}"
+        return exc.strerror
+    return str(exc) or type(exc).__name__

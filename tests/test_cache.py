@@ -509,7 +509,7 @@ def test_clear_never_removes_a_folder_a_writer_is_about_to_lock(
             yield free
 
     monkeypatch.setattr(cache_module.os, "open", paused_open)
-    monkeypatch.setattr(cache_module, "_unless_locked", unless_then_writer_goes)
+    monkeypatch.setattr(cache_module, "unless_locked", unless_then_writer_goes)
     got: dict[str, Any] = {}
 
     def fetch() -> None:

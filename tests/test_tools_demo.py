@@ -81,3 +81,34 @@ def test_demo(tmp_path: Path) -> None:
     assert "speed-up over torchvision" not in out  # no single-run headline
     assert (tmp_path / "demo" / "voc2012.tser").is_file()
     assert "Traceback" not in done.stderr
+
+
+def test_bench_in_process_writes_what_it_printed(tmp_path: Path) -> None:
+    """A quick bench on generated data: every scenario asked for is timed against
+    torchvision, those of the full benchmark are said not to run, and --out-dir holds
+    exactly what was printed plus every figure."""
+    import json
+
+    from torch_serialized.tools.bench import run_benchmark
+
+    printed: list[str] = []
+    result = run_benchmark(
+        num_images=12,
+        quick=True,
+        workers=0,
+        scenarios=["pack", "bytes", "decoded", "dataloader", "remote"],
+        out_dir=tmp_path / "out",
+        progress=False,
+        out=printed.append,
+    )
+    text = "\n".join(printed)
+    assert "Not measured here: remote" in text
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    asked = ["pack", "bytes", "decoded", "dataloader"]
+    assert saved["config"]["scenarios"] == result["config"]["scenarios"] == asked
+    assert saved["pack"]["samples"] == 12 and saved["rows"]
+    assert all(row["ratio"] > 0 for row in saved["rows"])
+    summary = (tmp_path / "out" / "results.txt").read_text()
+    assert summary.strip() and summary.strip() in text
+    with pytest.raises(ValueError, match="unknown scenarios nope"):
+        run_benchmark(scenarios=["nope"], out=printed.append)

@@ -790,7 +790,7 @@ def test_reader_keeps_old_data_while_another_process_repacks(tmp_path, voc40, vo
     assert str(out) in result[3]
 
 
-# --- the datasets' and iterable's read paths: record, views, prefetch -------------------------------
+# --- the datasets' and iterable's read paths: record, views, prefetch -----------------------------
 
 
 @pytest.mark.parametrize("form", list(FORMS))

@@ -2,8 +2,8 @@
 
 Run only when asked (``--scenarios remote``; it needs the ``test`` extra's moto and s3fs). The
 synthetic pack is cut into shards and uploaded to moto's S3 server on 127.0.0.1; every read
-goes through the fault proxy (``tools.loopback``), which adds 20 ms to each request and, for
-the capped rows, holds all responses together to 100 MB/s. Each remote epoch starts from an
+goes through the fault proxy (``tests/support/loopback.py``), which adds 20 ms to each request
+and, for the capped rows, holds all responses together to 100 MB/s. Each remote epoch starts from an
 empty cache. Side by side in one run:
 
 * a 2-worker DataLoader epoch of ``VOCSerializedIterableDataset`` with ``decode="none"`` and

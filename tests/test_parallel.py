@@ -119,7 +119,7 @@ def test_reserve_refuses_a_foreign_layout(tmp_path):
         w = ContainerWriter(f, ["a", "b"])
         w.add([b"abc", b"de"])
         entries = w.entries(0)
-        with pytest.raises(ValueError, match="expected 2 entries"):
+        with pytest.raises(ValueError, match="fields"):
             w.reserve(entries[:1])
         shifted = entries.copy()
         shifted["offset"] += 8
@@ -174,6 +174,20 @@ def test_parallel_pack_fails_cleanly(tmp_path: Path) -> None:
     assert "027.jpg" in str(info.value) and "train.txt line 28" in str(info.value)
     no_pack_output(tmp_path)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_failed_copy_into_the_output_is_a_write_error(tmp_path: Path, monkeypatch) -> None:
+    from torch_serialized.container import parallel
+
+    def full(*args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(parallel, "copy_range", full)
+    root = tiny_devkit(tmp_path / "src", [f"{i:03d}" for i in range(8)])
+    with pytest.raises(ts.WriteError, match="free disk space") as info:
+        ts.pack_voc(root, tmp_path / "out.tser", year="2007", workers=2)
+    assert info.value.errno == errno.ENOSPC
+    no_pack_output(tmp_path)
 
 
 def test_workers_from_standard_input_are_refused_before_any_work(tmp_path: Path) -> None:

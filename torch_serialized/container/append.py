@@ -1,15 +1,8 @@
 """Appending to a shard folder in place: new shards and a new catalog, then a new manifest.
 
-``GrowWriter`` is a ``PackWriter`` whose output is an existing shard folder (manifest
-version 2). Shards already there are never opened for writing: new records go into new
-shards numbered after them (same pack id, a new per-write token in every new name), the new
-catalog holds the columns of every record, and the manifest, the commit point, is replaced
-last (temporary file, fsync, rename, fsync of the folder). Until then a reader sees the pack
-as it was; a reader that opened it before keeps working after, since the previous catalog is
-kept (``previous_catalog``) and every shard it knows is still there. The generation before
-that is removed after the commit, and files of interrupted writes (member names no manifest
-lists) when the next writer starts. One writer at a time: an exclusive ``flock`` on the folder.
-This module never imports torch.
+``GrowWriter`` is a ``PackWriter`` over a shard folder (manifest version 2): new records go
+into new shards, the manifest (the commit point) is replaced last, no shard is rewritten and
+the previous catalog is kept, so open readers keep working. One writer at a time (``flock``).
 """
 
 from __future__ import annotations
@@ -20,15 +13,22 @@ import fcntl
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import WriteError
 from . import spec as fmt
-from .fileio import clean_stale, fsync_dir, read_regular_file, remove, temp_sibling, write_synced
-from .manifest import CatalogEntry, Manifest, read_manifest
+from .fileio import (
+    AtomicOutput,
+    clean_stale,
+    fsync_dir,
+    read_regular_file,
+    remove,
+    write_synced,
+)
+from .manifest import CatalogEntry, Manifest
 from .shardwriter import PackWriter
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,9 @@ log = logging.getLogger(__name__)
 __all__ = ["GrowWriter", "strays"]
 
 
-def strays(folder: Path, manifest: Manifest, keep: Sequence[str] = ()) -> list[Path]:
-    """Files in ``folder`` named as pack members that neither ``manifest`` nor ``keep`` names:
-    left by a write that was interrupted, or catalogs of older generations."""
-    wanted = {fmt.MANIFEST_NAME, *manifest.files(), *keep}
+def strays(folder: Path, keep: Iterable[str]) -> list[Path]:
+    """Member-named files (shards, catalogs) in ``folder`` that ``keep`` does not name."""
+    wanted = set(keep)
     with os.scandir(folder) as entries:
         return [
             Path(entry.path)
@@ -51,12 +50,9 @@ def strays(folder: Path, manifest: Manifest, keep: Sequence[str] = ()) -> list[P
 
 
 class GrowWriter(PackWriter):
-    """Adds records to the shard folder ``output`` whose manifest is ``manifest`` and whose
-    catalog holds ``rows`` (every existing record's columns). Records are numbered after the
-    existing ones; ``close(metadata)`` writes the new catalog with ``metadata`` and commits.
-    ``keep`` names a catalog of the previous generation to leave in place;
-    ``manifest_sha256``, the manifest the caller read ``manifest`` from: when the one on disk
-    differs once the folder is locked, another writer got there first (``WriteError``)."""
+    """Adds records to the shard folder ``output`` (``manifest``; ``rows``: its catalog's
+    columns); ``close(metadata)`` writes the new catalog and commits. ``keep``: a previous
+    catalog to leave; ``manifest_sha256``: the manifest read, refused if changed since."""
 
     def __init__(
         self,
@@ -74,19 +70,14 @@ class GrowWriter(PackWriter):
         manifest_sha256: str | None = None,
     ) -> None:
         if manifest.version < 2 or manifest.pack_id is None or manifest.catalog is None:
-            raise WriteError(
-                errno.EINVAL,
-                f"{output} is a shard folder of manifest version {manifest.version}: it cannot "
-                "grow in place; pack it again with this version first",
-            )
+            msg = f"{output} has manifest version {manifest.version}: it cannot grow in place"
+            raise WriteError(errno.EINVAL, f"{msg}; pack it again with this version first")
         if max_records_per_shard is None and max_shard_bytes is None:
             max_records_per_shard = max(entry.num_records for entry in manifest.shards)
-        self._manifest_before = manifest
+        self._old_catalog = manifest.catalog.file
         self._manifest_sha256 = manifest_sha256
-        self._keep = list(keep)
+        self._keep = [*manifest.files(), *keep]  # what is there before this writer
         self._lock: int | None = None
-        self._written: list[Path] = []
-        self._scratch_dirs: list[Path] = []
         self._committed = False
         super().__init__(
             output,
@@ -109,10 +100,8 @@ class GrowWriter(PackWriter):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise WriteError(
-                errno.EBUSY,
-                f"{self.output} is being written by another process; wait for it to finish",
-            ) from None
+            msg = f"{self.output} is being written by another process; wait for it to finish"
+            raise WriteError(errno.EBUSY, msg) from None
         self._lock = fd
         if self._manifest_sha256 is not None:  # another writer may have committed meanwhile
             data = read_regular_file(
@@ -120,55 +109,39 @@ class GrowWriter(PackWriter):
             )
             if hashlib.sha256(data).hexdigest() != self._manifest_sha256:
                 self._unlock()
-                raise WriteError(
-                    errno.EBUSY,
-                    f"{self.output} changed since it was opened for this append (another "
-                    "process wrote it); nothing was written: append again",
+                msg = (
+                    f"{self.output} changed since it was opened; nothing was written: append again"
                 )
-        clean_stale(self.output)  # scratch folders of killed writers, beside the folder
+                raise WriteError(errno.EBUSY, msg)
+        self._out = AtomicOutput(self.output, folder=False, locked=True)  # for scratch folders
         clean_stale(self.output / fmt.MANIFEST_NAME)  # manifest temporaries inside it
-        for path in strays(self.output, self._manifest_before, self._keep):
+        for path in strays(self.output, self._keep):
             remove(path)
 
     def _member_path(self, name: str) -> Path:
         path = self.output / name
         if os.path.lexists(path):  # a token collision: never write over a file a reader holds
             raise WriteError(errno.EEXIST, f"{path} exists; try again")
-        if name != fmt.MANIFEST_NAME:
-            self._written.append(path)
-        return path
-
-    def scratch(self) -> Path:
-        path = temp_sibling(self.output)
-        os.mkdir(path)
-        self._scratch_dirs.append(path)
         return path
 
     def _write_manifest(self, catalog: CatalogEntry) -> None:
-        data = self._manifest_bytes(catalog)
-        final = self.output / fmt.MANIFEST_NAME
-        temp = temp_sibling(final)
+        out = AtomicOutput(self.output / fmt.MANIFEST_NAME, folder=False, locked=True)
         try:
-            write_synced(temp, data, "xb")
+            write_synced(out.path, self._manifest_bytes(catalog), "xb")
             fsync_dir(self.output)  # the new shards and catalog are durable before the commit
-            os.replace(temp, final)
+            out.commit()  # the commit point
         except BaseException:
-            with contextlib.suppress(OSError):
-                temp.unlink()
+            out.abort()
             raise
         self._committed = True
-        fsync_dir(self.output)
 
     def _commit(self) -> None:
-        """Clean up after the manifest's rename, which made the append take effect: what
-        cannot be removed now (scratch folders, the generation before the last) is logged,
-        not raised, so an append that took effect is never reported as failed; the next
-        writer removes such leftovers."""
-        keep = [self._manifest_before.catalog.file] if self._manifest_before.catalog else []
+        """Clean up after the manifest's rename (the commit): a failure is logged, not raised,
+        since the append took effect; the next writer removes leftovers."""
+        new = [s.file for s in self._shards] + [fmt.catalog_file_name(self._token)]
         try:
-            self._remove_scratch()
-            manifest = read_manifest(self.output / fmt.MANIFEST_NAME)
-            for path in strays(self.output, manifest, keep):  # the generation before the last
+            self._out.abort()  # its scratch folders
+            for path in strays(self.output, [*new, self._old_catalog]):  # the generation before
                 remove(path)
         except OSError as exc:
             log.warning(
@@ -181,19 +154,12 @@ class GrowWriter(PackWriter):
             self._unlock()
 
     def _discard(self) -> None:
-        if self._committed:
-            self._unlock()
-            return
-        for path in self._written:
-            with contextlib.suppress(OSError):
-                remove(path)
-        self._remove_scratch()
+        if not self._committed:
+            with contextlib.suppress(OSError):  # what this writer wrote: strays since its lock
+                for path in strays(self.output, self._keep):
+                    remove(path)
+            self._out.abort()
         self._unlock()
-
-    # -- helpers -------------------------------------------------------------------------------
-    def _remove_scratch(self) -> None:
-        while self._scratch_dirs:
-            remove(self._scratch_dirs.pop())
 
     def _unlock(self) -> None:
         if self._lock is not None:

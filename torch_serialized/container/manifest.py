@@ -1,11 +1,9 @@
 """The shard-folder manifest, and which pack a container belongs to.
 
-A shard folder holds shards, a catalog and ``MANIFEST_NAME``: strict JSON naming each with
-its size and ``meta_crc32``, protected by ``checksum`` (sha256 of the canonical JSON of every
-other key). Manifest version 1 (written by 0.1.0) is still read. ``build_manifest`` and
-``parse_manifest`` are the writing and reading halves; ``member_of`` says when a file is a
-member of a shard folder rather than a pack, which both writers (never replace one alone)
-and readers (never open one alone) ask.
+A manifest is strict JSON naming the catalog and each shard with its size and ``meta_crc32``,
+protected by ``checksum`` (sha256 of the canonical JSON of every other key); version 1
+(0.1.0) is still read. ``member_of`` tells a file of a shard folder from a pack, which
+writers (never replace one alone) and readers (never open one alone) both ask.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from .spec import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     MANIFEST_VERSION,
-    MAX_FIELDS,
     MAX_MANIFEST_BYTES,
     PACK_ID,
     ROLE_CATALOG,
@@ -39,6 +36,7 @@ from .spec import (
     damaged,
     dumps,
     is_count,
+    is_names,
     loads_json,
     read_head,
     read_metadata,
@@ -67,11 +65,8 @@ class CatalogEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A parsed manifest of either version.
-
-    Version 2 has ``pack_id``, ``catalog`` and ``checksum``; version 1 (written by 0.1.0) has
-    ``user`` instead and no protection of its own (see docs/FORMAT.md, "Manifest version 1").
-    """
+    """A parsed manifest: version 2 has ``pack_id``, ``catalog`` and ``checksum``, version 1
+    (0.1.0) ``user`` instead and no protection of its own."""
 
     version: int
     created_by: str
@@ -88,53 +83,32 @@ class Manifest:
         return [*([self.catalog.file] if self.catalog else []), *(s.file for s in self.shards)]
 
     def files_bytes(self) -> int:
-        """The bytes of every file the manifest names, as it records them (the manifest
-        itself excluded): with the manifest's own size, the pack's size on disk."""
+        """The bytes of every file the manifest names, as it records them."""
         return sum(s.bytes for s in self.shards) + (self.catalog.bytes if self.catalog else 0)
 
     def expect_shard(self, k: int, name: str) -> Expected:
-        """What shard ``k`` must be (``name``: the manifest, for messages): its entry, and its
-        binding (none in a version-1 pack, whose manifest has no pack id)."""
-        entry = self.shards[k]
-        pack = None
-        if self.pack_id is not None:
-            pack = binding(
-                ROLE_SHARD,
-                self.pack_id,
-                index=k,
-                first_record=entry.first_record,
-                num_records=entry.num_records,
-            )
+        """What shard ``k`` must be (``name``: the manifest, for messages)."""
+        e, pack = self.shards[k], None
+        if self.pack_id is not None:  # version 1: no binding
+            place = dict(index=k, first_record=e.first_record, num_records=e.num_records)
+            pack = binding(ROLE_SHARD, self.pack_id, **place)
+        what = f"shard {k}"
         return Expected(
-            name,
-            entry.bytes,
-            entry.meta_crc32,
-            entry.num_records,
-            self.fields,
-            pack,
-            f"shard {k}",
-            entry.first_record,
+            name, e.bytes, e.meta_crc32, e.num_records, self.fields, pack, what, e.first_record
         )
 
     def expect_catalog(self, name: str) -> Expected:
         """What the catalog of a version-2 manifest must be (``name``: the manifest)."""
-        if self.catalog is None or self.pack_id is None:
-            raise ValueError("a version-1 manifest names no catalog")
-        pack = binding(
-            ROLE_CATALOG,
-            self.pack_id,
-            num_records=self.num_records,
-            num_shards=len(self.shards),
-        )
-        return Expected(
-            name, self.catalog.bytes, self.catalog.meta_crc32, 0, self.fields, pack, "the catalog"
-        )
+        assert self.catalog is not None and self.pack_id is not None
+        place = dict(num_records=self.num_records, num_shards=len(self.shards))
+        pack = binding(ROLE_CATALOG, self.pack_id, **place)
+        c = self.catalog
+        return Expected(name, c.bytes, c.meta_crc32, 0, self.fields, pack, "the catalog")
 
 
 def canonical_json(value: Any) -> str:
-    """The canonical JSON text of ``value`` that a manifest's checksum covers: keys sorted at
-    every level, no whitespace, non-ASCII characters unescaped, no NaN or Infinity (encode it
-    as UTF-8). docs/FORMAT.md, "The manifest checksum", spells out the same call."""
+    """The canonical JSON a manifest's checksum covers (docs/FORMAT.md, "The manifest
+    checksum"): keys sorted, no whitespace, non-ASCII unescaped, no NaN or Infinity."""
     return json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
     )
@@ -156,8 +130,7 @@ def build_manifest(
     catalog: CatalogEntry,
     shards: Sequence[ShardEntry],
 ) -> bytes:
-    """The version-2 manifest of a shard folder, encoded: indented UTF-8 JSON ending with a
-    newline, its ``checksum`` last. ``shards`` are in record order."""
+    """The version-2 manifest of a shard folder, encoded, its ``checksum`` last."""
     manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -169,54 +142,29 @@ def build_manifest(
         "shards": [dataclasses.asdict(shard) for shard in shards],
     }
     manifest["checksum"] = manifest_checksum(manifest)
-    try:
-        text = dumps(manifest, indent=1, ensure_ascii=False)
-    except ValueError as exc:
-        raise ValueError(f"the manifest cannot be stored as strict JSON: {exc}") from None
-    return (text + "\n").encode("utf-8")
+    return (dumps(manifest, "the manifest", indent=1, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def parse_manifest(data: bytes, path: str) -> Manifest:
-    """Validate a manifest's bytes (version 1 or 2); return it.
-
-    Raises ``UnsupportedVersionError`` for a newer manifest version and ``CorruptFileError``
-    for anything else that is not a manifest whose checksum (version 2) matches and whose
-    entries are plain file names with consistent record counts.
-    """
+    """Validate a manifest's bytes (version 1 or 2); return it (``UnsupportedVersionError``
+    for a newer version, else ``CorruptFileError``)."""
     if len(data) > MAX_MANIFEST_BYTES:
-        raise damaged(
-            path, f"{len(data)} bytes is larger than a manifest may be ({MAX_MANIFEST_BYTES})"
-        )
+        raise damaged(path, f"{len(data)} bytes is larger than a manifest may be")
     raw = loads_json(data, path, "manifest")
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
-        found = raw.get("format") if isinstance(raw, dict) else raw
-        raise damaged(
-            path,
-            f"not a torch_serialized shard manifest (format {clip(repr(found))}, expected "
-            f"{MANIFEST_FORMAT!r})",
-        )
+        found = clip(repr(raw.get("format") if isinstance(raw, dict) else raw))
+        raise damaged(path, f"not a torch_serialized shard manifest (format {found})")
     version: Any = raw.get("version")
     if not is_count(version) or version < 1:
         raise damaged(path, f"the manifest's version is {clip(repr(version))}, not 1 or more")
     if version > MANIFEST_VERSION:
-        raise UnsupportedVersionError(
-            f"{path}: manifest version {version} is newer than this torch_serialized reads "
-            f"({MANIFEST_VERSION}); upgrade torch_serialized"
-        )
+        msg = f"manifest version {version} is newer than this torch_serialized reads"
+        raise UnsupportedVersionError(f"{path}: {msg}; upgrade torch_serialized")
     if version >= 2 and raw.get("checksum") != manifest_checksum(raw):
         raise damaged(path, "the manifest's checksum does not match its content (edited?)")
     fields = raw.get("fields")
-    if (
-        not isinstance(fields, list)
-        or not 0 < len(fields) <= MAX_FIELDS
-        or not all(isinstance(f, str) and f for f in fields)
-        or len(set(fields)) != len(fields)
-    ):
-        raise damaged(
-            path,
-            f"the manifest's fields are {clip(repr(fields))}, not 1 to {MAX_FIELDS} distinct "
-            "non-empty names",
-        )
+    if not is_names(fields):
+        raise damaged(path, f"the manifest's fields are {clip(repr(fields))}, not distinct names")
     entries = raw.get("shards")
     if not isinstance(entries, list) or not entries:
         raise damaged(path, f"the manifest lists no shards (shards: {clip(repr(entries))})")
@@ -230,11 +178,7 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         shards.append(ShardEntry(name, first, count, size, crc))
     num_records = raw.get("num_records")
     if num_records != shards[-1].first_record + shards[-1].num_records:
-        raise damaged(
-            path,
-            f"the manifest's num_records is {clip(repr(num_records))}, not the sum of the "
-            "shards' records",
-        )
+        raise damaged(path, f"the manifest's num_records is {clip(repr(num_records))}, not the sum")
     pack_id = catalog = user = None
     if version == 1:
         user = raw.get("user")
@@ -244,22 +188,13 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         pack_id = raw.get("pack_id")
         if not isinstance(pack_id, str) or not PACK_ID.fullmatch(pack_id):
             raise damaged(
-                path,
-                f"the manifest's pack_id is {clip(repr(pack_id))}, not 32 lowercase hex digits",
+                path, f"the manifest's pack_id is {clip(repr(pack_id))}, not 32 hex digits"
             )
         catalog = CatalogEntry(*_file_entry(raw.get("catalog"), "catalog entry", path))
     created_by = raw.get("created_by")
-    manifest = Manifest(
-        version=version,
-        created_by=created_by if isinstance(created_by, str) else "",
-        num_records=num_records,
-        fields=tuple(fields),
-        shards=tuple(shards),
-        pack_id=pack_id,
-        catalog=catalog,
-        checksum=raw.get("checksum") if version >= 2 else None,
-        user=user,
-    )
+    created_by = created_by if isinstance(created_by, str) else ""
+    extra = (pack_id, catalog, raw.get("checksum") if version >= 2 else None, user)
+    manifest = Manifest(version, created_by, num_records, tuple(fields), tuple(shards), *extra)
     names = manifest.files()
     if len(set(names)) != len(names):
         twice = next(name for k, name in enumerate(names) if name in names[:k])
@@ -280,30 +215,24 @@ def _plain_name(name: Any) -> TypeGuard[str]:
 
 
 def _file_entry(entry: Any, what: str, path: str) -> tuple[str, int, int]:
-    """The file, bytes and meta_crc32 of a manifest's ``what`` (``"catalog entry"``...)."""
+    """The file, bytes and meta_crc32 of a manifest's ``what`` entry."""
     if isinstance(entry, dict):
         name, size, crc = entry.get("file"), entry.get("bytes"), entry.get("meta_crc32")
-        if (
-            _plain_name(name)
-            and is_count(size)
-            and size >= HEADER_SIZE + FOOTER_SIZE
-            and is_count(crc, 1 << 32)
-        ):
+        smallest = HEADER_SIZE + FOOTER_SIZE
+        if _plain_name(name) and is_count(size) and size >= smallest and is_count(crc, 1 << 32):
             return name, size, crc
     raise damaged(path, f"the manifest's {what} is invalid ({clip(repr(entry))})")
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """The parsed and checked manifest at ``path`` (a local ``manifest.json``), read as every
-    pack file is: a regular file only, at most ``MAX_MANIFEST_BYTES``."""
+    """The parsed and checked manifest at ``path`` (a local ``manifest.json``)."""
     data = read_regular_file(path, MAX_MANIFEST_BYTES, "the manifest")
     return parse_manifest(data, os.fspath(path))
 
 
 def read_binding(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``pack`` metadata of the container at ``path`` (``spec.binding``, checked with its
-    header, footer and metadata); None when it has none, or when the file is no readable
-    container."""
+    """The checked ``pack`` metadata of the container at ``path``; None when it has none or
+    is no readable container."""
     try:
         fd = open_regular(path, "the file")
         try:
@@ -328,7 +257,7 @@ class Member:
     num_shards: int | None = None
 
     def __str__(self) -> str:
-        """What the file is: ``shard 2 of 3 of the pack at data/voc``, ``the catalog of...``."""
+        """What the file is: ``shard 2 of 3 of the pack at data/voc``..."""
         shard = self.role == ROLE_SHARD
         number = f"shard {self.index + 1}" if shard and self.index is not None else "a shard"
         if self.folder is None:
@@ -349,18 +278,15 @@ class Member:
 
 
 def member_of(path: str | os.PathLike[str], binding: Mapping[str, Any] | None) -> Member | None:
-    """What ``path`` is when it is a file of a shard folder rather than a pack: a file the
-    ``manifest.json`` beside it names, or one its metadata's ``binding`` (``spec.binding``;
-    None when it has none) makes a shard or a catalog. A URL's folder is not read."""
-    from ..remote.store import is_url
-
-    role = binding.get("role") if binding is not None else None
-    role = role if role in (ROLE_SHARD, ROLE_CATALOG) else None
-    index = binding.get("index") if binding is not None and role == ROLE_SHARD else None
+    """What ``path`` is when it is a file of a shard folder rather than a pack: named by the
+    manifest beside it, or a shard or catalog by its ``binding`` (for a URL, by its binding)."""
+    binding = binding or {}
+    role = binding["role"] if binding.get("role") in (ROLE_SHARD, ROLE_CATALOG) else None
+    index = binding.get("index") if role == ROLE_SHARD else None
     file = Path(path)
     manifest = None
-    if not is_url(path) and file.name != MANIFEST_NAME:
-        with contextlib.suppress(OSError, ValueError):  # no manifest, or none that reads
+    if file.name != MANIFEST_NAME:
+        with contextlib.suppress(OSError, ValueError):  # none (a URL's folder is no local path)
             manifest = read_manifest(file.parent / MANIFEST_NAME)
     if manifest is not None:
         folder = str(file.parent)
@@ -369,23 +295,21 @@ def member_of(path: str | os.PathLike[str], binding: Mapping[str, Any] | None) -
             return Member(ROLE_SHARD, folder, names.index(file.name), len(names))
         if manifest.catalog is not None and file.name == manifest.catalog.file:
             return Member(ROLE_CATALOG, folder, None, len(names))
-        if role is not None and binding is not None and binding.get("pack_id") == manifest.pack_id:
+        if role is not None and binding.get("pack_id") == manifest.pack_id:
             return Member(role, folder, index)
     return Member(role, None, index) if role is not None else None
 
 
 @dataclass(frozen=True)
 class Expected:
-    """What a manifest says about one of its containers (a shard or the catalog): checked
-    when the container is opened, before its records are trusted."""
+    """What a manifest says about one of its containers, checked when it is opened."""
 
     manifest: str  # the manifest's path, named in errors
     bytes: int
     meta_crc32: int
     num_records: int
     fields: tuple[str, ...]
-    #: the binding its metadata must hold; None (manifest version 1): it must hold none, since
-    #: 0.1.0 never wrote one (a version-1 manifest over newer files is a downgrade)
+    #: the binding its metadata must hold; None (manifest version 1): none (0.1.0 wrote none)
     pack: dict[str, Any] | None
     what: str  # its place in the pack, named in errors: "shard 3", "the catalog"
     first_record: int = 0  # the pack's number of its first record
@@ -396,6 +320,7 @@ class Expected:
         return f"{self.what} named by {self.manifest}"
 
     def mismatch(self, path: str, what: str) -> CorruptFileError:
+        """The error for the file at ``path`` differing from its entry (``what``)."""
         return CorruptFileError(
             f"{path} does not match {self.manifest}: {what}. A shard was swapped, renamed, "
             "copied from another pack or damaged; copy the pack again or re-pack it"
@@ -404,24 +329,10 @@ class Expected:
     def check(
         self, path: str, fields: Sequence[str], num_records: int, pack: dict[str, Any] | None
     ) -> None:
-        """The manifest's view of the container at ``path`` (whose metadata says ``fields``,
-        ``num_records`` and ``pack``): its fields, its records and its binding."""
+        """Check the fields, records and binding the container at ``path`` holds."""
         if tuple(fields) != self.fields:
             raise self.mismatch(path, "its fields differ from the manifest's")
         if num_records != self.num_records:
-            raise self.mismatch(
-                path, f"{num_records} records, the manifest says {self.num_records}"
-            )
+            raise self.mismatch(path, f"{num_records} records, not {self.num_records}")
         if pack != self.pack:
-            raise self.mismatch(
-                path,
-                f"it is bound to {_describe_binding(pack)}, the manifest expects "
-                f"{_describe_binding(self.pack)}",
-            )
-
-
-def _describe_binding(value: Any) -> str:
-    if not isinstance(value, dict):
-        return "no pack (written before format 1.1)"
-    parts = [f"{key} {value[key]}" for key in ("role", "index", "first_record") if key in value]
-    return f"pack {str(value.get('pack_id'))[:12]}... as " + ", ".join(parts)
+            raise self.mismatch(path, f"its pack binding is {pack}, the manifest's {self.pack}")

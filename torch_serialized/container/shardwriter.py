@@ -1,8 +1,7 @@
 """Records -> a pack: one container file, or a folder of shards plus a manifest.
 
-Output is atomic (``fileio.AtomicOutput``): on any failure or interruption the destination
-keeps whatever it held before (nothing, or the previous complete pack). Only a pack this
-package wrote is ever replaced (``replace_refusal``). This module never imports torch.
+Output is atomic (``fileio.AtomicOutput``): a failure leaves the destination as it was. Only
+a pack this package wrote is ever replaced (``replace_refusal``). Never imports torch.
 """
 
 from __future__ import annotations
@@ -29,36 +28,26 @@ from .manifest import (
 )
 from .writer import CREATED_BY, ContainerWriter, Payload, check_options
 
-__all__ = ["PackWriter", "replace_refusal", "member_refusal", "check_output_name"]
+__all__ = ["PackWriter", "replace_refusal", "check_output_name"]
 
 
 def check_output_name(output: str | os.PathLike[str]) -> None:
-    """Refuse an output path that names no file of its own: ``""`` (which ``Path`` reads as the
-    current folder), ``.`` or ``/``. A pack is a file or folder written beside its siblings
-    and renamed into place, so its path must end in a name (``ValueError``, saying so)."""
+    """Refuse (``ValueError``) an output path that names no file: ``""``, ``.`` or ``/``."""
     text = os.fspath(output)
-    if text == "":
-        raise ValueError(
-            "the output path is empty: pass the .tser file (or shard folder) to write, "
-            "e.g. 'voc.tser'"
-        )
     if Path(text).name == "":
+        what = "the output path is empty" if text == "" else f"output {text!r} is a folder"
+        example = os.path.join(text, "voc.tser")
         raise ValueError(
-            f"output {text!r} is a folder itself, not a name in it: pass the .tser file "
-            f"(or shard folder) to write, e.g. {os.path.join(text, 'voc.tser')!r}"
+            f"{what}: pass the .tser file (or shard folder) to write, e.g. {example!r}"
         )
 
 
 def replace_refusal(path: Path) -> str | None:
-    """Why ``path`` may not be replaced by a new pack (a message saying what to do instead),
-    or ``None`` when it may.
+    """Why ``path`` may not be replaced by a new pack (what to do instead), or ``None``.
 
-    Only a pack this package wrote may be replaced, verified rather than sniffed: a file with a
-    valid torch_serialized header that is no shard or catalog of a shard folder (replacing
-    one breaks its pack; ``manifest.member_of``), or a folder whose manifest parses and checks
-    and that holds nothing but the files that manifest names, shard and catalog files named
-    as this package names them (an earlier generation's, kept by an append) and our own
-    temporaries. Anything else might be someone's data.
+    Only a pack this package wrote may be: a file with a valid header that is no member of a
+    shard folder, or a folder whose manifest checks and that holds only its files, earlier
+    generations' members and our temporaries. Anything else might be someone's data.
     """
     reason = _not_a_pack(path)
     if reason is not None:
@@ -66,15 +55,7 @@ def replace_refusal(path: Path) -> str | None:
             f"{path} exists and is not a torch_serialized pack: it {reason}. "
             "Refusing to replace it; remove it yourself or choose another output path"
         )
-    return member_refusal(path)
-
-
-def member_refusal(path: Path) -> str | None:
-    """Why the file ``path`` may not be replaced when it is a shard or catalog of a shard
-    folder (``manifest.member_of``: replacing it alone breaks that pack), else ``None``."""
-    if not path.is_file():
-        return None
-    member = member_of(path, read_binding(path))
+    member = member_of(path, read_binding(path)) if path.is_file() else None
     if member is None:
         return None
     return (
@@ -96,14 +77,12 @@ def _not_a_pack(path: Path) -> str | None:
             manifest = read_manifest(manifest_path)
         except (OSError, ValueError) as exc:
             return f"has a {fmt.MANIFEST_NAME} that is not a valid manifest ({exc})"
-        ours = {fmt.MANIFEST_NAME, *manifest.files()}
+        named = {fmt.MANIFEST_NAME, *manifest.files()}
         with os.scandir(path) as entries:
-            for entry in entries:
-                if is_temporary(entry.name) or (
-                    fmt.is_member_name(entry.name) and entry.is_file(follow_symlinks=False)
-                ):
-                    continue  # ours: a temporary, or a file of an earlier generation
-                if entry.name not in ours or not entry.is_file(follow_symlinks=False):
+            for entry in entries:  # ours: its files, earlier generations' and temporaries
+                listed = entry.name in named or fmt.is_member_name(entry.name)
+                ours = is_temporary(entry.name) or listed and entry.is_file(follow_symlinks=False)
+                if not ours:
                     return f"holds {entry.name!r}, which is not a file of the pack it lists"
         return None
     try:
@@ -115,22 +94,12 @@ def _not_a_pack(path: Path) -> str | None:
 
 
 class PackWriter:
-    """Writes records to ``output``: one file, or shards plus manifest when a limit is set.
-
-    With ``max_records_per_shard``, ``max_shard_bytes`` or ``shard_ends`` (the record
-    counts after which a shard ends: shards of chosen sizes), ``output`` becomes a folder of
-    ``shard-NNNNN-<token>.tser`` files, a ``catalog-<token>.tser`` and ``manifest.json``
-    (version 2; ``token`` is new for every write, so no name is ever reused). Arrays added
-    with ``add_array`` are dataset-level: they go into the single file, or into the catalog
-    with a copy of every record's columns. Every file is bound to the pack by its metadata
-    (``spec.binding``). Use as a context manager: leaving the block
-    with an exception removes all temporary output. ``before_finish`` is called before each
-    file is finished: a caller that ``reserve``s records copies their bytes in by then.
-    ``pack_id`` and ``token`` are random unless given (a writer that grows a pack keeps its
-    id; tests pin both to compare bytes). ``locked``: the caller holds the appenders'
-    ``flock`` on the ``output`` it replaces (an append rewriting a single file), which the
-    commit would otherwise wait for (``fileio.AtomicOutput``).
-    """
+    """Writes records to ``output``: one file, or with ``max_records_per_shard``,
+    ``max_shard_bytes`` or ``shard_ends`` (record counts after which a shard ends) a folder of
+    shards, a catalog and ``manifest.json``. As a context manager, an exception removes all
+    temporary output. ``before_finish`` runs before each file is finished (``reserve``d bytes
+    are copied in by then). ``pack_id`` and the file-name ``token`` are random unless given.
+    ``locked``: the caller holds the appenders' ``flock`` on ``output``."""
 
     def __init__(
         self,
@@ -159,8 +128,6 @@ class PackWriter:
         self.sharded = (
             max_records_per_shard is not None or max_shard_bytes is not None or bool(shard_ends)
         )
-        #: with ``shard_ends``, a shard ends after exactly these record counts (the limits
-        #: above are then only recorded)
         self._ends = frozenset(shard_ends)
         self._fields = list(fields)
         self._columns = columns
@@ -169,15 +136,12 @@ class PackWriter:
         self._max_records = max_records_per_shard
         self._max_bytes = max_shard_bytes
         if not self.output.parent.is_dir():
-            raise WriteError(
-                errno.ENOENT,
-                f"output folder {self.output.parent} does not exist; create it first",
-            )
+            msg = f"output folder {self.output.parent} does not exist; create it first"
+            raise WriteError(errno.ENOENT, msg)
         refusal = replace_refusal(self.output)
         if refusal is not None:
             raise WriteError(errno.EEXIST, refusal)
         self.pack_id = pack_id or fmt.new_pack_id()
-        #: in every file name this write makes, so no name a reader may hold is ever reused
         self._token = token or fmt.new_token()
         self._shards: list[ShardEntry] = []
         self._rows: list[np.ndarray] = []  # each finished shard's rows, for the catalog
@@ -191,12 +155,8 @@ class PackWriter:
         self._closed = False
         try:
             self._open_output()
-        except WriteError:
-            raise  # says what is wrong already
         except OSError as exc:
-            raise WriteError(
-                exc.errno, f"cannot create {exc.filename or self.output}: {exc.strerror}"
-            ) from exc
+            raise self.write_error(exc) from exc
 
     # -- where files go (``append.GrowWriter`` writes into an existing folder instead) -----------
     def _open_output(self) -> None:
@@ -221,9 +181,8 @@ class PackWriter:
     def reserve(
         self, entries: np.ndarray, row: tuple[Any, ...] | None = None
     ) -> tuple[int, Path, int]:
-        """Leave room for a record laid out elsewhere (see ``ContainerWriter.reserve``);
-        return its global index, and the file and offset its bytes must be copied to before
-        that file is finished (``before_finish``)."""
+        """Leave room for a record laid out elsewhere (``ContainerWriter.reserve``); return its
+        global index and the file and offset its bytes go to before ``before_finish``."""
         sizes = entries["length"].tolist()
         placed: list[int] = []
         index = self._append(sizes, lambda writer: placed.append(writer.reserve(entries, row)[1]))
@@ -247,9 +206,7 @@ class PackWriter:
         return self.num_records - 1
 
     def scratch(self) -> Path:
-        """A new private folder beside the output for intermediate files (e.g. records laid
-        out by pack processes). It is removed with the temporary output on close or abort,
-        and by the next writer of this output if this process is killed."""
+        """A new private folder beside the output, removed with the temporary output."""
         return self._out.scratch()
 
     def add_array(self, name: str, array: np.ndarray) -> None:
@@ -287,24 +244,17 @@ class PackWriter:
         return self._writer
 
     def _finish_shard(self, user: Mapping[str, Any] | None) -> None:
-        """Close the current file; for a single file (``user`` given) with its metadata and
-        arrays (a shard folder keeps those for the catalog)."""
+        """Close the current file (a single file with ``user`` and the arrays)."""
         writer, file, path = self._writer, self._file, self._path
-        if writer is None or file is None or path is None:
-            raise RuntimeError("no shard is open")
+        assert writer is not None and file is not None and path is not None
         if self._before_finish is not None:
             self._before_finish()  # records reserved in this file are copied in by now
         if self.sharded:
-            first = (
-                self._shards[-1].first_record + self._shards[-1].num_records if self._shards else 0
+            first = self.num_records - writer.num_records
+            place = dict(
+                index=len(self._shards), first_record=first, num_records=writer.num_records
             )
-            pack = fmt.binding(
-                fmt.ROLE_SHARD,
-                self.pack_id,
-                index=len(self._shards),
-                first_record=first,
-                num_records=writer.num_records,
-            )
+            pack = fmt.binding(fmt.ROLE_SHARD, self.pack_id, **place)
             self._rows.append(writer.rows())
             size = writer.finish({}, pack=pack)
         else:
@@ -319,9 +269,8 @@ class PackWriter:
         self._file = None
 
     def _write_catalog(self, user: Mapping[str, Any]) -> CatalogEntry:
-        """The catalog of a shard folder: a container without records holding the dataset-level
-        arrays, a copy of every record's columns (``records``) and the metadata, so a reader
-        opens the dataset from the manifest and this one small file."""
+        """The catalog: a container without records holding the metadata, the dataset-level
+        arrays and every record's columns (``records``)."""
         name = fmt.catalog_file_name(self._token)
         with open(self._member_path(name), "wb", buffering=1 << 20) as file:
             writer = ContainerWriter(file, self._fields, alignment=self._alignment)
@@ -330,13 +279,8 @@ class PackWriter:
                 writer.add_array("records", rows)
             for array_name, array in self._arrays:
                 writer.add_array(array_name, array)
-            pack = fmt.binding(
-                fmt.ROLE_CATALOG,
-                self.pack_id,
-                num_records=self.num_records,
-                num_shards=len(self._shards),
-            )
-            size = writer.finish(user, pack=pack)
+            place = dict(num_records=self.num_records, num_shards=len(self._shards))
+            size = writer.finish(user, pack=fmt.binding(fmt.ROLE_CATALOG, self.pack_id, **place))
             self._sync_close(file)
         return CatalogEntry(name, size, writer.meta_crc32)
 
@@ -407,9 +351,11 @@ class PackWriter:
         )
 
     def __enter__(self) -> PackWriter:
+        """The writer."""
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Close, or abort on an exception."""
         if self._closed:
             return
         if exc_type is not None:

@@ -50,11 +50,9 @@ every record's columns and ``user``) and ``MANIFEST_NAME`` (see ``manifest``); e
 carries its ``binding``, so a file swapped, duplicated or taken from another pack is refused
 (docs/FORMAT.md, "Integrity rules").
 
-Each structure has its writing and its reading function side by side: ``pack_header`` /
-``unpack_header``, ``pack_footer`` / ``unpack_footer``, ``array_descriptor`` /
-``check_descriptor``, ``binding`` / ``parse_binding``, ``build_metadata`` / ``parse_metadata``.
-``read_head`` and ``read_metadata`` apply them to an open file, in the order of docs/FORMAT.md
-("Truncation and damage detection").
+Each structure has its writing and reading function side by side (``pack_header`` /
+``unpack_header`` ...); ``read_head`` and ``read_metadata`` apply them to an open file in the
+order of docs/FORMAT.md ("Truncation and damage detection").
 """
 
 from __future__ import annotations
@@ -142,9 +140,7 @@ DAMAGED = "the file is damaged or not a torch_serialized pack: re-copy or re-pac
 def damaged(
     path: str, fault: str, error: type[CorruptFileError] = CorruptFileError
 ) -> CorruptFileError:
-    """The error for the file at ``path`` failing a check of this format: the file, ``fault``
-    (the field at fault and what it holds) and what to do (``DAMAGED``). ``error`` is the
-    class: ``CorruptFileError`` or ``TruncatedFileError``."""
+    """``error`` for ``path`` failing a check of this format: the file, ``fault``, what to do."""
     return error(f"{path}: {fault}; {DAMAGED}")
 
 
@@ -157,28 +153,21 @@ def pack_header(alignment: int) -> bytes:
 def unpack_header(data: bytes, path: str) -> tuple[int, int, int]:
     """Validate a header; return ``(major, minor, alignment)``."""
     if len(data) < HEADER_SIZE:
-        raise damaged(path, f"{len(data)} bytes, too short for the {HEADER_SIZE}-byte header")
+        raise damaged(path, f"{len(data)} bytes, too short for the header")
     magic, major, minor, header_size, alignment, _flags, _reserved, stored = HEADER.unpack(
         data[:HEADER_SIZE]
     )
     if magic != MAGIC:
-        raise damaged(path, f"not a torch_serialized file (magic {magic!r}, expected {MAGIC!r})")
+        raise damaged(path, f"not a torch_serialized file (magic {magic!r})")
     if crc32(data[: HEADER_SIZE - 4]) != stored:
         raise damaged(path, "header checksum mismatch (header_crc32)")
     if major == 0:
-        raise damaged(path, "the header's major version is 0, which is never written")
+        raise damaged(path, "the header's major version is 0 (never written)")
     if header_size != HEADER_SIZE:
         raise damaged(path, f"the header's header_size is {header_size}, not {HEADER_SIZE}")
     if alignment < 8 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
-        raise damaged(
-            path,
-            f"the header's alignment is {alignment}, not a power of two from 8 to {MAX_ALIGNMENT}",
-        )
+        raise damaged(path, f"the header's alignment {alignment} is not a power of two in 8..1 MiB")
     return major, minor, alignment
-
-
-#: The footer's fields before its reserved bytes, in order (``unpack_footer`` returns them).
-FOOTER_FIELDS = ("meta_offset", "meta_length", "file_size", "num_records", "meta_crc32")
 
 
 def pack_footer(
@@ -191,29 +180,21 @@ def pack_footer(
 
 
 def unpack_footer(data: bytes, path: str) -> dict[str, int]:
-    """Validate a footer; return its fields by name (``FOOTER_FIELDS``, ``major``, ``minor``)."""
+    """Validate a footer; return its fields by name (as ``pack_footer`` names them)."""
     if len(data) != FOOTER_SIZE:
-        raise damaged(
-            path,
-            f"{len(data)} bytes where the {FOOTER_SIZE}-byte footer should be (truncated)",
-            TruncatedFileError,
-        )
+        raise damaged(path, f"{len(data)} bytes, too short for the footer", TruncatedFileError)
     *values, _reserved, stored, magic = FOOTER.unpack(data)
     if magic != MAGIC or crc32(data[:52]) != stored:
-        raise damaged(
-            path, "footer checksum mismatch (footer_crc32 or the closing magic): truncated?"
-        )
-    return dict(zip((*FOOTER_FIELDS, "major", "minor"), values))
+        raise damaged(path, "footer checksum mismatch (footer_crc32 or the closing magic)")
+    names = ("meta_offset", "meta_length", "file_size", "num_records", "meta_crc32", "major")
+    return dict(zip((*names, "minor"), values))
 
 
 def dtype_to_json(dtype: np.dtype) -> str | list[list[str]]:
     """A JSON description of a simple or flat structured dtype (see ``dtype_from_json``)."""
     if dtype.names is None:
         return _simple_code(dtype)
-    out: list[list[str]] = []
-    for name in dtype.names:
-        sub = dtype.fields[name][0]  # type: ignore[index]
-        out.append([name, _simple_code(sub)])
+    out = [[name, _simple_code(dtype[name])] for name in dtype.names]
     if np.dtype([(n, c) for n, c in out]) != dtype:
         raise ValueError(f"structured dtype {dtype} has padding or offsets; use a packed dtype")
     return out
@@ -222,42 +203,24 @@ def dtype_to_json(dtype: np.dtype) -> str | list[list[str]]:
 def _simple_code(dtype: np.dtype) -> str:
     code = dtype.newbyteorder("<").str if dtype.byteorder == "=" else dtype.str
     if not _SIMPLE_CODE.fullmatch(code):
-        raise ValueError(
-            f"dtype {dtype} cannot be stored; use little-endian bool, int, uint or float"
-        )
+        raise ValueError(f"dtype {dtype} cannot be stored; use bool, int, uint or float")
     return code
 
 
 def dtype_from_json(value: Any, path: str, what: str = "an array") -> np.dtype:
-    """Rebuild a dtype from its JSON description, refusing anything but plain numbers
-    (``what``: the array it describes, for the error)."""
+    """Rebuild a dtype from its JSON description (plain numbers only); ``what``: for errors."""
     if isinstance(value, str) and _SIMPLE_CODE.fullmatch(value):
         return np.dtype(value)  # every code the pattern admits is one numpy understands
-    if (
-        isinstance(value, list)
-        and 0 < len(value) <= MAX_FIELDS
-        and all(
-            isinstance(item, list)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and item[0]
-            and isinstance(item[1], str)
-            and _SIMPLE_CODE.fullmatch(item[1])
-            for item in value
-        )
-    ):
-        try:
-            return np.dtype([(name, code) for name, code in value])
-        except (TypeError, ValueError) as exc:
-            raise damaged(path, f"{what} has an invalid dtype {clip(repr(value))}: {exc}") from None
+    pairs = value if isinstance(value, list) else []
+    if all(isinstance(pair, list) and len(pair) == 2 for pair in pairs):
+        names, codes = [pair[0] for pair in pairs], [pair[1] for pair in pairs]
+        if is_names(names) and all(isinstance(c, str) and _SIMPLE_CODE.fullmatch(c) for c in codes):
+            return np.dtype(list(zip(names, codes)))
     raise damaged(path, f"{what} has an invalid dtype {clip(repr(value))}")
 
 
 def array_bytes(array: np.ndarray) -> memoryview:
-    """The bytes of ``array`` in C order, as a flat byte view (copied only if not contiguous).
-
-    Unlike ``memoryview(array).cast("B")`` this also works for arrays with a zero-length axis.
-    """
+    """The bytes of ``array`` in C order as a flat view (works for zero-length axes too)."""
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
@@ -277,31 +240,21 @@ def check_descriptor(
 ) -> tuple[np.dtype, tuple[int, ...], int, int, int]:
     """Validate an array descriptor against the file; return dtype, shape, offset, nbytes, crc."""
     what = f"array {clip(repr(name))}"
-    if not isinstance(desc, Mapping):
-        raise damaged(path, f"the descriptor of {what} is not an object")
-    missing = [key for key in ("dtype", "shape", "offset", "nbytes", "crc32") if key not in desc]
-    if missing:
-        raise damaged(path, f"the descriptor of {what} lacks {', '.join(missing)}")
+    keys = ("dtype", "shape", "offset", "nbytes", "crc32")
+    if not isinstance(desc, Mapping) or not all(key in desc for key in keys):
+        raise damaged(path, f"the descriptor of {what} is not an object with {', '.join(keys)}")
     dtype = dtype_from_json(desc["dtype"], path, what)
-    dims = desc["shape"]
-    if not isinstance(dims, list) or not all(is_count(d) for d in dims):
-        raise damaged(
-            path, f"the shape of {what} is {clip(repr(dims))}, not a list of non-negative integers"
-        )
-    for key in ("offset", "nbytes", "crc32"):
-        if not is_count(desc[key]):
-            raise damaged(
-                path, f"the {key} of {what} is {clip(repr(desc[key]))}, not a non-negative integer"
-            )
+    dims, offset, nbytes, crc = (desc[key] for key in keys[1:])
+    if not isinstance(dims, list) or not all(is_count(v) for v in (*dims, offset, nbytes, crc)):
+        msg = "a shape, offset, nbytes or crc32 that is not a count"
+        raise damaged(path, f"the descriptor of {what} holds {msg}")
     shape: tuple[int, ...] = tuple(dims)
-    offset, nbytes, crc = desc["offset"], desc["nbytes"], desc["crc32"]
-    count = 1
-    for dim in shape:
-        count *= dim
-    if count * dtype.itemsize != nbytes or offset + nbytes > data_end or offset < HEADER_SIZE:
+    if (
+        math.prod(shape) * dtype.itemsize != nbytes
+        or not HEADER_SIZE <= offset <= data_end - nbytes
+    ):
         raise damaged(
-            path,
-            f"{what} ({nbytes} bytes at {offset}) does not fit its shape {shape} or the file",
+            path, f"{what} ({nbytes} bytes at {offset}) does not fit its shape or the file"
         )
     return dtype, shape, offset, nbytes, crc
 
@@ -310,9 +263,8 @@ def check_descriptor(
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {clip(repr(dup))}")
+        keys = [key for key, _ in pairs]
+        raise ValueError(f"duplicate key {clip(repr(next(k for k in keys if keys.count(k) > 1)))}")
     return out
 
 
@@ -328,24 +280,20 @@ def _finite_float(text: str) -> float:
 
 
 def _exact_int(text: str) -> int:
-    """A JSON integer, refused beyond ``MAX_JSON_INT``: a double-based parser reads such a
-    number as another one (or as Infinity), so two readers would see two contents."""
-    digits = text.lstrip("-")
-    if len(digits) <= 16 and abs(value := int(text)) <= MAX_JSON_INT:
+    """A JSON integer, refused beyond ``MAX_JSON_INT`` (which a double cannot hold exactly)."""
+    if len(text.lstrip("-")) <= 16 and abs(value := int(text)) <= MAX_JSON_INT:
         return value
-    raise ValueError(
-        f"integer {clip(text, 40)} is beyond {MAX_JSON_INT} (2**53 - 1) in magnitude, "
-        "which a double cannot hold exactly"
-    )
+    raise ValueError(f"integer {clip(text, 40)} is beyond 2**53 - 1 in magnitude")
 
 
-def dumps(value: Any, **options: Any) -> str:
-    """``json.dumps`` of ``value`` as strict JSON (``loads_json``): a ``ValueError`` for NaN,
-    Infinity or an integer beyond ``MAX_JSON_INT``, so a writer never writes what a reader
-    refuses."""
-    text = json.dumps(value, allow_nan=False, **options)
-    if _LONG_DIGITS.search(text):
-        json.loads(text, parse_int=_exact_int)  # raises at the first integer out of range
+def dumps(value: Any, what: str, **options: Any) -> str:
+    """``json.dumps`` refusing (``ValueError`` naming ``what``) what ``loads_json`` refuses."""
+    try:
+        text = json.dumps(value, allow_nan=False, **options)
+        if _LONG_DIGITS.search(text):
+            json.loads(text, parse_int=_exact_int)  # raises at the first integer out of range
+    except ValueError as exc:
+        raise ValueError(f"{what} cannot be stored as strict JSON: {exc}") from None
     return text
 
 
@@ -355,14 +303,9 @@ def clip(text: str, limit: int = 80) -> str:
 
 
 def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
-    """Parse strict JSON (RFC 8259): UTF-8, no duplicate keys, no ``NaN`` or ``Infinity``
-    (nor numbers that overflow to them), no integer beyond ``MAX_JSON_INT`` in magnitude,
-    arrays and objects nested at most ``MAX_JSON_DEPTH`` deep. Anything else raises
-    ``CorruptFileError`` naming ``path`` and ``what`` it is.
-
-    Duplicate keys are refused because readers disagree on them (first or last wins), so
-    another reader could see other content behind the same checksum.
-    """
+    """Parse strict JSON (RFC 8259): UTF-8, no duplicate keys (readers disagree on which
+    wins), no NaN or Infinity, no integer beyond ``MAX_JSON_INT``, nesting at most
+    ``MAX_JSON_DEPTH``; else ``CorruptFileError`` naming ``path`` and ``what`` it is."""
     try:
         text = bytes(data).decode("utf-8")
         value = json.loads(
@@ -374,8 +317,6 @@ def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise damaged(path, f"{what} is not valid JSON ({clip(str(exc), 160)})") from None
-    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
-        return value  # too few brackets to nest too deep: skip the walk
     stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
     while stack:  # no recursion: a deep structure must not exhaust the stack here either
         item, depth = stack.pop()
@@ -389,6 +330,16 @@ def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
 def is_count(value: Any, limit: int = 1 << 63) -> TypeGuard[int]:
     """An integer (not a bool) in ``0..limit-1``."""
     return type(value) is int and 0 <= value < limit
+
+
+def is_names(value: Any, *, allow_empty: bool = False) -> TypeGuard[list[str]]:
+    """A list of 1 to ``MAX_FIELDS`` distinct strings (non-empty unless ``allow_empty``)."""
+    return (
+        isinstance(value, list)
+        and 0 < len(value) <= MAX_FIELDS
+        and all(isinstance(v, str) and (v or allow_empty) for v in value)
+        and len(set(value)) == len(value)
+    )
 
 
 # -- pack binding -----------------------------------------------------------------------------
@@ -416,9 +367,7 @@ _MEMBER_NAME = re.compile(r"(?:shard-\d{5,}-|catalog-)[0-9a-f]{8}" + re.escape(F
 
 
 def is_member_name(name: str) -> bool:
-    """Whether ``name`` is a shard or catalog name as ``shard_file_name`` and
-    ``catalog_file_name`` make them: a file of this pack or of an earlier generation of it
-    (an append keeps the previous catalog for readers that opened the pack before)."""
+    """Whether ``name`` is a shard or catalog name (``shard_file_name``, ``catalog_file_name``)."""
     return _MEMBER_NAME.fullmatch(name) is not None
 
 
@@ -439,42 +388,28 @@ def binding(
     num_records: int = 0,
     num_shards: int = 0,
 ) -> dict[str, Any]:
-    """A container's ``pack`` metadata: which pack it belongs to and its place in it.
-
-    ``"single"``: a one-file pack (``pack_id`` only). ``"shard"``: shard ``index`` of a shard
-    folder, holding global records ``first_record`` to ``first_record + num_records - 1``.
-    ``"catalog"``: the catalog of a shard folder of ``num_records`` records in ``num_shards``
-    shards.
-    """
-    if role not in PLACE_KEYS:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    place = {"index": index, "first_record": first_record, "num_records": num_records}
-    place["num_shards"] = num_shards
+    """A container's ``pack`` metadata: its pack and its place in it (``PLACE_KEYS[role]``:
+    a shard's ``index`` and global records, a catalog's records and shards)."""
+    place = dict(
+        index=index, first_record=first_record, num_records=num_records, num_shards=num_shards
+    )
     return {"pack_id": pack_id, "role": role, **{key: place[key] for key in PLACE_KEYS[role]}}
 
 
 def parse_binding(value: Any, path: str) -> dict[str, Any]:
     """Validate a container's ``pack`` metadata; return it (its documented keys only)."""
     if not isinstance(value, dict):
-        raise damaged(path, f"the metadata's pack binding is {clip(repr(value))}, not an object")
+        raise damaged(path, f"the pack binding is {clip(repr(value))}, not an object")
     role, pack_id = value.get("role"), value.get("pack_id")
     if role not in ROLES:
-        raise damaged(
-            path, f"the metadata's pack binding has role {clip(repr(role))}, not one of {ROLES}"
-        )
+        raise damaged(path, f"the pack binding has role {clip(repr(role))}, not one of {ROLES}")
     if not isinstance(pack_id, str) or not PACK_ID.fullmatch(pack_id):
         raise damaged(
-            path,
-            f"the metadata's pack binding has pack_id {clip(repr(pack_id))}, not 32 lowercase "
-            "hex digits",
+            path, f"the pack binding has pack_id {clip(repr(pack_id))}, not 32 hex digits"
         )
     for key in PLACE_KEYS[role]:
         if not is_count(value.get(key)):
-            raise damaged(
-                path,
-                f"the metadata's pack binding ({role}) has {key} "
-                f"{clip(repr(value.get(key)))}, not a non-negative integer",
-            )
+            raise damaged(path, f"the pack binding ({role}) has {key} {clip(repr(value.get(key)))}")
     return {"pack_id": pack_id, "role": role, **{key: value[key] for key in PLACE_KEYS[role]}}
 
 
@@ -490,12 +425,8 @@ def build_metadata(
     user: Mapping[str, Any],
     pack: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """The metadata of a container, encoded: compact UTF-8 JSON, keys in the documented order.
-
-    ``index`` and ``arrays`` are descriptors made by ``array_descriptor`` (arrays with their
-    ``per_record`` flag); ``user`` is the writer's own JSON object; ``pack`` the container's
-    ``binding`` (since format 1.1).
-    """
+    """A container's metadata, encoded: compact UTF-8 JSON, keys in the documented order
+    (``index`` and ``arrays``: ``array_descriptor``s; ``pack``: its ``binding``)."""
     meta = {
         "format": FORMAT_NAME,
         "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
@@ -509,82 +440,43 @@ def build_metadata(
     }
     if pack is not None:
         meta["pack"] = dict(pack)
-    try:
-        text = dumps(meta, ensure_ascii=False, separators=(",", ":"))
-    except ValueError as exc:
-        raise ValueError(f"the metadata cannot be stored as strict JSON: {exc}") from None
-    return text.encode("utf-8")
+    return dumps(meta, "the metadata", ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def parse_metadata(
     data: bytes, *, version: tuple[int, int], num_records: int, data_end: int, path: str
 ) -> dict[str, Any]:
-    """Validate a container's metadata bytes; return the object.
-
-    ``version`` is the header's ``(major, minor)``, ``num_records`` the footer's count and
-    ``data_end`` the metadata's offset, the end of the space arrays may occupy. Raises
-    ``CorruptFileError`` for anything but strict JSON (``loads_json``) that describes a
-    container of that version with those records, a valid index descriptor, valid arrays and,
-    if present, a valid pack binding.
-    """
+    """Validate a container's metadata bytes against the header's ``version``, the footer's
+    ``num_records`` and ``data_end`` (where arrays must end); return the object."""
     meta = loads_json(data, path, "metadata")
     if not isinstance(meta, dict):
         raise damaged(path, "the metadata is not a JSON object")
+    found = {k: clip(repr(meta.get(k))) for k in ("format", "format_version", "arrays", "user")}
     if meta.get("format") != FORMAT_NAME:
-        raise damaged(
-            path, f"the metadata's format is {clip(repr(meta.get('format')))}, not {FORMAT_NAME!r}"
-        )
+        raise damaged(path, f"the metadata's format is {found['format']}, not {FORMAT_NAME!r}")
     version_found = meta.get("format_version")
     if version_found != list(version) or not all(type(v) is int for v in version_found):
-        raise damaged(
-            path,
-            f"the metadata's format_version is {clip(repr(version_found))}, the header's "
-            f"version {version[0]}.{version[1]}",
-        )
+        header = f"{version[0]}.{version[1]}"
+        raise damaged(path, f"format_version is {found['format_version']}, the header's {header}")
     fields = meta.get("fields")
-    if (
-        not isinstance(fields, list)
-        or not 0 < len(fields) <= MAX_FIELDS
-        or not all(isinstance(f, str) for f in fields)
-        or len(set(fields)) != len(fields)
-    ):
-        raise damaged(
-            path,
-            f"the metadata's fields are {clip(repr(fields))}, not 1 to {MAX_FIELDS} distinct names",
-        )
+    if not is_names(fields, allow_empty=True):
+        raise damaged(path, f"the metadata's fields are {clip(repr(fields))}, not distinct names")
     num = meta.get("num_records")
     if type(num) is not int or num != num_records:
-        raise damaged(
-            path,
-            f"the metadata's num_records is {clip(repr(num))}, the footer's {num_records}",
-        )
+        raise damaged(path, f"the metadata's num_records is {clip(repr(num))}, not {num_records}")
     for key in ("arrays", "user"):
         if not isinstance(meta.get(key), dict):
-            raise damaged(
-                path, f"the metadata's {key} is {clip(repr(meta.get(key)))}, not an object"
-            )
+            raise damaged(path, f"the metadata's {key} is {found[key]}, not an object")
     dtype, shape, *_ = check_descriptor(meta.get("index"), "index", data_end, path)
     if dtype != INDEX_DTYPE or shape != (num, len(fields)):
-        raise damaged(
-            path,
-            f"the record index has dtype {dtype} and shape {shape}, not {INDEX_DTYPE} and "
-            f"{(num, len(fields))}",
-        )
+        raise damaged(path, f"the record index has dtype {dtype} and shape {shape}")
     for name, desc in meta["arrays"].items():
         check_descriptor(desc, name, data_end, path)
-        per_record = desc.get("per_record", False)
+        per_record, what = desc.get("per_record", False), clip(repr(name))
         if not isinstance(per_record, bool):
-            raise damaged(
-                path,
-                f"the per_record of array {clip(repr(name))} is {clip(repr(per_record))}, "
-                "not true or false",
-            )
+            raise damaged(path, f"the per_record of array {what} is not true or false")
         if per_record and desc["shape"][:1] != [num]:
-            raise damaged(
-                path,
-                f"per-record array {clip(repr(name))} has shape {desc['shape']}, whose first "
-                f"axis is not the {num} records",
-            )
+            raise damaged(path, f"per-record array {what} has shape {desc['shape']}")
     if "pack" in meta:
         meta["pack"] = parse_binding(meta["pack"], path)
     return meta
@@ -592,15 +484,10 @@ def parse_metadata(
 
 # -- reading an open file -----------------------------------------------------------------------
 def read_head(fd: int, size: int, path: str) -> tuple[tuple[int, int], int, dict[str, int]]:
-    """Check the header and footer of the container open as ``fd`` (``size`` bytes): the
-    magic, checksums, a major version this package reads, no truncation, the metadata's place.
-    Return ``((major, minor), alignment, footer)``."""
+    """Check the header and footer of the container open as ``fd`` (``size`` bytes); return
+    ``((major, minor), alignment, footer)``."""
     if size < HEADER_SIZE + FOOTER_SIZE:
-        raise damaged(
-            path,
-            f"{size} bytes, too short for a torch_serialized file (truncated?)",
-            TruncatedFileError,
-        )
+        raise damaged(path, f"{size} bytes, too short for a container", TruncatedFileError)
     major, minor, alignment = unpack_header(os.pread(fd, HEADER_SIZE, 0), path)
     if major > FORMAT_MAJOR:
         raise UnsupportedVersionError(
@@ -609,53 +496,30 @@ def read_head(fd: int, size: int, path: str) -> tuple[tuple[int, int], int, dict
         )
     tail = os.pread(fd, FOOTER_SIZE, size - FOOTER_SIZE)
     if tail[-len(MAGIC) :] != MAGIC:
-        raise damaged(
-            path,
-            "the file does not end with the torch_serialized footer: it was truncated "
-            "(an interrupted copy or write?) or appended to",
-            TruncatedFileError,
-        )
+        msg = "the file does not end with the footer: it was truncated or appended to"
+        raise damaged(path, msg, TruncatedFileError)
     footer = unpack_footer(tail, path)
     if (footer["major"], footer["minor"]) != (major, minor):
-        raise damaged(
-            path,
-            f"its footer says format version {footer['major']}.{footer['minor']}, its "
-            f"header {major}.{minor}",
-        )
+        found = f"{footer['major']}.{footer['minor']}, its header {major}.{minor}"
+        raise damaged(path, f"its footer says format version {found}")
     if footer["file_size"] != size:
-        raise damaged(
-            path,
-            f"the file has {size} bytes, its footer says {footer['file_size']} "
-            f"(file_size): {'truncated' if size < footer['file_size'] else 'appended to'}",
-            TruncatedFileError,
-        )
+        fault = "truncated" if size < footer["file_size"] else "appended to"
+        msg = f"{size} bytes, its footer's file_size says {footer['file_size']}: {fault}"
+        raise damaged(path, msg, TruncatedFileError)
     meta_offset, meta_length = footer["meta_offset"], footer["meta_length"]
-    if (
-        meta_offset < HEADER_SIZE
-        or meta_offset + meta_length != size - FOOTER_SIZE
-        or meta_length > MAX_META_BYTES
-    ):
-        raise damaged(
-            path,
-            f"the footer's meta_offset {meta_offset} and meta_length {meta_length} do not "
-            f"place the metadata between the header and the footer (at most "
-            f"{MAX_META_BYTES} bytes)",
-        )
+    data_end = size - FOOTER_SIZE - meta_length  # where the metadata must start
+    if meta_length > MAX_META_BYTES or not HEADER_SIZE <= meta_offset == data_end:
+        msg = f"the footer's meta_offset {meta_offset} and meta_length {meta_length} are wrong"
+        raise damaged(path, msg)
     return (major, minor), alignment, footer
 
 
 def read_metadata(
     fd: int, version: tuple[int, int], footer: Mapping[str, int], path: str
 ) -> dict[str, Any]:
-    """The metadata of the container open as ``fd`` whose head ``read_head`` checked: its
-    checksum, then its content (``parse_metadata``)."""
+    """The checked metadata of the container open as ``fd``, after ``read_head``."""
     raw = os.pread(fd, footer["meta_length"], footer["meta_offset"])
     if crc32(raw) != footer["meta_crc32"]:
         raise damaged(path, "metadata checksum mismatch (the footer's meta_crc32)")
-    return parse_metadata(
-        raw,
-        version=version,
-        num_records=footer["num_records"],
-        data_end=footer["meta_offset"],
-        path=path,
-    )
+    num, end = footer["num_records"], footer["meta_offset"]
+    return parse_metadata(raw, version=version, num_records=num, data_end=end, path=path)

@@ -1,8 +1,5 @@
 """Records -> one container file, front to back in one pass (the mirror of ``reader``).
-
-``ContainerWriter`` writes the layout of ``spec`` into a file object the caller owns;
-``shardwriter.PackWriter`` makes the files of a pack with it. This module never imports torch.
-"""
+Never imports torch."""
 
 from __future__ import annotations
 
@@ -37,12 +34,8 @@ def check_options(fields: Sequence[str], alignment: int, columns: np.dtype | Non
 
 
 class ContainerWriter:
-    """Streams records into one open binary file in the container format.
-
-    The caller owns the file object (see ``shardwriter.PackWriter`` for atomic output). ``columns``
-    is an optional structured dtype: one fixed-size row of it is stored per record, in the
-    per-record array ``"records"``.
-    """
+    """Streams records into one open binary file the caller owns, in the container format.
+    ``columns``: a structured dtype, one row of it per record (the array ``"records"``)."""
 
     def __init__(
         self,
@@ -83,10 +76,6 @@ class ContainerWriter:
 
     def add(self, payloads: Sequence[Payload], row: tuple[Any, ...] | None = None) -> int:
         """Append one record (one payload per field); return its index in this file."""
-        if len(payloads) != len(self.fields):
-            raise ValueError(f"expected {len(self.fields)} payloads, got {len(payloads)}")
-        if (row is None) != (self._columns is None):
-            raise ValueError("pass a row exactly when the writer was given columns")
         i = self._grow()
         entries = self._index[i]
         for k, payload in enumerate(payloads):
@@ -107,28 +96,16 @@ class ContainerWriter:
         return self._index[i].copy()
 
     def reserve(self, entries: np.ndarray, row: tuple[Any, ...] | None = None) -> tuple[int, int]:
-        """Leave room for a record laid out as ``entries`` describe (its index row in a file
-        written by a writer with the same fields and alignment); return ``(index, offset)``.
-
-        The caller copies the record's bytes (``entries``' first offset to its last end,
-        padding between fields included) to ``offset`` of this file before it is finished
-        (``parallel.copy_range`` does); the alignment padding before the record is left as a hole,
-        which reads as the zeros ``add`` writes. This is how parallel packing stays
-        byte-identical to one process while the bytes move in pack processes.
-        """
-        if len(entries) != len(self.fields):
-            raise ValueError(f"expected {len(self.fields)} entries, got {len(entries)}")
-        if (row is None) != (self._columns is None):
-            raise ValueError("pass a row exactly when the writer was given columns")
+        """Leave room for a record laid out as ``entries`` (its index row in a file of the same
+        fields and alignment) describe; return ``(index, offset)``. The caller copies its bytes
+        to ``offset`` before ``finish``; the padding hole reads as zeros, so the file is
+        byte-identical to one written with ``add``."""
         # Python ints, not numpy: an append reserves every kept record, one call each
         offsets, lengths = entries["offset"].tolist(), entries["length"].tolist()
         ends = [o + n for o, n in zip(offsets, lengths)]
-        if any(o % self.alignment for o in offsets) or any(
-            o < e for o, e in zip(offsets[1:], ends)
-        ):
-            raise ValueError(
-                "entries are not a record laid out by a writer with this alignment and fields"
-            )
+        overlap = any(o < e for o, e in zip(offsets[1:], ends))
+        if len(offsets) != len(self.fields) or overlap or any(o % self.alignment for o in offsets):
+            raise ValueError("entries are not a record laid out with this alignment and fields")
         self._align()
         i = self._grow()
         start = self.position
@@ -153,7 +130,7 @@ class ContainerWriter:
         return i
 
     def add_array(self, name: str, array: np.ndarray, *, per_record: bool = False) -> None:
-        """Store a named numpy array (plain numbers only) in this file."""
+        """Store a named numpy array (plain numbers only)."""
         if name in self._arrays or (name == "records" and self._columns is not None):
             raise ValueError(f"array {name!r} is already stored")
         array = np.asarray(array, order="C")  # not ascontiguousarray: it makes 0-d arrays 1-d

@@ -35,7 +35,7 @@ from torch_serialized import (
 )
 from torch_serialized.cli import main
 from torch_serialized.container.reader import ContainerReader
-from torch_serialized.errors import FormatError
+from torch_serialized.errors import FormatError, WriteError
 from torch_serialized.tools import make_synthetic_voc
 from torch_serialized.voc import schema
 from torch_serialized.voc.packed import VOCPackReader
@@ -264,25 +264,26 @@ def test_a_damaged_old_shard_is_refused_and_nothing_is_written(tmp_path, source,
 
 
 @pytest.mark.parametrize("form", PACK_FORMS)
-def test_a_pack_without_object_classes_recounts_them_from_its_shards(
-    tmp_path, source, form, monkeypatch
+@pytest.mark.parametrize("missing", ["OBJECT_CLASSES_ARRAY", "DIGEST_ARRAY"])
+def test_a_pack_of_an_older_version_reads_and_its_append_is_refused(
+    tmp_path, source, form, missing, monkeypatch
 ):
-    # Packs written before the catalog kept every object's class: read from the shards.
+    # Packs written before the catalog kept every object's class or source digests read
+    # (classes from the shards), but an append asks for a re-pack first.
     source.cut()
+    options = {"image_storage": "raw"} if missing == "DIGEST_ARRAY" else {}
+    path = pack(source, tmp_path / "fresh", form, **options)
     with monkeypatch.context() as m:  # written under another name: as if not written at all
-        m.setattr(schema, "OBJECT_CLASSES_ARRAY", "objects/not-this-one")
-        path = pack(source, tmp_path / "pack", form)
-    assert schema.OBJECT_CLASSES_ARRAY not in VOCPackReader(path).reader.arrays()
-    calls = []
-    read = VOCPackReader._object_classes_from_shards
-    monkeypatch.setattr(
-        VOCPackReader, "_object_classes_from_shards", lambda old: calls.append(1) or read(old)
-    )
+        m.setattr(schema, missing, "objects/not-this-one")
+        old = pack(source, tmp_path / "pack", form, **options)
+    assert getattr(schema, missing) not in VOCPackReader(old).reader.arrays()
+    classes = [VOCPackReader(p).object_classes() for p in (old, path)]
+    assert all((a == b).all() for a, b in zip(*classes))
+    before = snapshot(old)
     source.grow()
-    append_voc(source.root, path)
-    assert calls == [1]
-    assert_same_as_repack(path, source, tmp_path, form)
-    assert schema.OBJECT_CLASSES_ARRAY in VOCPackReader(path).reader.arrays()  # written now
+    with pytest.raises(WriteError, match="re-pack it once with pack_voc") as err:
+        append_voc(source.root, old)
+    assert str(VOCPackReader(old).name) in str(err.value) and snapshot(old) == before
 
 
 def test_append_compares_the_resized_masks_of_a_max_size_pack(tmp_path) -> None:
@@ -306,11 +307,9 @@ def test_append_compares_the_resized_masks_of_a_max_size_pack(tmp_path) -> None:
         append_voc(root, path)
 
 
-@pytest.mark.parametrize("stored_as", ["file bytes (before masks were resized)", "other PNG"])
-def test_append_compares_masks_of_max_size_packs_as_masks(tmp_path, monkeypatch, stored_as):
-    """Review of the resized masks: a ``max_size`` pack made before masks were resized holds
-    the files' own bytes, and another Pillow may compress the same mask otherwise; neither
-    is a change of the source when a touched mask file is checked again."""
+def test_append_compares_masks_of_max_size_packs_as_masks(tmp_path, monkeypatch):
+    """Another Pillow may compress the same resized mask otherwise: not a change of the source
+    when a touched mask file is checked again."""
     import io
 
     from PIL import Image
@@ -318,8 +317,6 @@ def test_append_compares_masks_of_max_size_packs_as_masks(tmp_path, monkeypatch,
     from torch_serialized.voc import images, source
 
     def stored(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
-        if stored_as.startswith("file"):
-            return data
         with Image.open(io.BytesIO(images.resize_mask(data, path, scale))) as mask:
             out = io.BytesIO()
             mask.save(out, format="PNG", compress_level=1)
@@ -341,7 +338,7 @@ def test_touched_masks_of_a_max_size_pack_are_compared_without_packing_again(
     """Every mask touched (a copy that did not keep modification times): each is compared by
     resizing it with its image's scale, read from the image's header, instead of loading the
     whole sample again (decoding, resizing and re-encoding its image: a re-pack's cost)."""
-    from torch_serialized.voc import changes
+    from torch_serialized.voc import source as source_module
 
     root = make_synthetic_voc(tmp_path / "src", 8, year="2012", segmentation_every=2)
     path = pack_voc(root, tmp_path / "p.tser", year="2012", max_size=200).path
@@ -354,10 +351,10 @@ def test_touched_masks_of_a_max_size_pack_are_compared_without_packing_again(
     for mask in masks:
         os.utime(mask, ns=(1_000_000_000, 1_000_000_000))
 
-    def no_reload(job):
-        raise AssertionError(f"{job.id} was loaded again to compare its masks")
+    def no_reload(*args):
+        raise AssertionError("an image was stored again to compare its masks")
 
-    monkeypatch.setattr(changes, "load", no_reload)
+    monkeypatch.setattr(source_module, "store_image", no_reload)
     result = append_voc(root, path)
     assert (result.added, result.replaced, result.retired) == (0, [], [])
     assert result.bytes_written > 0  # the touched files' statistics were recorded anew
@@ -557,7 +554,7 @@ def test_the_quick_path_stats_each_packed_file_once_and_opens_only_new_and_touch
     from torch_serialized.voc import records as pack_module
     from torch_serialized.voc.images import ImageOptions
     from torch_serialized.voc.layout import read_image_sets
-    from torch_serialized.voc.source import Planned, plan, reads
+    from torch_serialized.voc.source import Planned, reads, survey
 
     source.cut()
     path = pack(source, tmp_path / "pack", "shards")
@@ -567,7 +564,8 @@ def test_the_quick_path_stats_each_packed_file_once_and_opens_only_new_and_touch
     touched = sorted(packed)[1]
     xml = source.file("Annotations", touched)
     os.utime(xml, ns=(xml.stat().st_atime_ns, xml.stat().st_mtime_ns + 10**9))
-    jobs = plan(source.voc, read_image_sets(source.voc), ImageOptions("original", None, False))
+    options = ImageOptions("original", None, False)
+    jobs = survey(source.voc, read_image_sets(source.voc), options).jobs()
     files = sum(sum(reads(job)) for job in jobs if job.id in packed)
 
     made, loaded, read, stats = [], [], [], []
@@ -697,20 +695,17 @@ def test_class_ids_and_labels_stay_and_new_classes_come_after(tmp_path, source):
     assert ds.label_names == [*labels_before["packed"], "helmet", "cone"]
 
 
-def test_a_pack_without_source_statistics_is_compared_by_content(tmp_path):
+@pytest.mark.parametrize("name", ["tiny.tser", "tiny-shards"])
+def test_a_0_1_0_pack_is_not_appended_to_but_re_packed(tmp_path, name):
     data = Path(__file__).parent / "data" / "v1"
-    path = shutil.copyfile(data / "tiny.tser", tmp_path / "tiny.tser")
-    root = tmp_path / "devkit"
-    shutil.copytree(data / "devkit", root)
-    result = append_voc(root, path)
-    assert (result.added, result.replaced, result.retired) == (0, [], [])
-    assert result.notes and "compared by content" in result.notes[0]
-    meta = VOCPackReader(path).meta
-    assert meta["source_stats"] == schema.SOURCE_STATS_VERSION
-    assert [e["action"] for e in meta["history"]] == ["pack", "append"]
-    assert meta["history"][0]["at"] is None
-    again = append_voc(root, path)  # recorded now: a quick check, and nothing to write
-    assert len(again.notes) == 1 and "up to date" in again.notes[0]
+    copy = shutil.copytree if name == "tiny-shards" else shutil.copyfile
+    path = Path(copy(data / name, tmp_path / name))
+    before = snapshot(path)
+    root = Path(shutil.copytree(data / "devkit", tmp_path / "devkit"))
+    with pytest.raises(WriteError, match="re-pack it once with pack_voc") as err:
+        append_voc(root, path)
+    assert str(path) in str(err.value) and "--overwrite" in str(err.value)
+    assert snapshot(path) == before and sorted(os.listdir(tmp_path)) == ["devkit", name]
 
 
 # -- failures ----------------------------------------------------------------------------------
@@ -781,8 +776,6 @@ def test_catalogs_older_than_the_previous_one_are_removed(tmp_path, source):
 def test_another_append_running_is_refused(tmp_path, source):
     import fcntl
 
-    from torch_serialized import WriteError
-
     source.cut()
     path = pack(source, tmp_path / "pack", "shards")
     source.grow()
@@ -845,7 +838,7 @@ def test_cli_append_and_info_history(tmp_path, source, capsys):
     text = _run_cli(["pack", str(source.root), str(path), "--append", "--replace-changed", "-q"])
     assert "changed samples replaced" in text and "1 changed" in text
     info = _run_cli(["info", str(path)])
-    assert "history" in info and "append" in info and "1 replaced" in info
+    assert "history" in info and "append" in info and "replaced 1" in info
     history = json.loads(_run_cli(["info", "--json", str(path)]))["history"]
     assert [e["action"] for e in history] == ["pack", "append"]
     assert history[1]["replaced"] == 1 and history[1]["added"] > 0
@@ -882,7 +875,7 @@ def test_result_history_and_summary_count_added_replaced_and_retired_alike(tmp_p
     assert f"added    {len(new)} new samples, 1 changed samples replaced" in text
     assert "retired  1 samples no longer listed" in text
     info = _run_cli(["info", str(copy)])
-    assert f"(+{len(new)} new, 1 replaced, 1 retired)" in info
+    assert f"added {len(new)}, replaced 1, retired 1" in info
 
 
 def test_a_changed_id_skipped_on_reload_is_counted_retired(tmp_path, source):
@@ -1086,7 +1079,6 @@ def test_a_single_file_replaced_by_a_pack_of_the_same_size_is_not_grown(
     """The file an append opened, replaced meanwhile by another pack of exactly its size (a
     re-pack of the same folder): its records would be copied at the old file's offsets.
     The append was refused only for another size; the footer's metadata checksum tells."""
-    from torch_serialized import WriteError
     from torch_serialized.voc import append as append_module
 
     source.cut(0.5)
@@ -1111,7 +1103,6 @@ def test_a_single_file_replaced_by_a_pack_of_the_same_size_is_not_grown(
 
 @pytest.mark.parametrize("form", PACK_FORMS)
 def test_an_append_that_lost_a_race_writes_nothing(tmp_path, source, form, monkeypatch):
-    from torch_serialized import WriteError
     from torch_serialized.voc import append as append_module
 
     source.cut(0.5)
@@ -1142,8 +1133,6 @@ def test_an_append_that_lost_a_race_writes_nothing(tmp_path, source, form, monke
 
 def test_a_single_file_being_appended_to_is_refused(tmp_path, source):
     import fcntl
-
-    from torch_serialized import WriteError
 
     source.cut()
     path = pack(source, tmp_path / "pack", "single")
@@ -1197,18 +1186,6 @@ def test_a_pack_of_transformed_images_compares_source_digests(tmp_path, source):
         a = VOCSerializedDataset(path, image_set, decode="none")
         b = VOCSerializedDataset(fresh, image_set, decode="none")
         assert [(as_bytes(x), y) for x, y in a] == [(as_bytes(x), y) for x, y in b]
-
-
-def test_a_shard_folder_of_manifest_version_1_is_not_grown(tmp_path):
-    from torch_serialized import WriteError
-
-    data = Path(__file__).parent / "data" / "v1"
-    path = Path(shutil.copytree(data / "tiny-shards", tmp_path / "tiny-shards"))
-    before = snapshot(path)
-    root = Path(shutil.copytree(data / "devkit", tmp_path / "devkit"))
-    with pytest.raises(WriteError, match="pack it again"):
-        append_voc(root, path)
-    assert snapshot(path) == before and sorted(os.listdir(tmp_path)) == ["devkit", "tiny-shards"]
 
 
 # -- any sequence of source changes ----------------------------------------------------------------
@@ -1365,8 +1342,6 @@ def test_a_grow_never_writes_over_a_file_of_its_new_names(tmp_path):
     """A token collision: a file the grow would write is there already, named by the manifest
     (a reader may hold it), so the grow stops naming it, and neither that file nor the pack
     changes."""
-    from torch_serialized import WriteError
-
     path = tmp_path / "pack"
     manifest = _generic_folder(path, [2, 4], token="0badc0de")
     catalog = path / "catalog-0badc0de.tser"
@@ -1393,10 +1368,15 @@ def test_a_failure_after_the_manifest_commit_keeps_the_grown_pack(tmp_path, monk
     path = tmp_path / "pack"
     manifest = _generic_folder(path, [2, 4])
 
-    def failing(manifest_path: Any) -> Any:
-        raise OSError(5, "the disk went away", str(manifest_path))
+    real, calls = grow.strays, []
 
-    monkeypatch.setattr(grow, "read_manifest", failing)
+    def failing(folder: Any, keep: Any) -> Any:
+        calls.append(1)
+        if len(calls) > 1:  # the clean-up after the commit (the first: when the writer opens)
+            raise OSError(5, "the disk went away", str(folder))
+        return real(folder, keep)
+
+    monkeypatch.setattr(grow, "strays", failing)
     with (
         caplog.at_level(logging.WARNING, "torch_serialized.container.append"),
         _grow(path, manifest) as w,

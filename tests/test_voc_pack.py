@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def test_pack_to_an_http_url_is_refused_before_packing(
     from torch_serialized.voc import pack as pack_module
 
     # refused up front, naming the URL: not a 405 from the server once the pack is built
-    monkeypatch.setattr(pack_module, "plan", lambda *a, **k: pytest.fail("packed first"))
+    monkeypatch.setattr(pack_module, "survey", lambda *a, **k: pytest.fail("packed first"))
     with pytest.raises(ValueError, match=r"127\.0\.0\.1:9/voc.*read-only.*s3://"):
         ts.pack_voc(synthetic_devkit, url)
 
@@ -545,4 +546,22 @@ def test_a_max_size_below_one_pixel_is_refused(
     message = rf"^max_size must be a positive number of pixels, got {max_size}$"
     with pytest.raises(ValueError, match=message):
         ts.pack_voc(tiny_root, tmp_path / "p", max_size=max_size)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"workers": 0}, "workers must be >= 1, got 0"),
+        ({"image_storage": "jpeg"}, "image_storage must be 'original' or 'raw', got 'jpeg'"),
+        ({"max_file_bytes": 0}, "max_file_bytes must be a positive number, got 0"),
+        ({"on_error": "ignore"}, "on_error must be 'raise' or 'skip', got 'ignore'"),
+    ],
+)
+def test_a_bad_option_is_refused_before_packing(
+    tiny_root: Path, tmp_path: Path, option: dict, message: str
+) -> None:
+    """Options are checked once, before any work (``records.Options``), naming the option."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ts.pack_voc(tiny_root, tmp_path / "p", **option)
     assert list(tmp_path.iterdir()) == []

@@ -182,7 +182,7 @@ def test_the_survey_gives_the_jobs_and_reads_a_full_pack_plans(
     # annotation and one whose mask are missing, which load must still try to read).
     from torch_serialized.voc.images import ImageOptions
     from torch_serialized.voc.layout import find_voc_root, read_image_sets
-    from torch_serialized.voc.source import plan, reads, survey
+    from torch_serialized.voc.source import reads, survey
 
     if devkit == "gaps":
         root = shutil.copytree(request.getfixturevalue("synthetic_devkit"), tmp_path / "gaps")
@@ -194,7 +194,7 @@ def test_the_survey_gives_the_jobs_and_reads_a_full_pack_plans(
     sets = read_image_sets(voc_root)
     options = ImageOptions()
     planned = survey(voc_root, sets, options)
-    jobs = plan(voc_root, sets, options)
+    jobs = planned.jobs()
     assert [planned.job(i) for i in range(len(planned))] == jobs
     files, needs = planned.reads(range(len(planned)))
     assert files.tolist() == [list(reads(job)) for job in jobs]

@@ -1,14 +1,10 @@
 """The VOC layer's checks of a pack, made once when it is opened.
 
-A pack is untrusted input. The container layer checks its bytes at open (``container``:
-header, footer, index, array descriptors, checksums); ``check_voc_pack`` checks their VOC
-meaning, once, at open: every metadata value and dataset-level array the VOC layer reads
-(types, ranges, every image set's record numbers, the ids' offsets and encoding, the records'
-flags and the schema version their marks need), and ``check_record_fields`` each file's
-``records`` columns against its records' field lengths (a shard's when it is first opened).
-Each raises ``FormatError`` naming the file and the field, so no ``KeyError``, ``IndexError``
-or silently wrong label can come out of a damaged or crafted pack later. Only what varies
-inside a record (the objects' class ids, a stored target's JSON) is checked as it is read.
+The container layer checks a pack's bytes; ``check_voc_pack`` checks their VOC meaning (every
+metadata value and dataset-level array the VOC layer reads) and ``check_record_fields`` each
+file's ``records`` columns against its field lengths (a shard's when first opened). Each raises
+``FormatError`` naming the file and the field, so nothing later trips over a damaged or crafted
+pack. Only what varies inside a record (class ids, a target's JSON) is checked as it is read.
 """
 
 from __future__ import annotations
@@ -28,11 +24,8 @@ from .layout import TASKS
 
 
 def check_voc_pack(reader: PackReader) -> dict[str, Any]:
-    """The VOC layer's checks of an open pack (schema, version, fields, ``check_metadata``,
-    ``check_arrays``, and a single file's ``check_record_fields``), as every VOC reader makes
-    them at open and ``verify`` too; returns the VOC metadata. Raises ``FormatError`` naming
-    the pack, or for one shard or catalog file of a shard folder (no pack by itself) the
-    folder to pass instead."""
+    """Check an open pack's VOC meaning and return its VOC metadata; ``FormatError`` names the
+    pack (or, for a shard or catalog file opened alone, the folder to pass instead)."""
     name = reader.name
     if reader.manifest is None:  # one file: a pack, or a piece of one
         member = member_of(name, reader.binding)
@@ -71,6 +64,7 @@ def _bad(path: str, field: str, expected: str, found: Any) -> FormatError:
 
 
 def _is_int(value: Any, low: int = 0) -> bool:
+    """Whether ``value`` is an ``int`` (not a ``bool``) of at least ``low``."""
     return type(value) is int and value >= low
 
 
@@ -92,12 +86,7 @@ _VALUES: tuple[tuple[str, Any, Callable[[Any], bool], str], ...] = (
     ("image_storage", None, lambda v: v in ("original", "raw"), "'original' or 'raw'"),
     ("max_size", None, lambda v: v is None or _is_int(v, 1), "null or a positive integer"),
     ("source_bytes", None, lambda v: v is None or _is_int(v), "null or a non-negative integer"),
-    (
-        "source_stats",
-        None,
-        lambda v: v in (None, schema.SOURCE_STATS_VERSION),
-        f"null or {schema.SOURCE_STATS_VERSION}",
-    ),
+    ("source_stats", None, lambda v: v in (None, schema.SOURCE_STATS_VERSION), "null or 1"),
     ("options", {}, lambda v: isinstance(v, dict), "a JSON object"),
     ("skipped", [], lambda v: isinstance(v, list), "a JSON list"),
     ("splits", None, lambda v: isinstance(v, dict) and set(v) <= set(TASKS), f"keys in {TASKS}"),
@@ -151,9 +140,8 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
 def check_arrays(
     arrays: Mapping[str, np.ndarray], meta: dict[str, Any], num_records: int, path: str
 ) -> None:
-    """The dataset-level arrays: the columns and their flags, the ids and their offsets, one
-    record list per image set with every record number in range, the retired records, the
-    source statistics, the objects' classes and the raw list files."""
+    """Every dataset-level array has the dtype and shape, and holds the values, ``pack_voc``
+    writes (image sets: live records in range)."""
     columns = _array(arrays, "records", schema.COLUMNS, (num_records,), path)
     retired = _check_records(columns, arrays, meta, path)
     ids = _array(arrays, "ids", np.uint8, (-1,), path)
@@ -221,9 +209,8 @@ def _array(
 def _check_records(
     columns: np.ndarray, arrays: Mapping[str, np.ndarray], meta: dict[str, Any], path: str
 ) -> np.ndarray:
-    """Every record's flags known and consistent, each mark (objects without rows, an
-    unparsed annotation, retired records) only in a pack of the schema version that says so;
-    return the retired records (see ``schema``), checked."""
+    """Check every record's flags, and each mark against the schema version; return the
+    retired records, checked."""
     flags, counted = columns["flags"], columns["num_objects"]
     untyped = (flags & schema.UNTYPED_OBJECTS) != 0
     unparsed = (flags & schema.UNPARSED_ANNOTATION) != 0
@@ -262,14 +249,9 @@ def _check_records(
 def check_record_fields(
     container: ContainerReader, first_record: int, name: str | None = None
 ) -> None:
-    """The ``records`` columns of a file of a VOC pack agree with its records' fields
-    (docs/FORMAT.md, "Record columns"), so that no reader (export, counts, ``tv_tensors``
-    targets) trusts a column the bytes contradict: ``num_objects`` rows in ``objects``, a
-    class or object mask exactly where its flag says, annotation bytes only with flag 1, and a
-    target exactly where an annotation parsed. Run once per file, on the index alone (no
-    record is read); a file without VOC fields and columns is not checked here (a pack of
-    it is refused by ``check_voc_pack``). ``name``: the file as messages name it (the URL of
-    a remote single-file pack), by default ``container.where``."""
+    """The ``records`` columns of one file agree with its field lengths (docs/FORMAT.md,
+    "Record columns"), read from the index alone; a file without VOC columns is left to
+    ``check_voc_pack``. ``name``: the file in messages, by default ``container.where``."""
     columns = container.arrays().get("records")
     if (
         tuple(container.fields) != schema.FIELDS
@@ -311,11 +293,9 @@ def check_record_fields(
     for wrong, expected in rules:
         if wrong.any():
             r = int(np.flatnonzero(wrong)[0])
+            found = dict(zip(schema.FIELDS, lengths[r].tolist()))
             raise FormatError(
                 f"{name or container.where}: record {first_record + r}'s columns contradict "
-                'its fields (docs/FORMAT.md, "Record columns"): expected '
-                f"{expected}, found flags {int(flags[r])}, num_objects "
-                f"{int(columns['num_objects'][r])} and field lengths "
-                f"{dict(zip(schema.FIELDS, lengths[r].tolist()))}; the pack is damaged or was "
-                "not written by pack_voc: re-pack it"
+                f"its fields: expected {expected}, found flags {int(flags[r])}, num_objects "
+                f"{int(columns['num_objects'][r])}, field lengths {found}; re-pack it"
             )

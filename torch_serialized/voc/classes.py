@@ -1,8 +1,4 @@
-"""Pascal VOC class names and the segmentation colormap.
-
-Kept in one tiny module so the reader, the writer, the datasets and the synthetic generator all
-agree on the same class order (torchvision's alphabetical one) and the same palette.
-"""
+"""Pascal VOC class names (torchvision's alphabetical order) and the segmentation colormap."""
 
 from __future__ import annotations
 
@@ -39,11 +35,8 @@ VOC_IGNORE_INDEX: int = 255
 
 
 def voc_colormap(n: int = 256) -> tuple[tuple[int, int, int], ...]:
-    """The first ``n`` colours of the VOC devkit's ``labelcolormap`` (bit-interleaved RGB).
-
-    Entry ``i`` takes bits ``0, 1, 2`` of ``i`` as the top bits of red, green, blue, bits
-    ``3, 4, 5`` as the next ones, and so on; this is the palette of every VOC mask PNG.
-    """
+    """The first ``n`` colours of the VOC devkit's ``labelcolormap``: bits 0, 1, 2 of ``i``
+    are the top bits of red, green, blue, bits 3, 4, 5 the next ones, and so on."""
     if not 0 <= n <= 256:
         raise ValueError(f"voc_colormap: n must be in 0..256, got {n}")
     colors = []
@@ -69,11 +62,9 @@ VOC_PALETTE: bytes = bytes(v for rgb in VOC_COLORMAP for v in rgb)
 
 
 def label_classes(rule: str, classes: Sequence[str], base: Mapping[str, Any] | None) -> list[str]:
-    """The class names after ``"__background__"`` in a pack's ``tv_tensors`` label list, for
-    ``rule`` ``"default"`` (``classes=None``: VOC's 20 when every class of the pack is one,
-    else the pack's classes in pack order) or ``"packed"`` (sorted by name). A pack appended to by
-    ``append_voc`` keeps the list its rule gave before its first append (``base``, metadata
-    ``label_base``) with classes added since after it, so no label of an existing class moves.
+    """The class names after ``"__background__"`` in a pack's ``tv_tensors`` labels:
+    ``"default"`` (VOC's 20 when they hold every class, else pack order) or ``"packed"``
+    (sorted). After an append, ``base`` (metadata ``label_base``) comes first, so no label moves.
     """
     if base is not None:
         known = set(base[rule])

@@ -1,24 +1,10 @@
-"""Unpack a VOC pack back into a VOCdevkit folder, byte for byte.
-
-``export_voc`` is the inverse of ``pack_voc`` for packs that keep the original files
-(``image_storage="original"``, no ``max_size``): it writes ``JPEGImages``, ``Annotations``,
-``SegmentationClass``, ``SegmentationObject`` and every stored ``ImageSets`` list file under
-``out_root/<base_dir>`` (``VOCdevkit/VOC2012``, say), so torchvision's ``root=out_root`` reads
-the result. Files the source had but no list named are not in a pack and are not restored.
+"""Unpack a VOC pack back into a VOCdevkit folder, byte for byte (``export_voc``).
 
 A pack is untrusted input: every id and stored path is checked before anything is written, and
-one that would land outside ``out_root`` is refused. Folders below ``out_root`` are opened one
-component at a time with ``O_NOFOLLOW`` and files written through those descriptors, so a
-symbolic link anywhere below ``out_root`` (``VOCdevkit/VOC2007/JPEGImages`` pointing elsewhere,
-say) is refused, never followed. Records are read with their checksums verified.
-
-An export is all or nothing: every file is first written into a hidden temporary sibling
-(``fileio.AtomicOutput``) of the shallowest missing folder of ``out_root/<base_dir>``, which is
-renamed into place at the end. When that folder exists already (export into an existing
-devkit, with ``overwrite`` or beside files of the user) the staged files are renamed into it
-one by one, each replaced file moved aside first, and all of it is undone if one rename
-fails. On any failure (a damaged record, a full disk, Ctrl-C) the temporaries are removed and
-``out_root`` holds what it held before.
+folders below ``out_root`` are opened one component at a time with ``O_NOFOLLOW``, so a
+symbolic link there is refused, never followed. An export is all or nothing: files are staged
+in a hidden temporary folder (``fileio.AtomicOutput``), then renamed into place as one folder,
+or file by file into an existing devkit, undone if one rename fails.
 """
 
 from __future__ import annotations
@@ -55,14 +41,13 @@ def export_voc(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit_bytes: int | None = None,
 ) -> Path:
-    """Rebuild ``out_root/<base_dir>/`` from the pack at ``path`` (local, or a URL read
-    through the cache as ``VOCSerializedDataset`` reads it); return that folder.
+    """Rebuild ``out_root/<base_dir>/`` (what torchvision's ``root=out_root`` reads) from the
+    pack at ``path``, local or a URL; return that folder.
 
-    Raises ``ValueError`` for packs that do not hold the original files, ``FormatError`` for
-    ids or stored paths that are unsafe (``..``, absolute, separators, NUL), ``ChecksumError``
-    for a damaged record, and ``WriteError`` (``EEXIST``) when a file to write already exists
-    and ``overwrite`` is false; that check happens before anything is written. On any error
-    or interruption nothing of the export is left: ``out_root`` holds what it held before.
+    Raises ``ValueError`` for a pack that does not hold the original files, ``FormatError`` for
+    an unsafe id or stored path, ``ChecksumError`` for a damaged record, and ``WriteError``
+    (``EEXIST``, before anything is written) for an existing file without ``overwrite``. On
+    any error ``out_root`` holds what it held before.
     """
     pack = VOCPackReader(
         path,
@@ -73,9 +58,9 @@ def export_voc(
     )
     if pack.image_storage != "original" or pack.meta.get("max_size") is not None:
         raise ValueError(
-            f"{pack.name} was packed with image_storage={pack.image_storage!r} and "
-            f"max_size={pack.meta.get('max_size')!r}: its images are not the original files, "
-            "so it cannot be exported byte for byte; export a pack made with the defaults"
+            f"{pack.name} was packed with image_storage={pack.image_storage!r} and max_size="
+            f"{pack.meta.get('max_size')!r}: it cannot be exported byte for byte; re-pack it "
+            "with the defaults"
         )
     out_root = Path(out_root)
     base = _safe_parts(pack.base_dir, f"{pack.name}: base_dir")
@@ -113,8 +98,7 @@ def _stage_and_rename(
     pack: VOCPackReader, plan: _Plan, top: Path, below: _Folder, final: Path, progress: bool
 ) -> None:
     """``top`` does not exist: write it complete under a temporary name, then rename it."""
-    if not top.parent.exists():  # out_root's parents: created as before, never removed
-        top.parent.mkdir(parents=True, exist_ok=True)
+    top.parent.mkdir(parents=True, exist_ok=True)  # out_root's parents: never removed
     output = AtomicOutput(top, folder=True)
     try:
         with _Tree(output.path.joinpath(*below), final) as tree:
@@ -188,10 +172,8 @@ def _merge(plan: _Plan, staged: _Tree, target: _Tree, aside: _Tree, overwrite: b
 
 
 class _Tree:
-    """The folders below ``root``, each opened from its parent's descriptor with
-    ``O_NOFOLLOW`` (created first when writing), so nothing below ``root`` is reached through
-    a symbolic link. ``root`` itself is the caller's choice and may be one. Messages name
-    ``shown`` (the final folder) in place of ``root`` (perhaps a temporary)."""
+    """The folders below ``root`` (which may be a link), each opened from its parent with
+    ``O_NOFOLLOW``, so none is reached through a link; messages name ``shown``, not ``root``."""
 
     def __init__(self, root: Path, shown: Path) -> None:
         self.root = root
@@ -211,7 +193,7 @@ class _Tree:
         """The descriptor of ``root/folder``; ``None`` if it does not exist and not ``create``."""
         if folder in self._fds:
             return self._fds[folder]
-        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
         path = self.shown.joinpath(*folder)
         try:
             if not folder:
@@ -226,7 +208,7 @@ class _Tree:
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(folder[-1], dir_fd=parent)
                         self._created.append(folder)
-                fd = os.open(folder[-1], flags | getattr(os, "O_NOFOLLOW", 0), dir_fd=parent)
+                fd = os.open(folder[-1], flags | os.O_NOFOLLOW, dir_fd=parent)
         except FileNotFoundError:
             if create:
                 raise
@@ -235,9 +217,8 @@ class _Tree:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise WriteError(
                     exc.errno,
-                    f"{path} is a symbolic link or not a folder; export writes only into real "
-                    "folders below the output folder, never through a link: remove it or "
-                    "export elsewhere",
+                    f"{path} is a symbolic link or not a folder; export never writes through a "
+                    "link: remove it or export elsewhere",
                 ) from None
             raise WriteError(
                 exc.errno or errno.EIO, f"cannot create {path}: {exc.strerror or exc}"
@@ -267,6 +248,7 @@ class _Tree:
         self._created.clear()
 
     def exists(self, folder: _Folder, name: str) -> bool:
+        """Whether ``root/folder/name`` exists (a link counts)."""
         fd = self.lookup(folder, create=False)
         if fd is None:
             return False
@@ -277,8 +259,7 @@ class _Tree:
         return True
 
     def write(self, folder: _Folder, name: str, data: bytes | memoryview) -> None:
-        """Write one file atomically (``fileio.replace_file_at``), failing with a
-        ``WriteError``."""
+        """Write one file atomically, failing with a ``WriteError``."""
         try:
             replace_file_at(self.open(folder), name, data)
         except OSError as exc:
@@ -296,14 +277,17 @@ def _plan(
     pack: VOCPackReader, files: dict[str, bytes]
 ) -> Iterator[tuple[_Folder, str, int, int, bytes | None]]:
     """``(folder, name, record, field, None)`` per record file, ``(folder, name, -1, -1,
-    bytes)`` per list file, folders relative to ``out_root/<base_dir>``. Raises on an unsafe id or
-    path; the caller lists the whole plan first."""
+    bytes)`` per list file, folders relative to ``out_root/<base_dir>``; raises on an unsafe
+    id or path."""
     flags = pack.columns["flags"]
     seen: set[str] = set()
     for record in pack.live.tolist():  # a record an append retired is not in the devkit
         image_id = pack.id(record)
         where = f"{pack.name}: record {record} id {image_id!r}"
-        _check_id(image_id, where)
+        if image_id in ("", ".", "..") or any(c in image_id for c in "/\\\x00"):
+            raise FormatError(
+                f"{where}: refusing an id that is not a file name; the pack is unsafe"
+            )
         if image_id in seen:
             raise FormatError(f"{where}: the id is stored twice; the pack is damaged, re-pack it")
         seen.add(image_id)
@@ -313,27 +297,8 @@ def _plan(
     for name in sorted(files):
         parts = _safe_parts(name, f"{pack.name}: stored list file {name!r}")
         if parts[0] != "ImageSets" or len(parts) < 2:
-            raise FormatError(
-                f"{pack.name}: stored list file {name!r} is not under ImageSets/; refusing to "
-                "write it (the pack was not made by pack_voc, or is damaged)"
-            )
+            raise FormatError(f"{pack.name}: stored list file {name!r} is not under ImageSets/")
         yield parts[:-1], parts[-1], -1, -1, files[name]
-
-
-def _check_id(image_id: str, where: str) -> None:
-    """Refuse ids that are not a plain file-name stem (they could escape ``out_root``)."""
-    bad = (
-        image_id in ("", ".", "..")
-        or "/" in image_id
-        or "\\" in image_id
-        or "\x00" in image_id
-        or (os.altsep is not None and os.altsep in image_id)
-    )
-    if bad:
-        raise FormatError(
-            f"{where}: refusing to export an id that is empty, '.', '..' or holds a path "
-            "separator or NUL (it would write outside the output folder); the pack is unsafe"
-        )
 
 
 def _safe_parts(relative: str, where: str) -> tuple[str, ...]:
@@ -347,8 +312,5 @@ def _safe_parts(relative: str, where: str) -> tuple[str, ...]:
         or any(part in ("", ".", "..") for part in parts)
         or (relative != "/".join(parts) and relative != "\\".join(parts))
     ):
-        raise FormatError(
-            f"{where}: refusing unsafe path {relative!r} (absolute, '..', NUL or empty "
-            "parts would write outside the output folder); the pack is unsafe"
-        )
+        raise FormatError(f"{where}: refusing unsafe path {relative!r}; the pack is unsafe")
     return parts

@@ -1,11 +1,8 @@
 """Pack-time image processing: what to store for an image, its size, and resizing.
 
-By default an image is stored as its file's bytes and only its size is needed, read from the
-JPEG header (``jpeg_size``) rather than through Pillow. ``ImageOptions`` can ask for more:
-``check_images`` decodes every image, ``image_storage="raw"`` stores decoded RGB pixels and
-``max_size`` shrinks large images (target dicts are scaled with ``scale_target``, masks with
-``resize_mask``). Pillow's decompression-bomb limit applies either way. This module never
-imports torch.
+By default an image is stored as its file's bytes, its size read from the JPEG header.
+``ImageOptions`` can ask to decode every image, store raw RGB pixels or shrink large images
+(their targets and masks with them). Pillow's decompression-bomb limit applies either way.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ def store_image(
 ) -> tuple[bytes, int, int, tuple[float, float] | None]:
     """The bytes to store for an image, its stored size, and the box scale if resized."""
     if not options.decodes:
-        size = jpeg_size(data)  # the common case: stored as is, only the size is needed
+        size = jpeg_size(data)
         if size is not None:
             check_pixels(size, path, SourceDataError)
             return data, size[0], size[1], None
@@ -83,17 +80,15 @@ def resized_size(width: int, height: int, max_size: int | None) -> tuple[int, in
 
 
 def image_scale(data: bytes, path: str, options: ImageOptions) -> tuple[float, float] | None:
-    """The scale ``store_image`` resizes this image (and so its masks and boxes) by, read
-    from its header alone (nothing decoded); None when it is stored at its own size."""
-    with _opened(data, path, "image") as img:  # as store_image sizes it
+    """The scale ``store_image`` resizes this image by (from its header), or None."""
+    with _opened(data, path, "image") as img:
         size = img.size
     resized = resized_size(size[0], size[1], options.max_size)
     return None if resized is None else (resized[0] / size[0], resized[1] / size[1])
 
 
 def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
-    """A segmentation mask: its declared size within the pixel limit (always, from the PNG
-    header); with ``check_images``, a PNG that decodes completely."""
+    """A mask's declared size within the pixel limit; with ``check_images``, a whole PNG."""
     size = png_size(data)
     if size is not None:
         check_pixels(size, path, SourceDataError)
@@ -108,8 +103,8 @@ def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
 
 @contextlib.contextmanager
 def _opened(data: bytes | memoryview, path: str, what: str) -> Iterator[Image.Image]:
-    """``data`` opened by Pillow; what Pillow cannot read (or what the caller finds wrong with
-    it, as a ``ValueError``) raises ``SourceDataError`` naming ``path`` and ``what`` it is."""
+    """``data`` opened by Pillow; what Pillow (or the caller, by ``ValueError``) finds wrong
+    raises ``SourceDataError`` naming ``path``."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             yield img
@@ -123,8 +118,7 @@ def _opened(data: bytes | memoryview, path: str, what: str) -> Iterator[Image.Im
 
 
 def pil_reason(exc: BaseException) -> str:
-    """Pillow's message without the stream it names (``<_io.BytesIO object at 0x7f...>``,
-    which tells a user nothing): the caller's message names the file."""
+    """Pillow's message without the ``<_io.BytesIO object at 0x...>`` it names."""
     return _STREAM_REPR.sub("", str(exc)) or type(exc).__name__
 
 
@@ -135,17 +129,11 @@ def png_size(data: bytes | memoryview) -> tuple[int, int] | None:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
-def declared_size(data: bytes | memoryview) -> tuple[int, int] | None:
-    """The size a JPEG or PNG declares in its header, read without decoding anything."""
-    return jpeg_size(data) or png_size(data)
-
-
 def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
-    """``(width, height)`` from a JPEG's start-of-frame header, or ``None`` if not found.
+    """``(width, height)`` from a JPEG's start-of-frame header, or ``None`` (then ask Pillow).
 
-    Reads a few hundred bytes of markers instead of opening the image with Pillow, which is
-    much slower (benchmarks/README.md, "Measurements behind the code"). ``None`` (not a
-    JPEG, odd markers) sends the caller to Pillow.
+    Much faster than opening the image with Pillow (benchmarks/README.md, "Measurements
+    behind the code"): it keeps packing and the read-time pixel check cheap.
     """
     if bytes(data[:2]) != b"\xff\xd8":
         return None
@@ -174,11 +162,8 @@ def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
 
 
 def check_pixels(size: tuple[int, int], where: str, error: type[Exception]) -> None:
-    """Pillow's decompression-bomb rule for a size read without Pillow, with the limit read now
-    (``PIL.Image.MAX_IMAGE_PIXELS``, so users configure it as they already do for Pillow; None
-    turns it off): above twice the limit ``error(...)`` naming ``where``, above the limit
-    Pillow's ``DecompressionBombWarning``. The one rule of every decode path, at pack and at
-    read time, checked before any pixel memory is allocated."""
+    """Pillow's decompression-bomb rule (``PIL.Image.MAX_IMAGE_PIXELS``) for a size read
+    without Pillow: above twice the limit ``error`` naming ``where``, above it a warning."""
     limit = Image.MAX_IMAGE_PIXELS
     pixels = size[0] * size[1]
     if limit and pixels > 2 * limit:
@@ -199,9 +184,8 @@ def check_pixels(size: tuple[int, int], where: str, error: type[Exception]) -> N
 def scale_target(
     target: dict[str, Any], scale: tuple[float, float], width: int, height: int
 ) -> None:
-    """Rewrite the size and every coordinate of a target dict for a resized image: each
-    object's ``bndbox``, and those nested in it (a person's ``part`` boxes), and the ``point``
-    of an action annotation."""
+    """Rewrite a target's size and every coordinate (boxes, part boxes, action points) for a
+    resized image."""
     annotation = target.get("annotation")
     if not isinstance(annotation, dict):
         return
@@ -219,9 +203,7 @@ _COORDINATE_AXES = {
 
 
 def _scale_coordinates(node: Any, scale: tuple[float, float]) -> None:
-    """Scale, in place, every coordinate element below ``node`` (parsed XML: dicts, lists,
-    strings); a value that is not a number is left as it is (the pack checked the ones it
-    stores)."""
+    """Scale, in place, every coordinate below ``node``; one that is no number is left."""
     if isinstance(node, list):
         for item in node:
             _scale_coordinates(item, scale)
@@ -245,9 +227,8 @@ def _scale_coordinates(node: Any, scale: tuple[float, float]) -> None:
 
 
 def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
-    """A segmentation mask PNG resized by ``scale`` as its image was (``max_size``), with
-    nearest-neighbour sampling so every pixel keeps a class index of the source: same mode
-    (P, its palette) and, for a mask the size of its image, exactly the image's new size."""
+    """A mask PNG resized by ``scale`` as its image was, nearest-neighbour so every pixel keeps
+    a class index (same mode and palette)."""
     with _opened(data, path, "PNG mask") as img:
         size = (max(1, round(img.width * scale[0])), max(1, round(img.height * scale[1])))
         resized = img.resize(size, Image.Resampling.NEAREST)  # keeps palette and info
@@ -257,8 +238,7 @@ def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
 
 
 def same_mask(a: bytes | memoryview, b: bytes | memoryview) -> bool:
-    """Whether two mask PNGs hold the same mask: size, mode, palette and pixels (however
-    each was compressed); unreadable bytes are never the same as anything."""
+    """Whether two mask PNGs hold the same size, mode, palette and pixels (unreadable: no)."""
     try:
         with Image.open(io.BytesIO(a)) as one, Image.open(io.BytesIO(b)) as two:
             return (

@@ -1,11 +1,8 @@
 """Where a VOCdevkit lives on disk and which ids its ImageSets lists name.
 
-torchvision joins ``root`` with ``base_dir(year)`` (``VOCdevkit/VOC{year}``, but
-``TrainVal/VOCdevkit/VOC2011`` for 2011) and reads ``ImageSets/{Main,Segmentation}/
-{image_set}.txt`` as ``[x.strip() for x in f.readlines()]``. :func:`find_voc_root` accepts that
-root or the ``VOC{year}`` folder itself; :func:`read_image_sets` returns the very id lists
-torchvision would build, and refuses the lines that would make torchvision look for a nameless
-``JPEGImages/.jpg``; :func:`image_set_files` returns the list files' bytes.
+:func:`find_voc_root` takes torchvision's ``root`` (holding ``base_dir(year)``) or the
+``VOC{year}`` folder itself; :func:`read_image_sets` returns the very id lists torchvision
+builds (``[x.strip() for x in f.readlines()]``), refusing lines that cannot name a file.
 """
 
 from __future__ import annotations
@@ -44,13 +41,9 @@ def base_dir(year: str) -> str:
 
 
 def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path, str]:
-    """Locate ``VOCdevkit/VOC{year}`` from torchvision's ``root`` or the folder itself.
-
-    With ``year=None`` the year comes from the folder name (``VOC2007`` -> ``"2007"``) or from the
-    only ``VOC20xx`` folder under ``root``; several are an error that names them. This is the
-    one year rule of ``pack_voc``, the command line, the benchmark and the examples. Returns
-    ``(voc_root, year)``.
-    """
+    """``(voc_root, year)``: ``VOCdevkit/VOC{year}`` found from torchvision's ``root`` or the
+    folder itself. With ``year=None`` the year comes from the only ``VOC<year>`` folder there;
+    several are an error that names them."""
     root = Path(root)
     if year is not None:
         _check_year(year)
@@ -70,44 +63,28 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
             )
         raise SourceNotFoundError(
             f"No Pascal VOC folder found under {str(root)!r}: looked for VOCdevkit/VOC<year>, "
-            "TrainVal/VOCdevkit/VOC<year> and a folder named VOC<year>. Pass torchvision's root "
-            "(the folder holding VOCdevkit/VOC2012) or the VOC2012 folder itself."
+            "TrainVal/VOCdevkit/VOC<year> and VOC<year>. Pass torchvision's root or VOC<year>."
         )
     candidates = _candidates(root, year)
     for candidate in candidates:
         if candidate.is_dir():
             return candidate, year
     looked = ", ".join(repr(str(c)) for c in candidates)
-    if not found:
-        advice = (
-            f"Pass torchvision's root (the folder holding VOCdevkit/VOC{year}) or the "
-            f"VOC{year} folder itself."
-        )
-    elif len(found) == 1:
-        other = found[0].name[3:]
-        advice = (
-            f"Found VOC{other} ({listed}): pass year={other!r} (--year {other} on the "
-            "command line) or leave the year out."
-        )
-    else:
+    advice = f"Pass torchvision's root (holding VOCdevkit/VOC{year}) or the VOC{year} folder."
+    if found:
         names = ", ".join(path.name for path in found)
         advice = f"Found {names} ({listed}): pass year={years} (--year on the command line)."
     raise SourceNotFoundError(f"No Pascal VOC {year} folder found: looked for {looked}. {advice}")
 
 
 def _check_year(year: object) -> None:
-    """Refuse a ``year`` that is not 4 digits in a ``str``: torchvision's ``VOCDetection``
-    refuses anything but a string too (``ValueError``, as ``SourceDataError`` is)."""
+    """Refuse a ``year`` that is not 4 digits in a ``str``, as torchvision refuses a non-str."""
     if isinstance(year, str):
         if not _YEAR.fullmatch(year):
             raise SourceDataError(f"year must be 4 digits such as '2007', got {year!r}.")
         return
-    if isinstance(year, bytes):
-        text = year.decode("ascii", "replace")
-    elif isinstance(year, float) and year.is_integer():
-        text = str(int(year))
-    else:
-        text = str(year)
+    text = year.decode("ascii", "replace") if isinstance(year, bytes) else str(year)
+    text = text.removesuffix(".0")
     hint = f": pass year={text!r}" if _YEAR.fullmatch(text) else ""
     raise SourceDataError(
         f"year must be a string such as '2007', as for torchvision's VOCDetection, got "
@@ -127,19 +104,13 @@ def _candidates(root: Path, year: str) -> list[Path]:
 
 
 def _found(root: Path) -> list[Path]:
-    """The ``VOC<year>`` folders ``root`` holds, sorted: under ``VOCdevkit/`` and
-    ``TrainVal/VOCdevkit/``, else directly in ``root`` if it is a ``VOCdevkit`` folder, else
-    ``root`` itself if it is one."""
-    found = sorted(
-        {
-            path
-            for parent in (root / "VOCdevkit", root / "TrainVal" / "VOCdevkit")
-            for path in _voc_folders(parent)
-        }
-    )
+    """The ``VOC<year>`` folders under ``root/VOCdevkit``, ``root/TrainVal/VOCdevkit``, else
+    ``root`` (a ``VOCdevkit`` folder), else ``root`` itself if it is one, sorted."""
+    parents = (root / "VOCdevkit", root / "TrainVal" / "VOCdevkit")
+    found = sorted(path for parent in parents for path in _voc_folders(parent))
     if not found and root.name == "VOCdevkit":
         found = sorted(_voc_folders(root))
-    if not found and _VOC_FOLDER.fullmatch(root.name) and root.is_dir():
+    if not found and _VOC_FOLDER.fullmatch(root.name):  # the caller checked it is a folder
         found = [root]
     return found
 
@@ -154,30 +125,19 @@ def _voc_folders(parent: Path) -> list[Path]:
 def read_image_sets(
     voc_root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 ) -> dict[str, dict[str, list[str]]]:
-    """Map task (``Main``, ``Segmentation``) -> list name -> ids, as torchvision reads them.
-
-    Ids keep file order, duplicates and leading zeros. Besides the standard names, every other
-    ``*.txt`` is a custom split, except per-class files such as ``aeroplane_train.txt``
-    (every line ``id -1``, ``id 0`` or ``id 1``), which are skipped. Tasks without lists are
-    left out.
-    Only regular files of at most ``max_file_bytes`` are read (a FIFO named ``train.txt`` is
-    refused, not waited on).
-    """
+    """Task (``Main``, ``Segmentation``) -> list name -> ids, as torchvision reads them (file
+    order, duplicates kept). Every ``*.txt`` but a per-class file (``aeroplane_train.txt``) is
+    a list; only regular files of at most ``max_file_bytes`` are read."""
     voc_root = Path(voc_root)
     image_sets = voc_root / "ImageSets"
     if not image_sets.is_dir():
         raise SourceNotFoundError(
             f"{str(image_sets)!r} does not exist. Create ImageSets/Main/train.txt (and val.txt, "
-            "trainval.txt) with one image id per line, e.g. 000005 for JPEGImages/000005.jpg."
+            "...) with one image id per line, e.g. 000005 for JPEGImages/000005.jpg."
         )
-    result: dict[str, dict[str, list[str]]] = {}
-    for task in TASKS:
-        folder = image_sets / task
-        if not folder.is_dir():
-            continue
-        lists = _read_task(folder, max_file_bytes)
-        if lists:
-            result[task] = lists
+    folders = [image_sets / task for task in TASKS]
+    found = {f.name: _read_task(f, max_file_bytes) for f in folders if f.is_dir()}
+    result = {task: lists for task, lists in found.items() if lists}
     if not result:
         raise SourceNotFoundError(
             f"No list files in {str(image_sets)!r}: expected Main/train.txt, Main/val.txt, ... "
@@ -189,60 +149,41 @@ def read_image_sets(
 def _read_task(folder: Path, max_file_bytes: int) -> dict[str, list[str]]:
     """The id lists of one ImageSets sub-folder, standard names first, then custom ones sorted."""
     paths = {path.stem: path for path in folder.glob("*.txt") if not path.is_dir()}
+    standard = [name for name in STANDARD_IMAGE_SETS if name in paths]
     lists: dict[str, list[str]] = {}
-    for name in (*STANDARD_IMAGE_SETS, *sorted(set(paths) - set(STANDARD_IMAGE_SETS))):
-        path = paths.get(name)
-        if path is None:
-            continue
-        lines = _read_lines(path, max_file_bytes)
-        if name not in STANDARD_IMAGE_SETS and _per_class(lines):
-            continue  # "000005 -1": which ids show a class, not a list of ids
-        lists[name] = _ids(path, lines)
+    for name in standard + sorted(set(paths) - set(standard)):
+        try:
+            text = read_list_file(paths[name], max_file_bytes).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SourceDataError(
+                f"{paths[name]}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as "
+                "UTF-8."
+            ) from None
+        # torchvision's [x.strip() for x in open(path).readlines()] (universal newlines)
+        lines = [line.strip() for line in io.StringIO(text, newline=None).readlines()]
+        if name in standard or not _per_class(lines):  # "000005 -1": a per-class file
+            lists[name] = _ids(paths[name], lines)
     return lists
 
 
 def _per_class(lines: list[str]) -> bool:
-    """Whether the lines are a VOC per-class file (``aeroplane_train.txt``): every line an id
-    and ``-1``, ``0`` or ``1``. Any other file is a list of ids, read as torchvision reads
-    one (an id may hold spaces: ``my img 1``), so a custom split is never dropped unseen.
-    Blank lines are let by (a per-class file is never read as ids)."""
+    """Whether the lines are a per-class file: every non-blank line an id and -1, 0 or 1."""
     rows = [line.split() for line in lines if line]
     return bool(rows) and all(len(row) == 2 and row[1] in ("-1", "0", "1") for row in rows)
-
-
-def _read_lines(path: Path, max_file_bytes: int) -> list[str]:
-    """torchvision's ``[x.strip() for x in open(path).readlines()]`` (universal newlines)."""
-    try:
-        text = read_list_file(path, max_file_bytes).decode("utf-8")
-        return [line.strip() for line in io.StringIO(text, newline=None).readlines()]
-    except UnicodeDecodeError as exc:
-        raise SourceDataError(
-            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
-            "save the list as plain UTF-8 (ASCII) with one image id per line."
-        ) from None
 
 
 def _ids(path: Path, lines: list[str]) -> list[str]:
     """Check a list's stripped lines and return them as ids."""
     if lines and lines[0].startswith("\ufeff"):
-        raise SourceDataError(
-            f"{path}, line 1: starts with a byte order mark, which torchvision would keep in the "
-            "first id; save the file as UTF-8 without BOM."
-        )
-    if "" not in lines and "." not in lines and ".." not in lines:
-        joined = "".join(lines)
-        if "/" not in joined and "\\" not in joined and "\0" not in joined:
-            return lines  # the common case, checked without a loop over the lines
+        raise SourceDataError(f"{path}, line 1: starts with a byte order mark; save it without")
     for number, line in enumerate(lines, start=1):
         if not line:
             raise SourceDataError(
-                f"{path}, line {number}: blank line; torchvision would read it as an empty id and "
-                "look for JPEGImages/.jpg. Delete blank lines (including trailing ones)."
+                f"{path}, line {number}: blank line (torchvision reads an empty id); delete it."
             )
         if "/" in line or "\\" in line or "\0" in line or line in (".", ".."):
             raise SourceDataError(
-                f"{path}, line {number}: id {line!r} is a path, not a file name; it would read "
-                "(and export would write) outside the VOC folder. Use plain ids (2008_000123)."
+                f"{path}, line {number}: id {line!r} is a path, not a file name; use plain ids."
             )
     return lines
 
@@ -250,8 +191,7 @@ def _ids(path: Path, lines: list[str]) -> list[str]:
 def image_set_files(
     voc_root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 ) -> Iterator[tuple[str, bytes]]:
-    """Every list file under ImageSets, as ``(devkit-relative path, raw bytes)``, sorted, so
-    ``export`` can restore them byte for byte."""
+    """Every list file under ImageSets as ``(devkit-relative path, bytes)``, sorted, for export."""
     base = voc_root / "ImageSets"
     for path in sorted(base.rglob("*.txt")):
         if not path.is_dir():
@@ -268,8 +208,7 @@ def read_list_file(path: Path, max_file_bytes: int) -> bytes:
         raise SourceDataError(f"{path}: cannot read the list file: {exc.strerror or exc}") from None
 
 
-#: Other spellings of an extension that exports use (cameras, Roboflow) and torchvision does
-#: not read: looked for only when the expected file is missing, to name the one that is there.
+#: Other spellings of an extension (cameras, Roboflow) that torchvision does not read.
 _NEAR_MISSES: Final[Mapping[str, tuple[str, ...]]] = {
     ".jpg": (".JPG", ".jpeg", ".JPEG", ".Jpg", ".png", ".PNG"),
     ".xml": (".XML",),
@@ -278,9 +217,8 @@ _NEAR_MISSES: Final[Mapping[str, tuple[str, ...]]] = {
 
 
 def near_miss(path: str) -> str | None:
-    """A file beside the missing ``path`` with the same stem and another spelling of its
-    extension (``000002.JPG`` for ``000002.jpg``), if there is one: a few ``stat`` calls,
-    no folder listing, so a folder of thousands of such files stays cheap to report."""
+    """A file beside the missing ``path`` with another spelling of its extension
+    (``000002.JPG`` for ``000002.jpg``), if there is one."""
     stem, ext = os.path.splitext(path)
     for other in _NEAR_MISSES.get(ext, ()):
         if os.path.isfile(stem + other):

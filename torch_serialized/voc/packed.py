@@ -1,13 +1,7 @@
 """A packed VOC dataset seen through its schema: splits, ids, sizes and raw fields.
 
-``VOCPackReader`` adds VOC meaning to a ``PackReader`` (see ``schema`` for the layout): the
-reading side of ``pack_voc``, shared by the map-style and iterable datasets, ``export_voc``
-and the command line. It holds numpy arrays only, never per-sample Python objects, so
-DataLoader workers do not grow their memory by touching samples.
-
-Every pack is checked once, at open (``checks``), so the reader trusts what it reads; only
-what varies inside a record (an object's class id, a stored target) is checked as it is
-read, by the decoder (``data.decode``).
+``VOCPackReader`` adds VOC meaning to a ``PackReader``, checked once at open (``checks``); it
+holds numpy arrays only, never per-sample Python objects, so DataLoader workers do not grow.
 """
 
 from __future__ import annotations
@@ -68,17 +62,13 @@ class VOCPackReader:
 
     @property
     def retired(self) -> np.ndarray:
-        """Record numbers retired by an append (replaced or dropped; ascending), usually none:
-        their bytes stay in their shard until the next full pack, but no reader shows them."""
-        array = self.reader.arrays().get(schema.RETIRED_ARRAY)
-        return array if array is not None else np.empty(0, dtype="<i8")
+        """Record numbers an append retired (ascending; usually none): no reader shows them."""
+        return self.reader.arrays().get(schema.RETIRED_ARRAY, np.empty(0, dtype="<i8"))
 
     @property
     def live(self) -> np.ndarray:
         """The record numbers a reader shows, in storage order: every record not retired."""
-        everything = np.arange(len(self), dtype=np.int64)
-        retired = self.retired
-        return np.delete(everything, retired) if len(retired) else everything
+        return np.delete(np.arange(len(self), dtype=np.int64), self.retired)
 
     def image_sets(self, task: str) -> list[str]:
         """Names of the image sets stored for ``task`` ("Main" or "Segmentation")."""
@@ -102,6 +92,7 @@ class VOCPackReader:
         return self.reader.arrays()["records"]
 
     def id(self, record: int) -> str:
+        """The id of ``record``."""
         return schema.decode_id(*self.id_table(), record)
 
     def id_table(self) -> tuple[np.ndarray, np.ndarray]:
@@ -110,44 +101,30 @@ class VOCPackReader:
         return arrays["ids"], arrays["id_offsets"]
 
     def object_classes(self) -> tuple[np.ndarray, np.ndarray]:
-        """The class id of every stored object of every record (retired ones included), in
-        record order, and how many objects each record has (int64 both): from the catalog's
-        ``objects/class_id``, so no shard is read; a pack written before that array (0.1.0)
-        has its shards read instead, each shard's objects field in one pass (a pack at a URL:
-        every shard downloaded). Raises ``FormatError`` for a class the pack does not have."""
+        """The class id of every stored object (records in order, retired ones too) and each
+        record's object count, int64: from ``objects/class_id``, or for a pack written before
+        it from every record. ``FormatError`` for a class the pack does not have."""
         stored = self.reader.arrays().get(schema.OBJECT_CLASSES_ARRAY)  # checked at open
-        if stored is None:
-            classes, counts = self._object_classes_from_shards()
-        else:
-            classes, counts = stored.astype(np.int64), self.columns["num_objects"].astype(np.int64)
+        if stored is None:  # whole rows: check_records
+            rows = b"".join(self.field(r, schema.OBJECTS) for r in range(len(self)))
+            stored = np.frombuffer(rows, dtype=schema.OBJECT_DTYPE)["class_id"]
+        classes, counts = stored.astype(np.int64), self.columns["num_objects"].astype(np.int64)
         if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= len(self.classes)):
             raise FormatError(
                 f"{self.name}: a stored object names a class the pack does not have; re-pack it"
             )
         return classes, counts
 
-    def _object_classes_from_shards(self) -> tuple[np.ndarray, np.ndarray]:
-        parts: list[bytes] = []
-        lengths: list[np.ndarray] = []
-        for s in range(self.reader.num_shards):
-            shard = self.reader.shard(s)
-            everything = np.arange(len(shard))
-            lengths.append(shard.index_rows(everything)["length"][:, schema.OBJECTS])
-            parts.append(b"".join([v[0] for v in shard.views(everything, [schema.OBJECTS])]))
-        sizes = np.concatenate(lengths).astype(np.int64) if lengths else np.empty(0, np.int64)
-        rows = np.frombuffer(b"".join(parts), dtype=schema.OBJECT_DTYPE)  # whole: check_records
-        return rows["class_id"].astype(np.int64), sizes // schema.OBJECT_DTYPE.itemsize
-
     def where(self, record: int) -> str:
         """``"<pack>: record 5 (id '2008_000123')"``, for messages about one record."""
         return f"{self.name}: record {record} (id {self.id(record)!r})"
 
     def field(self, record: int, k: int) -> memoryview:
+        """Field ``k`` of ``record``, a view of the map."""
         return self.reader.field(record, k)
 
     def named(self, error: ChecksumError) -> ChecksumError:
-        """``error``, a record's field failing its checksum (``checked=True``), again naming
-        the sample: the pack, the record and its id, not only the file's record number."""
+        """``error`` (a field failing its checksum) again, naming the pack, record and id."""
         if error.record is None:
             return error
         member = f" (in {error.path})" if error.path != self.path else ""  # a shard's

@@ -1,11 +1,8 @@
 """The source side of a pack: which ids to store, in which order, and loading one id.
 
-``plan`` turns a devkit's image sets into one ``Job`` per distinct id, in the order a pack
-lays them out (``survey``: the same ids and what their jobs would be, without making them,
-for an append that loads only a few); ``load`` reads and parses everything about one id
-into a ``LoadedSample`` (its payloads in ``schema.FIELDS`` order, objects still as names:
-class ids are assigned by the writing process). Jobs and loaded samples are plain
-picklable values, because pack processes load them too. This module never imports torch.
+``survey`` turns a devkit's image sets into its distinct ids in layout order, each with its
+``Job`` (made on demand); ``load`` reads and parses one id into a ``LoadedSample``
+(class ids are assigned by the writer). Both are picklable: pack processes load them too.
 """
 
 from __future__ import annotations
@@ -46,10 +43,8 @@ class Job:
     needs_annotation: bool
     needs_mask: bool
     options: ImageOptions
-    #: The folders (of files an id may lack) that hold this id's file: only those are opened,
-    #: as a failed open costs (benchmarks/README.md, "Measurements behind the code").
+    #: The optional folders holding a file of this id: only those are opened.
     listed_in_folders: frozenset[str]
-    #: The largest file read (``pack_voc(max_file_bytes=...)``).
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
@@ -65,32 +60,17 @@ class LoadedSample:
     names: list[str]
     objects: VOCObjects | None
     source_bytes: int
-    #: size and mtime_ns of each of ``schema.SOURCE_FILES`` in turn (8 integers) when read,
-    #: ``ABSENT, 0`` for a file not read
+    #: size and mtime_ns of each of ``schema.SOURCE_FILES`` (``ABSENT, 0``: not read)
     stats: tuple[int, ...] = ()
-    #: SHA-256 of the source image when the stored image is not its bytes, else empty
-    digest: bytes = b""
-    #: why the annotation's objects have no rows (``schema.UNTYPED_OBJECTS``), else empty
-    untyped: str = ""
-    #: why the annotation did not parse (``schema.UNPARSED_ANNOTATION``), else empty
+    digest: bytes = b""  # SHA-256 of the source image when stored transformed
+    untyped: str = ""  # why the objects have no rows (``schema.UNTYPED_OBJECTS``)
     unparsed: str = ""
-
-
-def plan(
-    voc_root: Path,
-    image_sets: Mapping[str, Mapping[str, Sequence[str]]],
-    options: ImageOptions,
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-) -> list[Job]:
-    """One job per distinct id, in layout order: train ids first, then val, test, the rest."""
-    planned = survey(voc_root, image_sets, options, max_file_bytes)
-    return [planned.job(i) for i in range(len(planned))]
 
 
 @dataclass(frozen=True)
 class Planned:
-    """The distinct ids of a devkit's lists in layout order, and what ``Job`` each would get,
-    before any job is made: an append makes jobs only for the ids it loads or compares."""
+    """The distinct ids of a devkit's lists in layout order, and what ``Job`` each would get:
+    an append makes jobs only for the ids it loads."""
 
     voc_root: str
     options: ImageOptions
@@ -98,8 +78,6 @@ class Planned:
     ids: list[str]
     main: frozenset[str]  # ids listed in ImageSets/Main
     segmentation: frozenset[str]  # ids listed in ImageSets/Segmentation
-    #: per ``_FOLDERS`` folder, the case-folded names of its files (casefold maps
-    #: character by character, so an id's file is listed when its folded name is)
     names: tuple[frozenset[str], ...]
     #: id -> where it is first listed: ``lists`` number << 32 | line number
     first: Mapping[str, int]
@@ -120,14 +98,21 @@ class Planned:
             image_id in self.main,
             image_id in self.segmentation,
             self.options,
-            _KINDS[tuple(folded + ext in names for ext, names in zip(_EXTENSIONS, self.names))],
+            frozenset(
+                f
+                for f, ext, names in zip(_FOLDERS, _EXTENSIONS, self.names)
+                if folded + ext in names
+            ),
             self.max_file_bytes,
         )
 
+    def jobs(self) -> list[Job]:
+        """Every id's job."""
+        return [self.job(i) for i in range(len(self.ids))]
+
     def reads(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """``reads(job(i))`` for each ``i`` of ``positions``, without making the jobs: a bool
-        array ``[len(positions), 4]``, then whether each id's lists need its annotation and
-        its mask, ``[len(positions), 2]``."""
+        """``reads(job(i))`` for ``positions`` without making the jobs (bool ``[n, 4]``), and
+        whether each id needs its annotation and mask (bool ``[n, 2]``)."""
         ids = [self.ids[i] for i in positions]
         folded = [i.casefold() for i in ids]
         main = [i in self.main for i in ids]
@@ -141,15 +126,9 @@ class Planned:
         return files, needs
 
 
-#: The folders (and extensions) of the files an id may lack: all but the image's
+#: The folders and extensions of the files an id may lack
 _FOLDERS = schema.SOURCE_FOLDERS[1:]
 _EXTENSIONS = schema.SOURCE_EXTENSIONS[1:]
-#: whether each folder lists an id's file -> ``Job.listed_in_folders``: the few distinct
-#: sets, shared by every job
-_KINDS = {
-    found: frozenset(f for f, has in zip(_FOLDERS, found) if has)
-    for found in itertools.product((False, True), repeat=len(_FOLDERS))
-}
 
 
 def survey(
@@ -158,35 +137,31 @@ def survey(
     options: ImageOptions,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> Planned:
-    """What ``plan`` plans, without making a job per id (list and set work only, no
-    per-id Python object)."""
+    """The distinct ids of ``image_sets`` in layout order: train ids first, then val, test,
+    trainval, the rest."""
     ordered = [
         (task, name, image_sets[task][name])
         for task in TASKS
         for name in sorted(image_sets.get(task, {}), key=lambda n: (_LAYOUT_ORDER.get(n, 4), n))
     ]
     ids = list(dict.fromkeys(itertools.chain.from_iterable(listed for *_, listed in ordered)))
-    # first listing of each id: the lists walked backwards, each list's lines backwards, so the
-    # value left for an id is its first line in its first list
+    # where each id is first listed (list << 32 | line): walked backwards, the first one stays
     first: dict[str, int] = {}
     for number in range(len(ordered) - 1, -1, -1):
         listed = ordered[number][2]
         base = number << 32
         first.update(zip(reversed(listed), range(base + len(listed), base, -1)))
-    by_task = {
-        task: frozenset(
-            itertools.chain.from_iterable(listed for t, _, listed in ordered if t == task)
-        )
-        for task in TASKS
-    }
+    main, segmentation = (
+        frozenset(i for t, _, listed in ordered if t == task for i in listed) for task in TASKS
+    )
     names = tuple(_listing(voc_root / folder) for folder in _FOLDERS)
     return Planned(
         str(voc_root),
         options,
         max_file_bytes,
         ids,
-        by_task["Main"],
-        by_task["Segmentation"],
+        main,
+        segmentation,
         names,
         first,
         tuple(f"ImageSets/{task}/{name}.txt" for task, name, _ in ordered),
@@ -194,8 +169,7 @@ def survey(
 
 
 def _listing(folder: Path) -> frozenset[str]:
-    """The case-folded names in ``folder`` (none if it is missing): case-blind, so a file a
-    case-insensitive file system would open is never skipped."""
+    """The case-folded names in ``folder`` (none if missing), as a case-blind file system sees."""
     try:
         return frozenset(map(str.casefold, os.listdir(folder)))
     except (FileNotFoundError, NotADirectoryError):
@@ -203,14 +177,14 @@ def _listing(folder: Path) -> frozenset[str]:
 
 
 def stores_digest(options: ImageOptions) -> bool:
-    """Whether images stored with ``options`` may differ from their files' bytes, so a pack
-    keeps each source image's SHA-256 (``schema.DIGEST_ARRAY``) to compare content."""
+    """Whether images stored with ``options`` may differ from their files, so a pack keeps
+    their SHA-256 (``schema.DIGEST_ARRAY``)."""
     return options.image_storage != "original" or options.max_size is not None
 
 
 def source_paths(job: Job) -> tuple[str, ...]:
     """The paths of ``job``'s image, annotation, mask and object mask (``SOURCE_FILES``)."""
-    voc, name = job.voc_root, job.id  # plain strings, not pathlib: see benchmarks/README.md
+    voc, name = job.voc_root, job.id
     return tuple(
         f"{voc}{os.sep}{folder}{os.sep}{name}{ext}"
         for folder, ext in zip(schema.SOURCE_FOLDERS, schema.SOURCE_EXTENSIONS)
@@ -218,8 +192,8 @@ def source_paths(job: Job) -> tuple[str, ...]:
 
 
 def reads(job: Job) -> tuple[bool, bool, bool, bool]:
-    """Which of ``source_paths(job)`` ``load`` opens (the image always; the others when the
-    id's lists need them or their folder lists a file of the id)."""
+    """Which of ``source_paths(job)`` ``load`` opens: the image, and the others when needed
+    or listed."""
     listed = job.listed_in_folders
     return (
         True,
@@ -229,48 +203,41 @@ def reads(job: Job) -> tuple[bool, bool, bool, bool]:
     )
 
 
+#: What each of ``schema.SOURCE_FILES`` is, in messages
+_WHAT = ("the image", "the annotation", "the mask", "the object mask")
+
+
 def load(job: Job) -> LoadedSample:
     """Read and parse everything about one id; ``SourceDataError`` names what is wrong."""
-    name = job.id
-    image_path, xml_path, mask_path, object_path = source_paths(job)
+    paths = source_paths(job)
+    image_path, xml_path, mask_path, object_path = paths
+    required = (True, job.needs_annotation, job.needs_mask, False)
     stats = [(schema.ABSENT, 0)] * len(schema.SOURCE_FILES)
-    image = _read(image_path, job, "the image", stats, 0)
-    annotation = mask = object_mask = None
-    _, wants_xml, wants_mask, wants_object = reads(job)
-    if wants_xml:
-        annotation = _read_optional(xml_path, job.needs_annotation, job, "the annotation", stats, 1)
-    if wants_mask:
-        mask = _read_optional(mask_path, job.needs_mask, job, "the mask", stats, 2)
-    if wants_object:
-        object_mask = _read_optional(object_path, False, job, "the object mask", stats, 3)
-    source_bytes = sum(len(b) for b in (image, annotation, mask, object_mask) if b)
-
-    target_json = b""
-    objects = None
-    names: list[str] = []
-    flags = 0
+    files = [
+        _read(paths[k], required[k], job, _WHAT[k], stats, k) if wanted else None
+        for k, wanted in enumerate(reads(job))
+    ]
+    image, annotation, mask, object_mask = files
+    source_bytes = sum(len(b) for b in files if b)
+    flags = sum(flag for flag, data in zip(schema.SOURCE_FLAGS, files) if data is not None)
     target: dict[str, Any] | None = None
-    untyped = ""
-    unparsed = ""
+    untyped = unparsed = ""
     if annotation is not None:
-        flags |= schema.HAS_ANNOTATION
         try:
             target = parse_annotation(annotation, source=xml_path)
         except SourceDataError as exc:
             unparsed = _unparsed(exc, job)
-    if mask is not None:
-        flags |= schema.HAS_MASK
-        check_mask(mask, mask_path, job.options)
-    if object_mask is not None:
-        flags |= schema.HAS_OBJECT_MASK
-        check_mask(object_mask, object_path, job.options)
-
+    for data, path in ((mask, mask_path), (object_mask, object_path)):
+        if data is not None:
+            check_mask(data, path, job.options)
+    image = image or b""  # _read raised if it is missing
     stored, width, height, scale = store_image(image, image_path, job.options)
     if scale is not None:  # the target and masks of a resized image are resized with it
         if target is not None:
             scale_target(target, scale, width, height)
         mask = mask and resize_mask(mask, mask_path, scale)
         object_mask = object_mask and resize_mask(object_mask, object_path, scale)
+    target_json, objects, names = b"", None, []
     if target is not None:
         try:
             target_json = schema.encode_target(target)
@@ -292,7 +259,7 @@ def load(job: Job) -> LoadedSample:
     payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
     digest = hashlib.sha256(image).digest() if stores_digest(job.options) else b""
     return LoadedSample(
-        name,
+        job.id,
         payloads,
         width,
         height,
@@ -308,46 +275,33 @@ def load(job: Job) -> LoadedSample:
 
 
 def _unparsed(error: SourceDataError, job: Job) -> str:
-    """Why ``job``'s annotation did not parse, for an id that needs no target (listed only in
-    ``ImageSets/Segmentation``: ``VOCSegmentation`` never reads its XML, so the id is packed
-    with the file's bytes and no target); ``error`` itself for any other id."""
+    """Why ``job``'s annotation did not parse, for an id only ``VOCSegmentation`` reads (it
+    never parses the XML); ``error`` raised for any other id."""
     if job.needs_annotation:
         raise error from None
     return str(error)
 
 
-def _read(path: str, job: Job, what: str, stats: list[tuple[int, int]], k: int) -> bytes:
-    """A required file's bytes."""
-    data = _read_optional(path, True, job, what, stats, k)
-    if data is None:  # _read_optional raises for a missing required file
-        raise SourceNotFoundError(f"{path}: {what} of id {job.id!r} is missing")
-    return data
-
-
-def _read_optional(
+def _read(
     path: str, required: bool, job: Job, what: str, stats: list[tuple[int, int]], k: int
 ) -> bytes | None:
-    """A file's bytes, or ``None`` when it is absent and not ``required``; its size and
-    modification time go to ``stats[k]``. Only a regular file of at most
-    ``job.max_file_bytes`` is read (see ``container.fileio``)."""
+    """A regular file's bytes (``None`` when absent and not ``required``); its size and
+    mtime go to ``stats[k]``."""
     try:
-        data, st = read_regular_file_stat(path, job.max_file_bytes, what or "the file")
+        data, st = read_regular_file_stat(path, job.max_file_bytes, what)
         stats[k] = (st.st_size, st.st_mtime_ns)
         return data
     except FileNotFoundError:
         if not required:
             return None
-        found = near_miss(path)
-        if found is not None:  # `000002.JPG` beside the missing `000002.jpg`: say so
-            raise SourceNotFoundError(
-                f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing, but "
-                f"{os.path.basename(found)!r} is there: torchvision (and pack_voc) read only "
-                f"{os.path.basename(path)!r}; rename the file (or the folder's files of that "
-                f"extension) {SKIP_HINT}"
-            ) from None
+        found = near_miss(path)  # `000002.JPG` beside the missing `000002.jpg`: say so
+        advice = "add the file or remove the id from the list"
+        if found is not None:
+            there, name = os.path.basename(found), os.path.basename(path)
+            advice = f"{there!r} is there, but torchvision read only {name!r}: rename the file"
         raise SourceNotFoundError(
             f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing; "
-            f"add the file or remove the id from the list {SKIP_HINT}"
+            f"{advice} {SKIP_HINT}"
         ) from None
     except FileKindError as exc:
         raise SourceDataError(

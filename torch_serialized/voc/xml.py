@@ -1,18 +1,13 @@
 """VOC annotation XML -> the exact dict torchvision's ``VOCDetection`` returns, safely.
 
-torchvision builds its target with ``VOCDetection.parse_voc_xml(ET.parse(path).getroot())``.
-:func:`parse_annotation` gives the same dict from the file's bytes: the same expat parser builds
-the same ElementTree (declared encodings, BOMs, comments, CDATA and character references behave
-identically), and :func:`_convert` reproduces ``parse_voc_xml`` rule for rule, key order included.
-Unlike torchvision, a document that declares entities (XML bombs) or points at an external DTD or
-entity is refused before anything is expanded or fetched.
-
-:func:`extract_objects` then reads the boxes, names and flags out of that dict as numpy arrays.
+:func:`parse_annotation` parses with the same expat-built ElementTree torchvision uses and
+reproduces its ``parse_voc_xml`` rule for rule; unlike torchvision it refuses a document that
+declares entities (XML bombs) or names an external DTD or entity. :func:`extract_objects` reads
+the boxes, names and flags out of that dict as numpy arrays.
 """
 
 from __future__ import annotations
 
-import math
 import pyexpat
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -24,14 +19,11 @@ from ..errors import SourceDataError
 
 __all__ = ["VOCObjects", "parse_annotation", "extract_objects"]
 
-# The separator ElementTree's own expat parser uses; namespace rules must match it exactly, or a
-# document could pass the safety check yet fail in ElementTree (or the reverse).
+# ElementTree's own namespace separator, so the safety pre-pass parses as ElementTree does.
 _NAMESPACE_SEPARATOR = "}"
 _COORDINATES = ("xmin", "ymin", "xmax", "ymax")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-# Entities can only be declared, and external DTDs only named, inside <!DOCTYPE ...>. expat reads
-# ASCII-compatible encodings (it refuses others) or UTF-16, so a document without these bytes has
-# no DOCTYPE and skips the pre-pass; an undeclared entity reference is then a plain expat error.
+# Entities and external DTDs live only in <!DOCTYPE>: a document without it skips the pre-pass.
 _DOCTYPE_MARKERS = (b"DOCTYPE", "DOCTYPE".encode("utf-16-le")[:-1])
 
 
@@ -40,11 +32,8 @@ class _Unsafe(Exception):
 
 
 def parse_annotation(data: bytes, *, source: str) -> dict[str, Any]:
-    """Parse one annotation file's bytes into exactly torchvision's target dict.
-
-    ``source`` names the file in error messages. Raises :class:`SourceDataError` for malformed
-    XML (with line and column) and for documents declaring entities or referencing external ones.
-    """
+    """One annotation file's bytes as torchvision's target dict; ``SourceDataError`` naming
+    ``source`` for malformed or unsafe XML."""
     if any(marker in data for marker in _DOCTYPE_MARKERS):
         _check_safe(data, source)
     try:
@@ -60,18 +49,13 @@ def parse_annotation(data: bytes, *, source: str) -> dict[str, Any]:
         return {root.tag: _convert(root)}
     except RecursionError:
         raise SourceDataError(
-            f"{source}: elements are nested too deeply to convert (Python's recursion limit; "
-            "torchvision's recursive parser has the same limit); flatten the annotation."
+            f"{source}: elements are nested too deeply to convert (as in torchvision); flatten it."
         ) from None
 
 
 def _check_safe(data: bytes, source: str) -> None:
-    """Run expat once with no tree building, refusing entity declarations and external refs.
-
-    Entities can only be declared in a DOCTYPE, so refusing every declaration stops billion-laughs
-    and quadratic blow-ups before any expansion; an external DTD or entity is never fetched
-    (expat does not fetch by itself, and we refuse to even name one).
-    """
+    """Run expat once without building a tree, refusing entity declarations (bombs stop
+    before any expansion) and external DTDs or entities (never fetched)."""
     parser = pyexpat.ParserCreate(None, _NAMESPACE_SEPARATOR)
 
     def refuse_entity(name: str, *_args: object) -> NoReturn:
@@ -122,15 +106,9 @@ def _unsupported_encoding(source: str, exc: Exception) -> NoReturn:
 
 
 def _convert(node: ET.Element) -> dict[str, Any]:
-    """The dict torchvision's ``parse_voc_xml`` stores under ``node.tag`` for a parent ``node``.
-
-    Rules, all torchvision's: a leaf gives its stripped text, and is dropped when its text is
-    ``None`` or ``""`` (whitespace-only text survives as ``""``); a parent's own text is ignored;
-    children that occur once give a value, repeated ones a list, keyed in order of first
-    occurrence; every element tagged ``annotation`` with children gets ``object`` as a list
-    (appended last, as ``[]``, when it has none); a parent whose children were all dropped
-    gives ``{}``, which is kept. Leaves are handled inline: it halves the function calls.
-    """
+    """The dict torchvision's ``parse_voc_xml`` stores under ``node.tag`` for a parent ``node``:
+    leaves give their stripped text (dropped when empty), repeated children a list, and an
+    ``annotation`` element always an ``object`` list."""
     grouped: dict[str, list[Any]] = {}
     for child in node:
         if len(child):
@@ -152,12 +130,8 @@ def _convert(node: ET.Element) -> dict[str, Any]:
 
 @dataclass(frozen=True, eq=False)
 class VOCObjects:
-    """The objects of one annotation as arrays, in document order.
-
-    ``boxes`` is float32 ``(n, 4)`` as ``xmin, ymin, xmax, ymax`` exactly as written (VOC's
-    1-based pixel coordinates, not shifted); ``difficult`` and ``truncated`` are uint8 ``(n,)``
-    with 0 where the flag is absent or empty.
-    """
+    """The objects of one annotation in document order: float32 ``boxes`` ``(n, 4)`` as written
+    (``xmin, ymin, xmax, ymax``), uint8 ``difficult`` and ``truncated`` (0 when absent)."""
 
     boxes: np.ndarray
     names: list[str]
@@ -169,16 +143,12 @@ class VOCObjects:
 
 
 def extract_objects(target: dict[str, Any], *, source: str) -> VOCObjects:
-    """Read boxes, class names and flags from a target made by :func:`parse_annotation`.
-
-    Raises :class:`SourceDataError` naming ``source`` and the 0-based object index when an object
-    has no single ``<bndbox>``, a missing or non-numeric coordinate, or no ``<name>``.
-    """
+    """Boxes, class names and flags of a target made by :func:`parse_annotation`;
+    ``SourceDataError`` naming ``source`` and the object for one the rows cannot hold."""
     annotation = target.get("annotation")
     if not isinstance(annotation, dict):
         raise SourceDataError(
-            f"{source}: the root element is not a non-empty <annotation>; "
-            "a VOC annotation file must look like <annotation>...<object>...</object></annotation>."
+            f"{source}: the root element is not a non-empty <annotation>; fix the file."
         )
     objects = annotation["object"]
     count = len(objects)
@@ -212,16 +182,11 @@ def _box(bndbox: Any, where: str) -> list[float]:
         try:
             value = float(text)  # type: ignore[arg-type]
         except (TypeError, ValueError):
-            value = math.nan
-        if not math.isfinite(value):
+            value = float("nan")
+        if not abs(value) <= _FLOAT32_MAX:  # nan, inf, or inf once stored as float32
             raise SourceDataError(
-                f"{where}: <bndbox><{key}> is {text!r}, not a finite number; "
+                f"{where}: <bndbox><{key}> is {text!r}, not a finite float32 number; "
                 "write the pixel coordinate as a number."
-            )
-        if abs(value) > _FLOAT32_MAX:  # the rows hold float32: it would be stored as inf
-            raise SourceDataError(
-                f"{where}: <bndbox><{key}> is {text!r}, beyond the float32 range of a box; "
-                "write the pixel coordinate."
             )
         coordinates.append(value)
     return coordinates

@@ -162,15 +162,6 @@ def test_shuffle_buffer_is_a_bounded_permutation(n, size, seed) -> None:
     assert out == again
 
 
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(0, 3000), size=st.integers(0, 300), seed=st.integers(0, 2**32))
-def test_shuffle_buffer_draws_in_chunks_with_the_same_stream(n, size, seed) -> None:
-    """Announcing the total only batches the random draws: the order is the one-by-one one."""
-    one_by_one = list(shuffle_buffer(range(n), size, np.random.default_rng(seed)))
-    chunked = list(shuffle_buffer(range(n), size, np.random.default_rng(seed), total=n))
-    assert chunked == one_by_one
-
-
 def test_shard_window_downloads_ahead_and_releases_behind() -> None:
     """A remote stream holds the shards of the block in use and the next ``ahead`` distinct
     shards later blocks read, and releases each one once no near block needs it."""

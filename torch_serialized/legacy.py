@@ -37,12 +37,10 @@ class Serializer:
 
 
 class SerializedDataset:
-    """Every packed sample in storage order, as in the original design (records an append
-    retired left out).
+    """Every live packed sample in storage order, as in the original design.
 
     ``get_sample(i)`` returns ``{"id", "image": HWC uint8 numpy array, "target": dict}``
-    (``target`` is ``{}`` for ids without an annotation, and for ids only in segmentation
-    image sets whose annotation did not parse: ``PackResult.unparsed``).
+    (``target`` is ``{}`` for ids without a parsed annotation).
     """
 
     def __init__(
@@ -60,21 +58,20 @@ class SerializedDataset:
             cache_limit_bytes=cache_limit_bytes,
         )
         self.decoder = SampleDecoder(self.pack)
-        self.records = self.pack.live  # records an append retired are not samples
+        self.records = self.pack.live
 
     def __len__(self) -> int:
         return len(self.records)
 
     def get_sample(self, index: int) -> dict[str, Any]:
+        """The sample at ``index`` (negative counts from the end)."""
         record = int(self.records[range(len(self.records))[index]])
-        pack, decoder = self.pack, self.decoder
-        flags = int(pack.columns[record]["flags"])
-        target = {}
-        if flags & schema.HAS_ANNOTATION and not flags & schema.UNPARSED_ANNOTATION:
-            target = decoder.target(record, pack.field(record, decoder.target_field))
+        pack = self.pack
+        data = pack.field(record, schema.TARGET)  # present exactly when parsed (checked at open)
+        target = self.decoder.target(record, data) if len(data) else {}
         return {
             "id": pack.id(record),
-            "image": np.asarray(decoder.image(record, pack.field(record, schema.IMAGE))),
+            "image": np.asarray(self.decoder.image(record, pack.field(record, schema.IMAGE))),
             "target": target,
         }
 

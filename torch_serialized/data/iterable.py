@@ -1,9 +1,5 @@
-"""Streaming VOC from a pack: an ``IterableDataset`` that reads blocks sequentially.
-
-``VOCSerializedIterableDataset`` chains the stages of ``pipeline`` (a block plan over image set
-positions, this rank's and this worker's share, block reads with the next block prefetched, a
-bounded shuffle buffer) and decodes each item as ``VOCSerializedDataset`` does. It is
-torchdata-``Stateful``: its state is the epoch and the samples a worker yielded (``state``).
+"""Streaming VOC from a pack: an ``IterableDataset`` chaining the stages of ``pipeline`` and
+decoding as ``VOCSerializedDataset`` does; torchdata-``Stateful`` (``state``).
 """
 
 from __future__ import annotations
@@ -11,18 +7,18 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset
+from torchvision.datasets.vision import VisionDataset
 
 from ..errors import ChecksumError
-from ..voc import schema
 from ..voc.layout import TASKS
 from . import state as keys
-from .datasets import joint_transforms, open_split
+from .datasets import PackedSamples
 from .decode import Classes, Decode, TargetFormat
 from .pipeline import (
     AHEAD,
@@ -41,13 +37,12 @@ from .pipeline import (
 )
 from .state import Resumable
 from .topology import Topology, distributed_info, seeded_rng
-from .workers import SHARED_RUN, in_worker, share_batch
+from .workers import SHARED_RUN, in_worker
 
 __all__ = ["VOCSerializedIterableDataset"]
 
 
-# -- the dataset -------------------------------------------------------------------------------
-class VOCSerializedIterableDataset(IterableDataset, Resumable):
+class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
     """The samples of ``VOCSerializedDataset`` (or ``VOCSerializedSegmentation`` with
     ``task="Segmentation"``) streamed in blocks, split across ranks and DataLoader workers.
 
@@ -66,35 +61,21 @@ class VOCSerializedIterableDataset(IterableDataset, Resumable):
         prefetch: for a pack at a URL, shards each worker downloads ahead of the one it
             reads, in background threads (0: download each shard when first read).
 
-    **Work split**, as ``DistributedSampler``: each epoch the image set's positions are cut
-    into blocks (``block_bounds``); the blocks, in epoch order, are padded to a multiple of
-    the world size with repeats of the first samples, or cut (``drop_last``); rank ``r``
-    takes the ``r``-th contiguous slice and its DataLoader workers split it into contiguous,
-    near-equal pieces. ``len()`` is the samples one rank yields per epoch.
+    **Work split** as ``DistributedSampler``: the epoch padded with its first samples to a
+    multiple of the world size (or cut, ``drop_last``), rank ``r`` taking the ``r``-th
+    contiguous slice, its workers near-equal pieces; ``len()`` is one rank's samples.
 
-    **Reading.** A worker takes each block's fields as views of the mapped pack after
-    hinting the kernel to read the next blocks (``read_blocks``): on a cold cache the disk
-    reads ahead while this block is decoded. The shuffle buffer holds views, never decoded
-    images. A remote pack's shards are downloaded ``prefetch`` shards ahead and released
-    after their last block, so a bounded cache needs only the working set; the samples and
-    their order are those of the pack read locally.
+    **Randomness** (``shuffle=True``): the block order is seeded by ``(seed, epoch)`` (the
+    same on every rank), the buffer by ``(seed, epoch, rank, worker)``; a window of ``B``
+    samples mixes about ``B / block_size + 1`` blocks: smaller blocks shuffle better.
 
-    **Randomness** (``shuffle=True``): the block order is seeded by ``(seed, epoch)``, the
-    same on every rank, the buffer by ``(seed, epoch, rank, worker)``, so the order depends
-    only on seed, epoch, world size and number of workers. It is not a uniform permutation:
-    the buffer emits a sample at most ``shuffle_buffer`` (``B``) places before it was read,
-    so with blocks of ``S`` a window of ``B`` samples mixes about ``B / S + 1`` blocks
-    (``B >= 4 S``, the default 256 over 64, draws batches from several blocks). Smaller
-    blocks shuffle better and read less sequentially.
-
-    **Epochs and resumption.** Call ``set_epoch`` before each epoch. The epoch lives in a
-    shared-memory integer that DataLoader workers inherit, so ``persistent_workers=True``
-    workers see every ``set_epoch``. ``state_dict`` / ``load_state_dict`` follow torchdata's
-    ``StatefulDataLoader`` protocol (``state.Resumable``): a worker's state is the epoch and
-    the samples it yielded, plus the settings, checked on resume. A resumed iterator replays
-    the plan and the buffer's draws without reading and yields exactly the rest of the
-    epoch, in the same order. One live iterator per dataset object.
+    **Epochs and resumption.** Call ``set_epoch`` before each epoch (persistent workers see
+    it). ``state_dict`` / ``load_state_dict`` follow torchdata's ``StatefulDataLoader``: a
+    resumed iterator yields exactly the rest of the epoch without reading what it skips.
+    One live iterator per dataset object.
     """
+
+    root: str  # set by ``VisionDataset.__init__``, as for the map-style datasets
 
     def __init__(
         self,
@@ -133,15 +114,11 @@ class VOCSerializedIterableDataset(IterableDataset, Resumable):
         ):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        self.transforms = joint_transforms(transforms, transform, target_transform)
-        self.transform = transform
-        self.target_transform = target_transform
+        # root and the transforms as torchvision sets them (``transforms`` or the two, not both)
+        VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
         distributed_info(rank, world_size)  # validates them now
-
-        self.root = str(path)
-        self.image_set = image_set
         self.task = task
-        self.pack, records, self.decoder = open_split(
+        self._open_split(
             path,
             task,
             image_set,
@@ -154,49 +131,32 @@ class VOCSerializedIterableDataset(IterableDataset, Resumable):
             cache_limit_bytes=cache_limit_bytes,
         )
         self.prefetch = prefetch
-        self.year = self.pack.year
-        self.records = np.array(records, dtype=np.int64)
-        self._fields = (schema.IMAGE, self.decoder.target_field)
+        self.records = np.array(self.records, dtype=np.int64)
         self._bounds = block_bounds(self.records, self.pack.reader.starts, block_size)
-
         self.shuffle, self.seed = shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.block_size, self.shuffle_buffer = block_size, shuffle_buffer
         self._epoch = 0
-        #: The epoch as DataLoader workers see it: shared memory they inherit at start, so a
-        #: set_epoch in the main process reaches persistent workers (see __getstate__).
+        #: the epoch in shared memory that DataLoader workers inherit (see __getstate__)
         self._shared_epoch: Any = multiprocessing.RawValue("q", 0)
         self._identity = keys.samples_identity(self)
 
-    # -- plan --------------------------------------------------------------------------------
     def _topology(self) -> Topology:
-        """The calling process's place: this dataset's rank and world size (or DDP's) and
-        the calling DataLoader worker."""
+        """The calling process's rank, world size and DataLoader worker."""
         return Topology.current(self.rank, self.world_size)
 
     def __len__(self) -> int:
         return self._topology().samples_per_rank(len(self.records), self.drop_last)
 
     def blocks(self, worker: int | None = None, num_workers: int | None = None) -> list[np.ndarray]:
-        """Positions this rank's ``worker`` reads this epoch, block by block, in read order.
-
-        Defaults to the calling DataLoader worker (the whole rank in the main process).
-        """
+        """Positions this rank's ``worker`` (default: the caller's) reads this epoch, block by
+        block, in read order."""
         here = self._topology()
         worker = here.worker if worker is None else worker
         num_workers = here.num_workers if num_workers is None else num_workers
         plan = epoch_order(self._bounds, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
         plan = rank_share(*plan, here.rank, here.world_size, drop_last=self.drop_last)
         return split_blocks(*worker_share(*plan, worker, num_workers))
-
-    def reopen(self) -> None:
-        """Map the packed file(s) again in this process (what ``worker_init_fn`` calls)."""
-        self.pack.reader.reopen()
-
-    @property
-    def label_names(self) -> list[str]:
-        """The name of each ``"tv_tensors"`` label, as ``VOCSerializedDataset.label_names``."""
-        return list(self.decoder.label_names)
 
     @property
     def epoch(self) -> int:
@@ -216,7 +176,6 @@ class VOCSerializedIterableDataset(IterableDataset, Resumable):
             state["_epoch"] = self.epoch
         return state
 
-    # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         here = self._topology()
         skip = self._start(self.root)
@@ -240,37 +199,24 @@ class VOCSerializedIterableDataset(IterableDataset, Resumable):
         )
         if self.shuffle:
             rng = seeded_rng(self.seed, BUFFER, self.epoch, here.rank, here.worker)
-            total = sum(len(block) for block in blocks)
-            items = shuffle_buffer(items, self.shuffle_buffer, rng, total)
+            items = shuffle_buffer(items, self.shuffle_buffer, rng)
         for _ in itertools.islice(items, skip):
             pass
         gate.open = True
-        # in a worker the tensors of each run of samples travel in one shared block
-        samples = self._shared_runs(items) if in_worker() else self._decoded(items)
+        # an item planned during a resume replay (no fields) is read now
+        read = (
+            (r, read_block(reader, np.array([r]), self._fields)[r] if d is None else d)
+            for r, d in items
+        )
+        if in_worker():  # each run of SHARED_RUN samples travels in one shared block
+            runs = iter(lambda: self._shared(itertools.islice(read, SHARED_RUN)), [])
+            samples: Iterator[Any] = itertools.chain.from_iterable(runs)
+        else:
+            samples = (self._decoded(record, data) for record, data in read)
         try:
             yield from self._counted(samples)
         except ChecksumError as exc:  # checked=True: name the sample, not only the file
             raise self.pack.named(exc) from None
-
-    def _decoded(self, items: Iterable[Item], view: bool = False) -> Iterator[tuple[Any, Any]]:
-        """The samples of read ``items`` (``view``: see ``SampleDecoder.image``)."""
-        decoder = self.decoder
-        for record, data in items:
-            if data is None:  # planned during a resume replay: read it now
-                data = read_block(self.pack.reader, np.array([record]), self._fields)[record]
-            image, tgt = decoder.image(record, data[0], view=view), decoder.target(record, data[1])
-            yield (image, tgt) if self.transforms is None else self.transforms(image, tgt)
-
-    def _shared_runs(self, items: Iterator[Item]) -> Iterator[tuple[Any, Any]]:
-        """A worker's samples, each run of ``SHARED_RUN`` sharing one block of shared memory
-        (``share_batch``, as a map-style batch: stored bytes read as views of the map are
-        copied once, into the block; decoded images go in as they are decoded)."""
-        plain = self.transforms is None
-        view = plain and self.decoder.stored_bytes
-        while run := list(itertools.islice(items, SHARED_RUN)):
-            records = [record for record, _ in run]
-            sizes = self.decoder.decoded_nbytes(records) if plain else None
-            yield from share_batch(self._decoded(run, view), sizes, borrowed=0 if view else None)
 
     # -- resumption (``state.Resumable``) ------------------------------------------------------
     _HINT = "dataset arguments, world size and num_workers"

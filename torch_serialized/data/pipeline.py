@@ -1,19 +1,17 @@
 """The stages of the streaming dataset, each a plain function that can be tested alone.
 
-``VOCSerializedIterableDataset`` (``iterable``) chains them, as webdataset chains its pipeline::
+``VOCSerializedIterableDataset`` chains them, as webdataset chains its pipeline::
 
-    block_bounds     image set positions 0..n-1 cut into blocks (runs of neighbouring records)
+    block_bounds     image set positions cut into blocks (runs of neighbouring records)
     epoch_order      the blocks in epoch order (a (seed, epoch) permutation, same on every rank)
     rank_share       padded to equal rank counts (or the remainder dropped); rank's slice
     worker_share     the rank's slice split evenly across DataLoader workers
     split_blocks     a worker's positions regrouped into the blocks they came from
     read_blocks      each block's fields as views of the map, the next blocks hinted ahead
-    views_fit        whether a stream may hold views, or must copy (descriptors stay bounded)
     shuffle_buffer   bounded sample mixing (shuffle=True)
 
-then decodes each item as the map-style dataset does. Only positions (integers) travel through
-the first five stages, so a plan costs microseconds and resumption can replay it without I/O.
-How ranks and workers share an epoch is ``topology``'s rule, shared with the sampler.
+Only positions travel through the first five stages, so a plan costs microseconds and a
+resume replays it without I/O. How ranks and workers share an epoch is ``topology``'s rule.
 """
 
 from __future__ import annotations
@@ -25,21 +23,16 @@ from typing import Any
 import numpy as np
 
 from ..container.shards import PackReader
-from .topology import Topology, epoch_total, pad_or_trim, seeded_rng
+from .topology import Topology, epoch_total, seeded_rng
 
 #: Independent random streams under one seed: the block order, and the shuffle buffer.
 BLOCK_ORDER, BUFFER = 0, 1
 
 
-# -- plan: positions only ---------------------------------------------------------------------
 def block_bounds(records: np.ndarray, shard_starts: np.ndarray, block_size: int) -> np.ndarray:
-    """Block boundaries over positions ``0..n-1``: block ``b`` is ``[bounds[b], bounds[b+1])``.
-
-    Blocks hold at most ``block_size`` consecutive positions, and are cut where the shard
-    changes when the image set visits the shards in order (train, val, test as packed), so
-    each reads one file. An interleaved list (VOC's ``trainval`` mixes the train and val
-    regions every few ids) is cut by size only: cut at every shard change it would make
-    blocks of two or three samples."""
+    """Block boundaries over positions ``0..n-1`` (block ``b`` is ``[bounds[b], bounds[b+1])``)
+    of at most ``block_size``, also cut at shard changes when the image set visits the shards
+    in order (an interleaved list, as VOC's ``trainval``, would make tiny blocks)."""
     n = len(records)
     segments = np.array([0, n], dtype=np.int64)
     if len(shard_starts) > 2:
@@ -54,16 +47,12 @@ def block_bounds(records: np.ndarray, shard_starts: np.ndarray, block_size: int)
 def epoch_order(
     bounds: np.ndarray, *, shuffle: bool, seed: int, epoch: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(positions, block_ids)`` of one epoch: whole blocks, shuffled as blocks when asked.
-
-    ``block_ids[i]`` is the rank of the block of ``positions[i]`` in this order (0, 1, ...).
-    """
+    """``(positions, block_ids)`` of one epoch: whole blocks, shuffled as blocks when asked;
+    ``block_ids[i]`` is the rank of the block of ``positions[i]`` in this order."""
     num_blocks = len(bounds) - 1
-    order = (
-        seeded_rng(seed, BLOCK_ORDER, epoch).permutation(num_blocks)
-        if shuffle
-        else np.arange(num_blocks)
-    )
+    order = np.arange(num_blocks)
+    if shuffle:
+        order = seeded_rng(seed, BLOCK_ORDER, epoch).permutation(num_blocks)
     blocks = [np.arange(bounds[b], bounds[b + 1], dtype=np.int64) for b in order]
     positions = np.concatenate([np.zeros(0, np.int64), *blocks])
     return positions, np.repeat(np.arange(num_blocks, dtype=np.int64), np.diff(bounds)[order])
@@ -77,20 +66,17 @@ def rank_share(
     *,
     drop_last: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's contiguous slice after making all ranks' counts equal (``topology``'s
-    rules, as ``DistributedSampler``): without ``drop_last`` the epoch order is extended with
-    its own beginning to a multiple of ``world_size``; with it the tail is cut off. Repeats
-    get block ids of their own so a block never mixes a record with its repeat.
-    """
+    """This rank's slice after making all ranks' counts equal (``topology``); repeats get
+    block ids of their own so a block never mixes a record with its repeat."""
     n = len(positions)
     total = epoch_total(n, world_size, drop_last)
     if total > n:
         copy = np.arange(total, dtype=np.int64) // n  # 0 for the original, then 1, 2...
-        block_ids = pad_or_trim(block_ids, total) + (int(block_ids.max()) + 1) * copy
+        block_ids = np.resize(block_ids, total) + (int(block_ids.max()) + 1) * copy
     else:
         block_ids = block_ids[:total]
     share = Topology(rank, world_size).rank_slice(n, drop_last)
-    return pad_or_trim(positions, total)[share], block_ids[share]
+    return np.resize(positions, total)[share], block_ids[share]
 
 
 def worker_share(
@@ -102,21 +88,16 @@ def worker_share(
 
 
 def split_blocks(positions: np.ndarray, block_ids: np.ndarray) -> list[np.ndarray]:
-    """Positions regrouped into runs that come from one block (a block cut by a share boundary
-    becomes a shorter run)."""
+    """Positions regrouped into runs that come from one block."""
     if len(positions) == 0:
         return []
     return np.split(positions, np.flatnonzero(np.diff(block_ids)) + 1)
 
 
-# -- reading, mixing ---------------------------------------------------------------------------
 #: A record's fields as read: views of the map, or private arrays (``read_block(copy=True)``).
 Fields = list[memoryview] | list[np.ndarray]
-
-
 #: One sample between the read and decode stages: ``(global record number, fields)``;
-#: ``fields`` is ``None`` for an item planned while replaying a resume (then read by the
-#: decode stage).
+#: ``fields`` is ``None`` for an item planned while replaying a resume.
 Item = tuple[int, Fields | None]
 
 
@@ -129,18 +110,14 @@ class Gate:
         self.open = open
 
 
-#: Records at most this far apart (in record numbers) are read with one request, reading
-#: through the gap: one large read beats several small ones on a cold disk.
+#: Records at most this far apart are read with one request, reading through the gap.
 MAX_GAP = 8
 
 
 def record_runs(reader: PackReader, records: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """The distinct ``records`` as ``(shard, local record numbers)`` runs in storage order.
-
-    A run stays in one shard and has no gap wider than ``MAX_GAP`` records, so it is one
-    sequential read.
-    """
-    ordered = np.unique(records)  # repeated records are read once
+    """The distinct ``records`` as ``(shard, local record numbers)`` runs in storage order,
+    each in one shard with no gap wider than ``MAX_GAP``: one sequential read each."""
+    ordered = np.unique(records)
     starts = reader.starts
     shard_of = np.searchsorted(starts, ordered, side="right") - 1
     cut = (np.diff(ordered) > MAX_GAP) | (np.diff(shard_of) != 0)
@@ -159,10 +136,8 @@ def read_block(
     *,
     copy: bool = False,
 ) -> dict[int, Fields]:
-    """``fields`` of every record of a block, by global record number, looked up run by run
-    (``runs``: ``record_runs(reader, records)``, computed here when not given): read-only
-    views of the map with one index lookup per run, or with ``copy`` private arrays read with
-    one scatter read per run (see ``views_fit``)."""
+    """``fields`` of every record of a block by global record number (``runs``:
+    ``record_runs``): views of the map, or with ``copy`` private arrays (``views_fit``)."""
     out: dict[int, Fields] = {}
     for shard, local in record_runs(reader, records) if runs is None else runs:
         container = reader.shard(shard)
@@ -172,11 +147,9 @@ def read_block(
 
 
 def views_fit(reader: PackReader, in_flight: int) -> bool:
-    """Whether a stream holding ``in_flight`` records at a time may hold them as views of
-    the map rather than private copies: a view keeps its shard's map (on Python < 3.13, a
-    file descriptor) alive after the reader closed the shard, so views only while every
-    shard can stay open, or shards hold more records than are in flight; with thousands of
-    tiny shards, copies, and descriptors bounded by ``max_open_shards``."""
+    """Whether a stream holding ``in_flight`` records may hold views of the map: a view keeps
+    its shard mapped, so only while every shard can stay open or shards outnumber what is in
+    flight; else copies, keeping open shards within ``max_open_shards``."""
     if reader.num_shards <= reader.max_open_shards:
         return True
     return reader.num_records >= in_flight * reader.num_shards
@@ -196,30 +169,16 @@ def read_blocks(
     copy: bool = False,
     shards_ahead: int = 0,
 ) -> Iterator[Item]:
-    """Items of each block in position order, their fields as views of the map (with
-    ``copy``, private arrays: ``views_fit``); while ``gate`` is closed (a resume replay),
-    without data.
-
-    Before a block is used, the runs of the ``AHEAD`` blocks after it are hinted to the
-    kernel (``ContainerReader.prefetch``), so on a cold cache the disk reads ahead while
-    this block is decoded (a cold storage-order epoch: 6,160/s with the hints, 3,933/s
-    without; benchmarks/README.md). A remote pack's shards are downloaded ``shards_ahead``
-    ahead and released after their last block (``ShardWindow``), without kernel hints,
-    which would wait for shards still downloading.
-    """
+    """Items of each block in position order, fields as views (``copy``: private arrays);
+    while ``gate`` is closed, without data. The ``AHEAD`` next blocks are hinted to the
+    kernel (a cold epoch: 6,160/s, 3,933/s without); a remote pack's shards are downloaded
+    ``shards_ahead`` ahead and released after their last block (``ShardWindow``)."""
     gate = gate or Gate()
     runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
     window = None
     if reader.remote is not None and reader.num_shards > 1:
         window = ShardWindow(reader, [records[block] for block in blocks], shards_ahead)
-
-    def hint(b: int) -> None:
-        runs[b] = record_runs(reader, records[blocks[b]])
-        if window is None:
-            for shard, local in runs[b]:
-                reader.shard(shard).prefetch(local)
-
-    hinted = 0  # blocks hinted so far
+    hinted = 0
     for b, block in enumerate(blocks):
         recs = records[block]
         listed = recs.tolist()
@@ -229,7 +188,10 @@ def read_blocks(
         if window is not None:
             window.before(b)
         while hinted <= min(b + AHEAD, len(blocks) - 1):
-            hint(hinted)
+            runs[hinted] = record_runs(reader, records[blocks[hinted]])
+            if window is None:
+                for shard, local in runs[hinted]:
+                    reader.shard(shard).prefetch(local)
             hinted += 1
         data = read_block(reader, recs, fields, runs.pop(b, None), copy=copy)
         rows = [data[record] for record in listed]
@@ -239,15 +201,11 @@ def read_blocks(
 
 
 class ShardWindow:
-    """Which shards of a remote pack a stream holds, downloads ahead and releases.
+    """The shards of a remote pack a stream holds at block ``b``: its own and the next
+    ``ahead`` distinct ones. ``before(b)`` downloads those not held; ``after(b)`` releases
+    those the next window leaves out, so a bounded cache may evict them."""
 
-    The window at block ``b``: the shards it reads, then the next ``ahead`` distinct shards
-    later blocks read. ``before(b)`` prefetches the window's shards not yet held; ``after(b)``
-    releases those not in the next block's window, so a bounded cache may evict them. Each
-    worker of each rank downloads only the shards its blocks read.
-    """
-
-    #: blocks looked ahead at most for the window (bounds the work per block)
+    #: blocks looked ahead at most (bounds the work per block)
     SCAN = 4096
 
     def __init__(self, reader: PackReader, block_records: Sequence[np.ndarray], ahead: int):
@@ -263,12 +221,11 @@ class ShardWindow:
         if b >= len(self.shards):
             return []
         own, ahead = self.shards[b], list[int]()
-        for later in self.shards[b + 1 : b + 1 + self.SCAN]:
-            for s in later:
-                if len(ahead) == self.ahead:
-                    return own + ahead
-                if s not in own and s not in ahead:
-                    ahead.append(s)
+        for s in itertools.chain.from_iterable(self.shards[b + 1 : b + 1 + self.SCAN]):
+            if len(ahead) == self.ahead:
+                break
+            if s not in own and s not in ahead:
+                ahead.append(s)
         return own + ahead
 
     def before(self, b: int) -> None:
@@ -284,37 +241,19 @@ class ShardWindow:
         self.held &= keep
 
 
-def shuffle_buffer(
-    items: Iterable[Any], size: int, rng: np.random.Generator, total: int | None = None
-) -> Iterator[Any]:
-    """Mix a stream in a buffer of ``size`` items (webdataset's shuffle, deterministic).
-
-    The buffer fills to ``size``; then each arriving item replaces a uniformly chosen one,
-    which is emitted; at the end the rest leaves in random order. An item is never emitted
-    more than ``size`` places before its input place, and may leave any time later.
-
-    ``total``, the number of items when known, lets the draws be made in chunks with the very
-    same random stream: one numpy call per 1,024 items instead of ~7 µs per item, ~7% of a
-    worker's CPU per sample of a shuffled ``decode="none"`` stream (~100 µs).
-    """
+def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
+    """Mix a stream in a buffer of ``size`` items (webdataset's shuffle, deterministic): each
+    arriving item replaces a random one, which is emitted; no item leaves more than ``size``
+    places early."""
     if size <= 1:
         yield from items
         return
     buffer: list[Any] = []
-    draws: list[int] = []
-    left = None if total is None else max(0, total - size)  # draws still to make
     for item in items:
         if len(buffer) < size:
             buffer.append(item)
             continue
-        if not draws:
-            if left:
-                chunk = min(left, 1024)
-                draws = rng.integers(size, size=chunk).tolist()[::-1]
-                left -= chunk
-            else:  # unknown total, or more items than announced: one draw at a time
-                draws = [int(rng.integers(size))]
-        j = draws.pop()
+        j = int(rng.integers(size))
         out, buffer[j] = buffer[j], item
         yield out
     for j in rng.permutation(len(buffer)):

@@ -1,9 +1,6 @@
-"""A sampler for map-style datasets on a cold disk: shuffled, but reading mostly in order.
-
-``BlockShuffleSampler`` shuffles blocks of neighbouring indices, then indices within windows
-of a few blocks. The packer lays an image set out contiguously, so each window touches
-``window`` stretches of ``block_size`` records: the kernel's read-ahead turns most reads into
-sequential ones, where a full permutation would seek for every sample.
+"""A sampler for map-style datasets on a cold disk: shuffled, but reading mostly in order
+(blocks of neighbouring indices shuffled, then indices within windows of a few blocks, so
+the kernel's read-ahead serves most reads where a full permutation seeks for each).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from torch.utils.data import Sampler
 
 from . import state as keys
 from .state import Resumable
-from .topology import Topology, distributed_info, epoch_total, pad_or_trim, seeded_rng
+from .topology import Topology, distributed_info, epoch_total, seeded_rng
 
 __all__ = ["BlockShuffleSampler", "block_shuffle"]
 
@@ -37,24 +34,15 @@ class BlockShuffleSampler(Sampler[int], Resumable):
     Args:
         data_source_or_length: the dataset (anything with ``len``) or its length.
         block_size: neighbouring indices kept together (one sequential read each).
-        window: blocks whose indices are mixed together: a batch draws from up to
-            ``window`` blocks, and ``window * block_size`` indices are in flight at once.
+        window: blocks whose indices are mixed together: ``window * block_size`` indices
+            are in flight at once, and two indices of one block land within that distance.
         seed, shuffle: the order is seeded by ``(seed, epoch)``; without ``shuffle`` the
             indices come in order (ranks still split them).
-        rank, world_size, drop_last: as ``DistributedSampler``: default torch.distributed's
-            rank and world size; every rank yields the same count, by repeating the first
-            indices of the epoch order (default) or dropping its tail (``drop_last``).
+        rank, world_size, drop_last: as ``DistributedSampler`` (default torch.distributed's
+            rank and world size); each rank takes its own contiguous slice of the same order.
 
-    Every rank computes the same epoch order and takes its own contiguous slice, so a rank
-    reads its own blocks only. Randomness: the block order is a uniform permutation; an index
-    moves only within its window, so two indices of one block always land within
-    ``window * block_size`` places of each other. Call ``set_epoch`` before each epoch.
-
-    **Resuming** (``state.Resumable``, torchdata's ``StatefulDataLoader`` protocol): the
-    state is the epoch and the indices this rank handed out in it, plus the settings that
-    fix the order, checked when the resumed iteration starts; it then yields the rest of that
-    epoch, in the same order. Given a torch_serialized dataset, the state also names its
-    samples (``state.PACK``), so a resume on a pack re-packed since is refused.
+    Call ``set_epoch`` before each epoch. ``state_dict`` / ``load_state_dict`` follow
+    torchdata's ``StatefulDataLoader``; a resume on a pack re-packed since is refused.
     """
 
     _KIND = "BlockShuffleSampler"
@@ -92,21 +80,19 @@ class BlockShuffleSampler(Sampler[int], Resumable):
         return epoch_total(self.num_indices, self.world_size, self.drop_last)
 
     def __len__(self) -> int:
-        return self._topology().samples_per_rank(self.num_indices, self.drop_last)
-
-    def _topology(self) -> Topology:
-        return Topology(self.rank, self.world_size)
+        return Topology(self.rank, self.world_size).samples_per_rank(
+            self.num_indices, self.drop_last
+        )
 
     def indices(self) -> np.ndarray:
         """This rank's indices for the current epoch."""
         n = self.num_indices
+        order = np.arange(n)
         if self.shuffle:
             rng = seeded_rng(self.seed, self.epoch)
             order = block_shuffle(n, self.block_size, self.window, rng)
-        else:
-            order = np.arange(n)
-        share = self._topology().rank_slice(n, self.drop_last)
-        return pad_or_trim(order, self.total_size)[share]
+        share = Topology(self.rank, self.world_size).rank_slice(n, self.drop_last)
+        return np.resize(order, self.total_size)[share]
 
     def __iter__(self) -> Iterator[int]:
         skip = self._start("BlockShuffleSampler")

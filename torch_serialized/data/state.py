@@ -1,12 +1,7 @@
-"""Resume state: the ``Stateful`` protocol, the state's keys, and ``Resumable``, the resume
-logic the iterable dataset and ``BlockShuffleSampler`` share.
-
-torchdata's ``StatefulDataLoader`` saves and restores every dataset (and sampler) that has
-``state_dict()`` and ``load_state_dict(state)``: its ``Stateful`` protocol, declared here
-again so that torchdata stays an optional dependency. A state is a flat JSON-compatible dict
-with the keys below: where the epoch stopped, and the settings and topology that fix the
-order, checked when the state is resumed. Map-style datasets hold no state: with them the
-sampler's position is the state.
+"""Resume state for torchdata's ``StatefulDataLoader`` (its ``Stateful`` protocol declared
+again, so torchdata stays optional): ``Resumable``, shared by the iterable dataset and
+``BlockShuffleSampler``. A state is a flat JSON-compatible dict: where the epoch stopped,
+and the settings and topology that fix the order, checked on resume.
 """
 
 from __future__ import annotations
@@ -30,23 +25,18 @@ class Stateful(Protocol):
 
 #: Version of the states; a state of another version is refused.
 STATE_VERSION = 1
-
 VERSION = "version"
 #: The epoch being read, and the samples this worker yielded in it.
 EPOCH = "epoch"
 YIELDED = "yielded"
-#: Which samples the state was saved on: the pack's id (new at every full pack, kept by
-#: ``append_voc``) and a digest of the image set's record numbers. A resume on a re-packed or
-#: changed image set is refused; a state saved before this key existed resumes unchecked.
+#: The samples the state was saved on: the pack's id (new at every full pack, kept by
+#: ``append_voc``) and a digest of the image set's record numbers (absent: unchecked).
 PACK = "pack"
-#: Where the state was saved (``Topology``'s fields): a resume must match them.
+#: Where the state was saved (``Topology``'s fields) and the settings that fix the order.
 TOPOLOGY_KEYS = ("rank", "world_size", "worker", "num_workers")
-#: The settings that fix the epoch's order: a resume must match them too.
 ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "shuffle_buffer")
-
-#: Which class saved a state (``BlockShuffleSampler``'s states carry it).
+#: Which class saved a state (``BlockShuffleSampler``'s states carry it), and its keys.
 KIND = "kind"
-#: The sampler's topology (it runs in the main process: no DataLoader worker) and order.
 SAMPLER_TOPOLOGY_KEYS = ("rank", "world_size")
 SAMPLER_ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "window")
 
@@ -54,8 +44,8 @@ T = TypeVar("T")
 
 
 def samples_identity(dataset: Any) -> str | None:
-    """``PACK`` of a torch_serialized dataset (map-style or iterable): its pack's id and a CRC
-    of its image set's record numbers; None for any other dataset (nothing to check)."""
+    """``PACK`` of a torch_serialized dataset: its pack's id and a CRC of its image set's
+    record numbers; None for any other dataset (nothing to check)."""
     reader = getattr(getattr(dataset, "pack", None), "reader", None)
     records = getattr(dataset, "records", None)
     if reader is None or not isinstance(records, np.ndarray):
@@ -67,13 +57,11 @@ def samples_identity(dataset: Any) -> str | None:
 
 
 class Resumable(Stateful):
-    """The epoch, what the current iteration handed out in it, and a loaded state that the
-    next iteration resumes from once it has checked that the state describes the same
-    samples in the same order."""
+    """The epoch, what the current iteration handed out in it, and a loaded state the next
+    iteration resumes from once checked to describe the same samples in the same order."""
 
-    #: the ``KIND`` a state carries (the sampler's), and what must stay the same to resume
-    _KIND: str | None = None
-    _HINT: str
+    _KIND: str | None = None  # the ``KIND`` a state carries
+    _HINT: str  # what must stay the same to resume, for the error
     epoch: int
     _yielded = 0  # what the current iterator has handed out in this epoch
     _resume: dict[str, Any] | None = None  # a loaded state awaiting the next iteration
@@ -84,8 +72,8 @@ class Resumable(Stateful):
         """The topology and settings that fix the order (each class's own keys)."""
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows (a loaded position is
-        kept for the same epoch, dropped for another)."""
+        """Select the epoch the next iteration follows (a loaded position is kept for the
+        same epoch, dropped for another)."""
         if epoch != self.epoch:
             self._resume = None
             self._yielded = 0
@@ -107,7 +95,7 @@ class Resumable(Stateful):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it
-        stopped. The settings must match the saved ones (checked then)."""
+        stopped, once its settings are checked against the saved ones."""
         owner = type(self).__name__
         if state.get(VERSION) != STATE_VERSION:
             raise ValueError(
@@ -127,9 +115,8 @@ class Resumable(Stateful):
         self._resume = dict(state)
 
     def _start(self, where: str) -> int:
-        """Start an iteration: how many of its items a loaded state says to skip (0 without
-        one), after checking that the state was saved on these samples (``PACK``: unchecked
-        when either side does not know) with these settings; ``where`` names the dataset."""
+        """Start an iteration: the items a loaded state says to skip (0 without one), once
+        checked to be saved on these samples with these settings (``where``: the dataset)."""
         state, skip = self._resume, 0
         if state is not None:
             before, now = state.get(PACK), self._identity
@@ -137,8 +124,7 @@ class Resumable(Stateful):
                 raise ValueError(
                     f"cannot resume {where}: the state was saved on other samples (pack "
                     f"{before!r}, now {now!r}): the pack was re-packed, or appended to with "
-                    "this image set's records changed; resuming would mix the two in one "
-                    "epoch, so start the epoch afresh (set_epoch) instead"
+                    "this image set's records changed; start the epoch afresh (set_epoch)"
                 )
             settings = self._settings()
             diff = [(k, state.get(k), v) for k, v in settings.items() if state.get(k) != v]

@@ -1,10 +1,7 @@
-"""Who this process is in a training job, and the rules that share an epoch among processes.
-
-``Topology`` (like Mosaic Streaming's ``World``) is DDP's ``rank`` of ``world_size`` and this
-rank's DataLoader ``worker`` of ``num_workers``. The iterable dataset and
-``BlockShuffleSampler`` both share an epoch out by the rules below, as ``DistributedSampler``
-does: the order padded with its own beginning to a multiple of the world size (or cut, with
-``drop_last``), rank ``r`` taking the ``r``-th contiguous slice, its workers splitting that.
+"""Who this process is in a training job (``Topology``: DDP rank, DataLoader worker), and
+how an epoch is shared, as ``DistributedSampler`` does: the order padded with its beginning
+to a multiple of the world size (or cut, ``drop_last``), rank ``r`` taking the ``r``-th
+contiguous slice, its workers splitting that.
 """
 
 from __future__ import annotations
@@ -28,9 +25,9 @@ class Topology:
     num_workers: int = 1
 
     def __post_init__(self) -> None:
-        for (i, n), (a, b) in (
-            ((self.rank, self.world_size), ("rank", "world_size")),
-            ((self.worker, self.num_workers), ("worker", "num_workers")),
+        for i, n, a, b in (
+            (self.rank, self.world_size, "rank", "world_size"),
+            (self.worker, self.num_workers, "worker", "num_workers"),
         ):
             if n < 1 or not 0 <= i < n:
                 raise ValueError(f"need 0 <= {a} < {b}, got {a}={i}, {b}={n}")
@@ -38,14 +35,16 @@ class Topology:
     @classmethod
     def current(cls, rank: int | None = None, world_size: int | None = None) -> Topology:
         """The calling process's topology; ``rank`` / ``world_size`` override DDP's."""
-        return cls(*distributed_info(rank, world_size), *worker_info())
+        info = get_worker_info()
+        worker = (0, 1) if info is None else (info.id, info.num_workers)
+        return cls(*distributed_info(rank, world_size), *worker)
 
     def samples_per_rank(self, n: int, drop_last: bool) -> int:
         """Samples each rank takes from an epoch of ``n``."""
         return epoch_total(n, self.world_size, drop_last) // self.world_size
 
     def rank_slice(self, n: int, drop_last: bool) -> slice:
-        """This rank's share of an epoch order of ``n`` padded or cut by ``pad_or_trim``."""
+        """This rank's share of an epoch order of ``n`` padded or cut to ``epoch_total``."""
         per_rank = self.samples_per_rank(n, drop_last)
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
@@ -67,21 +66,9 @@ def distributed_info(rank: int | None = None, world_size: int | None = None) -> 
     return rank, world_size
 
 
-def worker_info() -> tuple[int, int]:
-    """``(worker_id, num_workers)`` of this DataLoader worker, ``(0, 1)`` in the main process."""
-    info = get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
-
-
 def epoch_total(n: int, world_size: int, drop_last: bool) -> int:
     """Samples of an epoch of ``n`` across ``world_size`` ranks, each taking as many."""
     return n // world_size * world_size if drop_last else math.ceil(n / world_size) * world_size
-
-
-def pad_or_trim(order: np.ndarray, total: int) -> np.ndarray:
-    """``order`` cut to ``total`` items, or extended with its own beginning (repeated as often
-    as needed) to ``total``."""
-    return np.resize(order, total)
 
 
 def seeded_rng(seed: int, *key: int) -> np.random.Generator:

@@ -51,9 +51,11 @@ class Source:
         self.objects = objects
         self.calls: list[str] = []
 
-    def __call__(self, name: str) -> Callable[[Path], None]:
-        def download(dest: Path) -> None:
+    def __call__(self, name: str, states_size: bool = True) -> Callable[[Path, Any], None]:
+        def download(dest: Path, room: Callable[[int], None]) -> None:
             self.calls.append(name)
+            if states_size:  # as a GET's Content-Length: room is made before the body
+                room(len(self.objects[name]))
             tmp = dest.with_name(f".{dest.name}.x.partial")
             tmp.write_bytes(self.objects[name])
             os.replace(tmp, dest)
@@ -134,7 +136,7 @@ def test_a_repacked_pack_never_sees_stale_shards(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "pack.json"])
 def test_object_names_are_plain_file_names(tmp_path: Path, name: str) -> None:
     with pytest.raises(ValueError, match="cached object"):
-        Cache(tmp_path).pack(URL, "i").path(name)
+        Cache(tmp_path).pack(URL, "i").object_path(name)
 
 
 # --------------------------------------------------------------------------- fetch
@@ -208,12 +210,12 @@ def test_lru_eviction_never_takes_a_held_object(tmp_path: Path) -> None:
     fetch(pc, source, "s3.tser")
     assert sorted(p.name for p in pc.directory.glob("s*.tser")) == ["s0.tser", "s2.tser", "s3.tser"]
     pc.release("s3.tser")
-    age(pc.path("s3.tser"), 200)  # now the oldest, but another process holds it
+    age(pc.object_path("s3.tser"), 200)  # now the oldest, but another process holds it
     with held_elsewhere(tmp_path, URL, "i", "s3.tser", 1000):
         fetch(pc, source, "s4.tser")
         names = sorted(p.name for p in pc.directory.glob("s*.tser"))
         assert names == ["s0.tser", "s3.tser", "s4.tser"]
-    assert pc.path("s0.tser").read_bytes() == objects["s0.tser"]
+    assert pc.object_path("s0.tser").read_bytes() == objects["s0.tser"]
 
 
 def test_eviction_spares_an_object_whose_fetch_holds_its_lock(tmp_path: Path) -> None:
@@ -253,10 +255,11 @@ def test_two_downloads_at_once_do_not_fit_on_the_same_free_bytes(tmp_path: Path)
         pc.release(name)
     started, go_on = threading.Event(), threading.Event()
 
-    def slow(dest: Path) -> None:  # room is made; the bytes come later
+    def slow(dest: Path, room: Callable[[int], None]) -> None:  # room is made; bytes later
+        room(1000)
         started.set()
         assert go_on.wait(10)
-        source("s2.tser")(dest)
+        source("s2.tser", states_size=False)(dest, room)
 
     first = threading.Thread(target=pc.fetch, args=("s2.tser", 1000, slow))
     first.start()
@@ -280,7 +283,7 @@ def test_the_limit_spans_every_pack_in_the_folder(tmp_path: Path) -> None:
     a.close()
     fetch(b, source, "x.tser")
     fetch(b, source, "y.tser")
-    assert not a.path("x.tser").exists()
+    assert not a.object_path("x.tser").exists()
     assert sum(p.bytes for p in list_cache(tmp_path)) <= 2500
 
 
@@ -337,26 +340,18 @@ def test_an_object_larger_than_the_limit_evicts_nothing(tmp_path: Path) -> None:
     pc.close()
     with pytest.warns(CacheLimitWarning, match="larger than cache_limit_bytes=2500"):
         fetch(pc, source, "huge.tser")  # a size no eviction can make fit (or a manifest's lie)
-    assert pc.path("x.tser").exists() and pc.path("y.tser").exists()
+    assert pc.object_path("x.tser").exists() and pc.object_path("y.tser").exists()
 
 
-def test_room_is_made_only_for_a_size_the_source_confirms(tmp_path: Path) -> None:
+def test_room_is_made_for_the_size_the_source_states(tmp_path: Path) -> None:
     source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1), "z.tser": blob(1000, 2)})
     pc = Cache(tmp_path, limit_bytes=2500).pack(URL, "i")
     age(fetch(pc, source, "x.tser"), 200)
     age(fetch(pc, source, "y.tser"), 100)
     pc.close()
-
-    def wrong() -> bool:  # the source has another size: the download would fail
-        raise ValueError("z.tser: the manifest and the object disagree")
-
-    with pytest.raises(ValueError, match="disagree"):
-        pc.fetch("z.tser", 2400, source("z.tser"), confirm_size=wrong)
-    assert pc.path("x.tser").exists() and pc.path("y.tser").exists()  # nothing evicted
-    assert source.calls == ["x.tser", "y.tser"]  # nor downloaded
-    # A source that does not tell its size: room is made once the bytes are in, for them.
-    assert pc.fetch("z.tser", 1000, source("z.tser"), confirm_size=lambda: False).exists()
-    assert not pc.path("x.tser").exists() and pc.path("y.tser").exists()
+    # A claimed size the source never states makes no room; once the bytes are in, for them.
+    assert pc.fetch("z.tser", 1000, source("z.tser", states_size=False)).exists()
+    assert not pc.object_path("x.tser").exists() and pc.object_path("y.tser").exists()
 
 
 def test_no_limit_evicts_nothing(tmp_path: Path) -> None:
@@ -388,7 +383,7 @@ def test_list_and_clear(tmp_path: Path) -> None:
     assert (result.packs_removed, result.objects_removed, result.bytes_freed) == (1, 1, 100)
     result = clear_cache(tmp_path)  # a.tser of "one" is held: it stays
     assert (result.packs_removed, result.objects_removed, result.objects_in_use) == (0, 1, 1)
-    assert one.path("a.tser").exists() and not one.path("b.tser").exists()
+    assert one.object_path("a.tser").exists() and not one.object_path("b.tser").exists()
     one.close()
     assert clear_cache(tmp_path).packs_removed == 1
     assert list_cache(tmp_path) == []
@@ -442,8 +437,8 @@ def test_a_new_version_removes_the_other_versions_of_its_url_not_in_use(tmp_path
         done = new.remove_other_versions()
         assert (done.packs_removed, done.objects_removed, done.bytes_freed) == (1, 2, 300)
         assert not old.directory.exists() and downloading.exists()
-    assert held.path("b.tser").exists()  # a folder in use is left whole
-    assert new.path("a.tser").exists()
+    assert held.object_path("b.tser").exists()  # a folder in use is left whole
+    assert new.object_path("a.tser").exists()
     listed = sorted((p.url, p.identity) for p in list_cache(tmp_path))
     assert listed == sorted(
         [(URL, "v0"), (URL, "v2"), (URL, "v3"), (URL + "?…", "v1"), ("s3://bucket/other", "v1")]
@@ -457,8 +452,8 @@ def test_clear_between_a_download_and_its_first_use_removes_nothing(tmp_path: Pa
     source = Source({"a.tser": blob(100)})
     pc = Cache(tmp_path).pack(URL, "i")
 
-    def download_then_clear(dest: Path) -> None:
-        source("a.tser")(dest)
+    def download_then_clear(dest: Path, room: Any) -> None:
+        source("a.tser")(dest, room)
         clear_cache(tmp_path)  # `cache clear` run by hand at the worst moment
 
     assert pc.fetch("a.tser", 100, download_then_clear).read_bytes() == source.objects["a.tser"]
@@ -514,7 +509,7 @@ def test_clear_never_removes_a_folder_a_writer_is_about_to_lock(
 
     def fetch() -> None:
         try:
-            got["path"] = pc.fetch("a.tser", 3, lambda dest: dest.write_bytes(b"abc"))
+            got["path"] = pc.fetch("a.tser", 3, lambda dest, room: dest.write_bytes(b"abc"))
         except Exception as exc:
             got["error"] = exc
 
@@ -642,7 +637,7 @@ def test_a_child_forked_during_a_download_does_not_wait_on_its_parents_lock(
     pack = Cache(tmp_path, limit).pack("https://example.invalid/voc", "id")
     started, release = threading.Event(), threading.Event()
 
-    def slow_download(dest: Path) -> None:
+    def slow_download(dest: Path, room: Any) -> None:
         started.set()
         release.wait(10)
         dest.write_bytes(b"x" * 100)
@@ -654,7 +649,7 @@ def test_a_child_forked_during_a_download_does_not_wait_on_its_parents_lock(
     if pid == 0:  # the child: fetch the same object, which the parent is downloading
         status = 1
         try:
-            got = pack.fetch("a.tser", 100, lambda dest: dest.write_bytes(b"y" * 100))
+            got = pack.fetch("a.tser", 100, lambda dest, room: dest.write_bytes(b"y" * 100))
             status = 0 if got.read_bytes() == b"x" * 100 else 2
         finally:
             os._exit(status)
@@ -683,7 +678,7 @@ def test_an_object_as_large_as_the_limit_evicts_every_other_one(tmp_path: Path) 
     fetch(pc, source, "y.tser")
     pc.close()
     fetch(pc, source, "big.tser")  # no CacheLimitWarning (an error in this suite)
-    assert not pc.path("x.tser").exists() and not pc.path("y.tser").exists()
+    assert not pc.object_path("x.tser").exists() and not pc.object_path("y.tser").exists()
     assert [(p.objects, p.bytes) for p in list_cache(tmp_path)] == [(1, 2500)]
 
 
@@ -703,7 +698,7 @@ def test_a_downloads_reservation_and_partial_file_count_once(tmp_path: Path) -> 
     with open(coming.parent / ".locks" / "s.tser.lock") as writer:
         fcntl.flock(writer, fcntl.LOCK_EX)  # its download is running
         fetch(pc, source, "x.tser")  # 1000 + 1000 + 1000 fit in 3000: no eviction, no warning
-        assert pc.path("old.tser").read_bytes() == source.objects["old.tser"]
+        assert pc.object_path("old.tser").read_bytes() == source.objects["old.tser"]
 
 
 def test_list_shows_each_packs_last_use_and_versions_of_a_url_newest_first(tmp_path: Path) -> None:

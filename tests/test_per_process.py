@@ -36,13 +36,13 @@ MANIFEST = b'{"format": "torch_serialized.shards", "shards": ["a.tser", "b.tser"
 # Unpickles (obj, name, size) from stdin, uses obj as a worker would, prints the bytes' sha256.
 _CHILD = """
 import hashlib, pickle, sys
-from torch_serialized.remote.cache import PackCache
+from torch_serialized.remote.packs import RemotePack
 from torch_serialized.remote.store import RemoteStore
 
 obj, name, size = pickle.load(sys.stdin.buffer)
 if isinstance(obj, RemoteStore):
     data = obj.read_bytes(name)
-elif isinstance(obj, PackCache):
+elif not isinstance(obj, RemotePack):  # a PackCache
     def refuse(dest):
         raise AssertionError(f"{dest} should be cached already")
     data = obj.fetch(name, size, refuse).read_bytes()
@@ -115,7 +115,7 @@ def test_a_used_remote_store_pickles_without_its_per_process_state(
 def test_a_used_pack_cache_pickles_without_its_per_process_state(tmp_path: Path) -> None:
     data = blob(100)
     used = Cache(tmp_path).pack("s3://bucket/voc", "i")
-    used.fetch("a.tser", len(data), lambda dest: dest.write_bytes(data))
+    used.fetch("a.tser", len(data), lambda dest, room: dest.write_bytes(data))
     assert used.held() == ["a.tser"]
     clone = check_per_process(used, Cache(tmp_path).pack("s3://bucket/voc", "i"))
     assert clone.held() == [] and used.held() == ["a.tser"]
@@ -140,7 +140,7 @@ def test_a_used_remote_pack_pickles_without_its_per_process_state(
         used.prefetch(["b.tser"])  # the pool and a pending download
         assert used._pool is not None and used._pending
         clone = check_per_process(used, fresh)
-        assert clone._pool is None and clone._pending == {} and clone.cache.held() == []
+        assert clone._pool is None and clone._pending == {} and clone.held() == []
         assert in_fresh_process(used, "b.tser", len(shards["b.tser"])) == sha(shards["b.tser"])
         assert clone.fetch_shard("b.tser", len(shards["b.tser"])).read_bytes() == shards["b.tser"]
         clone.close()

@@ -529,9 +529,9 @@ def test_close_releases_the_shards_but_not_the_catalog(
     assert reader.remote is not None and reader.manifest is not None
     catalog = reader.manifest.catalog
     assert catalog is not None
-    assert len(reader.remote.cache.held()) == reader.num_shards + 2
+    assert len(reader.remote.held()) == reader.num_shards + 2
     reader.close()
-    assert reader.remote.cache.held() == sorted(["manifest.json", catalog.file])
+    assert reader.remote.held() == sorted(["manifest.json", catalog.file])
     assert reader.verify() == []  # fetched again (from the cache: no new download)
     assert served.proxy.count("GET", "shard-") == reader.num_shards
 

@@ -33,7 +33,6 @@ from torch_serialized import (
     pack_voc,
 )
 from torch_serialized.cli import main
-from torch_serialized.container.fileio import DEFAULT_MAX_FILE_BYTES
 from torch_serialized.errors import RemoteError, WriteError
 from torch_serialized.remote.retry import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
 from torch_serialized.remote.store import RemoteStore
@@ -41,6 +40,7 @@ from torch_serialized.remote.upload import prune_remote
 from torch_serialized.voc.append import _append_local
 from torch_serialized.voc.append_remote import append_to_url
 from torch_serialized.voc.packed import VOCPackReader
+from torch_serialized.voc.records import Options
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -342,18 +342,7 @@ def test_a_second_appender_that_finished_first_wins_and_this_one_is_refused(
 
     def racing(local: Path) -> Any:
         # this append, on its staged copy, which holds only the shards an append reads
-        grown = _append_local(
-            source.root,
-            local,
-            year=None,
-            on_error="raise",
-            progress=False,
-            workers=1,
-            replace_changed=False,
-            checksum=False,
-            max_file_bytes=DEFAULT_MAX_FILE_BYTES,
-            check_shards=False,
-        )
+        grown = _append_local(source.root, local, Options(), check_shards=False)
         if when == "staged":
             other_append()
         return grown

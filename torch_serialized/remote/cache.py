@@ -1,33 +1,17 @@
 """The local cache of remote packs: one download per object, shared by every process.
 
-Design
-------
-* **Where.** ``cache_dir``, else ``$TORCH_SERIALIZED_CACHE``, else ``~/.cache/torch_serialized``,
-  read when a :class:`Cache` is made (never at import); on a local filesystem (``flock``).
-* **Layout.** ``<cache_dir>/v1/<key>/`` holds one pack: ``pack.json`` (its URL, password and
-  query hidden, and identity), its objects under their names, ``.locks/`` and
-  ``.<name>.<random>.partial`` downloads. ``key`` hashes the URL **and** the identity (the
-  manifest's sha256), so a pack re-packed at the same URL never mixes with stale shards.
-* **One download per object, never a corrupt file.** A process missing an object takes an
-  exclusive ``flock`` on ``.locks/<name>.lock``, looks again, and only then downloads (to a
-  temporary name renamed into place when complete and checked). A process that dies
-  mid-download drops its lock; its partial file is deleted by the next one to take it.
-* **Readers hold what they use**: :meth:`PackCache.fetch` returns a path while this process
-  holds a shared ``flock`` on it, until :meth:`PackCache.release` (or ``close``).
-* **Bounded, least recently used out.** With ``limit_bytes``, room for a download is made
-  first (under ``<cache_dir>/.evict.lock``) and reserved (a sparse partial file of its full
-  size) until it is in: partial files of killed downloads go first, then objects oldest use
-  first (an object's mtime is its last fetch), each only if no process holds it. When what is
-  held and in flight alone exceeds the limit, the cache grows past it and warns
-  (:class:`CacheLimitWarning`) once per :class:`Cache`. A size that is a manifest's claim is
-  confirmed with the source first, so a false one evicts nothing.
-* **Old versions go**: opening a URL deletes its folders under other identities that nothing
-  uses (:meth:`PackCache.remove_other_versions`). :func:`list_cache` and :func:`clear_cache`
-  are ``torch-serialized cache list|clear``; ``clear`` skips objects in use.
-"""
+A pack's folder (``locks``: the layout) is keyed by its URL and identity (the manifest's
+sha256), so a re-packed pack never mixes with stale shards. Every rule is an ``flock``:
 
-# More than 400 lines: the cache's locking, eviction and listing rules rely on each other's
-# lock order.
+* a process missing an object takes its fetch lock, looks again, and only then downloads (to
+  a temporary renamed in when whole); a killed download's partial file goes with the next;
+* a reader holds a fetched object with a shared lock on it until :meth:`PackCache.release`;
+* ``clear`` never moves a pack folder away under a writer (who holds its pack lock shared);
+* with ``limit_bytes``, room for a download is made under ``.evict.lock`` once the source
+  states its size, and reserved (a sparse partial file): killed downloads' partial files go
+  first, then objects no process holds, least recently used first (mtime is the last fetch).
+  When what is held exceeds the limit the cache grows past it and warns once per :class:`Cache`.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +19,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -46,8 +31,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from ..container.fileio import write_synced
 from ..errors import CacheLimitWarning
 from .locks import (
     EVICT_LOCK,
@@ -58,7 +44,6 @@ from .locks import (
     PACK_LOCK,
     PARTIAL,
     close_inherited_locks,
-    counted_bytes,
     flocked,
     objects,
     pack_dirs,
@@ -67,19 +52,9 @@ from .locks import (
 )
 from .store import PerProcess, redact_url
 
-__all__ = [
-    "CACHE_ENV",
-    "Cache",
-    "CachedPack",
-    "ClearResult",
-    "PackCache",
-    "cache_folder",
-    "clear_cache",
-    "default_cache_dir",
-    "list_cache",
-]
-
+log = logging.getLogger(__name__)
 CACHE_ENV = "TORCH_SERIALIZED_CACHE"
+Room = Callable[[int], None]  # make room for an object of this many bytes
 
 
 def default_cache_dir() -> Path:
@@ -89,8 +64,8 @@ def default_cache_dir() -> Path:
 
 
 def cache_folder(cache_dir: str | os.PathLike[str] | None) -> Path:
-    """The cache folder ``cache_dir`` names (default: :func:`default_cache_dir`). It may not
-    exist yet, but a path that exists and is not a folder raises ``NotADirectoryError``."""
+    """The cache folder ``cache_dir`` names (default: :func:`default_cache_dir`); one that
+    exists and is not a folder raises ``NotADirectoryError``."""
     folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if os.path.lexists(folder) and not folder.is_dir():
         raise NotADirectoryError(
@@ -103,9 +78,12 @@ def cache_folder(cache_dir: str | os.PathLike[str] | None) -> Path:
 
 
 def pack_key(url: str, identity: str) -> str:
-    """The folder name of a pack: a hash of its whole URL (credentials included: URLs that
-    may grant different access never share a folder) and its identity."""
+    """A pack's folder name: a hash of its whole URL (credentials included: URLs that may
+    grant different access never share a folder) and its identity."""
     return hashlib.sha256(f"{url.rstrip('/')}\n{identity}".encode()).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- the cache
 
 
 class Cache:
@@ -129,29 +107,30 @@ class Cache:
         return PackCache(self, url, identity)
 
     def make_room(self, need: int, reserve: Path | None = None) -> None:
-        """Evict least recently used objects no process holds until ``need`` more bytes fit.
-
-        ``reserve``: a partial file made (sparse, ``need`` bytes) before the eviction lock is
-        let go, so the next download's room counts this one at its full size: two downloads
-        never fit on the same free bytes. The caller removes it once the download is in."""
+        """Evict least recently used objects no process holds until ``need`` more bytes fit,
+        then make ``reserve`` a sparse file of ``need`` bytes, so that the next download's
+        room counts this one at its full size (the caller removes it once the bytes are in)."""
         limit = self.limit_bytes
         if limit is None:
             return
-        if need > limit:  # evicting cannot make it fit; the size may be a false claim too
+        if need > limit:  # evicting cannot make it fit: nothing is evicted for it
             self._warn(
                 f"{self.directory}: an object of {need} bytes is larger than "
-                f"cache_limit_bytes={limit}; the cache grows past the limit while it is held "
-                "(nothing else is evicted for it). Raise the limit if that size is real; else "
-                "the pack's manifest (which gives it) is wrong"
+                f"cache_limit_bytes={limit}; the cache grows past it while it is held (raise it)"
             )
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         with flocked(self.directory / EVICT_LOCK, fcntl.LOCK_EX):
             entries = [e for d in pack_dirs(self.directory) for e in objects(d)]
-            # partial files of killed downloads first: nobody wants them
-            entries = [e for e in entries if not (e.partial and e.remove())]
-            total = counted_bytes(entries)
-            for entry in sorted((e for e in entries if not e.partial), key=lambda e: e.mtime):
+            entries = [e for e in entries if not (e.partial and e.remove())]  # killed ones
+            # A download counts once, at the largest of its reservation and its bytes.
+            partials: dict[Path, int] = {}
+            for e in entries:
+                if e.partial:
+                    partials[e.lock] = max(partials.get(e.lock, 0), e.size)
+            done = [e for e in entries if not e.partial]
+            total = sum(e.size for e in done) + sum(partials.values())
+            for entry in sorted(done, key=lambda e: e.mtime):
                 if total + need <= limit:
                     break
                 if entry.remove():
@@ -159,17 +138,12 @@ class Cache:
             if total + need > limit:
                 self._warn(
                     f"{self.directory}: the cache needs {total + need} bytes, more than "
-                    f"cache_limit_bytes={limit}, because that much is in use or being "
-                    "downloaded right now (by every process sharing this cache). It grows past "
-                    "the limit; raise the limit or read fewer shards at once (fewer workers or "
-                    "less prefetch)"
+                    f"cache_limit_bytes={limit}, in use or being downloaded now by the processes "
+                    "sharing it; raise the limit or read fewer shards at once"
                 )
             if reserve is not None and need > 0:
-                fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-                try:
-                    os.ftruncate(fd, need)  # sparse: counted, not written
-                finally:
-                    os.close(fd)
+                with open(reserve, "wb") as f:
+                    f.truncate(need)  # sparse: counted, not written
 
     def _warn(self, message: str) -> None:
         if not self._warned:
@@ -188,13 +162,13 @@ class PackCache(PerProcess):
         self.directory = cache.directory / LAYOUT / pack_key(url, identity)
         self._start()
 
-    _PER_PROCESS = ("_pid", "_mutex", "_held", "_finalizer")
+    _PER_PROCESS: ClassVar[tuple[str, ...]] = ("_pid", "_mutex", "_held", "_finalizer")
 
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._mutex = threading.Lock()
         self._held: dict[str, int] = {}
-        # Close what is still held when this object goes away, even without close().
+        # what is still held is closed when this object goes away, even without close()
         self._finalizer = weakref.finalize(self, _close_all, self._held)
 
     def __repr__(self) -> str:
@@ -202,12 +176,11 @@ class PackCache(PerProcess):
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
-            # Closing our copies of the parent's descriptors leaves the parent's locks in place.
-            self._finalizer()
+            self._finalizer()  # our copies of the parent's descriptors: its locks stay
             close_inherited_locks(self.cache.directory)
             self._reset()
 
-    def path(self, name: str) -> Path:
+    def object_path(self, name: str) -> Path:
         """Where object ``name`` is (or will be) cached."""
         if not name or "/" in name or "\\" in name or name[0] == "." or name == PACK_INFO:
             raise ValueError(f"{name!r} cannot be a cached object's name (a plain file name)")
@@ -215,8 +188,8 @@ class PackCache(PerProcess):
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
-        """Hold the pack folder (shared) so :func:`clear_cache` cannot move it away meanwhile;
-        make it and its ``pack.json`` if needed. A lock found moved away with its folder is
+        """Hold the pack folder (shared) so :func:`clear_cache` cannot move it away meanwhile,
+        making it and its ``pack.json`` if needed; a lock moved away with its folder is
         dropped and the folder made again."""
         lock = self.directory / LOCKS / PACK_LOCK
         for _ in range(100):
@@ -238,7 +211,7 @@ class PackCache(PerProcess):
             url = redact_url(self.url)  # pack.json is world-readable: never a password
             if _info(self.directory).get("url") != url:  # new, or written by an older version
                 info = {"url": url, "identity": self.identity, "created": time.time()}
-                # under a lock, as objects are: clear_cache leaves a locked partial file alone
+                # locked as objects are: clear_cache leaves a locked partial file alone
                 with flocked(self.directory / LOCKS / f"{PACK_INFO}.lock", fcntl.LOCK_EX):
                     _write_atomic(self.directory / PACK_INFO, json.dumps(info).encode())
             yield
@@ -246,8 +219,9 @@ class PackCache(PerProcess):
             os.close(fd)
 
     def remove_other_versions(self) -> ClearResult:
-        """Delete the folders of this pack's very URL (credentials and query included) under
-        another identity, as :func:`clear_cache` would, unless anything in them is in use."""
+        """Delete the folders of this very URL under another identity, as
+        :func:`clear_cache` would, unless anything in them is in use (an ``OSError`` is logged:
+        opening a pack never fails for it)."""
 
         def other_version(pack_dir: Path) -> bool:
             identity = _info(pack_dir).get("identity")
@@ -258,30 +232,35 @@ class PackCache(PerProcess):
                 and not _in_use(pack_dir)
             )
 
-        return _clear_packs(self.cache.directory, other_version)
+        try:
+            done = _clear_packs(self.cache.directory, other_version)
+        except OSError as exc:
+            log.info("%s: older versions left in the cache (%s)", self.directory, exc)
+            return ClearResult(0, 0, 0, 0)
+        if done.packs_removed:
+            log.info(
+                "%s: removed %d older version(s) from the cache (%d bytes)",
+                *(redact_url(self.url), done.packs_removed, done.bytes_freed),
+            )
+        return done
 
     def put(self, name: str, data: bytes) -> Path:
         """Store small ``data`` (a manifest) as object ``name``, atomically, and hold it."""
-        return self.fetch(name, len(data), lambda dest: _write_atomic(dest, data))
+        return self.fetch(name, len(data), lambda dest, room: _write_atomic(dest, data))
 
     def fetch(
-        self,
-        name: str,
-        expected_size: int | None,
-        download: Callable[[Path], object],
-        confirm_size: Callable[[], bool] | None = None,
+        self, name: str, expected_size: int | None, download: Callable[[Path, Room], object]
     ) -> Path:
-        """The local path of object ``name``, ``download(dest)`` first if it is not cached.
+        """The local path of object ``name``, ``download(dest, room)`` first if not cached.
 
-        ``download`` must create ``dest`` atomically with the whole object; several processes
-        asking for one object make one call between them. The object stays held (never
-        evicted) until :meth:`release`. A cached file whose size is not ``expected_size`` is
-        downloaded again. When ``expected_size`` is a claim (a manifest's), ``confirm_size()``
-        runs first: it raises if the source's size differs and returns False if the source
-        does not tell; room is made for an unconfirmed size only once its bytes are in.
+        ``download`` creates ``dest`` atomically with the whole object, calling ``room(n)``
+        once the source states the size ``n`` (room is made then; if it never does, once the
+        bytes are in); processes asking for one object make one call between them. The object
+        stays held (never evicted) until :meth:`release`. A cached file whose size is not
+        ``expected_size`` is downloaded again.
         """
         self._check_fork()
-        path = self.path(name)
+        path = self.object_path(name)
         with self._mutex:
             if name in self._held:
                 _touch(path)
@@ -289,21 +268,26 @@ class PackCache(PerProcess):
         for _ in range(3):
             fd = self._open_held(path, expected_size)
             if fd is None:
-                lock = self.directory / LOCKS / f"{name}.lock"
-                with self._writing(), flocked(lock, fcntl.LOCK_EX):
+                with (
+                    self._writing(),
+                    flocked(self.directory / LOCKS / f"{name}.lock", fcntl.LOCK_EX),
+                ):
                     fd = self._open_held(path, expected_size)
                     if fd is None:
                         for stale in self.directory.glob(f".{name}.*{PARTIAL}"):
                             stale.unlink(missing_ok=True)  # its writer died: we hold the lock
-                        confirmed = confirm_size is None or confirm_size()
                         reservation = self.directory / f".{name}.reserved{PARTIAL}"
-                        if confirmed:
-                            self.cache.make_room(expected_size or 0, reservation)
+                        sized: list[int] = []
+
+                        def room(n: int, at: Path = reservation, sized: list[int] = sized) -> None:
+                            sized.append(n)
+                            self.cache.make_room(n, at)
+
                         try:
-                            download(path)
+                            download(path, room)
                         finally:
                             reservation.unlink(missing_ok=True)
-                        if not confirmed:  # its bytes are in: room for them (our lock keeps it)
+                        if not sized:  # its bytes are in: room for them (our lock keeps it)
                             self.cache.make_room(0)
                         fd = self._open_held(path, expected_size)
             if fd is not None:
@@ -366,10 +350,7 @@ def _touch(path: Path) -> None:
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}{PARTIAL}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -437,9 +418,9 @@ def clear_cache(
 ) -> ClearResult:
     """Delete the cached packs (only those of ``url`` if given), except objects in use.
 
-    A pack folder is removed once nothing in it is in use; objects some process holds or is
-    downloading are left, and counted in ``objects_in_use``. ``url`` matches as
-    :func:`list_cache` shows it: passwords and query strings are not compared.
+    A pack folder goes once nothing in it is in use; objects some process holds or is
+    downloading stay, counted in ``objects_in_use``. ``url`` matches as :func:`list_cache`
+    shows it: passwords and query strings are not compared.
     """
     shown = None if url is None else redact_url(url).rstrip("/")
 
@@ -451,7 +432,7 @@ def clear_cache(
 
 
 def _clear_packs(root: Path, wanted: Callable[[Path], bool]) -> ClearResult:
-    """``_clear_pack`` of each pack folder under ``root`` that ``wanted`` accepts (asked under
+    """Clear each pack folder under ``root`` that ``wanted`` accepts (asked under
     ``.evict.lock``, so nothing is evicted meanwhile); what was done, in all."""
     totals = [0, 0, 0, 0]
     if not (root / LAYOUT).is_dir():
@@ -471,19 +452,19 @@ def _clear_pack(pack_dir: Path) -> ClearResult:
         elif entry.remove():
             removed += not entry.partial
             freed += entry.size
+    kept = ClearResult(0, removed, freed, busy)
     if busy:
-        return ClearResult(0, removed, freed, busy)
-    # Moved aside first, unless a process writes in it (it holds the pack lock shared); the
-    # lock is made if absent, so a writer between its mkdir and its lock waits for the move
-    # and makes its folder again instead of losing it under rmtree.
+        return kept
+    # Moved aside first unless a writer holds the pack lock; the lock is made if absent, so
+    # a writer between its mkdir and its lock waits and then makes its folder again.
     trash = pack_dir.parent / f".trash-{uuid.uuid4().hex[:12]}"
     with unless_locked(pack_dir / LOCKS / PACK_LOCK, create=True) as free:
         if not free:
-            return ClearResult(0, removed, freed, busy)
+            return kept
         try:
             pack_dir.rename(trash)
         except OSError:
-            return ClearResult(0, removed, freed, busy)
+            return kept
     shutil.rmtree(trash, ignore_errors=True)
     return ClearResult(1, removed, freed, busy)
 

@@ -1,9 +1,9 @@
-"""The cache folder on disk: its layout, its ``flock`` locks and the files of a pack folder.
+"""The cache folder on disk: its layout, its ``flock`` locks, the files of a pack folder.
 
-A pack folder ``<cache_dir>/v1/<key>/`` holds ``pack.json``, the pack's objects under their
-names, ``.locks/<name>.lock`` (held exclusively by the one process fetching ``name``, shared
-as ``.pack.lock`` by every process writing in the folder) and ``.<name>.<random>.partial``
-downloads. A reader holds an object with a shared ``flock`` on the object itself.
+A pack folder ``<cache_dir>/v1/<key>/`` holds ``pack.json``, the objects, ``.locks/<name>.lock``
+(held by the one process fetching ``name``; ``.pack.lock`` held shared by every process
+writing in the folder) and ``.<name>.<random>.partial`` downloads. A reader holds an object
+with a shared ``flock`` on the object itself.
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ def flocked(path: Path, operation: int) -> Iterator[None]:
         fcntl.flock(fd, operation)
         yield
     finally:
-        os.close(fd)  # closing drops the lock; never LOCK_UN (a forked child shares the lock)
+        os.close(fd)  # drops the lock; never LOCK_UN (a forked child shares the lock)
 
 
 @contextmanager
 def unless_locked(lock: Path, create: bool = False) -> Iterator[bool]:
-    """Hold ``lock`` exclusively while the block runs if no process holds it (or it is
-    absent); yields False, holding nothing, if some process does. ``create`` makes an absent
-    lock and holds it, so a process about to take it waits for the block."""
+    """Hold ``lock`` exclusively while the block runs and yield True if no process holds it
+    (or it is absent); else yield False. ``create`` makes an absent lock and holds it, so a
+    process about to take it waits for the block."""
     try:
         if create:
             lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, OPEN if create else os.O_RDONLY | os.O_CLOEXEC, 0o644)
-    except FileNotFoundError:  # nobody ever locked it: nobody holds it
+    except FileNotFoundError:  # never locked: nobody holds it
         yield True
         return
     try:
@@ -67,11 +67,9 @@ def same_file(fd: int, path: Path) -> bool:
 
 
 def close_inherited_locks(root: Path) -> None:
-    """In a forked child, close the lock files of the cache at ``root`` that it inherited
-    from parent threads holding them (a prefetch mid-download when a DataLoader forked). A
-    ``flock`` belongs to the open file, which fork shares: the child's copy kept the lock
-    after the parent let go, and the child then waited on it forever. Finds them in
-    ``/proc/self/fd`` (Linux; elsewhere nothing is closed)."""
+    """In a forked child, close the cache's lock files inherited from parent threads holding
+    them: a ``flock`` belongs to the open file, so the child's copy would keep the lock after
+    the parent let go (found in ``/proc/self/fd``; elsewhere nothing is closed)."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -105,21 +103,12 @@ class _Entry:
 
     def busy(self) -> bool:
         """Whether some process holds the object, or is writing the partial file."""
-        try:
-            fd = os.open(self.lock if self.partial else self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+        with unless_locked(self.lock if self.partial else self.path) as free:
+            return not free
 
     def remove(self) -> bool:
-        """Delete it if no process holds it or is fetching it; True if deleted. The fetch
-        lock is held while deleting: a new fetcher waits (and uses a fresh partial name)."""
+        """Delete it unless a process holds or fetches it (its fetch lock is held meanwhile:
+        a new fetcher waits); True if deleted."""
         with unless_locked(self.lock) as free:
             if not free:
                 return False
@@ -155,17 +144,6 @@ def objects(pack_dir: Path) -> list[_Entry]:
             if item.is_file(follow_symlinks=False):
                 out.append(_Entry(Path(item.path), st.st_size, st.st_mtime, partial))
     return out
-
-
-def counted_bytes(entries: list[_Entry]) -> int:
-    """What ``entries`` take against the limit: every object, and each object's partial
-    files (its reservation and its download) as the largest of them, so a download counts
-    at its full size from the moment room was made for it, once."""
-    partials: dict[Path, int] = {}
-    for entry in entries:
-        if entry.partial:
-            partials[entry.lock] = max(partials.get(entry.lock, 0), entry.size)
-    return sum(e.size for e in entries if not e.partial) + sum(partials.values())
 
 
 def pack_dirs(root: Path) -> list[Path]:

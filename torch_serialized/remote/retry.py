@@ -1,10 +1,8 @@
-"""What a failed remote call means, and how the transfers that failed are retried.
+"""What a failed remote call means, and how often ``RemoteStore.call`` retries a transfer.
 
-:func:`classify_error` reads the standard exceptions fsspec and its backends raise:
-``FileNotFoundError`` is not found, ``PermissionError`` (and HTTP 401/403) denied, other HTTP
-4xx, a full disk and programming errors fatal; anything else (a lost connection, HTTP
-408/429/5xx, a cut body, a stall) is transient. :class:`RetryPolicy` says how often and how
-long apart ``RemoteStore.call`` retries a whole transfer after a transient fault.
+:func:`classify_error` reads the standard exceptions fsspec and its backends raise (and any
+HTTP status they carry): not found, denied, fatal (other 4xx, a full disk, a bug), or, for
+anything else (a lost connection, 408/429/5xx, a cut body, a stall), transient.
 """
 
 from __future__ import annotations
@@ -18,40 +16,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "MIN_RATE_ENV",
-    "RETRY_ATTEMPTS_ENV",
-    "RETRY_MAX_DELAY_ENV",
-    "Fault",
-    "RetryPolicy",
-    "ShortReadError",
-    "classify_error",
-]
-
 #: Environment variables that change the default ``RetryPolicy`` (``RetryPolicy.from_env``).
 RETRY_ATTEMPTS_ENV = "TORCH_SERIALIZED_RETRY_ATTEMPTS"
 RETRY_MAX_DELAY_ENV = "TORCH_SERIALIZED_RETRY_MAX_DELAY"
 MIN_RATE_ENV = "TORCH_SERIALIZED_MIN_RATE"
 _MIN_RATE = 16 << 10  # bytes per second: min_rate's default
+# Raised as they are: bugs, not faults of the remote.
+BUGS = (TypeError, AttributeError, NameError, AssertionError, NotImplementedError)
+_LOCAL_ERRNO = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # retrying cannot help
 
 
 class Fault(enum.Enum):
     """What a failed remote call means for the caller."""
 
     TRANSIENT = "transient"  # retry with backoff
-    NOT_FOUND = "not found"  # never retried
-    DENIED = "denied"  # credentials or permissions: never retried
-    FATAL = "fatal"  # a bad request, a full disk, a bug: never retried
+    NOT_FOUND = "not found"
+    DENIED = "denied"  # credentials or permissions
+    FATAL = "fatal"  # a bad request, a full disk, a bug
 
 
 class ShortReadError(ConnectionError):
     """A body ended before the bytes asked for, or failed its check: retried."""
-
-
-# Raised as they are: bugs, not faults of the remote.
-OURS_TO_FIX = (TypeError, AttributeError, NameError, AssertionError, NotImplementedError)
-# The local disk's faults: retrying the download cannot help.
-_LOCAL_ERRNO = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
 def causes(exc: BaseException) -> list[BaseException]:
@@ -67,8 +52,7 @@ def causes(exc: BaseException) -> list[BaseException]:
 
 
 def http_status(exc: BaseException) -> int | None:
-    """The HTTP status an exception carries: aiohttp's ``status``, gcsfs's ``code``,
-    botocore's response metadata."""
+    """The HTTP status an exception carries (aiohttp, gcsfs's ``HttpError``, botocore)."""
     response = getattr(exc, "response", None)
     candidates = [getattr(exc, "status", None)]
     if isinstance(response, Mapping):
@@ -82,15 +66,12 @@ def http_status(exc: BaseException) -> int | None:
 
 
 def classify_error(exc: BaseException) -> Fault:
-    """What a remote call's exception means: retry it, or not found / denied / fatal.
-
-    Reads the standard exceptions fsspec's backends raise, and an HTTP status where one is
-    carried; what none of them marks is transient.
-    """
+    """What a remote call's exception means, read from the standard exceptions fsspec's
+    backends raise and any HTTP status carried; what none of them marks is transient."""
     for e in causes(exc):
-        if isinstance(e, PermissionError):
-            return Fault.DENIED
-        if isinstance(e, OSError) and str(e).startswith("Forbidden"):  # gcsfs's 403
+        if isinstance(e, PermissionError) or (
+            isinstance(e, OSError) and str(e).startswith("Forbidden")  # gcsfs's 403
+        ):
             return Fault.DENIED
         status = http_status(e)
         if status is not None and e.__cause__ is None:  # with a cause: a client parser's
@@ -102,7 +83,7 @@ def classify_error(exc: BaseException) -> Fault:
             return Fault.TRANSIENT if transient else Fault.FATAL
         if isinstance(e, FileNotFoundError) and e.__cause__ is None:
             return Fault.NOT_FOUND  # with a cause (fsspec's HTTP size probe, s3fs): it decides
-        if isinstance(e, OURS_TO_FIX) or (isinstance(e, OSError) and e.errno in _LOCAL_ERRNO):
+        if isinstance(e, BUGS) or (isinstance(e, OSError) and e.errno in _LOCAL_ERRNO):
             return Fault.FATAL
     return Fault.TRANSIENT
 
@@ -111,11 +92,10 @@ def classify_error(exc: BaseException) -> Fault:
 class RetryPolicy:
     """How transient faults are retried: ``attempts`` tries in all, exponential backoff.
 
-    The wait before retry ``k`` (1, 2, ...) is ``min(max_delay, base_delay * 2 ** (k - 1))``;
-    with ``jitter`` a uniformly random half of it is dropped, so that many workers retrying
-    together do not hit the server in step. ``min_rate`` (bytes per second) makes a transfer
-    of known length stalled once it takes 60 s plus its size at that rate (fsspec's async
-    backends: HTTP, S3, GCS); ``0`` turns the deadline off.
+    The wait before retry ``k`` is ``min(max_delay, base_delay * 2 ** (k - 1))``, with
+    ``jitter`` a random half of it dropped so that many workers do not retry in step.
+    ``min_rate`` (bytes per second) stalls a transfer of known length once it takes 60 s plus
+    its size at that rate (HTTP, S3, GCS); ``0`` turns the deadline off.
     """
 
     attempts: int = 5
@@ -147,29 +127,24 @@ class RetryPolicy:
         (bytes per second) applied when set, in every DataLoader worker and rank alike."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        given = []
         for variable, key, kind, unit in (
             (RETRY_ATTEMPTS_ENV, "attempts", int, "tries in all"),
             (RETRY_MAX_DELAY_ENV, "max_delay", float, "seconds"),
             (MIN_RATE_ENV, "min_rate", float, "bytes per second"),
         ):
             text = environ.get(variable, "")
-            if not text.strip():
-                continue
-            given.append(f"{variable}={text!r}")
-            try:
-                values[key] = kind(text)
-            except ValueError:
-                raise ValueError(
-                    f"{variable}={text!r} is not a number ({unit}); unset it or give e.g. "
-                    f"{variable}={getattr(cls, key)}"
-                ) from None
-        if "max_delay" in values:
-            values["base_delay"] = min(cls.base_delay, values["max_delay"])
-        try:
-            return cls(**values)
-        except ValueError as exc:
-            raise ValueError(f"{exc} (from the environment: {', '.join(given)})") from None
+            if text.strip():
+                try:
+                    values[key] = kind(text)
+                    if "max_delay" in values:
+                        values["base_delay"] = min(cls.base_delay, values["max_delay"])
+                    cls(**values)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{variable}={text!r} is not valid ({unit}; {exc}); unset it or give "
+                        f"e.g. {variable}={getattr(cls, key)}"
+                    ) from None
+        return cls(**values)
 
     def delay(self, retry: int, rng: random.Random) -> float:
         """Seconds to wait before retry number ``retry`` (1 for the first retry)."""

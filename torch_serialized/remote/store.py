@@ -1,28 +1,11 @@
-"""Pack locations at URLs, and whole objects moved to and from them through fsspec.
+"""Pack locations at URLs: whole objects moved to and from them through fsspec, and retries.
 
-Design
-------
-* **A location** is a local path or an fsspec URL (``s3://``, ``gs://``, ``https://``,
-  ``file://``, ``memory://``...). :func:`is_url` decides: only a ``str`` with a scheme of two
-  or more letters is a URL, so an ``os.PathLike`` never reaches fsspec or the cache.
-* **Backends load lazily**, in the process that uses them (again after a fork, never
-  pickled): ``import torch_serialized`` and local use import no s3fs, gcsfs or aiohttp. A
-  missing backend names the extra to install.
-* **fsspec's backends make the requests and retry them their way**: botocore's standard
-  retries for S3 (``RetryPolicy.attempts`` of them; s3fs resumes a cut body), gcsfs's own.
-  Ours is one loop, :meth:`RemoteStore.call`, around each whole transfer: over S3 and GCS it
-  retries what their retries cannot see (a body that ended short or failed its check, a
-  stall past our deadline); over HTTP, whose filesystem retries nothing, every transient
-  fault (a lost connection, HTTP 408/429/5xx) as well, under a :class:`RetryPolicy`.
-  :func:`~torch_serialized.remote.retry.classify_error` reads what fsspec raises.
-* **A download** is one streamed ``get_file`` into a temporary file beside its destination,
-  then checked (size; the caller's ``verify``), fsynced and renamed. It must end within 60 s
-  plus its size at ``min_rate`` (16 KiB/s, ``TORCH_SERIALIZED_MIN_RATE``; 0: no deadline), so
-  a server that drips bytes just fast enough for the socket timeouts still times out.
-* **Uploads put the manifest last**, so a reader never sees a manifest naming missing shards.
-  On ``file://`` an object is written to a temporary name and renamed.
-
-Messages name the URL with any password and query string hidden.
+A location is a URL when it is a ``str`` with a scheme of two or more letters. Backends load
+lazily in the process that uses them. fsspec's backends retry requests their way;
+:meth:`RemoteStore.call` is our one retry loop, around each whole transfer: over S3 and GCS
+only for what theirs cannot see (a short or damaged body, a stall past our deadline of 60 s
+plus the size at ``min_rate``, HTTP 429), over HTTP every transient fault. Messages name the
+URL with any password and query hidden.
 """
 
 from __future__ import annotations
@@ -35,12 +18,15 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from fsspec.callbacks import Callback
+
+from ..container.fileio import fsync_dir
 from ..errors import (
     ChecksumError,
     CorruptFileError,
@@ -49,8 +35,8 @@ from ..errors import (
     RemoteNotFoundError,
 )
 from .retry import (
+    BUGS,
     MIN_RATE_ENV,
-    OURS_TO_FIX,
     RETRY_ATTEMPTS_ENV,
     Fault,
     RetryPolicy,
@@ -60,19 +46,15 @@ from .retry import (
     http_status,
 )
 
-__all__ = ["HTTP_PROTOCOLS", "PerProcess", "RemoteStore", "is_url", "protocol_of", "redact_url"]
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_CHUNK = 1 << 20
 _DEADLINE_GRACE = 60.0  # seconds, as aiohttp's sock_read below
+_CHUNK = 1 << 20
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
-# Which extra brings the backend of a protocol, for the message when it is missing.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
 _LOCAL = {"file", "local"}
 _RETRYING = {"s3", "s3a", "gs", "gcs"}  # backends that retry requests themselves
-
 #: URL schemes of fsspec's HTTP filesystem: reads only, servers that may ignore ``Range``.
 HTTP_PROTOCOLS = frozenset({"http", "https"})
 
@@ -93,10 +75,10 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return url
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, _, host = netloc.rpartition("@")
-        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"{user}@{host}"
+    user, at, host = parts.netloc.rpartition("@")
+    if at and ":" in user:
+        user = user.split(":", 1)[0] + ":***"
+    netloc = f"{user}@{host}" if at else host
     return urlunsplit((parts.scheme, netloc, parts.path, "…" if parts.query else "", ""))
 
 
@@ -104,13 +86,10 @@ def redact_url(url: str) -> str:
 
 
 class PerProcess:
-    """Instances that hold things of the process using them (locks, threads, descriptors)
-    and ``_pid``, the process they were made in.
+    """Instances holding things of the process using them (locks, threads, descriptors).
 
-    ``_reset`` makes exactly the attributes ``_PER_PROCESS`` names: pickling drops them and
-    unpickling calls ``_reset``; ``_check_fork`` calls it in a forked child. Subclasses call
-    ``_start`` when made, so a child that ``multiprocessing`` forks resets at once, in its
-    one thread, before two of its threads can both find the parent's state.
+    ``_reset`` makes the attributes ``_PER_PROCESS`` names: pickling drops them, unpickling and
+    a fork (at once, in the child's one thread, via ``multiprocessing``) call ``_reset`` again.
     """
 
     _PER_PROCESS: ClassVar[tuple[str, ...]] = ("_pid",)
@@ -120,35 +99,42 @@ class PerProcess:
         raise NotImplementedError
 
     def _start(self) -> None:
-        """``_reset``, and the same in each child ``multiprocessing`` forks, as it starts."""
         self._reset()
-        multiprocessing.util.register_after_fork(self, _after_fork)
+        multiprocessing.util.register_after_fork(self, type(self)._check_fork)
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
             self._reset()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in self._PER_PROCESS:
-            del state[name]
-        return state
+        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._start()
 
 
-def _after_fork(instance: PerProcess) -> None:
-    instance._check_fork()  # the subclass's: a PackCache also closes inherited descriptors
+class _Stated(Callback):
+    """Calls ``on_size(n)`` once the GET's answer stated ``n`` bytes and its body flows
+    (fsspec sets the size before it checks the status, so an error page's too). A module-level
+    class: one made per download would be a reference cycle holding the cache until a GC."""
+
+    def __init__(self, on_size: Callable[[int], None]) -> None:
+        super().__init__()
+        self._on_size: Callable[[int], None] | None = on_size
+
+    def relative_update(self, inc: int = 1) -> None:
+        if self.size is not None and self._on_size is not None:
+            on_size, self._on_size = self._on_size, None
+            on_size(self.size)
 
 
 class RemoteStore(PerProcess):
     """A pack location at a URL: reads, downloads and uploads objects below it, with retries.
 
-    ``key`` arguments are paths relative to ``url`` (``"manifest.json"``); ``""`` is ``url``
-    itself (a single-file pack). ``storage_options`` go to fsspec as they are. Safe to share
-    between threads; pickles without its filesystem, which each process opens for itself.
+    ``key`` arguments are paths relative to ``url``; ``""`` is ``url`` itself (a single-file
+    pack). ``storage_options`` go to fsspec as they are. Thread-safe; pickles without its
+    filesystem, which each process opens for itself.
     """
 
     def __init__(
@@ -185,7 +171,7 @@ class RemoteStore(PerProcess):
     @property
     def fs(self) -> Any:
         """The fsspec filesystem, opened on first use in this process."""
-        self._check_fork()  # a forked child: the parent's sessions are unusable
+        self._check_fork()
         with self._lock:
             if self._fs is None:
                 self._fs, self._root = self._open()
@@ -223,11 +209,9 @@ class RemoteStore(PerProcess):
         self.fs  # noqa: B018 - opens the filesystem and sets the root
         return f"{self._root}/{key}" if key else self._root
 
-    # -- the one retry loop
-
     def call(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        """``fn()`` (one whole transfer) under the retry policy; errors become ours, naming
-        the URL of ``key``."""
+        """``fn()`` (one whole transfer) under the retry policy: the one retry loop. Errors
+        become ours, naming the URL of ``key``."""
         policy = self.retry
         for attempt in range(1, policy.attempts + 1):
             try:
@@ -244,20 +228,18 @@ class RemoteStore(PerProcess):
                     )
                     time.sleep(pause)
                     continue
-                if fault is Fault.FATAL and isinstance(exc, OURS_TO_FIX):
-                    raise  # a programming error stays what it is
+                if fault is Fault.FATAL and isinstance(exc, BUGS):
+                    raise
                 raise self._error(what, key, fault, exc, attempt) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _ours(self, exc: Exception) -> bool:
-        """Whether our loop retries a transient fault: every one over a protocol whose backend
-        does not retry (HTTP); over S3 and GCS only what their retries cannot see: a body
-        that ended short or failed its check, a stall past our deadline, HTTP 429 (which
-        botocore takes for a client error)."""
+        """Whether our loop retries a transient fault: all over HTTP; over S3 and GCS only what
+        their retries cannot see (a short or damaged body, a stall, HTTP 429)."""
         if self.protocol not in _RETRYING:
             return True
-        ours = (ShortReadError, TimeoutError)
-        return any(isinstance(e, ours) or http_status(e) == 429 for e in causes(exc))
+        mine = (ShortReadError, TimeoutError)
+        return any(isinstance(e, mine) or http_status(e) == 429 for e in causes(exc))
 
     def _error(
         self, what: str, key: str, fault: Fault, exc: Exception, attempt: int
@@ -292,9 +274,8 @@ class RemoteStore(PerProcess):
         )
 
     def _deadline(self, nbytes: int) -> dict[str, Any]:
-        """fsspec's ``timeout`` for a transfer of ``nbytes`` (async backends only): 60 s plus
-        the bytes at ``min_rate``; none when ``min_rate`` is 0 or ``storage_options`` bound
-        whole HTTP requests themselves (a ``ClientTimeout`` with a ``total``, or seconds)."""
+        """fsspec's ``timeout`` for a transfer of ``nbytes`` on an async backend; none when
+        ``min_rate`` is 0 or ``storage_options`` bound whole requests themselves."""
         rate = self.retry.min_rate
         session = (self.storage_options.get("client_kwargs") or {}).get("timeout")
         own = [getattr(t, "total", t) for t in (session, self.storage_options.get("timeout"))]
@@ -304,28 +285,21 @@ class RemoteStore(PerProcess):
 
     # -- reading
 
-    def reported_size(self, key: str = "") -> int | None:
-        """Size in bytes of object ``key`` as the server reports it; None when it reports
-        none (an HTTP server that sends no Content-Length)."""
+    def size(self, key: str = "") -> int:
+        """Size in bytes of object ``key``, which the server must report."""
         path = self.fs_path(key)
         size = self.call("size", key, lambda: self.fs.size(path))
-        return None if size is None else int(size)
-
-    def size(self, key: str = "") -> int:
-        """Size in bytes of object ``key`` (``reported_size``, required)."""
-        size = self.reported_size(key)
         if size is None:
             raise RemoteError(
                 f"{self.url_of(key)}: the server does not report the object's size (no "
                 "Content-Length), which reading it needs. Serve the pack with a server that "
                 "sends Content-Length (check any proxy or compression in between)"
             )
-        return size
+        return int(size)
 
     def read_bytes(self, key: str = "", start: int | None = None, end: int | None = None) -> bytes:
-        """The bytes of ``key`` (``[start, end)`` if given), for small objects (a manifest,
-        a footer). Over HTTP a range is read as a stream: a server that ignores ``Range``
-        sends the object from its start, of which only the range is kept."""
+        """The bytes of a small object ``key`` (``[start, end)`` if given). Over HTTP a range
+        is streamed, so a server that ignores ``Range`` still gives the right bytes."""
         path = self.fs_path(key)
         if start is None or end is None:
             return bytes(self.call("read", key, lambda: self.fs.cat_file(path)))
@@ -343,8 +317,8 @@ class RemoteStore(PerProcess):
         return self.call("read", key, read)
 
     def _read_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` over HTTP, streamed: a body longer than the range is the
-        object (Range ignored), whose bytes before ``start`` are dropped as they come."""
+        """Bytes ``[start, end)`` over HTTP; a body longer than the range is the whole object
+        (``Range`` ignored), whose bytes before ``start`` are dropped as they come."""
         headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})
         headers["Range"] = f"bytes={start}-{end - 1}"
         options: dict[str, Any] = {"block_size": 0, "size": end, "headers": headers}
@@ -356,10 +330,7 @@ class RemoteStore(PerProcess):
         body = bytearray()
         received = 0
         with self.fs.open(self.fs_path(key), "rb", **options) as f:
-            while received < end:
-                chunk = f.read(_CHUNK)
-                if not chunk:
-                    break
+            while received < end and (chunk := f.read(_CHUNK)):
                 body += chunk
                 received += len(chunk)
                 if received > end - start:  # the whole object: keep what reaches the range
@@ -376,35 +347,41 @@ class RemoteStore(PerProcess):
         *,
         expected_size: int | None = None,
         verify: Callable[[Path], bool] | None = None,
+        room: Callable[[int], None] | None = None,
     ) -> Path:
-        """Download ``key`` to the local file ``dest``, atomically; return ``dest``.
-
-        The bytes go to a temporary file beside ``dest``, are checked (size; ``verify(path)``
-        must return True) and fsynced, then renamed: ``dest`` is never a partial or unchecked
-        file. A body ending short is retried as a cut, but the same end twice is the object's
-        size and raises; a mismatch under ``verify`` downloads once more, then raises
-        ``ChecksumError``.
-        """
+        """Download ``key`` to the local file ``dest`` atomically, checked (its size, which
+        the GET's answer must state as ``expected_size``: ``room(size)`` is then called once;
+        ``verify(path)``); return ``dest``. A short body is retried (the same end twice is the
+        object's size); a second ``verify`` failure raises ``ChecksumError``."""
         dest = Path(dest)
         size = self.size(key) if expected_size is None else expected_size
-        if size < 0:
-            raise ValueError(f"expected_size must be >= 0, got {size}")
         path, deadline = self.fs_path(key), self._deadline(size)
         ends: set[int] = set()
         damaged = []
 
+        def disagree(got: int) -> RemoteError:
+            return RemoteError(
+                f"{self.url_of(key)}: the object has {got} bytes, the manifest says {size}. "
+                "The manifest and the object disagree: re-upload the pack (or pack it again)"
+            )
+
+        roomed: list[int] = []
+
+        def stated(n: int) -> None:  # at the first chunk: a wrong manifest evicts nothing
+            if n != size:
+                raise disagree(n)
+            if room is not None and not roomed:
+                roomed.append(n)
+                room(n)
+
         def attempt() -> Path:
             tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.partial"
             try:
-                self.fs.get_file(path, str(tmp), **deadline)
+                self.fs.get_file(path, str(tmp), callback=_Stated(stated), **deadline)
                 got = tmp.stat().st_size
                 if got != size:
                     if got in ends or got > size:
-                        raise RemoteError(
-                            f"{self.url_of(key)}: the object has {got} bytes, the manifest says "
-                            f"{size}. The manifest and the object disagree: re-upload the pack "
-                            "(or pack it again)"
-                        )
+                        raise disagree(got)
                     ends.update([got] if got else [])  # an empty body shows no size
                     raise ShortReadError(f"the body ended after {got} of {size} bytes")
                 if verify is not None and not verify(tmp):
@@ -420,7 +397,7 @@ class RemoteStore(PerProcess):
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
                 os.replace(tmp, dest)
-                _fsync_dir(dest.parent)
+                fsync_dir(dest.parent)
                 return dest
             finally:
                 tmp.unlink(missing_ok=True)
@@ -430,12 +407,13 @@ class RemoteStore(PerProcess):
     # -- writing
 
     def upload_file(self, local: str | os.PathLike[str], key: str = "") -> None:
-        """Upload the local file ``local`` as ``key``, so that no reader sees it half written."""
+        """Upload the local file ``local`` as ``key``, so that no reader sees it half written
+        (object stores write atomically; on ``file://`` a temporary name is renamed)."""
         local, path = os.fspath(local), self.fs_path(key)
-        if self.protocol not in _LOCAL:  # object stores write an object atomically
+        if self.protocol not in _LOCAL:
             self.call("upload", key, lambda: self.fs.put_file(local, path))
             return
-        tmp = f"{path}.{uuid.uuid4().hex[:12]}.partial"  # a rename is atomic, a copy is not
+        tmp = f"{path}.{uuid.uuid4().hex[:12]}.partial"
 
         def put() -> None:
             try:
@@ -447,47 +425,25 @@ class RemoteStore(PerProcess):
 
         self.call("upload", key, put)
 
-    def upload_folder(
-        self,
-        folder: str | os.PathLike[str],
-        *,
-        last: Iterable[str] = ("manifest.json",),
-        threads: int = 4,
-    ) -> list[str]:
-        """Upload every file of ``folder`` (recursively) below this URL; return the keys.
-
-        The files named in ``last`` go up after all others, in that order, so a reader that
-        finds the manifest finds every shard it names. Nothing is deleted at the destination.
-        """
+    def upload_folder(self, folder: str | os.PathLike[str]) -> list[str]:
+        """Upload every file of ``folder`` (recursively) below this URL, ``manifest.json`` last
+        so a reader that finds it finds every shard it names; return the keys. Nothing is
+        deleted at the destination."""
         root = Path(folder)
-        if not root.is_dir():
-            raise NotADirectoryError(f"{root}: not a folder")
-        later = list(last)
-        for name in later:
-            if not (root / name).is_file():
-                raise FileNotFoundError(f"{root / name}: missing; it must be uploaded last")
+        if not (root / "manifest.json").is_file():
+            raise FileNotFoundError(f"{root / 'manifest.json'}: missing; it must be uploaded last")
         keys = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        first = [k for k in keys if k not in later]
+        keys.remove("manifest.json")
         if self.protocol in _LOCAL:
             for key in {k.rpartition("/")[0] for k in keys}:
                 self.fs.makedirs(self.fs_path(key), exist_ok=True)
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for future in [pool.submit(self.upload_file, root / k, k) for k in first]:
-                future.result()
-        for key in later:
-            self.upload_file(root / key, key)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda k: self.upload_file(root / k, k), keys))
+        self.upload_file(root / "manifest.json", "manifest.json")
         self.fs.invalidate_cache()
-        return first + later
+        return [*keys, "manifest.json"]
 
 
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0].rstrip('.')}" if text else type(exc).__name__
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -396,7 +396,7 @@ def test_pack_says_which_year_and_where_several_need_one(
         capsys, "pack", "-q", synthetic_devkit, tmp_path / "c.tser", "--year", 2012
     )
     assert status == 2 and "No Pascal VOC 2012 folder found" in err
-    assert "Found VOC2007" in err and "--year 2007" in err and "leave the year out" in err
+    assert "Found VOC2007" in err and "--year" in err  # the year there is, and the option
     both = tmp_path / "both"
     shutil.copytree(synthetic_devkit / "VOCdevkit" / "VOC2007", both / "VOCdevkit" / "VOC2007")
     shutil.copytree(synthetic_devkit / "VOCdevkit" / "VOC2007", both / "VOCdevkit" / "VOC2012")
@@ -415,7 +415,7 @@ def test_pack_and_export_replace_output_only_with_overwrite(
     assert run(capsys, "pack", "-q", synthetic_devkit, pack)[0] == 0
     before = pack.read_bytes()
     status, _, err = run(capsys, "pack", "-q", voc8, pack)
-    assert status == 2 and "already exists; pass --overwrite" in err
+    assert status == 2 and str(pack) in err and "--overwrite" in err
     assert pack.read_bytes() == before
     status, _, err = run(capsys, "pack", "-q", "--overwrite", voc8, pack)
     assert status == 0, err

@@ -565,3 +565,23 @@ def test_a_bad_option_is_refused_before_packing(
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         ts.pack_voc(tiny_root, tmp_path / "p", **option)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_false_refuses_an_existing_pack_and_nothing_else(
+    voc8: Path, tmp_path: Path
+) -> None:
+    """``overwrite=False`` (the command line's default) keeps an existing pack; a new path
+    is packed, and what is no pack is refused whatever ``overwrite`` says."""
+    out = tmp_path / "p.tser"
+    ts.pack_voc(voc8, out, overwrite=False)
+    before = out.read_bytes()
+    with pytest.raises(FileExistsError, match=r"p\.tser.*overwrite=True"):
+        ts.pack_voc(voc8, out, overwrite=False)
+    assert out.read_bytes() == before
+    ts.pack_voc(voc8, out)  # the library's default replaces it
+    notes = tmp_path / "notes.tser"
+    notes.write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(OSError, match="not a torch_serialized pack"):
+            ts.pack_voc(voc8, notes, overwrite=overwrite)
+    assert notes.read_text() == "mine"

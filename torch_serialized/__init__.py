@@ -9,25 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors
 from ._version import __version__
-from .errors import (
-    CacheLimitWarning,
-    ChecksumError,
-    CorruptFileError,
-    FileChangedError,
-    FormatError,
-    ImageTooLargeError,
-    RemoteAccessError,
-    RemoteError,
-    RemoteNotFoundError,
-    SourceDataError,
-    SourceNotFoundError,
-    TorchSerializedError,
-    TruncatedFileError,
-    UnsupportedVersionError,
-    UntypedObjectsWarning,
-    WriteError,
-)
+from .errors import *  # noqa: F403  (the exception tree, ``errors.__all__``)
 
 if TYPE_CHECKING:
     from .container.shards import PackReader, open_pack
@@ -43,29 +27,20 @@ if TYPE_CHECKING:
     from .voc.export import export_voc
     from .voc.pack import PackResult, SkippedSample, pack_voc
 
-#: public name -> module that defines it
+#: module -> the public names it defines
 _LAZY = {
-    "pack_voc": ".voc.pack",
-    "append_voc": ".voc.append",
-    "PackResult": ".voc.pack",
-    "SkippedSample": ".voc.pack",
-    "Serializer": ".legacy",
-    "export_voc": ".voc.export",
-    "VOCSerializedDataset": ".data.datasets",
-    "VOCSerializedSegmentation": ".data.datasets",
-    "SerializedDataset": ".legacy",
-    "VOCSerializedIterableDataset": ".data.iterable",
-    "BlockShuffleSampler": ".data.samplers",
-    "worker_init_fn": ".data.workers",
-    "open_pack": ".container.shards",
-    "PackReader": ".container.shards",
-    "info": ".summary",
-    "verify": ".summary",
-    "PackInfo": ".summary",
-    "VerifyReport": ".summary",
-    "prune_remote": ".remote.upload",
-    "list_cache": ".remote.cache",
-    "clear_cache": ".remote.cache",
+    ".voc.pack": ("pack_voc", "PackResult", "SkippedSample"),
+    ".voc.append": ("append_voc",),
+    ".voc.export": ("export_voc",),
+    ".legacy": ("Serializer", "SerializedDataset"),
+    ".data.datasets": ("VOCSerializedDataset", "VOCSerializedSegmentation"),
+    ".data.iterable": ("VOCSerializedIterableDataset",),
+    ".data.samplers": ("BlockShuffleSampler",),
+    ".data.workers": ("worker_init_fn",),
+    ".container.shards": ("open_pack", "PackReader"),
+    ".summary": ("info", "verify", "PackInfo", "VerifyReport"),
+    ".remote.upload": ("prune_remote",),
+    ".remote.cache": ("list_cache", "clear_cache"),
 }
 
 __all__ = [
@@ -91,27 +66,12 @@ __all__ = [
     "prune_remote",
     "list_cache",
     "clear_cache",
-    "TorchSerializedError",
-    "FormatError",
-    "CorruptFileError",
-    "TruncatedFileError",
-    "UnsupportedVersionError",
-    "ChecksumError",
-    "ImageTooLargeError",
-    "FileChangedError",
-    "WriteError",
-    "SourceDataError",
-    "SourceNotFoundError",
-    "RemoteError",
-    "RemoteNotFoundError",
-    "RemoteAccessError",
-    "CacheLimitWarning",
-    "UntypedObjectsWarning",
 ]
+__all__ += errors.__all__
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+    module = next((m for m, names in _LAZY.items() if name in names), None)
     if module is None:
         raise AttributeError(f"module 'torch_serialized' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)

@@ -1,9 +1,5 @@
-"""The exception tree of torch_serialized.
-
-Every class also subclasses a built-in, so callers' existing ``except ValueError`` /
-``except OSError`` handlers keep working. Messages name the file (and sample) at fault
-and say what to do.
-"""
+"""The exception tree of torch_serialized. Every class also subclasses a built-in, so existing
+``except ValueError`` / ``except OSError`` handlers keep working."""
 
 from __future__ import annotations
 
@@ -48,11 +44,8 @@ class UnsupportedVersionError(FormatError):
 
 
 class ChecksumError(CorruptFileError):
-    """A record's bytes do not match the checksum stored when it was written.
-
-    ``path``, ``record`` and ``field``: the file, the pack's record number and the field's
-    name, when a record's read raised it (a schema layer names the sample from them); else
-    None."""
+    """A record's bytes do not match the checksum stored when it was written. ``path``,
+    ``record`` and ``field`` name the file, record and field when a record's read raised it."""
 
     def __init__(
         self,
@@ -67,10 +60,8 @@ class ChecksumError(CorruptFileError):
 
 
 class ImageTooLargeError(FormatError):
-    """A stored image or mask declares more pixels than Pillow's ``Image.MAX_IMAGE_PIXELS``
-    allows (twice the limit, as Pillow's own ``DecompressionBombError``): refused before any
-    pixel memory is allocated. Raise the limit as you would for Pillow if the image is
-    genuine."""
+    """A stored image or mask declares more pixels than twice Pillow's ``MAX_IMAGE_PIXELS``
+    (as its ``DecompressionBombError``): refused before any pixel memory is allocated."""
 
 
 class FileChangedError(TorchSerializedError, OSError):
@@ -83,13 +74,11 @@ class WriteError(TorchSerializedError, OSError):
 
 class SourceDataError(TorchSerializedError, ValueError):
     """The VOC source data given to the packer is missing, malformed or unsafe; or a packed
-    sample is asked for what its source data cannot give (a ``tv_tensors`` target of an
-    annotation whose objects have no numeric box or no name)."""
+    sample is asked for what its source cannot give (a ``tv_tensors`` target without boxes)."""
 
 
 class SourceNotFoundError(SourceDataError, FileNotFoundError):
-    """A VOC source folder or file that must exist does not; also a ``FileNotFoundError``, as
-    torchvision's own datasets raise for missing data."""
+    """A VOC source folder or file that must exist does not (as torchvision raises)."""
 
 
 class RemoteError(TorchSerializedError, OSError):
@@ -105,9 +94,8 @@ class RemoteAccessError(RemoteError, PermissionError):
 
 
 class UntypedObjectsWarning(UserWarning):
-    """Samples were packed whose annotations hold objects without a box or a name that a
-    ``tv_tensors`` target needs: their dict targets are torchvision's, their ``tv_tensors``
-    targets raise ``SourceDataError``."""
+    """Samples were packed whose objects lack a box or a name: their dict targets are
+    torchvision's, their ``tv_tensors`` targets raise ``SourceDataError``."""
 
 
 class CacheLimitWarning(UserWarning):

@@ -1,10 +1,6 @@
-"""What a pack holds and whether it is intact: ``info(path)`` and ``verify(path)``.
-
-The answers of ``torch-serialized info`` and ``verify`` as Python values (dataclasses): the
-command line only prints them. ``dataclasses.asdict(info(path))`` is what ``info --json``
-prints. A shard or catalog file of a shard folder is part of a pack, never a pack by itself:
-``info`` refuses it naming the folder to pass, ``part_info`` says where it belongs, and
-``verify`` checks it alone (``VerifyReport.part`` says what it is).
+"""What a pack holds and whether it is intact: ``info(path)`` and ``verify(path)``, dataclasses
+the command line prints (``info --json`` is their ``asdict``). One shard or catalog file of a
+folder is no pack: ``info`` refuses it, ``part_info`` says where it belongs.
 """
 
 from __future__ import annotations
@@ -13,6 +9,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,18 +23,6 @@ from .remote.store import is_url
 from .voc import schema
 from .voc.checks import check_record_fields, check_voc_pack
 from .voc.packed import VOCPackReader
-
-__all__ = [
-    "PackInfo",
-    "ShardInfo",
-    "PartInfo",
-    "VerifyReport",
-    "DamagedRecord",
-    "info",
-    "part_info",
-    "verify",
-    "describe_error",
-]
 
 
 @dataclass(frozen=True)
@@ -53,10 +38,9 @@ class ShardInfo:
 
 @dataclass(frozen=True)
 class PackInfo:
-    """What a pack holds (``info``). Ranges are ``{"min", "max"}`` dicts (``None`` for an
-    empty pack), ``objects_per_image`` with its ``"mean"``; ``common_sizes`` lists the five
-    most common ``[width, height, count]``; ``classes`` counts the objects of each class in
-    the samples, most common first."""
+    """What a pack holds (``info``). Ranges are ``{"min", "max"}`` dicts (``None`` if empty),
+    ``objects_per_image`` with a ``"mean"``; ``common_sizes``: the five most common ``[width,
+    height, count]``; ``classes``: objects per class in the samples, most common first."""
 
     path: str
     #: for a pack at a URL, where the cache holds it (else None)
@@ -100,15 +84,12 @@ def info(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit_bytes: int | None = None,
 ) -> PackInfo:
-    """Describe the pack at ``path`` (a ``.tser`` file, a shard folder, or a URL, read with
-    ``storage_options`` through the cache as the datasets read it). Only the catalog is
-    read: no shard is (for a URL, none is downloaded)."""
-    pack = VOCPackReader(
-        path,
-        storage_options=storage_options,
-        cache_dir=cache_dir,
-        cache_limit_bytes=cache_limit_bytes,
+    """Describe the pack at ``path`` (a ``.tser`` file, a shard folder, or a URL read through
+    the cache as the datasets read it) from its catalog alone: no shard is read."""
+    remote: dict[str, Any] = dict(
+        storage_options=storage_options, cache_dir=cache_dir, cache_limit_bytes=cache_limit_bytes
     )
+    pack = VOCPackReader(path, **remote)
     reader, meta = pack.reader, pack.meta
     live = pack.live  # records an append retired are not samples
     columns = pack.columns[live]
@@ -177,8 +158,7 @@ def _range(values: np.ndarray, *, mean: bool = False) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PartInfo:
-    """One shard or catalog file of a shard folder (``part_info``): what it holds and the
-    pack it belongs to."""
+    """One shard or catalog file of a shard folder (``part_info``) and the pack it belongs to."""
 
     path: str
     role: str  # "shard" or "catalog"
@@ -206,11 +186,8 @@ def part_info(path: str | os.PathLike[str]) -> PartInfo | None:
     member = member_of(path, read_binding(path))
     if member is None:
         return None
-    reader = ContainerReader(path)
-    try:
+    with closing(ContainerReader(path)) as reader:
         records = len(reader)
-    finally:
-        reader.close()
     return PartInfo(
         path=os.fspath(path),
         role=member.role,
@@ -270,18 +247,12 @@ def verify(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit_bytes: int | None = None,
 ) -> VerifyReport:
-    """Check header, footer, metadata, index and arrays of the pack at ``path``, its VOC
-    metadata, and the checksum of every field of every record; report what fails.
-
-    A damaged record or shard is reported, not raised (the other shards are still checked);
-    a file that cannot be opened at all raises, as the readers do. A URL is downloaded into
-    the cache, each file checked in full before it enters it.
-    """
-    remote: dict[str, Any] = {
-        "storage_options": storage_options,
-        "cache_dir": cache_dir,
-        "cache_limit_bytes": cache_limit_bytes,
-    }
+    """Check the pack at ``path`` (a URL: downloaded into the cache): header, footer,
+    metadata, index, arrays, VOC metadata and every field checksum. Damaged records and shards
+    are reported; a file that cannot be opened at all raises."""
+    remote: dict[str, Any] = dict(
+        storage_options=storage_options, cache_dir=cache_dir, cache_limit_bytes=cache_limit_bytes
+    )
     started = time.perf_counter()
     # header, footer, metadata, index and arrays; each shard's columns against its fields
     reader = PackReader(path, check_records=check_record_fields, **remote)
@@ -303,6 +274,12 @@ def verify(
             bad_shards.append(describe_error(exc))
             continue
         bad.extend(start + i for i in shard.verify())
+    seconds = time.perf_counter() - started
+    damaged = []
+    if bad:  # which fields fail, and the id when the pack reads as a VOC pack
+        checked = PackReader(path, checked=True, **remote)
+        named = voc and voc_error is None  # ids checked by check_voc_pack
+        damaged = [_damaged(reader, checked, named, record) for record in bad]
     return VerifyReport(
         path=reader.name,
         records=len(reader),
@@ -310,46 +287,28 @@ def verify(
         sharded=reader.manifest is not None,
         checksums=len(reader) * len(reader.fields),
         bytes=reader.nbytes,
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
         voc=voc,
         part=None if member is None else str(member),
         folder=None if member is None else member.folder,
         voc_error=voc_error,
         damaged_shards=bad_shards,
-        damaged_records=_damaged(path, reader, bad, remote) if bad else [],
+        damaged_records=damaged,
     )
 
 
-def _damaged(
-    path: str | os.PathLike[str], reader: PackReader, bad: list[int], remote: dict[str, Any]
-) -> list[DamagedRecord]:
-    """Each damaged record: its id when the pack is a readable VOC pack, its file, and the
-    fields that fail their checksum."""
-    try:
-        pack: VOCPackReader | None = VOCPackReader(path, **remote)
-    except (TorchSerializedError, OSError):
-        pack = None
-    checked = PackReader(path, checked=True, **remote)
-    found = []
-    for record in bad:
-        failing = []
-        for k, name in enumerate(reader.fields):
-            try:
-                checked.field(record, k)
-            except ChecksumError:
-                failing.append(name)
-        shard, local = reader.locate(record)
-        found.append(
-            DamagedRecord(record, _id(pack, record), os.path.basename(shard.path), local, failing)
-        )
-    return found
-
-
-def _id(pack: VOCPackReader | None, record: int) -> str | None:
-    try:
-        return None if pack is None else pack.id(record)
-    except (UnicodeDecodeError, IndexError, ValueError):
-        return None
+def _damaged(reader: PackReader, checked: PackReader, named: bool, record: int) -> DamagedRecord:
+    """A damaged record: the fields that fail (read ``checked``), its id if ``named``, its file."""
+    failing = []
+    for k, name in enumerate(reader.fields):
+        try:
+            checked.field(record, k)
+        except ChecksumError:
+            failing.append(name)
+    arrays = reader.arrays()
+    image_id = schema.decode_id(arrays["ids"], arrays["id_offsets"], record) if named else None
+    shard, local = reader.locate(record)
+    return DamagedRecord(record, image_id, os.path.basename(shard.path), local, failing)
 
 
 def describe_error(exc: BaseException) -> str:

@@ -1,55 +1,45 @@
-"""The ``torch-serialized`` command line (also ``python -m torch_serialized``).
-
-A thin layer over the public API: ``pack`` (``pack_voc``; ``append_voc`` with ``--append``),
-``info`` and ``verify`` (``torch_serialized.info`` and ``verify``), ``export``
-(``export_voc``), ``cache`` (``list_cache``, ``clear_cache``), ``prune`` (``prune_remote``),
-``bench`` and ``demo`` (``torch_serialized.tools``); the only part of the package that imports
-``tools``. This module holds the argument parser (``_parser``) and ``main``; ``commands`` one
-function per command. Errors of torch_serialized, bad paths and bad values print one line on
-stderr and exit with status 2 (``--debug`` shows the traceback instead); ``verify`` exits 1
-when it finds damage.
+"""The ``torch-serialized`` command line (also ``python -m torch_serialized``): the argument
+parser and ``main``; ``commands`` holds one function per command. An error prints one line on
+stderr and exits 2 (``--debug``: the traceback); ``verify`` exits 1 when it finds damage.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .._version import __version__
 from ..container import spec as fmt
 from ..errors import TorchSerializedError
 from . import commands
-from .commands import EXIT_ERROR, PROG, printable
-from .pack import cmd_pack
+from .commands import EXIT_ERROR, PROG, one_line, printable
 
 __all__ = ["main", "parse_size"]
 
 #: What a shell reports for a process a closed pipe stopped (128 + SIGPIPE), as ``ls | head``.
 EXIT_BROKEN_PIPE = 141
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-    "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
+#: a number, then B, or k/M/G/T alone or with B (powers of 1000) or iB (of 1024)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(ib|b)?|b)?\s*", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
     """Bytes in ``"256MB"``, ``"1.5GiB"``, ``"4096"``: kB/MB/GB are powers of 1000, KiB/MiB/GiB
     of 1024 (``K``/``M``/``G`` alone mean kB/MB/GB)."""
     match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
+    if match is None:
         raise argparse.ArgumentTypeError(
             f"invalid size {text!r}: use a number with an optional unit, e.g. 256MB or 1GiB"
         )
-    size = int(float(match.group(1)) * _UNITS[unit])
+    number, prefix, binary = match.groups()
+    base = 1024 if (binary or "").lower() == "ib" else 1000
+    size = int(float(number) * base ** ("kmgt".index(prefix.lower()) + 1 if prefix else 0))
     if size < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
     return size
@@ -65,17 +55,11 @@ def _int_at_least(minimum: int, text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
-    return _int_at_least(1, text)
-
-
-def _non_negative_int(text: str) -> int:
-    return _int_at_least(0, text)
+_positive_int = functools.partial(_int_at_least, 1)
 
 
 def _output(text: str) -> str:
-    """OUTPUT ``-`` means standard output to many tools, but a pack is written to disk, mapped
-    and renamed into place, so it cannot go to a pipe (a file named ``-``: ``./-``)."""
+    """``-`` is no pipe here: a pack is written to disk, mapped and renamed into place."""
     if text == "-":
         raise argparse.ArgumentTypeError(
             "'-' is not standard output here: a pack cannot be written to a pipe. Pass the "
@@ -96,96 +80,58 @@ def _storage_options(text: str) -> dict[str, Any]:
     return value
 
 
+def _flags(parser: argparse.ArgumentParser, **helps: str) -> None:
+    """On/off options: ``dry_run="..."`` adds ``--dry-run`` (``quiet``: ``-q`` too)."""
+    for dest, help in helps.items():
+        names = ["-q"] if dest == "quiet" else []
+        parser.add_argument(*names, "--" + dest.replace("_", "-"), action="store_true", help=help)
+
+
+_QUIET = "no progress bar (shown only on a terminal)"
+_N: dict[str, Any] = {"type": _positive_int, "metavar": "N"}
+_WORKERS: dict[str, Any] = {"type": functools.partial(_int_at_least, 0), "metavar": "N"}
+
+
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--debug",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="show the full traceback of an error",
-    )
+    from ..tools.bench import FULL_ONLY, SCENARIOS
+
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG)
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Pack a Pascal VOC devkit into one file (or shards) and read it fast.",
         epilog=f"Run '{PROG} COMMAND --help' for the options of a command.",
     )
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"{PROG} {__version__} (file format {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR})",
-    )
-    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    version = f"{PROG} {__version__} (file format {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR})"
+    parser.add_argument("--version", action="version", version=version)
+    parser.add_argument("--debug", action="store_true", help=_DEBUG)
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub: dict[str, argparse.ArgumentParser] = {}
+    for name, (help, description) in _COMMANDS.items():
+        description = description or help[0].upper() + help[1:] + "."
+        sub[name] = subcommands.add_parser(
+            name, help=help, description=description, parents=[debug]
+        )
+        sub[name].set_defaults(run=getattr(commands, f"cmd_{name}"))
+        if name in ("info", "verify", "export"):
+            sub[name].add_argument("path", help="a .tser file or shard folder, or its URL")
+        if name in ("pack", "info", "verify", "export", "prune"):
+            _remote_options(sub[name], cache=name != "prune")
 
-    def command(
-        name: str,
-        help: str,
-        description: str,
-        run: Callable[[argparse.Namespace], int],
-        *,
-        url: bool = False,
-        cache: bool = True,
-    ) -> argparse.ArgumentParser:
-        """A command that ``run`` carries out; ``url``: it takes URLs (``--storage-options``),
-        and with ``cache`` reads them through the cache (``--cache-dir``, ``--cache-limit``)."""
-        parser = subcommands.add_parser(name, help=help, description=description, parents=[common])
-        parser.set_defaults(run=run)
-        if url:
-            _remote_options(parser, cache=cache)
-        return parser
-
-    pack = command(
-        "pack",
-        "pack a VOCdevkit into a .tser file or a shard folder",
-        "Pack every id listed in ImageSets/Main and ImageSets/Segmentation (images, XML, "
-        "masks and list files) into OUTPUT. With a shard option OUTPUT is a folder of "
-        "shards, a catalog and manifest.json. The output appears atomically when packing "
-        "succeeds. An existing OUTPUT is replaced only with --overwrite (as export), and only "
-        "if it is a pack torch_serialized wrote. With --append, OUTPUT is an existing pack "
-        "brought up to date with ROOT at the cost of what changed (docs/updating.md). "
-        "OUTPUT may be a URL (s3://bucket/prefix/voc): the pack is written to a temporary "
-        "folder, then uploaded with its manifest last; with --append only its new files go "
-        "up, then the manifest (https:// URLs are read-only).",
-        cmd_pack,
-        url=True,
-    )
+    pack = sub["pack"]
     pack.add_argument("root", help="torchvision's root (holding VOCdevkit/) or VOC20xx itself")
-    pack.add_argument(
-        "output", type=_output, help="the .tser file (or shard folder) to write, or a URL"
-    )
-    pack.add_argument(
-        "--year",
-        help="VOC year, e.g. 2007 (default: the one VOC<year> folder under ROOT; "
-        "required when there are several)",
-    )
+    pack.add_argument("output", type=_output, help="the .tser file or shard folder, or a URL")
+    pack.add_argument("--year", help="VOC year, e.g. 2007 (needed when ROOT holds several)")
     limit = pack.add_mutually_exclusive_group()
+    limit.add_argument("--shards", **_N, help="write N shards of even sample counts")
     limit.add_argument(
-        "--shards",
-        type=_positive_int,
-        metavar="N",
-        help="write N shards, their sample counts differing by at most one (one a sample "
-        "when there are fewer than N; samples --skip-bad leaves out make theirs smaller)",
+        "--shard-size", type=parse_size, metavar="SIZE", help="shards of at most SIZE (e.g. 1GiB)"
     )
-    limit.add_argument(
-        "--shard-size",
-        type=parse_size,
-        metavar="SIZE",
-        help="start a new shard before one exceeds SIZE (e.g. 256MB, 1GiB)",
-    )
-    limit.add_argument(
-        "--samples-per-shard", type=_positive_int, metavar="N", help="at most N samples a shard"
-    )
-    pack.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="processes reading and parsing the source (default 1; output is identical)",
-    )
+    limit.add_argument("--samples-per-shard", **_N, help="at most N samples a shard")
+    pack.add_argument("--workers", **_N, default=1, help="processes reading the source (default 1)")
     pack.add_argument(
         "--image-storage",
         choices=("original", "raw"),
-        default=None,
         help="original: the JPEG bytes, byte-exact (default); raw: decoded RGB pixels",
     )
     pack.add_argument(
@@ -194,221 +140,117 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PX",
         help="shrink images whose longer side exceeds PX (boxes scaled; not byte-exact)",
     )
-    pack.add_argument(
-        "--check-images", action="store_true", help="decode every image while packing"
+    _flags(
+        pack,
+        check_images="decode every image while packing",
+        skip_bad="leave out unreadable samples (listed in OUTPUT.skipped.json)",
+        overwrite="replace OUTPUT if it exists (a pack only)",
     )
     pack.add_argument(
-        "--skip-bad",
-        action="store_true",
-        help="leave out unreadable samples (listed in OUTPUT.skipped.json) instead of failing",
+        "--max-file-size", type=parse_size, metavar="SIZE", help="refuse larger sources (1GiB)"
     )
-    pack.add_argument(
-        "--overwrite", action="store_true", help="replace OUTPUT if it exists (a pack only)"
+    _flags(
+        pack,
+        append="bring the existing pack OUTPUT up to date with ROOT (docs/updating.md)",
+        replace_changed="with --append: store new versions of packed ids whose files changed",
+        checksum="with --append: compare packed files by content, not only sizes and times",
+        retire_all="with --append: accept a ROOT that lists none of the pack's ids",
+        quiet=_QUIET,
     )
-    pack.add_argument(
-        "--max-file-size",
-        type=parse_size,
-        default=None,
-        metavar="SIZE",
-        help="refuse a source file larger than SIZE (default 1GiB; e.g. 4GiB)",
-    )
-    pack.add_argument(
-        "--append",
-        action="store_true",
-        help="bring the existing pack OUTPUT up to date with ROOT: pack new ids, keep "
-        "unchanged ones, retire ids no longer listed (the pack's own options are used)",
-    )
-    pack.add_argument(
-        "--replace-changed",
-        action="store_true",
-        help="with --append: store new versions of packed ids whose files changed (otherwise "
-        "an error names them)",
-    )
-    pack.add_argument(
-        "--checksum",
-        action="store_true",
-        help="with --append: compare every packed file's content, not only sizes and times",
-    )
-    pack.add_argument(
-        "--retire-all",
-        action="store_true",
-        help="with --append: accept a ROOT that lists none of the pack's ids (every sample "
-        "retired; refused otherwise, as most likely the wrong folder)",
-    )
-    pack.add_argument(
-        "-q", "--quiet", action="store_true", help="no progress bar (shown only on a terminal)"
-    )
-
-    info = command(
-        "info",
-        "describe a pack",
-        "Show format version, packing options, samples per image set, class histogram, "
-        "image size range, bytes on disk and shards of a pack.",
-        commands.cmd_info,
-        url=True,
-    )
-    info.add_argument("path", help="a .tser file or shard folder, or its URL")
-    info.add_argument("--json", action="store_true", help="print one JSON object instead")
-
-    verify = command(
-        "verify",
-        "check every checksum of a pack",
-        "Check header, footer, metadata, index, arrays and the checksum of every field of "
-        "every record. Exit status: 0 when all is well, 1 when records are damaged (each "
-        "is named), 2 when the file cannot be opened at all. A URL is downloaded into the "
-        "cache (each file checked in full before it enters the cache).",
-        commands.cmd_verify,
-        url=True,
-    )
-    verify.add_argument("path", help="a .tser file or shard folder, or its URL")
-
-    export = command(
-        "export",
-        "rebuild the VOCdevkit folder from a pack",
-        "Write OUT_ROOT/VOCdevkit/VOC20xx/ (images, annotations, masks, ImageSets lists) "
-        "byte for byte as packed. Only packs with --image-storage original and no "
-        "--max-size can be exported. Existing files are replaced only with --overwrite "
-        "(as pack).",
-        commands.cmd_export,
-        url=True,
-    )
-    export.add_argument("path", help="a .tser file or shard folder, or its URL")
+    _flags(sub["info"], json="print one JSON object instead")
+    export = sub["export"]
     export.add_argument("out_root", help="folder to write into (torchvision's root)")
-    export.add_argument(
-        "--overwrite", action="store_true", help="replace files that exist in OUT_ROOT"
-    )
-    export.add_argument(
-        "-q", "--quiet", action="store_true", help="no progress bar (shown only on a terminal)"
-    )
+    _flags(export, overwrite="replace files that exist in OUT_ROOT", quiet=_QUIET)
 
-    from ..tools.bench import FULL_ONLY, SCENARIOS
-
-    bench = command(
-        "bench",
-        "time your own VOC data against torchvision's VOCDetection",
-        "Pack ROOT (any VOC-format dataset; without it, a generated synthetic VOC set) into "
-        "a temporary folder, check samples against torchvision's VOCDetection, then time both: "
-        "bytes-level reads, reads with the page cache dropped, decoded images and DataLoader "
-        "epochs (medians of repeated runs with their range). Prints a few lines of ratios; "
-        "--out-dir receives every figure. The full benchmark (LMDB peer, appends, memory, GPU, "
-        "remote reads) is `python benchmarks/run.py` in a checkout of the repository.",
-        commands.cmd_bench,
-    )
+    bench = sub["bench"]
     bench.add_argument("root", nargs="?", help="torchvision's VOC root (default: synthetic data)")
-    bench.add_argument(
-        "--year", help="VOC year of ROOT (default: the one VOC<year> folder under ROOT)"
-    )
-    bench.add_argument(
-        "--num-images",
-        type=_positive_int,
-        metavar="N",
-        help="synthetic images to generate (default 200); with ROOT, samples to time, drawn "
-        "at random (default all)",
-    )
-    bench.add_argument(
-        "--repeats", type=_positive_int, metavar="N", help="runs per measurement (default 5/3)"
-    )
-    bench.add_argument(
-        "--workers", type=_non_negative_int, metavar="N", help="DataLoader workers (default 2)"
-    )
-    bench.add_argument(
-        "--quick", action="store_true", help="a small, fast run: 48 samples, one run each"
-    )
-    bench.add_argument(
-        "--out-dir", metavar="DIR", help="write results.txt and results.json here (default: none)"
-    )
-    bench.add_argument(
-        "--work-dir", metavar="DIR", help="keep the data and the pack here (default: a temp folder)"
-    )
+    bench.add_argument("--year", help="VOC year of ROOT (needed when ROOT holds several)")
+    bench.add_argument("--num-images", **_N, help="images to generate (200) or time (all)")
+    bench.add_argument("--repeats", **_N, help="runs per measurement (default 5/3)")
+    bench.add_argument("--workers", **_WORKERS, help="DataLoader workers (default 2)")
+    _flags(bench, quick="a small, fast run: 48 samples, one run each")
+    bench.add_argument("--out-dir", metavar="DIR", help="write results.txt and results.json here")
+    bench.add_argument("--work-dir", metavar="DIR", help="keep the data and the pack here")
     bench.add_argument(
         "--scenarios",
         metavar="A,B",
-        help=f"comma-separated subset to run, of: {', '.join(SCENARIOS)} (default: all); "
+        help=f"comma-separated subset of: {', '.join(SCENARIOS)} (default: all); "
         f"{', '.join(FULL_ONLY)} are accepted but only the full benchmark runs them",
     )
 
-    cache = command(
-        "cache",
-        "list or clear the local cache of remote packs",
-        "list: every pack in the cache (URL, identity, files, bytes, last use, files in use). "
-        "clear: delete cached packs (only those of --url if given); files some process reads "
-        "or downloads right now are left.",
-        commands.cmd_cache,
-    )
+    cache = sub["cache"]
     cache.add_argument("action", choices=("list", "clear"))
-    cache.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        help="the cache folder (default: $TORCH_SERIALIZED_CACHE, else ~/.cache/torch_serialized)",
-    )
+    cache.add_argument("--cache-dir", metavar="DIR", help=_CACHE_DIR)
     cache.add_argument("--url", help="clear: only the packs of this URL")
-    cache.add_argument("--json", action="store_true", help="print JSON instead")
+    _flags(cache, json="print JSON instead")
 
-    prune = command(
-        "prune",
-        "delete the files earlier packs left at a URL",
-        "A pack written to a URL over an earlier one leaves the earlier shards and catalog in "
-        "place, so readers that opened it keep working. Delete the shard and catalog files "
-        "that the current manifest does not name, once no reader of an earlier pack is left. "
-        "A pack at a local path needs none: a re-pack replaces its files.",
-        commands.cmd_prune,
-        url=True,
-        cache=False,
-    )
-    prune.add_argument("url", help="the shard folder's URL")
-    prune.add_argument("--dry-run", action="store_true", help="list, delete nothing")
+    sub["prune"].add_argument("url", help="the shard folder's URL")
+    _flags(sub["prune"], dry_run="list, delete nothing")
 
-    demo = command(
-        "demo",
-        "generate a sample, pack it, check it and time it against torchvision (start here)",
-        "Generate the built-in synthetic VOC sample, pack it, check samples against "
-        "torchvision's VOCDetection, then time both side by side: bytes-level reads (warm "
-        "and with the page cache dropped), decoded images (the PIL drop-in and "
-        "decode='tensor') and DataLoader epochs with warm workers. Medians of repeated runs "
-        "with their range; overlapping ranges are reported as within noise. Under a "
-        "minute on 2 cores.",
-        commands.cmd_demo,
-    )
-    demo.add_argument(
-        "--num-images", type=_positive_int, default=200, metavar="N", help="default 200"
-    )
-    demo.add_argument(
-        "--workers", type=_non_negative_int, default=2, metavar="N", help="DataLoader workers"
-    )
-    demo.add_argument("--batch-size", type=_positive_int, default=16, metavar="N")
+    demo = sub["demo"]
+    demo.add_argument("--num-images", **_N, default=200, help="default 200")
+    demo.add_argument("--workers", **_WORKERS, default=2, help="DataLoader workers")
+    demo.add_argument("--batch-size", **_N, default=16)
     demo.add_argument("--dir", metavar="DIR", help="keep the data here (default: a temp folder)")
     return parser
 
 
-def _remote_options(parser: argparse.ArgumentParser, *, cache: bool) -> None:
-    """The options of a command that takes URLs (read by ``_remote``); ``cache``: with the
-    cache's, for commands that read a pack through it."""
+_DEBUG = "show the full traceback of an error"
+_CACHE_DIR = "the cache folder (default: $TORCH_SERIALIZED_CACHE, else ~/.cache/torch_serialized)"
+#: name -> (one-line help, description if more); ``commands.cmd_<name>`` carries it out
+_COMMANDS: dict[str, tuple[str, str | None]] = {
+    "pack": (
+        "pack a VOCdevkit into a .tser file or a shard folder",
+        "Pack every id ImageSets lists into OUTPUT (a shard folder with a shard option); an "
+        "existing pack is replaced only with --overwrite. --append brings it up to date with "
+        "ROOT, keeping its options. A URL OUTPUT is written locally, then uploaded.",
+    ),
+    "info": ("describe a pack: format, options, samples, classes, image sizes, shards", None),
+    "verify": (
+        "check every checksum of a pack",
+        "Check header, footer, metadata, index, arrays and every record's checksums. Exit "
+        "status 0: all is well, 1: records are damaged, 2: it cannot be opened.",
+    ),
+    "export": (
+        "rebuild the VOCdevkit folder from a pack",
+        "Write OUT_ROOT/VOCdevkit/VOC20xx/ byte for byte as packed (packs of original images "
+        "only); existing files are replaced only with --overwrite.",
+    ),
+    "bench": (
+        "time your own VOC data against torchvision's VOCDetection",
+        "Pack ROOT (default: generated data), check it against torchvision's VOCDetection and "
+        "time both. The full benchmark is `python benchmarks/run.py` in a checkout.",
+    ),
+    "cache": ("list or clear the local cache of remote packs (clear leaves files in use)", None),
+    "prune": ("delete the files earlier packs left at a URL, once none of them is read", None),
+    "demo": (
+        "generate a sample, pack it, check it and time it against torchvision (start here)",
+        None,
+    ),
+}
+
+
+def _remote_options(parser: argparse.ArgumentParser, *, cache: bool = True) -> None:
+    """``--storage-options``, and with ``cache`` the cache's options (read by ``remote``)."""
     group = parser.add_argument_group("packs at URLs (s3://, gs://, https://...)")
     group.add_argument(
         "--storage-options",
         type=_storage_options,
         metavar="JSON",
-        help='fsspec options as a JSON object, e.g. \'{"endpoint_url": "http://..."}\' '
-        "(default: the backend's usual configuration)",
+        help='fsspec options as a JSON object, e.g. \'{"endpoint_url": "http://..."}\'',
     )
-    if not cache:
-        return
-    group.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        help="local cache of remote packs (default: $TORCH_SERIALIZED_CACHE, else "
-        "~/.cache/torch_serialized)",
-    )
-    group.add_argument(
-        "--cache-limit",
-        type=parse_size,
-        metavar="SIZE",
-        help="bound the cache (e.g. 20GB); least recently used files no process reads go first",
-    )
+    if cache:
+        group.add_argument("--cache-dir", metavar="DIR", help=_CACHE_DIR)
+        group.add_argument(
+            "--cache-limit",
+            type=parse_size,
+            metavar="SIZE",
+            help="bound the cache (e.g. 20GB); least recently used files no process reads go first",
+        )
 
 
 def _error(message: str) -> None:
-    print(f"{PROG}: error: {printable(' '.join(message.split()))}", file=sys.stderr)
+    print(f"{PROG}: error: {printable(one_line(message))}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

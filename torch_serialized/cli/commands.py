@@ -1,50 +1,37 @@
-"""One function per command: call the library, print what it answered.
-
-Each takes the parsed arguments and returns the exit status; errors propagate to ``main``,
-which prints them in one line. What a pack holds and whether it is intact come from
-``torch_serialized.summary``; nothing here checks what the library checks.
+"""One function per command (``cmd_<name>``): call the library, print what it answered, return
+the exit status (errors propagate to ``main``). Refused here, as no library call can:
+``pack`` options that mean nothing together (``append_voc`` takes no shard options).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
-import re
 import sys
 import time
-import unicodedata
+import warnings
 from typing import Any
 
 from ..container import spec as fmt
-from ..errors import TorchSerializedError
+from ..container.fileio import DEFAULT_MAX_FILE_BYTES
+from ..errors import UntypedObjectsWarning
+from ..remote.store import is_url
 
 PROG = "torch-serialized"
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 
 
 def printable(text: str, *, json_text: bool = False) -> str:
-    """``text`` with every character a terminal could act on escaped (``\\x1b``, ``\\u202e``):
-    C0 and C1 controls, DEL, format characters (bidirectional overrides...), line or paragraph
-    separators, unassigned and private code points. A pack's metadata is untrusted; what
-    ``info`` prints of it must not move the cursor, recolour the terminal or reorder the text
-    around it. ``json_text``: escapes as JSON spells them (``\\u001b``), for JSON output."""
-    return _UNPRINTABLE.sub(functools.partial(_escape, json_text=json_text), text)
+    """``text`` with what ``str.isprintable`` refuses but newlines escaped (``\\x1b``,
+    ``\\u202e``): a pack's metadata is untrusted and must not move the cursor or reorder text.
+    ``json_text``: escape as JSON spells it (``\\u001b``)."""
+    return "".join(c if c.isprintable() or c == "\n" else _escape(c, json_text) for c in text)
 
 
-#: C0 controls but the newline, DEL and C1 controls; any other non-ASCII character is looked
-#: up (``_escape``), which keeps the scan cheap for ASCII text.
-_UNPRINTABLE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]|[^\x00-\x7f]")
-
-
-def _escape(match: re.Match[str], *, json_text: bool) -> str:
-    char = match.group()
-    code = ord(char)
-    if code > 0x9F and unicodedata.category(char) not in ("Cf", "Zl", "Zp", "Cs", "Co", "Cn"):
-        return char  # a printable letter, digit, mark or symbol of any script
-    if code < 0x100 and not json_text:
-        return f"\\x{code:02x}"
+def _escape(char: str, json_text: bool) -> str:
+    if ord(char) < 0x100 and not json_text:
+        return f"\\x{ord(char):02x}"
     units = char.encode("utf-16-be", "surrogatepass")  # a surrogate pair above U+FFFF, as JSON
     return "".join(f"\\u{units[i] << 8 | units[i + 1]:04x}" for i in range(0, len(units), 2))
 
@@ -66,21 +53,167 @@ def mb(num_bytes: float) -> str:
 
 
 def progress(args: argparse.Namespace) -> bool:
-    """Show a progress bar only on a terminal (tqdm's own rule), never with ``-q``: in a log
-    or a CI job each update of a bar would be one more line."""
+    """A progress bar only on a terminal (in a log each update is one more line), never -q."""
     return not args.quiet and sys.stderr.isatty()
 
 
 def remote(args: argparse.Namespace) -> dict[str, Any]:
     """The reader keywords of the remote options (``--storage-options``, the cache's)."""
-    return {
-        "storage_options": args.storage_options,
-        "cache_dir": args.cache_dir,
-        "cache_limit_bytes": args.cache_limit,
-    }
+    return dict(
+        storage_options=args.storage_options,
+        cache_dir=args.cache_dir,
+        cache_limit_bytes=args.cache_limit,
+    )
 
 
-# -- prune, cache -------------------------------------------------------------------------------
+# -- pack ----------------------------------------------------------------------------------------
+#: ``pack`` options an append cannot take (it keeps the pack's own), and ``--append``'s.
+_PACK_ONLY = ["shards", "shard_size", "samples_per_shard", "image_storage", "max_size"]
+_PACK_ONLY += ["check_images", "overwrite"]
+_APPEND_ONLY = ["replace_changed", "checksum", "retire_all"]
+
+
+def _given(args: argparse.Namespace, dests: list[str]) -> list[str]:
+    """The options of ``dests`` given on the command line, as typed (``--shard-size``)."""
+    return ["--" + d.replace("_", "-") for d in dests if getattr(args, d) not in (None, False)]
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    """``pack ROOT OUTPUT``: ``pack_voc`` (``append_voc`` with ``--append``)."""
+    cache = _given(args, ["cache_dir", "cache_limit"])
+    if cache and not (args.append and is_url(args.output)):
+        raise ValueError(
+            f"{' and '.join(cache)} only {'applies' if len(cache) == 1 else 'apply'} with "
+            "--append to a URL, which stages the pack through the cache: a pack is written "
+            "in $TMPDIR and uploaded, and a local pack is appended to in place"
+        )
+    given = _given(args, _PACK_ONLY if args.append else _APPEND_ONLY)
+    if given and args.append:
+        raise ValueError(
+            f"{', '.join(given)} cannot be combined with --append: an append keeps the pack's "
+            "own options (see `torch-serialized info OUTPUT`); re-pack to change them"
+        )
+    if given:
+        raise ValueError(f"{', '.join(given)} only applies with --append")
+    options: dict[str, Any] = dict(
+        year=args.year,
+        workers=args.workers,
+        on_error="skip" if args.skip_bad else "raise",
+        progress=progress(args),
+        max_file_bytes=args.max_file_size or DEFAULT_MAX_FILE_BYTES,
+    )
+    with warnings.catch_warnings():  # the summary says it, not a warning too
+        warnings.simplefilter("ignore", UntypedObjectsWarning)
+        return (_append if args.append else _pack)(args, options)
+
+
+def _pack(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from ..container.shards import open_pack
+    from ..voc.pack import pack_voc
+
+    started = time.perf_counter()
+    result = pack_voc(
+        args.root,
+        args.output,
+        max_samples_per_shard=args.samples_per_shard,
+        max_shard_bytes=args.shard_size,
+        num_shards=args.shards,
+        image_storage=args.image_storage or "original",
+        max_size=args.max_size,
+        check_images=args.check_images,
+        storage_options=args.storage_options,
+        overwrite=args.overwrite,
+        **options,
+    )
+    upload = max(time.perf_counter() - started - result.seconds, 1e-9)  # after the packing
+    seconds, size = max(result.seconds, 1e-9), result.num_bytes
+    ratio = f"{size / result.source_bytes:.1%}" if result.source_bytes else "n/a"
+    how = "as asked" if args.year else "found in the folder names; --year picks another"
+    output = f"{result.url} (uploaded, manifest last)"
+    if not result.url:
+        packed = open_pack(result.path)
+        output = f"{result.path} ({files(packed.num_shards, packed.manifest is not None)})"
+    print(f"packed {result.num_samples} samples of {result.voc_root}")
+    _rows(
+        year=f"{result.year} ({how})",
+        output=output,
+        size=f"{mb(size)}, {ratio} of the {mb(result.source_bytes)} source files",
+        time=f"{result.seconds:.2f} s: {result.num_samples / seconds:,.0f} samples/s, "
+        f"{size / seconds / 1e6:,.0f} MB/s",
+        upload=f"{upload:.2f} s: {size / upload / 1e6:,.1f} MB/s" if result.url else None,
+    )
+    _print_outcome(result)
+    if args.shards is not None and result.num_samples < args.shards:
+        _rows(
+            note=f"--shards {args.shards} asked, but only {result.num_samples} samples were "
+            "packed: one shard each"
+        )
+    return EXIT_OK
+
+
+def _rows(**rows: str | None) -> None:
+    """The lines of a summary, ``  label    value``; a row whose value is None is left out."""
+    for label, value in rows.items():
+        if value is not None:
+            print(f"  {label:<8} {value}")
+
+
+def _append(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from ..voc.append import append_voc
+
+    started = time.perf_counter()
+    result = append_voc(
+        args.root,
+        args.output,
+        replace_changed=args.replace_changed,
+        checksum=args.checksum,
+        retire_all=args.retire_all,
+        **remote(args),
+        **options,
+    )
+    transfer = max(time.perf_counter() - started - result.seconds, 0.0)  # with a URL
+    where = f"{result.url} (new files uploaded, manifest last)" if result.url else result.path
+    print(f"appended to {where} from {result.voc_root}")
+    _rows(
+        added=f"{result.added} new samples, {len(result.replaced)} changed samples replaced",
+        retired=f"{len(result.retired)} samples no longer listed in the source",
+        pack=f"{result.num_samples} samples, {mb(result.num_bytes)} "
+        f"{'at the URL' if result.url else 'on disk'} ({mb(result.bytes_written)} written)",
+        time=f"{result.seconds:.2f} s",
+        transfer=f"{transfer:.2f} s (downloads and upload)" if result.url else None,
+    )
+    _print_outcome(result)
+    for note in result.notes:
+        _rows(note=note)
+    return EXIT_OK
+
+
+def _print_outcome(result: Any) -> None:
+    """Samples skipped, and those packed without a usable target (the first ids, a reason)."""
+    if result.skipped:
+        report = f"{result.url}.skipped.json" if result.url else result.report
+        _rows(skipped=f"{len(result.skipped)} samples; reasons in {report}")
+    for label, why, what in (
+        ("untyped", result.untyped, _UNTYPED),
+        ("unparsed", result.unparsed, _UNPARSED),
+    ):
+        if why:
+            ids = list(why)
+            named = ", ".join(repr(i) for i in ids[:3]) + (", ..." if len(ids) > 3 else "")
+            _rows(**{label: f"{len(ids)} {what.format(named=named)}. The first: {why[ids[0]]}"})
+
+
+_UNTYPED = (
+    "samples ({named}) whose objects do not fit a tv_tensors target: packed as torchvision "
+    "reads them; target_format='tv_tensors' raises for them (docs/guarantees.md)"
+)
+_UNPARSED = (
+    "segmentation-only samples ({named}) whose annotation XML did not parse: packed with the "
+    "files' bytes and no target (VOCSegmentation never reads it)"
+)
+
+
+# -- prune, cache, info, verify, export, bench, demo ---------------------------------------------
 def cmd_prune(args: argparse.Namespace) -> int:
     from ..remote.upload import prune_remote
 
@@ -99,8 +232,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if args.action == "clear":
         done = clear_cache(args.cache_dir, url=args.url)
         if args.json:
-            print(json.dumps(dataclasses.asdict(done), indent=1))
-            return EXIT_OK
+            return _json(dataclasses.asdict(done))
         print(
             f"removed {done.packs_removed} pack(s), {done.objects_removed} file(s), "
             f"{mb(done.bytes_freed)} from {folder}"
@@ -109,12 +241,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
         return EXIT_OK
     packs = list_cache(args.cache_dir)
     if args.json:
-        rows = [{**dataclasses.asdict(p), "directory": str(p.directory)} for p in packs]
-        print(json.dumps(rows, indent=1))
-        return EXIT_OK
-    total = sum(p.bytes for p in packs)
+        return _json([dataclasses.asdict(p) for p in packs])
     missing = "" if folder.exists() else " (no such folder yet: nothing cached)"
-    print(f"{folder}: {len(packs)} pack(s), {mb(total)}{missing}")
+    print(f"{folder}: {len(packs)} pack(s), {mb(sum(p.bytes for p in packs))}{missing}")
     for p in packs:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.last_used)) if p.last_used else "-"
         busy = f", {p.in_use} in use" if p.in_use else ""
@@ -126,7 +255,13 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- info, verify, export -----------------------------------------------------------------------
+def _json(value: Any) -> int:
+    """Print ``value`` as JSON (paths as strings), escaped (``printable``)."""
+    text = json.dumps(value, indent=1, ensure_ascii=False, default=str)
+    print(printable(text, json_text=True))  # JSON escapes C0 controls itself; the rest here
+    return EXIT_OK
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from ..summary import info, part_info
 
@@ -134,10 +269,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     if part is not None:  # one piece of a pack: describe the piece, point at the pack
         return _part(part, args.json)
     about = info(args.path, **remote(args))
-    if args.json:  # JSON escapes C0 controls itself; the rest become \\u escapes
-        text = json.dumps(dataclasses.asdict(about), indent=1, ensure_ascii=False)
-        print(printable(text, json_text=True))
-        return EXIT_OK
+    if args.json:
+        return _json(dataclasses.asdict(about))
     options = ", ".join(f"{k}={v}" for k, v in about.options.items())
     sets = "; ".join(
         f"{task}: " + ", ".join(f"{name} {n}" for name, n in lists.items())
@@ -147,6 +280,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     common = ", ".join(f"{cw}x{ch} ({n})" for cw, ch, n in about.common_sizes)
     source = about.source_bytes
     ratio = f" ({about.bytes / source:.1%} of the {mb(source)} source)" if source else ""
+    untyped = about.with_untyped_objects
     lines = [
         about.path,
         f"  format       torch_serialized {about.format_version}, schema {about.schema}, "
@@ -159,8 +293,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"  image size   width {w['min']}-{w['max']}, height {h['min']}-{h['max']}; "
         f"most common {common}",
         f"  objects      {about.num_objects}, {per['min']}-{per['max']} per image "
-        f"(mean {per['mean']})"
-        + (", untyped samples counted as 0" if about.with_untyped_objects else ""),
+        f"(mean {per['mean']})" + (", untyped samples counted as 0" if untyped else ""),
         f"  on disk      {mb(about.bytes)} in {files(len(about.shards), about.sharded)}{ratio}",
     ]
     if about.sharded:
@@ -170,26 +303,19 @@ def cmd_info(args: argparse.Namespace) -> int:
             + f"  {mb(s.bytes)}"
             for s in about.shards
         ]
-    if about.retired:
-        lines.append(
-            f"  retired      {about.retired} records replaced or dropped by appends (their "
-            "bytes stay until the next full pack)"
-        )
-    if about.skipped:
-        lines.append(f"  skipped      {len(about.skipped)} samples at pack time")
-    if about.with_untyped_objects:
-        lines.append(
-            f"  untyped      {about.with_untyped_objects} samples whose objects have no box "
-            "rows (target_format='tv_tensors' raises for them)"
-        )
-    if about.with_unparsed_annotation:
-        lines.append(
-            f"  unparsed     {about.with_unparsed_annotation} segmentation-only samples whose "
-            "annotation XML did not parse (stored as the files' bytes, no target)"
-        )
-    if about.history:
+    notes = {
+        "retired      {} records replaced or dropped by appends (their bytes stay until the "
+        "next full pack)": about.retired,
+        "skipped      {} samples at pack time": len(about.skipped),
+        "untyped      {} samples whose objects have no box rows (target_format='tv_tensors' "
+        "raises for them)": untyped,
+        "unparsed     {} segmentation-only samples whose annotation XML did not parse (stored "
+        "as the files' bytes, no target)": about.with_unparsed_annotation,
+    }
+    lines += [f"  {note.format(count)}" for note, count in notes.items() if count]
+    if about.history:  # each pack and append: when, how many added/replaced/retired, by whom
         lines.append("  history")
-        lines += [f"    {_history_line(entry)}" for entry in about.history]
+        lines += ["    " + ", ".join(f"{k} {v}" for k, v in e.items()) for e in about.history]
     if about.classes:
         lines.append("  classes      (objects in all samples)")
         top = max(about.classes.values())
@@ -201,30 +327,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _history_line(entry: dict[str, Any]) -> str:
-    """One pack or append of a pack's history, as ``info`` shows it."""
-    when = entry.get("at") or "(time not recorded)"
-    what = f"{entry.get('action')}  {when}  {entry.get('records')} samples"
-    if entry.get("action") == "append":
-        what += (
-            f" (+{entry.get('added')} new, {entry.get('replaced')} replaced, "
-            f"{entry.get('retired')} retired)"
-        )
-    return f"{what}  by {entry.get('by')}"
-
-
 def _part(part: Any, as_json: bool) -> int:
     """``info`` of one shard or catalog file of a shard folder (``summary.PartInfo``)."""
-    shard = part.role == fmt.ROLE_SHARD
     if as_json:
-        where = (
-            {"shard_of": part.folder, "shard": part.shard, "num_shards": part.num_shards}
-            if shard
-            else {"catalog_of": part.folder}
-        )
+        if part.role == fmt.ROLE_SHARD:
+            where = {"shard_of": part.folder, "shard": part.shard, "num_shards": part.num_shards}
+        else:
+            where = {"catalog_of": part.folder}
         fields = {"current": part.current, "records": part.records, "bytes": part.bytes}
-        print(json.dumps({"path": part.path, **where, **fields}, indent=1, ensure_ascii=False))
-        return EXIT_OK
+        return _json({"path": part.path, **where, **fields})
     whole = f"{PROG} info {part.folder}" if part.folder else "the folder with its manifest.json"
     say(
         part.path,
@@ -235,17 +346,12 @@ def _part(part: Any, as_json: bool) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..summary import describe_error, verify
+    from ..summary import verify
 
-    try:
-        report = verify(args.path, **remote(args))
-    except (TorchSerializedError, OSError) as exc:  # the file cannot be opened: name it
-        message = describe_error(exc)
-        if str(args.path) not in message:
-            raise ValueError(f"cannot open {args.path}: {message}") from exc
-        raise
-    where = f"{report.path} ({report.records} records in "
-    where += f"{files(report.num_shards, report.sharded)})"
+    report = verify(args.path, **remote(args))  # what cannot be opened raises, named
+    where = (
+        f"{report.path} ({report.records} records in {files(report.num_shards, report.sharded)})"
+    )
     if report.ok:
         say(
             f"OK {where}: header, footer, metadata{', VOC metadata' if report.voc else ''}, "
@@ -258,10 +364,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_OK
     lines = []
     if report.voc_error is not None:
-        lines += [f"FAILED {where}: VOC readers refuse it", f"  {_one_line(report.voc_error)}"]
+        lines += [f"FAILED {where}: VOC readers refuse it", f"  {one_line(report.voc_error)}"]
     if report.damaged_shards:
         lines.append(f"FAILED {where}: {len(report.damaged_shards)} damaged shard(s)")
-        lines += [f"  {_one_line(message)}" for message in report.damaged_shards]
+        lines += [f"  {one_line(message)}" for message in report.damaged_shards]
     if report.damaged_records:
         lines.append(f"FAILED {where}: {len(report.damaged_records)} damaged record(s)")
     for bad in report.damaged_records:
@@ -274,7 +380,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_DAMAGED
 
 
-def _one_line(message: str) -> str:
+def one_line(message: str) -> str:
+    """``message`` on one line, its whitespace runs made single spaces."""
     return " ".join(message.split())
 
 
@@ -297,19 +404,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- bench, demo --------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..tools import run_benchmark
 
-    options = {
-        "year": args.year,
-        "num_images": args.num_images,
-        "repeats": args.repeats,
-        "workers": args.workers,
-        "work_dir": args.work_dir,
-        "scenarios": args.scenarios.split(",") if args.scenarios else None,
-    }
-    given = {name: value for name, value in options.items() if value is not None}
+    names = ("year", "num_images", "repeats", "workers", "work_dir")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.scenarios:
+        given["scenarios"] = args.scenarios.split(",")
     bars = sys.stderr.isatty()  # progress bars only on a terminal, as pack shows them
     run_benchmark(args.root, quick=args.quick, out_dir=args.out_dir, progress=bars, **given)
     if args.out_dir is None:

@@ -7,6 +7,7 @@ metadata, ``records.write`` writes the records. Never imports torch.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import itertools
 import os
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..container.fileio import DEFAULT_MAX_FILE_BYTES
-from ..container.shardwriter import PackWriter, check_output_name
+from ..container.shardwriter import PackWriter, check_output_name, replace_refusal
+from ..container.spec import FILE_SUFFIX, MANIFEST_NAME
 from ..container.writer import CREATED_BY
-from ..errors import SourceDataError
-from ..remote.store import is_url
+from ..errors import RemoteNotFoundError, SourceDataError
+from ..remote.store import RemoteStore, is_url
 from ..remote.upload import check_writable, write_then_upload
 from . import records, schema
 from .images import ImageOptions
@@ -46,6 +48,7 @@ def pack_voc(
     progress: bool = False,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = True,
 ) -> PackResult:
     """Pack a VOC dataset into ``output`` (a ``.tser`` file, or a shard folder with a limit).
 
@@ -59,7 +62,9 @@ def pack_voc(
     report beside ``output``. Only regular files of at most ``max_file_bytes`` are read.
     ``workers > 1`` loads samples in spawned processes, with the same output. ``output`` may
     be an fsspec URL (``storage_options`` go to fsspec): written locally, then uploaded with
-    the manifest last, so readers never see a partial pack.
+    the manifest last, so readers never see a partial pack. ``overwrite=False`` refuses
+    (``FileExistsError``) an ``output`` that already holds a pack; what is no pack is never
+    replaced.
     """
     opts = Options(
         year=year,
@@ -75,14 +80,37 @@ def pack_voc(
     local = functools.partial(_pack_local, root, opts=opts)
     if is_url(output):
         check_writable(str(output), "pack")
+        if not overwrite:
+            _refuse_remote_pack(str(output), storage_options)
         result = write_then_upload(
             str(output), storage_options, local, written=lambda r: r.path, report=lambda r: r.report
         )
         result = dataclasses.replace(result, url=str(output))
     else:
+        if not overwrite and os.path.lexists(output) and replace_refusal(Path(output)) is None:
+            raise FileExistsError(
+                errno.EEXIST,
+                f"{output} already holds a pack; pass overwrite=True (torch-serialized pack "
+                "--overwrite) to replace it",
+            )
         result = local(output)
     records.warn_untyped(result)
     return result
+
+
+def _refuse_remote_pack(url: str, storage_options: Mapping[str, Any] | None) -> None:
+    """``FileExistsError`` if ``url`` already holds a pack (its file, or its manifest)."""
+    key = "" if url.rstrip("/").endswith(FILE_SUFFIX) else MANIFEST_NAME
+    try:
+        RemoteStore(url, storage_options).size(key)
+    except RemoteNotFoundError:
+        return
+    raise FileExistsError(
+        errno.EEXIST,
+        f"{url} already holds a pack; pass overwrite=True (torch-serialized pack --overwrite) "
+        "to upload a new one (readers of the old one keep working; `prune` removes its files "
+        "later)",
+    )
 
 
 def _pack_local(

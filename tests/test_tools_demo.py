@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from torch_serialized.tools.bench import _image_set, _torchvision_root
-from torch_serialized.tools.demo import Comparison, Spread, summarize
+from torch_serialized.tools.demo import Comparison, Spread, _evict, summarize
 
 
 def test_spread_is_median_and_range_of_rates() -> None:
@@ -48,6 +48,20 @@ def test_bench_says_what_torchvision_cannot_read(tmp_path: Path) -> None:
         _torchvision_root(tmp_path / "data" / "VOC2007", "2007")
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore is read on Linux only")
+def test_evict_reports_the_share_of_pages_left_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cold rows say how cold they were: ``mincore`` counts the pages eviction left."""
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(1 << 16))
+    (tmp_path / "empty").touch()
+    path.read_bytes()
+    monkeypatch.setattr(os, "posix_fadvise", lambda *args: None)  # eviction that drops nothing
+    assert _evict([str(path), str(tmp_path / "empty")]) == 1.0
+    assert _evict([str(tmp_path / "empty")]) is None  # no page to count
+
+
 @pytest.mark.slow
 def test_demo(tmp_path: Path) -> None:
     args = ["demo", "--num-images", "24", "--dir", str(tmp_path / "demo"), "--batch-size", "4"]
@@ -60,9 +74,9 @@ def test_demo(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "[1/4] Generating the built-in sample: 24 synthetic VOC2012 images" in out
-    assert "24 samples of VOC2012" in out
-    assert "5 of 5 samples identical" in out and "decode='tensor' pixels" in out
+    assert "Generating 24 synthetic VOC2012 images" in out
+    assert "Packed 24 samples of VOC2012" in out
+    assert "Checked against torchvision: identical" in out and "decode='tensor'" in out
     assert "median of 5 runs (warm reads) or 3 (the rest) with (min-max)" in out
     spread = r"[\d,]+/s \([\d,]+-[\d,]+\)"
     for row in (
@@ -79,7 +93,8 @@ def test_demo(tmp_path: Path) -> None:
     assert re.search(r"mincore: at most \d+\.\d% left", out) or "NOT COLD" in out
     assert "Faster beyond noise" in out or "Within noise" in out
     assert "speed-up over torchvision" not in out  # no single-run headline
-    assert (tmp_path / "demo" / "voc2012.tser").is_file()
+    assert (tmp_path / "demo" / "bench.tser").is_file()
+    assert f"try: torch-serialized info {tmp_path / 'demo' / 'bench.tser'}" in out
     assert "Traceback" not in done.stderr
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import mmap
 import os
 import platform
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -14,13 +17,81 @@ from typing import Any
 
 import numpy as np
 
-from torch_serialized.tools.pagecache import PageCache as _PageCache
-from torch_serialized.tools.pagecache import files_under
 from tsbench.core import MB, MIB
 
 
-class PageCache(_PageCache):
-    """The demo's page cache tool, and whether one page of a file is cached."""
+class PageCache:
+    """Evict files from the page cache and count their resident pages (Linux)."""
+
+    def __init__(self) -> None:
+        self.fadvise = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
+        self._libc: Any = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            self._libc = libc
+        except (OSError, AttributeError):
+            self._libc = None
+
+    @property
+    def can_check(self) -> bool:
+        return self._libc is not None and sys.platform.startswith("linux")
+
+    def evict(self, paths: Iterable[str]) -> None:
+        """Write back dirty pages, then drop every file's cached pages."""
+        if not self.fadvise:
+            return
+        os.sync()  # DONTNEED leaves dirty pages in place
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def resident(self, paths: Iterable[str]) -> float | None:
+        """Fraction of the files' pages in the page cache (``mincore``), or None if unknown."""
+        if not self.can_check:
+            return None
+        total = cached = 0
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    continue
+                vec = self.mincore(fd, 0, size)
+                if vec is None:
+                    return None
+                cached += sum(v & 1 for v in vec)
+                total += len(vec)
+            finally:
+                os.close(fd)
+        return cached / total if total else 0.0
+
+    def mincore(self, fd: int, offset: int, length: int) -> bytes | None:
+        """``mincore`` of ``length`` bytes of ``fd``'s file from ``offset`` (a multiple of the
+        page size): one byte per page, bit 0 set when cached; None if it fails."""
+        libc = self._libc
+        addr = libc.mmap(None, length, 1, 1, fd, offset)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+            return None if libc.mincore(addr, length, vec) != 0 else bytes(vec)
+        finally:
+            libc.munmap(addr, length)
 
     def page_cached(self, fd: int, offset: int) -> bool | None:
         """Whether the page holding byte ``offset`` of ``fd``'s file is cached (``mincore``:
@@ -32,6 +103,11 @@ class PageCache(_PageCache):
         start = offset - offset % page
         vec = self.mincore(fd, start, min(page, os.fstat(fd).st_size - start))
         return None if vec is None else bool(vec[0] & 1)
+
+
+def files_under(folder: Path) -> list[str]:
+    """Every file under ``folder``."""
+    return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files]
 
 
 def pack_file_paths(path: Path) -> list[str]:

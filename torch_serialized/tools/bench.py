@@ -1,15 +1,5 @@
-"""``torch-serialized bench``: a short measurement on your own data, from an installed wheel.
-
-ROOT (any VOC-format dataset; without it, a generated synthetic VOC set) is packed into a
-temporary folder, a few samples are checked against torchvision's ``VOCDetection``, then both
-are timed side by side with the demo's measurements (``tools/demo.py``): bytes-level reads,
-reads with the page cache dropped, decoded images and DataLoader epochs. Every figure is the
-median of several runs with its range; a comparison whose ranges overlap is within noise.
-It prints a few lines of ratios; ``out_dir`` receives them (``results.txt``) and every figure
-(``results.json``).
-
-The full benchmark (an LMDB peer, appends, memory per worker, GPU decoding, remote reads,
-targets and verdicts) is development tooling: ``python benchmarks/run.py`` in a checkout.
+"""``torch-serialized bench``: the demo's measurements on your own data. The full benchmark is
+``python benchmarks/run.py`` in a checkout. Imports no torch until a run starts.
 """
 
 from __future__ import annotations
@@ -18,7 +8,6 @@ import dataclasses
 import json
 import os
 import tempfile
-import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,11 +19,10 @@ __all__ = ["run_benchmark", "SCENARIOS", "FULL_ONLY"]
 SCENARIOS = ("pack", "bytes", "cold", "decoded", "tensor", "dataloader")
 #: Scenarios of the full benchmark (``python benchmarks/run.py``): accepted, not run here.
 FULL_ONLY = ("append", "attributes", "gpu", "memory", "remote")
-#: The image sets ``bench`` reads, the first one the data lists (torchvision's names).
-_IMAGE_SETS = ("trainval", "train", "val", "test")
-_SYNTHETIC_YEAR = "2012"
 #: Fewer samples than this make a note that the figures are dominated by per-epoch costs.
 _FEW = 50
+#: The image sets ``bench`` reads, the first one the data lists (torchvision's names).
+_IMAGE_SETS = ("trainval", "train", "val", "test")
 
 
 def run_benchmark(
@@ -47,21 +35,18 @@ def run_benchmark(
     scenarios: Sequence[str] | None = None,
     quick: bool = False,
     workers: int = 2,
+    batch_size: int = 16,
     work_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
     out: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Pack ``root`` (torchvision's VOC root; ``year=None`` finds its year as ``pack_voc``
-    does) or ``num_images`` generated synthetic images (default 200), check it against
-    torchvision, time both and print a summary; return what ``results.json`` holds.
+    """Pack ``root`` (torchvision's VOC root) or ``num_images`` synthetic images (default 200),
+    check it against torchvision, time both, print a summary; return ``results.json``'s data.
 
-    ``num_images`` with ``root``: time that many samples, drawn at random (default all).
-    ``repeats``: runs per measurement (default 5 for warm reads, 3 for the rest).
-    ``scenarios``: a subset of ``SCENARIOS`` (names of ``FULL_ONLY`` are accepted and said to
-    run only in the full benchmark). ``quick``: at most 48 samples and one run each.
-    ``workers``: DataLoader workers. ``work_dir`` keeps the data and the pack (default: a
-    temporary folder, removed). ``out_dir``: write ``results.txt`` (what was printed) and
-    ``results.json`` there. ``progress``: show progress bars while generating and packing.
+    ``num_images`` with ``root``: time that many random samples (default all). ``repeats``:
+    runs per measurement (default 5 warm, 3 others). ``scenarios``: of ``SCENARIOS``.
+    ``quick``: at most 48 samples, one run each. ``work_dir`` keeps the data and the pack;
+    ``out_dir`` receives ``results.txt`` (what was printed) and ``results.json``.
     """
     chosen = [s.strip() for s in (SCENARIOS if scenarios is None else scenarios) if s.strip()]
     unknown = [s for s in chosen if s not in SCENARIOS + FULL_ONLY]
@@ -72,137 +57,75 @@ def run_benchmark(
         )
     if workers < 0 or (repeats is not None and repeats < 1):
         raise ValueError("workers must be at least 0 and repeats at least 1")
+    from .. import pack_voc
+    from ..voc.layout import find_voc_root
+    from .demo import Measurements, check_against_torchvision
+    from .synthetic import make_synthetic_voc
+
+    started = time.perf_counter()
     printed: list[str] = []
 
     def say(line: str) -> None:
         printed.append(line)
         out(line)
 
-    with tempfile.TemporaryDirectory(prefix="tser-bench-") as temp:
-        work = Path(work_dir) if work_dir is not None else Path(temp)
-        work.mkdir(parents=True, exist_ok=True)
-        result = _run(root, year, num_images, repeats, chosen, quick, workers, work, progress, say)
-    if out_dir is not None:
-        folder = Path(out_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-        (folder / "results.txt").write_text("\n".join(printed) + "\n", encoding="utf-8")
-        out(f"Saved in {folder}: results.txt (this summary) and results.json (every figure).")
-    return result
-
-
-def _run(
-    root: str | os.PathLike[str] | None,
-    year: str | None,
-    num_images: int | None,
-    repeats: int | None,
-    chosen: list[str],
-    quick: bool,
-    workers: int,
-    work: Path,
-    progress: bool,
-    out: Callable[[str], None],
-) -> dict[str, Any]:
-    from .. import pack_voc
-    from ..voc.layout import find_voc_root
-    from .demo import (
-        ROW,
-        Comparison,
-        Measurements,
-        compare_with_torchvision,
-        print_table,
-        summarize,
-    )
-    from .synthetic import make_synthetic_voc
-
-    started = time.perf_counter()
-    if root is None:
-        year = year or _SYNTHETIC_YEAR
-        count = min(num_images or 200, 48) if quick else num_images or 200
-        out(f"Generating {count} synthetic VOC{year} images in {work}")
-        root = make_synthetic_voc(work / "voc", count, year=year, progress=progress)
-        limit = None
-    else:
-        limit = min(num_images or 48, 48) if quick else num_images
-    voc_root, year = find_voc_root(root, year)
-    tv_root = _torchvision_root(voc_root, year)
-    pack = work / "bench.tser"  # an earlier run's, in the same --work-dir, is replaced
-    packed = pack_voc(voc_root, pack, year=year, progress=progress)
-    image_set = _image_set(voc_root)
-    seconds = max(packed.seconds, 1e-9)
-    out(
-        f"Packed {packed.num_samples} samples of VOC{year} ({voc_root}): "
-        f"{packed.num_bytes / 1e6:,.1f} MB, {packed.num_bytes / packed.source_bytes:.0%} of "
-        f"the source, in {packed.seconds:.2f} s ({packed.num_samples / seconds:,.0f} samples/s)"
-    )
-    problems = compare_with_torchvision(pack, tv_root, year=year, image_set=image_set)
-    if problems:
-        raise RuntimeError(f"the pack differs from torchvision's VOCDetection: {problems}")
     runs = (1, 1) if quick else (repeats or 5, repeats or 3)
-    demo = Measurements(
-        tv_root,
-        pack,
-        workers,
-        16,
-        year=year,
-        image_set=image_set,
-        runs=runs[0],
-        slow_runs=runs[1],
-        limit=limit,
-    )
-    notes: list[str] = []
-    how = "one run each" if runs == (1, 1) else f"median of {runs[0]} runs (warm reads) or "
-    how += "" if runs == (1, 1) else f"{runs[1]} (the rest) with (min-max)"
-    out(
-        f"Checked against torchvision: identical. Timing {demo.n} samples of {image_set!r}, "
-        f"samples/s, {how}:"
-    )
-    if demo.n < _FEW:
-        notes.append(
-            f"only {demo.n} samples: costs paid once an epoch (opening files, starting a "
-            "stream) weigh on every figure; time more samples for figures that transfer"
+    with tempfile.TemporaryDirectory(prefix="tser-bench-") as temp:
+        work = Path(temp if work_dir is None else work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        limit = min(num_images or 48, 48) if quick else num_images
+        if root is None:
+            year, limit = year or "2012", None
+            count = min(num_images or 200, 48) if quick else num_images or 200
+            say(f"Generating {count} synthetic VOC{year} images in {work}")
+            root = make_synthetic_voc(work / "voc", count, year=year, progress=progress)
+        voc_root, year = find_voc_root(root, year)
+        tv_root, image_set = _torchvision_root(voc_root, year), _image_set(voc_root)
+        # an earlier run's pack in the same work_dir is replaced
+        packed = pack_voc(voc_root, work / "bench.tser", year=year, progress=progress)
+        say(
+            f"Packed {packed.num_samples} samples of VOC{year} ({voc_root}): "
+            f"{packed.num_bytes / 1e6:,.1f} MB, {packed.num_bytes / packed.source_bytes:.0%} of "
+            f"the source, in {packed.seconds:.2f} s "
+            f"({packed.num_samples / max(packed.seconds, 1e-9):,.0f} samples/s)"
         )
-
-    def cold() -> list[Comparison]:
-        rows, how = demo.cold()
-        notes.append(f"cold reads: {how}")
-        return rows
-
-    measures = {
-        "bytes": demo.bytes_level,
-        "cold": cold,
-        "decoded": demo.decoded,
-        "tensor": demo.tensors,
-        "dataloader": demo.dataloader,
-    }
-    rows: list[Comparison] = []
-    out(ROW.format("", "torchvision", "torch_serialized", "ratio"))
-    for name, measure in measures.items():
-        if name not in chosen:
-            continue
-        try:
-            found = measure()
-        except ValueError as exc:  # e.g. float box coordinates in torchvision's v2 wrapper
-            why = str(exc).strip().splitlines()[-1]  # a worker's: the traceback, then this
-            notes.append(f"{name}: not measured, torchvision cannot read the data so: {why}")
-            continue
-        print_table(out, None, found)
-        rows += found
-    for line in summarize(rows) + [part for n in notes for part in textwrap.wrap(n, 94)]:
-        out(f"      {line}")
+        check_against_torchvision(packed.path, tv_root, year, image_set)
+        demo = Measurements(
+            root=tv_root,
+            pack=packed.path,
+            year=year,
+            image_set=image_set,
+            workers=workers,
+            batch_size=batch_size,
+            runs=runs[0],
+            slow_runs=runs[1],
+            limit=limit,
+        )
+        say(
+            f"Checked against torchvision: identical. Timing {demo.n} samples of "
+            f"{image_set!r}, samples/s, {demo.how}:"
+        )
+        if demo.n < _FEW:
+            demo.notes.append(
+                f"only {demo.n} samples: costs paid once an epoch (opening files, starting a "
+                "stream) weigh on every figure; time more samples for figures that transfer"
+            )
+        rows = demo.table(say, chosen)
     skipped = [s for s in chosen if s in FULL_ONLY]
     if skipped:
-        out(
+        say(
             f"      Not measured here: {', '.join(skipped)} (python benchmarks/run.py, a checkout)."
         )
-    return {
+    result = {
         "config": {
             "data": str(voc_root),
+            "pack": str(packed.path),
             "year": year,
             "image_set": image_set,
             "samples_timed": demo.n,
             "runs": list(runs),
             "workers": workers,
+            "batch_size": batch_size,
             "quick": quick,
             "scenarios": [s for s in chosen if s in SCENARIOS],
         },
@@ -216,9 +139,16 @@ def _run(
             {**dataclasses.asdict(r), "ratio": r.ratio, "within_noise": r.within_noise}
             for r in rows
         ],
-        "notes": notes,
+        "notes": demo.notes,
         "seconds": time.perf_counter() - started,
     }
+    if out_dir is not None:
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        (folder / "results.txt").write_text("\n".join(printed) + "\n", encoding="utf-8")
+        out(f"Saved in {folder}: results.txt (this summary) and results.json (every figure).")
+    return result
 
 
 def _torchvision_root(voc_root: Path, year: str) -> Path:

@@ -1,28 +1,17 @@
-"""A deterministic synthetic Pascal VOC dataset on disk.
-
-Benchmarks, tests and the offline sample need a VOCdevkit without the 2 GB download. The
-images are not photographs, but they have VOC's sizes and roughly its JPEG cost (about
-100 KB per 500x375 image, from multi-octave noise, shading and textured object shapes drawn
-where the boxes are), so decode and I/O measurements stay meaningful. Annotations follow the
-genuine VOC XML schema and masks are palette PNGs with the VOC colormap and 255 borders, so
-``torchvision.datasets.VOCDetection`` / ``VOCSegmentation`` read the tree unchanged.
-
-Every image is a pure function of ``(seed, image index)``; ids and splits are a pure function
-of ``(seed, year, num_images)``. The same arguments therefore give byte-identical files, however
-the work were divided between processes (on one platform: another libjpeg or numpy build may
-round a few pixels differently).
+"""A deterministic synthetic Pascal VOC dataset on disk, for examples, tests and the demo:
+VOC's image sizes and roughly its JPEG cost (so timings stay meaningful), its XML and palette
+masks (so torchvision reads it unchanged). Image ``i`` depends on ``(seed, i)``, ids and
+splits on ``(seed, year, num_images)``: the same arguments give the same bytes.
 """
-
-# More than 400 lines: one recipe (image texture, object shapes, masks, XML, lists) whose
-# parts share the random streams that make every byte reproducible.
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -50,7 +39,12 @@ _POSE_P = np.array([0.45, 0.2, 0.2, 0.1, 0.05])
 _NUM_OBJECTS_P = np.array([0.42, 0.24, 0.14, 0.09, 0.06, 0.05])  # 1..6 objects
 _TALL = frozenset({"person", "bottle", "pottedplant", "chair"})
 _WIDE = frozenset({"aeroplane", "boat", "bus", "car", "diningtable", "sofa", "train"})
-_SHAPES: tuple[str, ...] = ("ellipse", "rectangle", "rounded", "polygon")
+_SHAPES: tuple[str, ...] = ("ellipse", "rectangle", "rounded_rectangle", "polygon")
+# VOC-like class frequencies: person dominates, then chair and car.
+_CLASS_P = np.array(
+    [8.0 if c == "person" else 2.0 if c in ("chair", "car") else 1.0 for c in VOC_CLASSES]
+)
+_CLASS_P /= _CLASS_P.sum()
 
 _JPEG_QUALITY = 92  # Pillow's defaults otherwise (4:2:0 subsampling, baseline, JFIF)
 _TILE = 640  # side of each precomputed noise tile; larger than any VOC image side
@@ -61,37 +55,7 @@ _BORDER = 3  # width of the 255 "void" band drawn around each object in the mask
 _STREAM_TILES, _STREAM_LAYOUT, _STREAM_IMAGE = 1, 2, 3
 
 
-def _class_probabilities() -> np.ndarray:
-    """VOC-like class frequencies: person dominates, then chair and car."""
-    weights = np.ones(len(VOC_CLASSES))
-    weights[VOC_CLASSES.index("person")] = 8.0
-    weights[VOC_CLASSES.index("chair")] = 2.0
-    weights[VOC_CLASSES.index("car")] = 2.0
-    return weights / weights.sum()
-
-
-_CLASS_P = _class_probabilities()
-
-
-@dataclass(frozen=True)
-class _NoiseBank:
-    """Precomputed texture tiles, cropped, flipped and mixed per image (cheap per image).
-
-    ``features`` is ``(n, T, T, 4)`` float32 with unit-std channels: 1/f multi-octave
-    structure, fine grain (one- and two-pixel scale) and two low-frequency colour fields. An
-    image is ``crop @ mix + base`` with a random ``(4, 3)`` mix: one small matmul per texture.
-    """
-
-    features: np.ndarray
-
-
-@dataclass(frozen=True)
-class _Part:
-    name: str
-    box: tuple[int, int, int, int]  # 1-based inclusive xmin, ymin, xmax, ymax
-
-
-@dataclass(frozen=True)
+@dataclass
 class _Object:
     name: str
     pose: str
@@ -101,7 +65,7 @@ class _Object:
     box: tuple[int, int, int, int]  # 1-based inclusive xmin, ymin, xmax, ymax, inside the image
     shape: str
     geometry: tuple[float, ...]  # 0-based drawing coords: x0, y0, x1, y1 or polygon x, y pairs
-    parts: tuple[_Part, ...] = ()
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (name, box), boxes as ``box``
 
 
 def _upsampled(rng: np.random.Generator, cells: int, size: int) -> np.ndarray:
@@ -118,42 +82,38 @@ def _unit(a: np.ndarray) -> np.ndarray:
     return (a / a.std(dtype=np.float64)).astype(np.float32)
 
 
-def _make_noise_bank(seed: int) -> _NoiseBank:
-    """Build the per-seed texture tiles (about 0.3 s, once per call); all images crop these."""
+def _make_noise_bank(seed: int) -> np.ndarray:
+    """The per-seed tiles every texture crops, ``(n, T, T, 4)`` float32 with unit-std channels:
+    1/f multi-octave structure, fine grain and two low-frequency colour fields (about 0.3 s)."""
     rng = np.random.default_rng([seed, _STREAM_TILES])
     size, tiles = _TILE, []
     for _ in range(_NUM_TILES):
-        # Roughly the 1/f amplitude spectrum of photographs, a little flatter so that
-        # mid-scale detail (3-20 px) carries part of the JPEG cost, not only the grain.
+        # Roughly photographs' 1/f spectrum, flatter so mid-scale detail carries JPEG cost too.
         structure = np.zeros((size, size), np.float32)
         for cells in (3, 6, 12, 24, 48, 96, 192):
             structure += _upsampled(rng, cells, size) * (3.0 / cells) ** 0.75
         grain = _upsampled(rng, size // 2, size) + 0.6 * _upsampled(rng, size, size)
         chroma = [_upsampled(rng, 5, size) + _upsampled(rng, 20, size) for _ in range(2)]
         tiles.append(np.stack([_unit(c) for c in (structure, grain, *chroma)], axis=-1))
-    return _NoiseBank(np.stack(tiles))
-
-
-def _crop(tiles: np.ndarray, rng: np.random.Generator, height: int, width: int) -> np.ndarray:
-    """A random tile, cropped at a random offset and randomly flipped (a view, no copy)."""
-    k = int(rng.integers(tiles.shape[0]))
-    y = int(rng.integers(tiles.shape[1] - height + 1))
-    x = int(rng.integers(tiles.shape[2] - width + 1))
-    view = tiles[k, y : y + height, x : x + width]
-    flip_y, flip_x = rng.integers(2, size=2)
-    return view[:: -1 if flip_y else 1, :: -1 if flip_x else 1]
+    return np.stack(tiles)
 
 
 def _texture(
-    bank: _NoiseBank, rng: np.random.Generator, height: int, width: int, detail: float
+    bank: np.ndarray, rng: np.random.Generator, height: int, width: int, detail: float
 ) -> np.ndarray:
-    """An RGB float32 texture: tinted 1/f luminance with fine grain, plus colour drift."""
+    """An RGB float32 texture (tinted 1/f luminance, grain, colour drift) from a random crop
+    of a random tile, randomly flipped."""
     tint = rng.uniform(0.75, 1.25, size=3)
     mix = np.empty((4, 3))
     mix[0] = tint * rng.uniform(28.0, 50.0)  # structure (shading, blobs, mid-scale detail)
     mix[1] = tint * detail * rng.uniform(0.8, 1.25)  # grain: sets most of the JPEG cost
     mix[2:] = rng.uniform(-8.0, 8.0, size=(2, 3))  # colour drift
-    rgb = _crop(bank.features, rng, height, width) @ mix.astype(np.float32)
+    k = int(rng.integers(bank.shape[0]))
+    y = int(rng.integers(bank.shape[1] - height + 1))
+    x = int(rng.integers(bank.shape[2] - width + 1))
+    flip_y, flip_x = rng.integers(2, size=2)
+    crop = bank[k, y : y + height, x : x + width][:: -1 if flip_y else 1, :: -1 if flip_x else 1]
+    rgb = crop @ mix.astype(np.float32)
     rgb += rng.uniform(50.0, 190.0, size=3).astype(np.float32)
     return rgb
 
@@ -169,19 +129,14 @@ def _draw_shape(
     """Draw ``obj``'s silhouette (shifted by ``-offset``) with ``fill`` and an optional outline."""
     dx, dy = offset
     xy = [v - (dx if i % 2 == 0 else dy) for i, v in enumerate(obj.geometry)]
-    if obj.shape == "ellipse":
-        draw.ellipse(xy, fill=fill, outline=outline, width=width)
-    elif obj.shape == "rectangle":
-        draw.rectangle(xy, fill=fill, outline=outline, width=width)
-    elif obj.shape == "rounded":
-        radius = int(0.2 * min(xy[2] - xy[0], xy[3] - xy[1]))
-        draw.rounded_rectangle(xy, radius=radius, fill=fill, outline=outline, width=width)
-    else:
-        draw.polygon(xy, fill=fill, outline=outline, width=width)
+    style: dict[str, Any] = {"fill": fill, "outline": outline, "width": width}
+    if obj.shape == "rounded_rectangle":
+        style["radius"] = int(0.2 * min(xy[2] - xy[0], xy[3] - xy[1]))
+    getattr(draw, obj.shape)(xy, **style)  # the ImageDraw method of that name
 
 
 def _render_image(
-    bank: _NoiseBank, rng: np.random.Generator, width: int, height: int, objects: Sequence[_Object]
+    bank: np.ndarray, rng: np.random.Generator, width: int, height: int, objects: Sequence[_Object]
 ) -> Image.Image:
     """Background texture, then each object's own texture inside its silhouette."""
     detail = rng.uniform(15.0, 24.0)  # per-image sharpness: spreads the JPEG sizes
@@ -220,27 +175,9 @@ _PERSON_PARTS: tuple[tuple[str, float, float, float, float, float], ...] = (
 )
 
 
-def _person_parts(rng: np.random.Generator, box: tuple[int, int, int, int]) -> tuple[_Part, ...]:
-    """Head, hands and feet boxes inside a person box, as in VOC's person-layout annotations."""
-    xmin, ymin, xmax, ymax = box
-    bw, bh = xmax - xmin, ymax - ymin
-    parts = []
-    for name, p, fx0, fy0, fx1, fy1 in _PERSON_PARTS:
-        if rng.random() >= p:
-            continue
-        part = (
-            xmin + round(fx0 * bw),
-            ymin + round(fy0 * bh),
-            xmin + round(fx1 * bw),
-            ymin + round(fy1 * bh),
-        )
-        if part[2] > part[0] and part[3] > part[1]:
-            parts.append(_Part(name, part))
-    return tuple(parts)
-
-
 def _plan_object(rng: np.random.Generator, width: int, height: int) -> _Object:
-    """One object: class, box (possibly truncated by the border), silhouette and flags."""
+    """One object: class, box (maybe truncated), silhouette, flags and, for some large
+    persons, VOC's person-layout part boxes."""
     name = VOC_CLASSES[int(rng.choice(len(VOC_CLASSES), p=_CLASS_P))]
     aspect = math.exp(rng.normal(0.0, 0.3))  # height / width
     aspect *= 2.0 if name in _TALL else 0.6 if name in _WIDE else 1.0
@@ -262,14 +199,18 @@ def _plan_object(rng: np.random.Generator, width: int, height: int) -> _Object:
         geometry = tuple(float(round(v, 2)) for xy in zip(xs, ys) for v in xy)
     else:
         geometry = (gx0, gy0, gx1 - 1, gy1 - 1)
-    box = (x0 + 1, y0 + 1, x1, y1)
     small = (x1 - x0) * (y1 - y0) < 0.01 * width * height
     difficult = int(rng.random() < (0.3 if small else 0.02))
     pose = _POSES[int(rng.choice(len(_POSES), p=_POSE_P))]
-    parts: tuple[_Part, ...] = ()
+    box = (x0 + 1, y0 + 1, x1, y1)
+    parts = []
     if name == "person" and x1 - x0 >= 40 and y1 - y0 >= 80 and rng.random() < 0.35:
-        parts = _person_parts(rng, box)
-    return _Object(name, pose, truncated, 0, difficult, box, shape, geometry, parts)
+        size = (x1 - x0 - 1, y1 - y0 - 1)  # of the 1-based inclusive box
+        for part, p, *fractions in _PERSON_PARTS:
+            corners = tuple(box[k % 2] + round(f * size[k % 2]) for k, f in enumerate(fractions))
+            if rng.random() < p and corners[2] > corners[0] and corners[3] > corners[1]:
+                parts.append((part, corners))
+    return _Object(name, pose, truncated, 0, difficult, box, shape, geometry, tuple(parts))
 
 
 def _plan_objects(rng: np.random.Generator, width: int, height: int) -> list[_Object]:
@@ -278,18 +219,29 @@ def _plan_objects(rng: np.random.Generator, width: int, height: int) -> list[_Ob
     objects = [_plan_object(rng, width, height) for _ in range(count)]
     # Draw big objects first so small ones stay visible, as in photographs.
     objects.sort(key=lambda o: -(o.box[2] - o.box[0]) * (o.box[3] - o.box[1]))
-    planned = []
     for i, obj in enumerate(objects):
         xmin, ymin, xmax, ymax = obj.box
-        own = (xmax - xmin + 1) * (ymax - ymin + 1)
         covered = 0
         for other in objects[i + 1 :]:
             ox = min(xmax, other.box[2]) - max(xmin, other.box[0]) + 1
             oy = min(ymax, other.box[3]) - max(ymin, other.box[1]) + 1
             covered = max(covered, max(ox, 0) * max(oy, 0))
-        occluded = int(covered > 0.1 * own)
-        planned.append(replace(obj, occluded=occluded))
-    return planned
+        obj.occluded = int(covered > 0.1 * (xmax - xmin + 1) * (ymax - ymin + 1))
+    return objects
+
+
+#: XML children: ``(tag, value)`` pairs, a value a leaf or another ``_Tree``.
+_Tree = list[tuple[str, object]]
+
+
+def _element(tag: str, value: object, depth: int) -> list[str]:
+    """``<tag>value</tag>`` indented by ``depth`` tabs; a list value holds ``(tag, value)``
+    children."""
+    pad = "\t" * depth
+    if not isinstance(value, list):
+        return [f"{pad}<{tag}>{value}</{tag}>"]
+    inner = [line for name, child in value for line in _element(name, child, depth + 1)]
+    return [f"{pad}<{tag}>", *inner, f"{pad}</{tag}>"]
 
 
 def _annotation_xml(
@@ -301,67 +253,35 @@ def _annotation_xml(
     objects: Sequence[_Object],
     rng: np.random.Generator,
 ) -> str:
-    """The annotation in the genuine VOC layout (tab-indented, no XML declaration).
-
-    VOC2007-style files carry flickr ids and an owner and no ``occluded``; later years name the
-    database after the image's id year and give ``occluded`` on most images.
-    """
+    """The annotation in VOC's layout (tabs, no XML declaration): VOC2007's with flickr ids
+    and an owner, later years' with ``occluded`` on most images."""
     voc2007 = year == "2007"
     source_year = "2007" if voc2007 else image_id[:4]
-    lines = [
-        "<annotation>",
-        f"\t<folder>VOC{year}</folder>",
-        f"\t<filename>{image_id}.jpg</filename>",
-        "\t<source>",
-        f"\t\t<database>The VOC{source_year} Database</database>",
-        f"\t\t<annotation>PASCAL VOC{source_year}</annotation>",
-        "\t\t<image>flickr</image>",
+    source: _Tree = [
+        ("database", f"The VOC{source_year} Database"),
+        ("annotation", f"PASCAL VOC{source_year}"),
+        ("image", "flickr"),
     ]
+    fields: _Tree = [("folder", f"VOC{year}"), ("filename", f"{image_id}.jpg"), ("source", source)]
     if voc2007:
-        lines += [
-            f"\t\t<flickrid>{int(rng.integers(10**8, 4 * 10**8))}</flickrid>",
-            "\t</source>",
-            "\t<owner>",
-            f"\t\t<flickrid>user{int(rng.integers(10**4, 10**5))}</flickrid>",
-            "\t\t<name>?</name>",
-            "\t</owner>",
-        ]
-    else:
-        lines.append("\t</source>")
-    lines += [
-        "\t<size>",
-        f"\t\t<width>{width}</width>",
-        f"\t\t<height>{height}</height>",
-        "\t\t<depth>3</depth>",
-        "\t</size>",
-        f"\t<segmented>{int(segmented)}</segmented>",
-    ]
+        source.append(("flickrid", int(rng.integers(10**8, 4 * 10**8))))
+        owner = [("flickrid", f"user{int(rng.integers(10**4, 10**5))}"), ("name", "?")]
+        fields.append(("owner", owner))
+    size = [("width", width), ("height", height), ("depth", 3)]
+    fields += [("size", size), ("segmented", int(segmented))]
     with_occluded = not voc2007 and rng.random() < 0.75
-
-    def bndbox(box: tuple[int, int, int, int], indent: str) -> list[str]:
-        tags = ("xmin", "ymin", "xmax", "ymax")
-        inner = [f"{indent}\t<{t}>{v}</{t}>" for t, v in zip(tags, box)]
-        return [f"{indent}<bndbox>", *inner, f"{indent}</bndbox>"]
-
+    corners = ("xmin", "ymin", "xmax", "ymax")
     for obj in objects:
-        lines += [
-            "\t<object>",
-            f"\t\t<name>{obj.name}</name>",
-            f"\t\t<pose>{obj.pose}</pose>",
-            f"\t\t<truncated>{obj.truncated}</truncated>",
-        ]
+        box = ("bndbox", list(zip(corners, obj.box)))
+        children: _Tree = [("name", obj.name), ("pose", obj.pose), ("truncated", obj.truncated)]
         if with_occluded:
-            lines += [f"\t\t<occluded>{obj.occluded}</occluded>", *bndbox(obj.box, "\t\t")]
-            lines.append(f"\t\t<difficult>{obj.difficult}</difficult>")
+            children += [("occluded", obj.occluded), box, ("difficult", obj.difficult)]
         else:
-            lines.append(f"\t\t<difficult>{obj.difficult}</difficult>")
-            lines += bndbox(obj.box, "\t\t")
-        for part in obj.parts:
-            lines += ["\t\t<part>", f"\t\t\t<name>{part.name}</name>", *bndbox(part.box, "\t\t\t")]
-            lines.append("\t\t</part>")
-        lines.append("\t</object>")
-    lines.append("</annotation>")
-    return "\n".join(lines) + "\n"
+            children += [("difficult", obj.difficult), box]
+        for name, part in obj.parts:
+            children.append(("part", [("name", name), ("bndbox", list(zip(corners, part)))]))
+        fields.append(("object", children))
+    return "\n".join(_element("annotation", fields, 0)) + "\n"
 
 
 def _image_ids(rng: np.random.Generator, year: str, num_images: int) -> list[str]:
@@ -380,11 +300,8 @@ def _image_ids(rng: np.random.Generator, year: str, num_images: int) -> list[str
 
 
 def _splits(rng: np.random.Generator, year: str, segmented: Sequence[bool]) -> list[str]:
-    """Each image's split: half train / half val, or (2007) a quarter each and half test.
-
-    Segmented and other images are split separately, so the Segmentation lists are balanced too
-    and, as in VOC, each Segmentation split is a subset of the Main split of the same name.
-    """
+    """Each image's split: half train / half val, or (2007) a quarter each and half test;
+    segmented images apart, so each Segmentation split is a subset of the Main one, as in VOC."""
     split = ["train"] * len(segmented)
     for group in (True, False):
         members = [i for i, s in enumerate(segmented) if s == group]
@@ -396,14 +313,15 @@ def _splits(rng: np.random.Generator, year: str, segmented: Sequence[bool]) -> l
     return split
 
 
-def _write_image_sets(folder: Path, ids: Sequence[str], splits: Sequence[str], year: str) -> None:
-    """``train``/``val``/``trainval`` (and ``test`` for 2007) lists, one sorted id per line."""
+def _write_image_sets(folder: Path, members: Sequence[tuple[str, str]], year: str) -> None:
+    """``train``/``val``/``trainval`` (and ``test`` for 2007) lists of ``(id, split)``
+    ``members``, one sorted id per line."""
     folder.mkdir(parents=True, exist_ok=True)
     names = ("train", "val", "test") if year == "2007" else ("train", "val")
-    lists = {name: [i for i, s in zip(ids, splits) if s == name] for name in names}
-    lists["trainval"] = sorted(lists["train"] + lists["val"])
-    for name, members in lists.items():
-        text = "".join(f"{m}\n" for m in sorted(members))
+    lists = {name: [i for i, s in members if s == name] for name in names}
+    lists["trainval"] = lists["train"] + lists["val"]
+    for name, listed in lists.items():
+        text = "".join(f"{m}\n" for m in sorted(listed))
         (folder / f"{name}.txt").write_text(text, encoding="ascii", newline="\n")
 
 
@@ -416,13 +334,9 @@ def make_synthetic_voc(
     segmentation_every: int = 4,
     progress: bool = False,
 ) -> Path:
-    """Write a synthetic VOCdevkit under ``root`` and return ``root`` as a :class:`Path`.
-
-    Creates ``VOCdevkit/VOC{year}/`` (``TrainVal/VOCdevkit/VOC2011`` for 2011, where torchvision
-    looks) with JPEGImages, Annotations, ImageSets/Main and, for every ``segmentation_every``-th
-    image (0: none), SegmentationClass, SegmentationObject and ImageSets/Segmentation. Existing
-    files of the same names are overwritten. The same arguments always give the same bytes.
-    """
+    """Write a synthetic VOCdevkit under ``root`` where torchvision looks for ``year`` (masks
+    and Segmentation lists for every ``segmentation_every``-th image, 0: none), overwriting
+    files of the same names; return ``root`` as a ``Path``. Same arguments, same bytes."""
     if year not in {str(y) for y in range(2007, 2013)}:
         raise ValueError(f"year must be one of '2007'..'2012' (a string), got {year!r}")
     if num_images < 1:
@@ -433,8 +347,7 @@ def make_synthetic_voc(
         raise ValueError(f"segmentation_every must be >= 0 (0: no masks), got {segmentation_every}")
     root = Path(root)
     voc = root / base_dir(year)
-    folders = ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject")
-    for name in folders:
+    for name in ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject"):
         (voc / name).mkdir(parents=True, exist_ok=True)
 
     layout_rng = np.random.default_rng([seed, _STREAM_LAYOUT, int(year)])
@@ -458,9 +371,8 @@ def make_synthetic_voc(
             by_class.save(voc / "SegmentationClass" / f"{ids[i]}.png")
             by_object.save(voc / "SegmentationObject" / f"{ids[i]}.png")
 
-    _write_image_sets(voc / "ImageSets" / "Main", ids, splits, year)
-    seg_ids = [m for m, s in zip(ids, segmented) if s]
-    seg_splits = [s for s, m in zip(splits, segmented) if m]
-    if seg_ids:
-        _write_image_sets(voc / "ImageSets" / "Segmentation", seg_ids, seg_splits, year)
+    _write_image_sets(voc / "ImageSets" / "Main", list(zip(ids, splits)), year)
+    if any(segmented):
+        members = [(m, s) for m, s, listed in zip(ids, splits, segmented) if listed]
+        _write_image_sets(voc / "ImageSets" / "Segmentation", members, year)
     return root

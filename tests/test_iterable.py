@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -594,6 +595,39 @@ def test_a_worker_stream_copies_each_image_once(stream_packs, layout, monkeypatc
     assert not last.is_shared()
     last.add_(1)  # writable: a view of the read-only map would crash the process here
     assert not torch.equal(last, alone[-1][0])
+
+
+@pytest.mark.parametrize("layout", ["single", "shards"])
+def test_a_worker_stream_holds_one_decoded_image_at_a_time(
+    stream_packs, layout, monkeypatch
+) -> None:
+    """``decode="tensor"`` in a worker: a run of 32 decoded images stayed private until the
+    run was moved into its shared block (what glibc then kept as the worker's heap). The
+    block is now made first from the pack's columns and each image copied in as it is
+    decoded; a last run of one sample is left for torch to share."""
+    alone = list(VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="tensor"))
+    monkeypatch.setattr(torch_serialized.data.iterable, "in_worker", lambda: True)
+    run = len(alone) - 1
+    monkeypatch.setattr(torch_serialized.data.iterable, "SHARED_RUN", run)
+    ds = VOCSerializedIterableDataset(stream_packs[layout], "trainval", decode="tensor")
+    decode = ds.decoder.image
+    made: list[weakref.ref[torch.Tensor]] = []
+    alive: list[int] = []
+
+    def counting(record, data, **kw):
+        alive.append(sum(ref() is not None for ref in made))  # earlier private images
+        image = decode(record, data, **kw)
+        made.append(weakref.ref(image))
+        return image
+
+    monkeypatch.setattr(ds.decoder, "image", counting)
+    got = list(ds)
+    # at most the one the decoding generator still holds while the next is decoded
+    assert len(alive) == len(alone) and max(alive) <= 1
+    assert len({image.untyped_storage().data_ptr() for image, _ in got[:run]}) == 1
+    assert all(image.is_shared() for image, _ in got[:run]) and not got[-1][0].is_shared()
+    for (image, target), (expected, expected_target) in zip(got, alone, strict=True):
+        assert torch.equal(image, expected) and target == expected_target
 
 
 def test_a_worker_stream_counts_only_samples_handed_out(stream_packs, monkeypatch) -> None:

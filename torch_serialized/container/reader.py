@@ -301,14 +301,29 @@ class ContainerReader:
 
     def prefetch(self, records: Sequence[int] | np.ndarray) -> None:
         """Hint the span of ``records`` (neighbours) to the page cache (``WILLNEED``) so a
-        stream's next reads overlap this block's use."""
+        stream's next reads overlap this block's use; skipped when the span's last byte is
+        cached (a warm epoch: the hint would walk the page cache for nothing, ~5% of it)."""
         if not len(records) or not hasattr(os, "posix_fadvise"):
             return
         local, wanted = self._mapped(), np.asarray(records, dtype=np.int64)
         starts = local.offsets[wanted]
         start, end = int(starts.min()), int((starts + local.lengths[wanted]).max())
+        if end <= start or _cached(local.fd, end - 1):
+            return
         for at in range(start, end, HINT_CHUNK):
             os.posix_fadvise(local.fd, at, min(HINT_CHUNK, end - at), os.POSIX_FADV_WILLNEED)
+
+
+def _cached(fd: int, offset: int) -> bool:
+    """Whether the byte at ``offset`` is in the page cache, asked without waiting for the disk
+    (``preadv`` with ``RWF_NOWAIT``); False where the system cannot tell."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, flag) == 1
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP and others: cannot tell
+        return False
 
 
 def gone(path: str, detail: str = "") -> str:

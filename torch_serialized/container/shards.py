@@ -28,6 +28,11 @@ from .reader import ContainerReader, gone
 __all__ = ["PackReader", "open_pack", "default_max_open_shards"]
 
 
+#: Checked shards whose maps were closed, kept so mapping one again costs a map, not a
+#: validation (0.03 vs 0.2 ms a shard; a few KB each).
+_MAX_CLOSED_SHARDS = 4096
+
+
 class _Shards:
     """What one process holds of a pack's shards; never pickled, never shared."""
 
@@ -35,6 +40,7 @@ class _Shards:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.open: OrderedDict[int, ContainerReader] = OrderedDict()  # mapped, LRU first
+        self.closed: OrderedDict[int, ContainerReader] = OrderedDict()  # checked, unmapped
 
 
 class PackReader:
@@ -156,14 +162,16 @@ class PackReader:
     # -- shards: opened on first use, a bounded number kept ------------------------------------
     def _here(self) -> _Shards:
         """This process's shards, made on first use in a process (a fork: the inherited maps
-        are closed; shards are opened and checked again)."""
+        are closed, what was checked is kept, except a remote pack's, fetched again)."""
         here = self._local
         if here is not None and here.pid == os.getpid():
             return here
-        for shard in here.open.values() if here else ():
+        fresh = self._local = _Shards()
+        for s, shard in [*here.closed.items(), *here.open.items()] if here else ():
             shard.close()
-        self._local = _Shards()
-        return self._local
+            if self.remote is None:
+                fresh.closed[s] = shard
+        return fresh
 
     @property
     def num_shards(self) -> int:
@@ -187,7 +195,11 @@ class PackReader:
             if shard is not None:
                 here.open.move_to_end(s)
                 return shard
-            shard = self._open_shard(s)
+            shard = here.closed.pop(s, None)
+            if shard is not None:
+                shard.reopen()  # FileChangedError if the file is no longer the one checked
+            else:
+                shard = self._open_shard(s)
             self._remember(s, shard)
             return shard
 
@@ -199,6 +211,10 @@ class PackReader:
             closing.close()  # the map goes once no view of it is left
             if self.remote is not None:  # evictable now; fetched (and checked) again if needed
                 self.remote.release(self.entries[old].file)
+                continue
+            here.closed[old] = closing
+            while len(here.closed) > _MAX_CLOSED_SHARDS:
+                here.closed.popitem(last=False)
 
     # -- remote packs: where the files come from -------------------------------------------
     def prefetch_shards(self, shards: Iterable[int]) -> None:
@@ -233,8 +249,10 @@ class PackReader:
         with here.lock:
             opened = list(here.open.items())
             here.open.clear()
-        for _, shard in opened:
+        for s, shard in opened:
             shard.close()
+            if self.remote is None:
+                here.closed[s] = shard
         if self.remote is not None:
             keep = [fmt.MANIFEST_NAME, os.path.basename(self._catalog.path)]
             self.remote.close(keep=keep)

@@ -715,6 +715,32 @@ def test_a_store_pickles_without_its_filesystem(remote: Remote, tmp_path: Path) 
     assert clone.read_bytes("obj.bin") == b"hello"
 
 
+def test_a_forked_child_drops_the_parents_filesystem_at_once(remote: Remote) -> None:
+    """fsspec's session finalizers waited 1 s on the parent's event loop in every DataLoader
+    worker: the loop's thread does not exist in the child."""
+    import gc
+    import multiprocessing
+
+    remote.put("obj.bin", b"hello")
+    s = store(remote)
+    assert s.read_bytes("obj.bin") == b"hello"  # the parent's session and event loop
+
+    def child(queue: Any) -> None:
+        start = time.perf_counter()
+        s._check_fork()  # drops the inherited filesystem
+        gc.collect()
+        queue.put((time.perf_counter() - start, s.read_bytes("obj.bin")))
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    process = ctx.Process(target=child, args=(queue,))
+    process.start()
+    took, data = queue.get(timeout=30)
+    process.join(30)
+    assert data == b"hello"
+    assert took < 0.5, f"the child waited {took:.2f} s on the parent's event loop"
+
+
 # --------------------------------------------------------------------------- uploads
 
 

@@ -114,6 +114,15 @@ class PerProcess:
         self._start()
 
 
+def _orphan_loop(fs: Any) -> None:
+    """Mark the event loop of a filesystem inherited through a fork as stopped: its thread
+    stayed in the parent, and fsspec's session finalizers wait 1 s on a loop that claims to
+    run (a DataLoader worker lost 1 s before its first sample, measured)."""
+    loop = vars(fs).get("_loop") if fs is not None else None
+    if loop is not None and getattr(loop, "_thread_id", None) is not None:
+        loop._thread_id = None  # asyncio's own test of is_running()
+
+
 class _Stated(Callback):
     """Calls ``on_size(n)`` once the GET's answer stated ``n`` bytes and its body flows
     (fsspec sets the size before it checks the status, so an error page's too). A module-level
@@ -155,6 +164,7 @@ class RemoteStore(PerProcess):
     _PER_PROCESS = ("_pid", "_lock", "_fs", "_root", "_rng")
 
     def _reset(self) -> None:
+        _orphan_loop(getattr(self, "_fs", None))
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._fs: Any = None

@@ -44,8 +44,8 @@ class UnsupportedVersionError(FormatError):
 
 
 class ChecksumError(CorruptFileError):
-    """A record's bytes do not match the checksum stored when it was written. ``path``,
-    ``record`` and ``field`` name the file, record and field when a record's read raised it."""
+    """A record's bytes fail the checksum stored with them; ``path``, ``record`` and ``field``
+    name where, when a record's read raised it."""
 
     def __init__(
         self,
@@ -60,8 +60,7 @@ class ChecksumError(CorruptFileError):
 
 
 class ImageTooLargeError(FormatError):
-    """A stored image or mask declares more pixels than twice Pillow's ``MAX_IMAGE_PIXELS``
-    (as its ``DecompressionBombError``): refused before any pixel memory is allocated."""
+    """A stored image or mask over twice Pillow's ``MAX_IMAGE_PIXELS``, refused unallocated."""
 
 
 class FileChangedError(TorchSerializedError, OSError):
@@ -73,8 +72,8 @@ class WriteError(TorchSerializedError, OSError):
 
 
 class SourceDataError(TorchSerializedError, ValueError):
-    """The VOC source data given to the packer is missing, malformed or unsafe; or a packed
-    sample is asked for what its source cannot give (a ``tv_tensors`` target without boxes)."""
+    """The VOC source is missing, malformed or unsafe, or a packed sample cannot give what is
+    asked (a ``tv_tensors`` target without boxes)."""
 
 
 class SourceNotFoundError(SourceDataError, FileNotFoundError):
@@ -94,8 +93,7 @@ class RemoteAccessError(RemoteError, PermissionError):
 
 
 class UntypedObjectsWarning(UserWarning):
-    """Samples were packed whose objects lack a box or a name: their dict targets are
-    torchvision's, their ``tv_tensors`` targets raise ``SourceDataError``."""
+    """Packed objects lack a box or name: dict targets work, ``tv_tensors`` ones raise."""
 
 
 class CacheLimitWarning(UserWarning):

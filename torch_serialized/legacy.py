@@ -20,9 +20,7 @@ __all__ = ["Serializer", "SerializedDataset"]
 
 class Serializer:
     """The original design's packer: ``Serializer(source_dir, output_file).serialize()``.
-
-    ``source_dir`` is the ``VOCdevkit/VOC20xx`` folder; ``kwargs`` go to ``pack_voc``.
-    """
+    ``source_dir`` is the ``VOCdevkit/VOC20xx`` folder; ``kwargs`` go to ``pack_voc``."""
 
     def __init__(
         self, source_dir: str | os.PathLike[str], output_file: str | os.PathLike[str], **kwargs: Any
@@ -37,11 +35,8 @@ class Serializer:
 
 
 class SerializedDataset:
-    """Every live packed sample in storage order, as in the original design.
-
-    ``get_sample(i)`` returns ``{"id", "image": HWC uint8 numpy array, "target": dict}``
-    (``target`` is ``{}`` for ids without a parsed annotation).
-    """
+    """Every live packed sample in storage order, as in the original design: ``get_sample(i)``
+    is ``{"id", "image": HWC uint8 array, "target": dict}`` (``{}`` without a parsed annotation)."""
 
     def __init__(
         self,

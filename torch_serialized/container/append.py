@@ -1,9 +1,6 @@
-"""Appending to a shard folder in place: new shards and a new catalog, then a new manifest.
-
-``GrowWriter`` is a ``PackWriter`` over a shard folder (manifest version 2): new records go
-into new shards, the manifest (the commit point) is replaced last, no shard is rewritten and
-the previous catalog is kept, so open readers keep working. One writer at a time (``flock``).
-"""
+"""Appending to a shard folder in place (manifest version 2): new shards, a new catalog, the
+manifest (the commit point) last. No shard is rewritten and the previous catalog is kept, so
+open readers keep working. One writer at a time (``flock``)."""
 
 from __future__ import annotations
 
@@ -50,9 +47,8 @@ def strays(folder: Path, keep: Iterable[str]) -> list[Path]:
 
 
 class GrowWriter(PackWriter):
-    """Adds records to the shard folder ``output`` (``manifest``; ``rows``: its catalog's
-    columns); ``close(metadata)`` writes the new catalog and commits. ``keep``: a previous
-    catalog to leave; ``manifest_sha256``: the manifest read, refused if changed since."""
+    """Adds records to the shard folder ``output``; ``close(metadata)`` commits. ``keep``: a
+    previous catalog to leave; ``manifest_sha256``: the manifest read, refused if changed since."""
 
     def __init__(
         self,
@@ -136,8 +132,7 @@ class GrowWriter(PackWriter):
         self._committed = True
 
     def _commit(self) -> None:
-        """Clean up after the manifest's rename (the commit): a failure is logged, not raised,
-        since the append took effect; the next writer removes leftovers."""
+        """After the commit: a cleanup failure is logged, not raised; the next writer cleans up."""
         new = [s.file for s in self._shards] + [fmt.catalog_file_name(self._token)]
         try:
             self._out.abort()  # its scratch folders

@@ -1,10 +1,6 @@
-"""What the container needs from the operating system: safe opens and atomic output.
-
-Only regular files are read (a FIFO or ``/dev/zero`` would block or never end), up to a cap.
-Output is written under a hidden sibling ``.{name}.tmp-{pid}-{hex}``, fsynced, then renamed
-over the destination (docs/FORMAT.md, "Writing safely"); the next writer removes what killed
-ones left (``clean_stale``). Reads are positional: without ``pread`` (Windows) import fails.
-"""
+"""What the container needs from the OS: regular-file reads under a cap (a FIFO or ``/dev/zero``
+would block or never end), and atomic output: a hidden sibling, fsynced, renamed over the
+destination (docs/FORMAT.md, "Writing safely"). Without ``pread`` (Windows) import fails."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ if not hasattr(os, "pread"):
     )
 
 # -- regular files only ---------------------------------------------------------------------------
-#: The default cap on one source file (``pack_voc(max_file_bytes=...)``): 1 GiB.
-DEFAULT_MAX_FILE_BYTES = 1 << 30
+DEFAULT_MAX_FILE_BYTES = 1 << 30  # pack_voc(max_file_bytes=...)
 
 _FILE_KINDS = {
     stat.S_IFIFO: "a named pipe (FIFO)",
@@ -52,8 +47,7 @@ class FileSizeError(OSError):
 
 
 def open_regular(path: str | os.PathLike[str], what: str) -> int:
-    """A read-only descriptor of the regular file at ``path`` (else ``FileKindError``);
-    ``what`` names its role in messages ("the image")."""
+    """Read-only fd of the regular file ``path`` (else ``FileKindError``); ``what``: its role."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         mode = os.fstat(fd).st_mode
@@ -72,8 +66,7 @@ def open_regular(path: str | os.PathLike[str], what: str) -> int:
 def read_regular_file(
     path: str | os.PathLike[str], max_bytes: int, what: str, *, prefix: bool = False
 ) -> bytes:
-    """The bytes of the regular file at ``path``; beyond ``max_bytes``, ``FileSizeError``
-    (with ``prefix``: its first ``max_bytes``). Never reads more than ``max_bytes + 1``."""
+    """The bytes, reading at most ``max_bytes + 1``; more: ``FileSizeError`` (``prefix``: cut)."""
     return read_regular_file_stat(path, max_bytes, what, prefix=prefix)[0]
 
 
@@ -108,12 +101,10 @@ _TEMPORARY = re.compile(r"\..+\.(?:tmp|old)-\d+-[0-9a-f]{8}", re.S)
 
 
 def temp_sibling(final: Path, kind: str = "tmp") -> Path:
-    """A new hidden name beside ``final``: ``.{name}.{kind}-{pid}-{hex}``."""
     return final.parent / f".{final.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def is_temporary(name: str) -> bool:
-    """Whether ``name`` is a ``temp_sibling`` name."""
     return _TEMPORARY.fullmatch(name) is not None
 
 
@@ -128,7 +119,6 @@ def temporaries(final: Path) -> list[tuple[str, int, Path]]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this machine."""
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
@@ -139,8 +129,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def clean_stale(final: Path) -> None:
-    """Remove the temporaries of ``final`` left by processes that no longer run, first moving
-    back an ``old`` one when ``final`` is missing (a writer killed between two renames)."""
+    """Remove dead writers' temporaries of ``final``, moving back an ``old`` one if it is gone."""
     stale = [
         (kind, entry)
         for kind, pid, entry in temporaries(final)
@@ -157,9 +146,8 @@ def clean_stale(final: Path) -> None:
 
 
 class AtomicOutput:
-    """A hidden temporary file (the caller creates it at ``path``) or folder beside
-    ``final``, renamed over it on ``commit``. The commit holds the appenders' ``flock`` on
-    ``final`` unless ``locked`` (the caller holds it)."""
+    """A hidden temporary file (created by the caller at ``path``) or folder, renamed over
+    ``final`` on ``commit``, under the appenders' ``flock`` unless ``locked`` (caller holds it)."""
 
     def __init__(self, final: Path, *, folder: bool, locked: bool = False) -> None:
         self.final = final
@@ -179,7 +167,7 @@ class AtomicOutput:
         return path
 
     def commit(self) -> None:
-        """Move the (fsynced) temporary over ``final``; the caller fsynced its files."""
+        """Move the temporary over ``final``; the caller fsynced its files."""
         if self.folder:
             fsync_dir(self.path)
         self._remove_scratch()
@@ -214,8 +202,8 @@ class AtomicOutput:
 
 @contextlib.contextmanager
 def _writers_lock(final: Path) -> Iterator[None]:
-    """Hold the ``flock`` an append holds on the pack it grows, if ``final`` exists: a
-    replacement waits for a running append rather than swapping the pack from under it."""
+    """Hold an append's ``flock`` on ``final`` if it exists: a replacement waits for a
+    running append rather than swapping the pack from under it."""
     try:
         fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -255,8 +243,7 @@ def replace_file_at(folder: int | None, name: str, data: bytes | memoryview) -> 
 
 
 def write_synced(path: Path, data: bytes, mode: str = "wb") -> None:
-    """Write ``data`` to a new file at ``path`` and fsync it (``mode``: ``"xb"`` refuses an
-    existing file)."""
+    """Write and fsync a new file (``mode="xb"`` refuses an existing one)."""
     with open(path, mode) as file:
         file.write(data)
         file.flush()
@@ -264,7 +251,6 @@ def write_synced(path: Path, data: bytes, mode: str = "wb") -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make the entries of the folder ``path`` (renames, new files) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -282,13 +268,11 @@ def remove(path: Path) -> None:
 
 
 def out_of_files(exc: OSError) -> bool:
-    """Whether ``exc`` says the descriptor table is full (this process's or the system's)."""
     return exc.errno in (errno.EMFILE, errno.ENFILE)
 
 
 def too_many_files(path: str | os.PathLike[str], exc: OSError) -> OSError:
-    """``exc`` (raised opening or mapping ``path``) if not ``out_of_files``, else an
-    ``OSError`` of its errno that names the file and says what to do."""
+    """``exc`` unless ``out_of_files``; then an ``OSError`` naming ``path`` and what to do."""
     if not out_of_files(exc):
         return exc
     return OSError(

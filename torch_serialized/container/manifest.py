@@ -1,10 +1,6 @@
-"""The shard-folder manifest, and which pack a container belongs to.
-
-A manifest is strict JSON naming the catalog and each shard with its size and ``meta_crc32``,
-protected by ``checksum`` (sha256 of the canonical JSON of every other key); version 1
-(0.1.0) is still read. ``member_of`` tells a file of a shard folder from a pack, which
-writers (never replace one alone) and readers (never open one alone) both ask.
-"""
+"""The shard-folder manifest (strict JSON naming catalog and shards, protected by ``checksum``;
+0.1.0's version 1 still read), and ``member_of``: whether a file belongs to a shard folder, which
+writers (never replace one alone) and readers (never open one alone) both ask."""
 
 from __future__ import annotations
 
@@ -45,8 +41,6 @@ from .spec import (
 
 @dataclass(frozen=True)
 class ShardEntry:
-    """A shard as its manifest names it: file, global records, size and checksum."""
-
     file: str
     first_record: int
     num_records: int
@@ -56,8 +50,6 @@ class ShardEntry:
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """The catalog as its manifest names it: file, size and checksum."""
-
     file: str
     bytes: int
     meta_crc32: int
@@ -65,8 +57,7 @@ class CatalogEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A parsed manifest: version 2 has ``pack_id``, ``catalog`` and ``checksum``, version 1
-    (0.1.0) ``user`` instead and no protection of its own."""
+    """Parsed; version 2 has ``pack_id``, ``catalog``, ``checksum``, version 1 (0.1.0) ``user``."""
 
     version: int
     created_by: str
@@ -83,7 +74,6 @@ class Manifest:
         return [*([self.catalog.file] if self.catalog else []), *(s.file for s in self.shards)]
 
     def files_bytes(self) -> int:
-        """The bytes of every file the manifest names, as it records them."""
         return sum(s.bytes for s in self.shards) + (self.catalog.bytes if self.catalog else 0)
 
     def expect_shard(self, k: int, name: str) -> Expected:
@@ -107,16 +97,14 @@ class Manifest:
 
 
 def canonical_json(value: Any) -> str:
-    """The canonical JSON a manifest's checksum covers (docs/FORMAT.md, "The manifest
-    checksum"): keys sorted, no whitespace, non-ASCII unescaped, no NaN or Infinity."""
+    """The JSON a manifest's checksum covers (docs/FORMAT.md, "The manifest checksum")."""
     return json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
     )
 
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
-    """``"sha256:<hex>"`` of the canonical JSON (``canonical_json``) of every key of
-    ``manifest`` but ``checksum``, in UTF-8."""
+    """``"sha256:<hex>"`` of the UTF-8 ``canonical_json`` of every key but ``checksum``."""
     body = {key: value for key, value in manifest.items() if key != "checksum"}
     return "sha256:" + hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
 
@@ -146,8 +134,7 @@ def build_manifest(
 
 
 def parse_manifest(data: bytes, path: str) -> Manifest:
-    """Validate a manifest's bytes (version 1 or 2); return it (``UnsupportedVersionError``
-    for a newer version, else ``CorruptFileError``)."""
+    """The valid manifest: ``UnsupportedVersionError`` if newer, else ``CorruptFileError``."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise damaged(path, f"{len(data)} bytes is larger than a manifest may be")
     raw = loads_json(data, path, "manifest")
@@ -215,7 +202,6 @@ def _plain_name(name: Any) -> TypeGuard[str]:
 
 
 def _file_entry(entry: Any, what: str, path: str) -> tuple[str, int, int]:
-    """The file, bytes and meta_crc32 of a manifest's ``what`` entry."""
     if isinstance(entry, dict):
         name, size, crc = entry.get("file"), entry.get("bytes"), entry.get("meta_crc32")
         smallest = HEADER_SIZE + FOOTER_SIZE
@@ -225,14 +211,12 @@ def _file_entry(entry: Any, what: str, path: str) -> tuple[str, int, int]:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """The parsed and checked manifest at ``path`` (a local ``manifest.json``)."""
     data = read_regular_file(path, MAX_MANIFEST_BYTES, "the manifest")
     return parse_manifest(data, os.fspath(path))
 
 
 def read_binding(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The checked ``pack`` metadata of the container at ``path``; None when it has none or
-    is no readable container."""
+    """The ``pack`` metadata of the container at ``path``; None if none or unreadable."""
     try:
         fd = open_regular(path, "the file")
         try:
@@ -250,14 +234,12 @@ class Member:
     """A shard or catalog file of a shard folder: part of a pack, never a pack by itself."""
 
     role: str  # ``spec.ROLE_SHARD`` or ``spec.ROLE_CATALOG``
-    #: the shard folder to pass instead; None when the file is not in it (copied out)
-    folder: str | None
+    folder: str | None  # the shard folder to pass instead; None when not in it (copied out)
     index: int | None = None  # a shard's number from 0 (None for a catalog)
-    #: the shards of the folder's manifest, which names this file; None when it does not
-    num_shards: int | None = None
+    num_shards: int | None = None  # of the manifest naming this file; None when none does
 
     def __str__(self) -> str:
-        """What the file is: ``shard 2 of 3 of the pack at data/voc``..."""
+        """E.g. ``shard 2 of 3 of the pack at data/voc``."""
         shard = self.role == ROLE_SHARD
         number = f"shard {self.index + 1}" if shard and self.index is not None else "a shard"
         if self.folder is None:
@@ -278,8 +260,8 @@ class Member:
 
 
 def member_of(path: str | os.PathLike[str], binding: Mapping[str, Any] | None) -> Member | None:
-    """What ``path`` is when it is a file of a shard folder rather than a pack: named by the
-    manifest beside it, or a shard or catalog by its ``binding`` (for a URL, by its binding)."""
+    """What ``path`` is if it is a shard folder's file, not a pack: named by the manifest
+    beside it, else a shard or catalog by its ``binding`` (the only way for a URL)."""
     binding = binding or {}
     role = binding["role"] if binding.get("role") in (ROLE_SHARD, ROLE_CATALOG) else None
     index = binding.get("index") if role == ROLE_SHARD else None
@@ -309,18 +291,17 @@ class Expected:
     meta_crc32: int
     num_records: int
     fields: tuple[str, ...]
-    #: the binding its metadata must hold; None (manifest version 1): none (0.1.0 wrote none)
-    pack: dict[str, Any] | None
+    pack: dict[str, Any] | None  # the binding it must hold; None for version 1 (0.1.0)
     what: str  # its place in the pack, named in errors: "shard 3", "the catalog"
     first_record: int = 0  # the pack's number of its first record
 
     @property
     def member(self) -> str:
-        """What the file is, for messages: ``shard 3 named by data/voc/manifest.json``."""
+        """For messages: ``shard 3 named by data/voc/manifest.json``."""
         return f"{self.what} named by {self.manifest}"
 
     def mismatch(self, path: str, what: str) -> CorruptFileError:
-        """The error for the file at ``path`` differing from its entry (``what``)."""
+        """The error for the file at ``path`` differing from its manifest entry."""
         return CorruptFileError(
             f"{path} does not match {self.manifest}: {what}. A shard was swapped, renamed, "
             "copied from another pack or damaged; copy the pack again or re-pack it"
@@ -329,7 +310,6 @@ class Expected:
     def check(
         self, path: str, fields: Sequence[str], num_records: int, pack: dict[str, Any] | None
     ) -> None:
-        """Check the fields, records and binding the container at ``path`` holds."""
         if tuple(fields) != self.fields:
             raise self.mismatch(path, "its fields differ from the manifest's")
         if num_records != self.num_records:

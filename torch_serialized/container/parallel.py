@@ -1,11 +1,6 @@
-"""Writing a pack with several processes: records laid out apart, placed, then copied in.
-
-Pack processes lay each chunk's records out in scratch files exactly as the output holds them
-(``spill_chunk``); the writing process fills in the one field only it can compute, ``reserve``s
-each record and copies it in (``copy_file_range``). The output is byte-identical to a
-one-process pack; at most ``2 * processes`` chunks are in flight.
-Never imports torch.
-"""
+"""Writing a pack with several processes: pack processes lay out each chunk's records in scratch
+files as the output holds them; the writing process fills in the one field only it can compute
+and copies each in (``copy_file_range``): byte-identical to a one-process pack. No torch."""
 
 from __future__ import annotations
 
@@ -31,10 +26,8 @@ from .writer import ContainerWriter, Payload
 __all__ = ["Record", "Spilled", "SpillPool", "pays_off", "copy_range"]
 
 _J = TypeVar("_J")
-#: Most jobs one task takes: large enough to amortise a task, small enough that scratch
-#: space and the work lost to an error stay small.
-_CHUNK = 64
-#: ``copy_file_range`` errors that mean "not here" (cross-device, unsupported): copy by hand.
+_CHUNK = 64  #: jobs per task: amortises a task; keeps scratch and error losses small
+#: ``copy_file_range`` errors meaning "not here" (cross-device, unsupported): copy by hand.
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
@@ -44,8 +37,8 @@ def pays_off(num_jobs: int, processes: int) -> bool:
 
 
 def check_spawnable(processes: int) -> None:
-    """Refuse, before any work, pack processes ``spawn`` cannot start: a ``__main__`` read
-    from standard input has no file to run again in each child (which fails without a word)."""
+    """Refuse up front what ``spawn`` cannot start: a ``__main__`` read from standard input
+    has no file to run again in each child (which fails without a word)."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if getattr(getattr(main, "__spec__", None), "name", None) or not isinstance(path, str):
@@ -61,8 +54,7 @@ def check_spawnable(processes: int) -> None:
 
 @dataclass(frozen=True)
 class Record:
-    """A loader's record: its payloads (one per field; one the writing process fills in later
-    as zero bytes of its final size) and ``info`` for the writing process."""
+    """A loader's record: ``payloads`` (one to fill in later, zeros now) and ``info``."""
 
     payloads: Sequence[Payload]
     info: Any
@@ -85,8 +77,7 @@ class Spilled:
 
 
 class SpillPool(Generic[_J]):
-    """Pack processes that load ``jobs`` with ``load`` (picklable: it runs in a spawned
-    process) and lay out their records; a result that is no ``Record`` is passed through."""
+    """Spawned pack processes running ``load`` on ``jobs``; a non-``Record`` result is passed on."""
 
     def __init__(
         self,
@@ -182,8 +173,7 @@ def spill_chunk(
 
 
 def copy_range(source: int, offset: int, target: int, at: int, length: int) -> None:
-    """Copy ``length`` bytes of descriptor ``source`` from ``offset`` to ``target`` at ``at``:
-    ``copy_file_range`` where the file system allows it, else pread/pwrite."""
+    """Copy ``length`` bytes between descriptors: ``copy_file_range``, else pread/pwrite."""
     copy = getattr(os, "copy_file_range", None)
     done = 0
     while done < length:

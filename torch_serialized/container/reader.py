@@ -1,10 +1,7 @@
-"""One container file: validated once at open, then O(1) zero-copy record access.
-
-The map belongs to the process that made it (``_Mapped``): it is dropped when the reader is
-pickled and made again on first use in another process (a fork), after checking that the
-path still holds the file validated. Reads go through the descriptor the map was made from,
-never the path, so a replaced path never mixes two files. Never imports torch.
-"""
+"""One container file: validated once at open, then O(1) zero-copy record access. A map belongs
+to the process that made it: never pickled, made again in another process once the path still
+holds the file validated. Reads use the mapped descriptor, never the path, so a replaced path
+never mixes two files. Never imports torch."""
 
 from __future__ import annotations
 
@@ -32,13 +29,11 @@ __all__ = ["ContainerReader"]
 
 #: ``mmap`` keeps no duplicate descriptor (Python >= 3.13).
 _MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-#: Largest ``POSIX_FADV_WILLNEED`` request: Linux drops what is beyond the device's read-ahead.
-HINT_CHUNK = 1 << 20
+HINT_CHUNK = 1 << 20  #: largest WILLNEED hint: Linux drops what is past the read-ahead
 
 
 class _Mapped:
-    """One process's map of a container, its index columns and arrays, and the descriptor it
-    was made from (closed with this object). Never pickled, never shared."""
+    """One process's map, its index and arrays, and the descriptor it owns. Never shared."""
 
     def __init__(
         self, fd: int, mm: mmap.mmap, index: np.ndarray, arrays: dict[str, np.ndarray]
@@ -51,10 +46,9 @@ class _Mapped:
 
 
 class ContainerReader:
-    """One ``.tser`` container file, validated at open (docs/FORMAT.md, "Truncation and
-    damage detection"). ``expect`` (a manifest's shard or catalog) adds its "Integrity rules"
-    and names the manifest in errors. ``checked=True`` recomputes each field's CRC32 on every
-    read (``ChecksumError``; slower, for untrusted storage)."""
+    """One ``.tser`` file, validated at open (docs/FORMAT.md, "Truncation and damage
+    detection"). ``expect`` (a manifest's entry) adds its "Integrity rules"; ``checked=True``
+    recomputes each field's CRC32 on every read (``ChecksumError``; for untrusted storage)."""
 
     def __init__(
         self,
@@ -108,8 +102,7 @@ class ContainerReader:
             raise fileio.too_many_files(self.path, exc) from None
 
     def _read_arrays(self, fd: int, *, check: bool) -> _Mapped:
-        """Map the file and view its index and arrays (with ``check``, at open: checking their
-        CRC32s and the index). The map returned owns ``fd``; on an error the caller does."""
+        """Map and view index and arrays (``check``: CRCs, index); the map then owns ``fd``."""
         try:
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ, **_MMAP_OPTIONS)
         except OSError as exc:  # mmap's duplicate descriptor: an error naming no file
@@ -177,8 +170,7 @@ class ContainerReader:
         return (size, footer["meta_crc32"]) == (self.size, self.meta_crc32)
 
     def close(self) -> None:
-        """Drop this process's map; the next access maps the file again (``FileChangedError``
-        if it is no longer the one validated). Views handed out keep the map alive."""
+        """Drop this process's map (views handed out keep it); the next access maps anew."""
         self._local = None
 
     @property
@@ -187,11 +179,10 @@ class ContainerReader:
         return None if self._local is None else self._local.pid
 
     def reopen(self) -> None:
-        """Map the file in this process now rather than on first read (idempotent)."""
+        """Map the file now rather than on first read."""
         self._mapped()
 
     def __getstate__(self) -> dict[str, Any]:
-        """The map never crosses a process boundary."""
         return {**self.__dict__, "_local": None}
 
     # -- access --------------------------------------------------------------------------
@@ -203,8 +194,7 @@ class ContainerReader:
         return self.record(i, (k,))[0]
 
     def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
-        """Views of ``fields`` of record ``i`` (map-style ``__getitem__``; no read hint: the
-        kernel's read-around on the fault reads as much)."""
+        """Views of ``fields`` of record ``i``; no read hint: the fault's read-around suffices."""
         if not 0 <= i < self.num_records:  # a scalar path: views() costs 10 us more a sample
             raise IndexError(f"record {i} out of range for {self.num_records} records")
         local = self._mapped()
@@ -242,8 +232,7 @@ class ContainerReader:
     def _check_crcs(
         self, local: _Mapped, rows: Sequence[int], data: Sequence[Sequence[Any]], fields: Any
     ) -> None:
-        """``ChecksumError`` unless field ``fields[n]`` of record ``rows[j]``, ``data[j][n]``,
-        matches its CRC32, naming the pack's record number."""
+        """``ChecksumError`` naming the pack's record unless each ``data`` view matches its CRC."""
         for r, row in zip(rows, data):
             for k, value in zip(fields, row):
                 if fmt.crc32(memoryview(value)) != int(local.crcs[r, k]):
@@ -271,12 +260,10 @@ class ContainerReader:
         return self._mapped().lengths
 
     def is_per_record(self, name: str) -> bool:
-        """Whether array ``name`` has a row per record."""
         return bool(self.meta["arrays"][name].get("per_record"))
 
     @property
     def user(self) -> dict[str, Any]:
-        """The writer's metadata object."""
         return self.meta["user"]
 
     def verify(self) -> list[int]:
@@ -295,14 +282,12 @@ class ContainerReader:
     def read_records(
         self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
     ) -> list[list[np.ndarray]]:
-        """Private uint8 copies of ``fields`` of ``records``, for a stream that must not keep
-        maps alive (a view holds its shard's map after the shard is closed)."""
+        """uint8 copies, for streams: a view would keep its shard's map alive after close."""
         return [[np.array(v, dtype=np.uint8) for v in row] for row in self.views(records, fields)]
 
     def prefetch(self, records: Sequence[int] | np.ndarray) -> None:
-        """Hint the span of ``records`` (neighbours) to the page cache (``WILLNEED``) so a
-        stream's next reads overlap this block's use; skipped when the span's last byte is
-        cached (a warm epoch: the hint would walk the page cache for nothing, ~5% of it)."""
+        """``WILLNEED``-hint the span of ``records`` so a stream's next reads overlap this block's
+        use; skipped when its last byte is cached (a warm epoch: the hint costs ~5% for nothing)."""
         if not len(records) or not hasattr(os, "posix_fadvise"):
             return
         local, wanted = self._mapped(), np.asarray(records, dtype=np.int64)
@@ -315,8 +300,7 @@ class ContainerReader:
 
 
 def _cached(fd: int, offset: int) -> bool:
-    """Whether the byte at ``offset`` is in the page cache, asked without waiting for the disk
-    (``preadv`` with ``RWF_NOWAIT``); False where the system cannot tell."""
+    """Whether byte ``offset`` is page-cached (``RWF_NOWAIT`` read); False if it cannot tell."""
     flag = getattr(os, "RWF_NOWAIT", None)
     if flag is None:
         return False

@@ -1,8 +1,5 @@
-"""Records -> a pack: one container file, or a folder of shards plus a manifest.
-
-Output is atomic (``fileio.AtomicOutput``): a failure leaves the destination as it was. Only
-a pack this package wrote is ever replaced (``replace_refusal``). Never imports torch.
-"""
+"""Records -> a pack: one container file, or a folder of shards plus a manifest. Output is atomic;
+only a pack this package wrote is ever replaced (``replace_refusal``). Never imports torch."""
 
 from __future__ import annotations
 
@@ -43,12 +40,8 @@ def check_output_name(output: str | os.PathLike[str]) -> None:
 
 
 def replace_refusal(path: Path) -> str | None:
-    """Why ``path`` may not be replaced by a new pack (what to do instead), or ``None``.
-
-    Only a pack this package wrote may be: a file with a valid header that is no member of a
-    shard folder, or a folder whose manifest checks and that holds only its files, earlier
-    generations' members and our temporaries. Anything else might be someone's data.
-    """
+    """Why ``path`` may not be replaced by a new pack (what to do instead), or ``None``: only
+    a valid pack we wrote may be, not a shard folder's member or a folder holding other files."""
     reason = _not_a_pack(path)
     if reason is not None:
         return (
@@ -95,11 +88,9 @@ def _not_a_pack(path: Path) -> str | None:
 
 class PackWriter:
     """Writes records to ``output``: one file, or with ``max_records_per_shard``,
-    ``max_shard_bytes`` or ``shard_ends`` (record counts after which a shard ends) a folder of
-    shards, a catalog and ``manifest.json``. As a context manager, an exception removes all
-    temporary output. ``before_finish`` runs before each file is finished (``reserve``d bytes
-    are copied in by then). ``pack_id`` and the file-name ``token`` are random unless given.
-    ``locked``: the caller holds the appenders' ``flock`` on ``output``."""
+    ``max_shard_bytes`` or ``shard_ends`` (record counts ending a shard) a shard folder. As a
+    context manager, an exception removes all temporary output. ``before_finish`` runs before each
+    file is finished (``reserve``d bytes copied in by then); ``locked``: caller holds the lock."""
 
     def __init__(
         self,
@@ -163,7 +154,6 @@ class PackWriter:
         self._out = AtomicOutput(self.output, folder=self.sharded, locked=self._locked)
 
     def _member_path(self, name: str) -> Path:
-        """Where the shard folder's file ``name`` is written."""
         return self._out.path / name
 
     def _commit(self) -> None:
@@ -181,8 +171,7 @@ class PackWriter:
     def reserve(
         self, entries: np.ndarray, row: tuple[Any, ...] | None = None
     ) -> tuple[int, Path, int]:
-        """Leave room for a record laid out elsewhere (``ContainerWriter.reserve``); return its
-        global index and the file and offset its bytes go to before ``before_finish``."""
+        """Room for a record laid out elsewhere: its index, and file and offset to copy it to."""
         sizes = entries["length"].tolist()
         placed: list[int] = []
         index = self._append(sizes, lambda writer: placed.append(writer.reserve(entries, row)[1]))
@@ -269,8 +258,7 @@ class PackWriter:
         self._file = None
 
     def _write_catalog(self, user: Mapping[str, Any]) -> CatalogEntry:
-        """The catalog: a container without records holding the metadata, the dataset-level
-        arrays and every record's columns (``records``)."""
+        """A container without records: metadata, dataset arrays and every record's columns."""
         name = fmt.catalog_file_name(self._token)
         with open(self._member_path(name), "wb", buffering=1 << 20) as file:
             writer = ContainerWriter(file, self._fields, alignment=self._alignment)
@@ -351,11 +339,9 @@ class PackWriter:
         )
 
     def __enter__(self) -> PackWriter:
-        """The writer."""
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """Close, or abort on an exception."""
         if self._closed:
             return
         if exc_type is not None:

@@ -1,5 +1,4 @@
-"""Records -> one container file, front to back in one pass (the mirror of ``reader``).
-Never imports torch."""
+"""Records -> one container file, in one pass (the mirror of ``reader``). No torch."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from . import spec as fmt
 
 __all__ = ["ContainerWriter", "Payload", "CREATED_BY", "check_options"]
 
-#: The ``created_by`` of every container and manifest written here.
 CREATED_BY = f"torch_serialized {__version__}"
 
 Payload = bytes | bytearray | memoryview
@@ -34,8 +32,7 @@ def check_options(fields: Sequence[str], alignment: int, columns: np.dtype | Non
 
 
 class ContainerWriter:
-    """Streams records into one open binary file the caller owns, in the container format.
-    ``columns``: a structured dtype, one row of it per record (the array ``"records"``)."""
+    """Streams records into a binary file the caller owns; ``columns``: a row per record."""
 
     def __init__(
         self,
@@ -96,10 +93,9 @@ class ContainerWriter:
         return self._index[i].copy()
 
     def reserve(self, entries: np.ndarray, row: tuple[Any, ...] | None = None) -> tuple[int, int]:
-        """Leave room for a record laid out as ``entries`` (its index row in a file of the same
-        fields and alignment) describe; return ``(index, offset)``. The caller copies its bytes
-        to ``offset`` before ``finish``; the padding hole reads as zeros, so the file is
-        byte-identical to one written with ``add``."""
+        """Room for a record laid out as ``entries`` (its index row in a file of the same
+        fields and alignment): ``(index, offset)``. The caller copies its bytes to ``offset`` before
+        ``finish``; the hole reads as zeros: byte-identical to a file written by ``add``."""
         # Python ints, not numpy: an append reserves every kept record, one call each
         offsets, lengths = entries["offset"].tolist(), entries["length"].tolist()
         ends = [o + n for o, n in zip(offsets, lengths)]
@@ -121,7 +117,6 @@ class ContainerWriter:
         return i, start
 
     def _grow(self) -> int:
-        """The next record's number, with room for its index entry and row."""
         i = self.num_records
         if i == len(self._index):
             self._index = np.concatenate([self._index, np.zeros_like(self._index)])
@@ -144,8 +139,7 @@ class ContainerWriter:
         return self._rows[: self.num_records].copy()
 
     def finish(self, user: Mapping[str, Any], *, pack: Mapping[str, Any] | None = None) -> int:
-        """Write index, arrays, metadata and footer; return the file size. ``pack`` is the
-        file's binding to its pack (``spec.binding``)."""
+        """Write index, arrays, metadata and footer; return the file size. ``pack``: its binding."""
         arrays: dict[str, tuple[np.ndarray, bool]] = {}
         if self._rows is not None:
             arrays["records"] = (self._rows[: self.num_records], True)

@@ -1,9 +1,6 @@
 """Bytes of a packed VOC record -> what a dataset returns: image, target dict or tensors, mask.
-
-One ``SampleDecoder`` serves the map-style and iterable datasets; it never reads the pack. It
-checks per record only what cannot be checked at open: the pixel limit before allocating,
-bytes that do not decode, class ids outside the label list, boxes for ``tv_tensors``.
-"""
+``SampleDecoder`` serves both dataset kinds, never reads the pack, and checks per record only
+what open cannot: pixel limit, undecodable bytes, class ids outside the label list."""
 
 from __future__ import annotations
 
@@ -28,29 +25,25 @@ from ..voc.xml import extract_objects
 
 __all__ = ["Decode", "TargetFormat", "Classes", "SampleDecoder", "label_names"]
 
-#: ``"pil"``: a PIL RGB image, exactly torchvision's. ``"tensor"``: a uint8 CHW tensor
-#: decoded by ``torchvision.io.decode_jpeg`` (PIL for non-JPEG bytes); skips PIL conversions.
-#: ``"none"``: the stored bytes as a 1-D uint8 tensor, for decoding later (e.g. on the GPU).
+#: ``"pil"``: torchvision's PIL RGB image. ``"tensor"``: uint8 CHW via ``decode_jpeg`` (PIL for
+#: non-JPEG). ``"none"``: the stored bytes as a 1-D uint8 tensor, to decode later (on the GPU).
 Decode = Literal["pil", "tensor", "none"]
-#: ``"dict"``: torchvision's parsed XML dict. ``"tv_tensors"``: ``{"boxes": BoundingBoxes
-#: (XYXY, float32), "labels": int64, "difficult": bool}`` built from stored arrays, no parsing.
+#: ``"dict"``: torchvision's XML dict. ``"tv_tensors"``: ``{"boxes": BoundingBoxes (XYXY),
+#: "labels": int64, "difficult": bool}`` from stored arrays, no parsing.
 TargetFormat = Literal["dict", "tv_tensors"]
-#: Label names for ``"tv_tensors"`` targets (label = position in the list). ``None``:
-#: ``"__background__"``, then VOC's 20 classes (as torchvision's wrapper) if the pack has only
-#: those, else the pack's classes in first-seen order. ``"packed"``: ``"__background__"``,
-#: then the pack's classes sorted (0.1.0's labels). A sequence: exactly those names. Appends
-#: keep a pack's list and add new classes after it.
+#: ``"tv_tensors"`` label names (label = position). ``None``: ``"__background__"``, then VOC's
+#: 20 if the pack has only those, else the pack's in first-seen order. ``"packed"``: background,
+#: then sorted (0.1.0). A sequence: those names. Appends add new classes after the list.
 Classes = Literal["packed"] | Sequence[str] | None
-#: Bytes of one record field: a read-only view into the map, or a private array.
 Buffer = memoryview | np.ndarray | bytes
 
-#: torchvision >= 0.29 warns on every ``decode_jpeg`` call (moving to TorchCodec); the call is
-#: our choice, not the user's, so that one warning is silenced around it (``-W error`` safe).
+#: torchvision >= 0.29 warns on each ``decode_jpeg`` (TorchCodec); our call, not the user's:
+#: silenced around it (``-W error`` safe).
 _TV_DECODE_DEPRECATED = r"The image decoding and encoding capabilities of TorchVision"
 
 
 def label_names(pack: VOCPackReader, classes: Classes) -> list[str]:
-    """The label name list that ``classes`` stands for (see ``Classes``)."""
+    """The label names ``classes`` stands for (see ``Classes``)."""
     base = pack.meta.get("label_base")
     if classes is None:
         return ["__background__", *label_classes("default", pack.classes, base)]
@@ -65,8 +58,7 @@ def label_names(pack: VOCPackReader, classes: Classes) -> list[str]:
 
 
 class SampleDecoder:
-    """Decodes the fields of records of one pack, for one image set (keeps what decoding
-    needs from the pack and how to name a record in an error, not the pack itself)."""
+    """Decodes one pack's records for one image set (holds what it needs, not the pack)."""
 
     def __init__(
         self,
@@ -89,14 +81,11 @@ class SampleDecoder:
         self._where, self._field, self._id = pack.where, pack.field, pack.id  # for errors only
         self.label_names = label_names(pack, classes)
         position = {name: i for i, name in enumerate(self.label_names)}
-        #: label of each pack class id, -1 outside the label list; the last -1 is for ids
-        #: past the pack's classes
+        #: label of each pack class id, -1 outside the label list
         self._labels = np.array([position.get(n, -1) for n in pack.classes], np.int64)
         self._unknown = bool((self._labels < 0).any())  # classes the label list leaves out
         columns = pack.columns
-        #: records whose objects were packed without boxes (``schema.UNTYPED_OBJECTS``)
         self._untyped = (columns["flags"] & schema.UNTYPED_OBJECTS) != 0
-        #: (height, width) of every stored image
         self._sizes = np.stack([columns["height"], columns["width"]], axis=1).astype(np.int64)
         split_key = f"{task}/{image_set}"
         if target_format == "tv_tensors" and image_set is not None:
@@ -110,15 +99,14 @@ class SampleDecoder:
 
     @property
     def target_field(self) -> int:
-        """The record field ``target`` decodes: the mask, the JSON dict or the object rows."""
+        """The field ``target`` decodes: the mask, the JSON dict or the object rows."""
         if self.task == "Segmentation":
             return schema.MASK
         return schema.TARGET if self.target_format == "dict" else schema.OBJECTS
 
     def decoded_nbytes(self, records: Sequence[int]) -> list[int] | None:
-        """Each record's decoded image size in bytes where the pack's columns give it
-        (``decode="tensor"`` of JPEGs: 3 x height x width; not past the pixel limit, which
-        decoding checks first), else None (``workers.SharedBlock``)."""
+        """Decoded image bytes per record where the columns tell (``decode="tensor"`` JPEGs
+        within the pixel limit: 3 x h x w), else None (``workers.SharedBlock``)."""
         if self.decode != "tensor" or self.raw:
             return None
         pixels = [h * w for h, w in self._sizes[np.asarray(records, dtype=np.int64)].tolist()]
@@ -127,13 +115,12 @@ class SampleDecoder:
 
     @property
     def stored_bytes(self) -> bool:
-        """Whether images are tensors of the stored bytes (``decode="none"``, raw pixels as
-        tensors): what ``image(view=True)`` returns as views of the map."""
+        """Whether images are tensors of stored bytes (map views with ``image(view=True)``)."""
         return self.decode == "none" or (self.raw and self.decode == "tensor")
 
     def image(self, record: int, data: Buffer, *, view: bool = False) -> Any:
-        """The image of ``record`` from its ``schema.IMAGE`` field; ``view``: stored bytes as
-        read-only views of the map, for a caller that copies them (``share_batch``)."""
+        """The image from its ``IMAGE`` field; ``view``: stored bytes as read-only views of the
+        map, for a caller that copies them (``share_batch``)."""
         if self.raw:
             return self._raw_image(record, data, view)
         if self.decode == "pil":
@@ -160,8 +147,7 @@ class SampleDecoder:
             check_pixels(size, self._where(record), ImageTooLargeError)
 
     def _pil(self, record: int, data: Buffer, what: str) -> Image.Image:
-        """``data`` decoded by PIL, its errors raised as ours: the image in RGB as torchvision's
-        loader makes it, or the mask as PIL opens it."""
+        """``data`` decoded by PIL (images as RGB, masks as opened), errors raised as ours."""
         try:
             image = Image.open(io.BytesIO(_view(data)))
             if what == "image":
@@ -181,7 +167,6 @@ class SampleDecoder:
             ) from exc
 
     def _raw_image(self, record: int, data: Buffer, view: bool) -> Any:
-        """Raw stored pixels as ``decode`` asks."""
         height, width = self._sizes[record].tolist()
         self._check_pixels(record, (width, height))
         if len(data) != width * height * 3:
@@ -198,8 +183,8 @@ class SampleDecoder:
         return pixels.view(height, width, 3).permute(2, 0, 1)
 
     def _tensor(self, data: Buffer, view: bool) -> torch.Tensor:
-        """Stored bytes as a 1-D uint8 tensor: a copy, or with ``zero_copy`` or ``view`` a
-        read-only view of the map (torch's warning about that is silenced: documented)."""
+        """Stored bytes as a uint8 tensor: a copy, or (``zero_copy``, ``view``) a read-only
+        view of the map (torch's warning about that silenced: documented)."""
         if not (view or self.zero_copy) or isinstance(data, np.ndarray) or not len(data):
             return _owned_tensor(data)
         with warnings.catch_warnings():
@@ -207,14 +192,12 @@ class SampleDecoder:
             return torch.frombuffer(data, dtype=torch.uint8)
 
     def target(self, record: int, data: Buffer) -> Any:
-        """The target of ``record`` from ``data``, its ``target_field``."""
         if self.task == "Segmentation":
             return self.mask(record, data)
         if self.target_format == "dict":
             return self._dict_target(record, data)
         if self._untyped[record]:
             raise self._no_rows(record)
-        # the length of the rows was checked at open
         objects = np.frombuffer(data, dtype=schema.OBJECT_DTYPE)
         try:  # unsigned: -1 must fail the lookup, not wrap to the last class
             labels: np.ndarray | None = self._labels[objects["class_id"].view(np.uint32)]
@@ -238,7 +221,7 @@ class SampleDecoder:
         }
 
     def _dict_target(self, record: int, data: Buffer) -> dict[str, Any]:
-        """The stored target JSON as torchvision's dict (a fresh one per call)."""
+        """The stored JSON as torchvision's dict (fresh per call)."""
         try:
             target: Any = schema.decode_target(_view(data))
             found = "" if type(target) is dict else "not a JSON object"
@@ -252,8 +235,7 @@ class SampleDecoder:
         return target
 
     def _no_rows(self, record: int) -> SourceDataError:
-        """The error for a ``tv_tensors`` target of objects packed without boxes, with the
-        packer's reason found again in the stored dict."""
+        """The error for ``tv_tensors`` of objects packed without boxes, with the reason."""
         source = f"Annotations/{self._id(record)}.xml"
         try:
             stored = self._dict_target(record, self._field(record, schema.TARGET))
@@ -270,7 +252,7 @@ class SampleDecoder:
         )
 
     def mask(self, record: int, data: Buffer) -> Image.Image:
-        """A SegmentationClass mask (its ``schema.MASK`` field) as PIL opens it: mode P."""
+        """A SegmentationClass mask as PIL opens it: mode P."""
         return self._pil(record, data, "mask")
 
 
@@ -279,7 +261,7 @@ def _view(data: Buffer) -> memoryview | bytes:
 
 
 def _owned_tensor(data: Buffer) -> torch.Tensor:
-    """A 1-D uint8 tensor of ``data`` owning its memory (copies only read-only views)."""
+    """A uint8 tensor owning its memory (copies only read-only views)."""
     if isinstance(data, np.ndarray) and data.flags.writeable:
         return torch.from_numpy(data)
     if not len(data):

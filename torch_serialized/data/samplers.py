@@ -1,7 +1,5 @@
-"""A sampler for map-style datasets on a cold disk: shuffled, but reading mostly in order
-(blocks of neighbouring indices shuffled, then indices within windows of a few blocks, so
-the kernel's read-ahead serves most reads where a full permutation seeks for each).
-"""
+"""A sampler for map-style datasets on a cold disk: shuffled, but reading mostly in order, so
+the kernel's read-ahead serves most reads where a full permutation seeks for each."""
 
 from __future__ import annotations
 
@@ -19,8 +17,8 @@ __all__ = ["BlockShuffleSampler", "block_shuffle"]
 
 
 def block_shuffle(n: int, block_size: int, window: int, rng: np.random.Generator) -> np.ndarray:
-    """A permutation of ``0..n-1``: blocks of ``block_size`` in random order, then the indices
-    of each run of ``window`` consecutive (shuffled) blocks shuffled together."""
+    """A permutation of ``0..n-1``: blocks in random order, then each run of ``window``
+    blocks shuffled together."""
     bounds = np.append(np.arange(0, n, block_size), n)
     order = rng.permutation(len(bounds) - 1)
     blocks = [np.arange(bounds[b], bounds[b + 1]) for b in order]
@@ -34,16 +32,13 @@ class BlockShuffleSampler(Sampler[int], Resumable):
     Args:
         data_source_or_length: the dataset (anything with ``len``) or its length.
         block_size: neighbouring indices kept together (one sequential read each).
-        window: blocks whose indices are mixed together: ``window * block_size`` indices
-            are in flight at once, and two indices of one block land within that distance.
-        seed, shuffle: the order is seeded by ``(seed, epoch)``; without ``shuffle`` the
-            indices come in order (ranks still split them).
-        rank, world_size, drop_last: as ``DistributedSampler`` (default torch.distributed's
-            rank and world size); each rank takes its own contiguous slice of the same order.
+        window: blocks mixed together: ``window * block_size`` indices are in flight at once.
+        seed, shuffle: order seeded by ``(seed, epoch)``; without ``shuffle``, in order.
+        rank, world_size, drop_last: as ``DistributedSampler`` (default: torch.distributed's);
+            each rank takes a contiguous slice of the same order.
 
-    Call ``set_epoch`` before each epoch. ``state_dict`` / ``load_state_dict`` follow
-    torchdata's ``StatefulDataLoader``; a resume on a pack re-packed since is refused.
-    """
+    Call ``set_epoch`` before each epoch. ``state_dict`` / ``load_state_dict`` follow torchdata's
+    ``StatefulDataLoader``; a resume on a pack re-packed since is refused."""
 
     _KIND = "BlockShuffleSampler"
     _HINT = "sampler arguments, dataset length, rank and world size"

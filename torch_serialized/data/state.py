@@ -1,8 +1,6 @@
-"""Resume state for torchdata's ``StatefulDataLoader`` (its ``Stateful`` protocol declared
-again, so torchdata stays optional): ``Resumable``, shared by the iterable dataset and
-``BlockShuffleSampler``. A state is a flat JSON-compatible dict: where the epoch stopped,
-and the settings and topology that fix the order, checked on resume.
-"""
+"""Resume state for torchdata's ``StatefulDataLoader`` (its protocol redeclared, so torchdata
+stays optional). A state is a flat JSON-compatible dict: where the epoch stopped, and the
+settings and topology that fix the order, checked on resume."""
 
 from __future__ import annotations
 
@@ -23,20 +21,14 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any], /) -> None: ...
 
 
-#: Version of the states; a state of another version is refused.
 STATE_VERSION = 1
 VERSION = "version"
-#: The epoch being read, and the samples this worker yielded in it.
 EPOCH = "epoch"
 YIELDED = "yielded"
-#: The samples the state was saved on: the pack's id (new at every full pack, kept by
-#: ``append_voc``) and a digest of the image set's record numbers (absent: unchecked).
-PACK = "pack"
-#: Where the state was saved (``Topology``'s fields) and the settings that fix the order.
+PACK = "pack"  #: samples saved on: pack id (kept by appends), record digest
 TOPOLOGY_KEYS = ("rank", "world_size", "worker", "num_workers")
 ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "shuffle_buffer")
-#: Which class saved a state (``BlockShuffleSampler``'s states carry it), and its keys.
-KIND = "kind"
+KIND = "kind"  #: which class saved a state (``BlockShuffleSampler``'s carry it)
 SAMPLER_TOPOLOGY_KEYS = ("rank", "world_size")
 SAMPLER_ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "window")
 
@@ -44,8 +36,7 @@ T = TypeVar("T")
 
 
 def samples_identity(dataset: Any) -> str | None:
-    """``PACK`` of a torch_serialized dataset: its pack's id and a CRC of its image set's
-    record numbers; None for any other dataset (nothing to check)."""
+    """``PACK`` of a torch_serialized dataset (pack id, CRC of its record numbers), else None."""
     reader = getattr(getattr(dataset, "pack", None), "reader", None)
     records = getattr(dataset, "records", None)
     if reader is None or not isinstance(records, np.ndarray):
@@ -57,8 +48,8 @@ def samples_identity(dataset: Any) -> str | None:
 
 
 class Resumable(Stateful):
-    """The epoch, what the current iteration handed out in it, and a loaded state the next
-    iteration resumes from once checked to describe the same samples in the same order."""
+    """The epoch, what this iteration handed out, and a loaded state the next iteration
+    resumes from once checked to describe the same samples in the same order."""
 
     _KIND: str | None = None  # the ``KIND`` a state carries
     _HINT: str  # what must stay the same to resume, for the error
@@ -69,19 +60,17 @@ class Resumable(Stateful):
 
     @abstractmethod
     def _settings(self) -> dict[str, Any]:
-        """The topology and settings that fix the order (each class's own keys)."""
+        """The topology and settings that fix the order."""
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration follows (a loaded position is kept for the
-        same epoch, dropped for another)."""
+        """Select the next iteration's epoch (a loaded position is kept only for the same one)."""
         if epoch != self.epoch:
             self._resume = None
             self._yielded = 0
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this iteration is: epoch, samples handed out in it, and the settings that
-        fix the order (JSON-compatible)."""
+        """Where this iteration is: epoch, samples handed out, order settings (JSON-compatible)."""
         if self._resume is not None:  # loaded, not yet iterated: still that point
             return dict(self._resume)
         return {
@@ -94,8 +83,7 @@ class Resumable(Stateful):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the next iteration continues that epoch where it
-        stopped, once its settings are checked against the saved ones."""
+        """Resume from ``state_dict()``: the next iteration goes on with that epoch, if it may."""
         owner = type(self).__name__
         if state.get(VERSION) != STATE_VERSION:
             raise ValueError(
@@ -115,8 +103,8 @@ class Resumable(Stateful):
         self._resume = dict(state)
 
     def _start(self, where: str) -> int:
-        """Start an iteration: the items a loaded state says to skip (0 without one), once
-        checked to be saved on these samples with these settings (``where``: the dataset)."""
+        """The items a loaded state says to skip (0 without one), once checked to be saved on
+        these samples with these settings."""
         state, skip = self._resume, 0
         if state is not None:
             before, now = state.get(PACK), self._identity

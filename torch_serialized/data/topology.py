@@ -1,8 +1,6 @@
-"""Who this process is in a training job (``Topology``: DDP rank, DataLoader worker), and
-how an epoch is shared, as ``DistributedSampler`` does: the order padded with its beginning
-to a multiple of the world size (or cut, ``drop_last``), rank ``r`` taking the ``r``-th
-contiguous slice, its workers splitting that.
-"""
+"""Who this process is in a training job (DDP rank, DataLoader worker), and how an epoch is
+shared, as ``DistributedSampler`` does: padded or cut to a multiple of the world size, rank
+``r`` taking the ``r``-th contiguous slice, its workers splitting that."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from torch.utils.data import get_worker_info
 
 @dataclass(frozen=True)
 class Topology:
-    """This process's place: DDP ``rank`` of ``world_size``, DataLoader ``worker`` of
-    ``num_workers`` (``0`` of ``1`` in the main process)."""
+    """DDP ``rank`` of ``world_size``, DataLoader ``worker`` of ``num_workers`` (main: 0 of 1)."""
 
     rank: int = 0
     world_size: int = 1
@@ -40,7 +37,6 @@ class Topology:
         return cls(*distributed_info(rank, world_size), *worker)
 
     def samples_per_rank(self, n: int, drop_last: bool) -> int:
-        """Samples each rank takes from an epoch of ``n``."""
         return epoch_total(n, self.world_size, drop_last) // self.world_size
 
     def rank_slice(self, n: int, drop_last: bool) -> slice:
@@ -72,6 +68,6 @@ def epoch_total(n: int, world_size: int, drop_last: bool) -> int:
 
 
 def seeded_rng(seed: int, *key: int) -> np.random.Generator:
-    """The generator of ``seed`` and ``key`` (numbers that name one independent stream)."""
+    """The generator of ``seed`` and ``key`` (numbers naming one independent stream)."""
     sequence = np.random.SeedSequence(seed % 2**64, spawn_key=tuple(k % 2**64 for k in key))
     return np.random.Generator(np.random.PCG64(sequence))

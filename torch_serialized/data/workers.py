@@ -1,11 +1,6 @@
-"""DataLoader workers: their setup, and how their batches reach the main process.
-
-Readers map their files again by themselves in a new process (the container reader's own
-fork check), so ``worker_init_fn`` is optional: it maps the files up front in each worker (so
-the first batch does not pay for it) and is idempotent. ``share_batch`` puts a batch's
-tensors in one block of shared memory, so handing them to the main process costs one segment
-per batch, not one per tensor. Which worker and rank a process is: see ``topology``.
-"""
+"""DataLoader workers: their setup, and how batches reach the main process. ``worker_init_fn`` is
+optional (readers remap by themselves) and maps files up front; ``share_batch`` puts a batch's
+tensors in one shared-memory block: one segment per batch, not per tensor."""
 
 from __future__ import annotations
 
@@ -20,11 +15,7 @@ from torchvision import tv_tensors
 
 def reopen_dataset(dataset: Any, _depth: int = 0) -> int:
     """Reopen the maps of every torch_serialized dataset inside ``dataset``; return how many.
-
-    Looks through the usual wrappers (``Subset``, ``ConcatDataset``, torchvision's
-    transforms-v2 wrapper: any object with ``dataset``/``datasets``/``_dataset``), at most 16
-    deep.
-    """
+    Looks through wrappers (``dataset``/``datasets``/``_dataset`` attributes), at most 16 deep."""
     if callable(getattr(type(dataset), "reopen", None)) and hasattr(dataset, "pack"):
         dataset.reopen()
         return 1
@@ -44,25 +35,19 @@ def worker_init_fn(worker_id: int) -> None:
 
 
 def in_worker() -> bool:
-    """Whether this process is a ``DataLoader`` worker."""
     return get_worker_info() is not None
 
 
-#: Tensor types that hold nothing but their data: a copy viewed as the same type is the same
-#: value. ``BoundingBoxes`` carries a format and a canvas size, so it is not one of them.
+#: Types that hold only their data (not ``BoundingBoxes``: it has a format and canvas size).
 _PLAIN = (torch.Tensor, tv_tensors.Image, tv_tensors.Mask, tv_tensors.Video)
 
-#: Byte alignment of each tensor inside the shared block (as an allocator's, for SIMD loads).
-_ALIGN = 64
+_ALIGN = 64  #: Alignment in the shared block (as an allocator's, for SIMD loads).
 
-#: Samples of a stream put in one shared block (``share_batch``): a typical batch, so a batch
-#: of the DataLoader spans one or two blocks and holds at most two alive in the main process.
-SHARED_RUN = 32
+SHARED_RUN = 32  #: stream samples per shared block: a batch spans at most two
 
 
 class SharedBlock:
-    """One block of shared memory that tensors are copied into, each returned as a view of
-    it with the same values, type, shape and strides (see ``share_batch``)."""
+    """Shared memory that tensors are copied into, each returned as an equal view of it."""
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
         self._storage = storage
@@ -70,8 +55,7 @@ class SharedBlock:
 
     @classmethod
     def of(cls, sizes: Iterable[int]) -> SharedBlock | None:
-        """A block with room for tensors of these sizes in bytes (each aligned), or None
-        where there is no shared memory (torch then shares each tensor itself)."""
+        """A block for tensors of these byte sizes, or None without shared memory (torch shares)."""
         room = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
         try:
             return cls(torch.UntypedStorage._new_shared(room))
@@ -79,8 +63,7 @@ class SharedBlock:
             return None
 
     def put(self, item: Any) -> Any:
-        """``item`` copied into the block, as a view of it; ``item`` itself when it cannot be
-        viewed in place (``_movable``) or does not fit in what is left."""
+        """``item`` copied into the block as a view; itself if not ``_movable`` or too big."""
         if not _movable(item):
             return item
         nbytes = item.numel() * item.element_size()
@@ -98,25 +81,17 @@ class SharedBlock:
 def share_batch(
     samples: Iterable[Any], sizes: Sequence[int] | None = None, *, borrowed: int | None = None
 ) -> list[Any]:
-    """Move the tensors of a batch's samples (the items of each sample tuple) into one block
-    of shared memory, as views of it with the same values, type, shape and strides.
+    """Move the tensors of a batch's samples into one shared-memory block, as views of it.
 
-    A worker hands every tensor to the main process through shared memory, torch moving each
-    one into a segment of its own (~0.5 ms for a 100 KB image, thirty times the read);
-    ``default_collate`` avoids that by stacking a batch, but detection batches are lists, so
-    the batch goes into one block here. Tensors that cannot be viewed in place
-    (``_movable``) stay as they are; a tensor found in several places is copied once.
+    Torch moves each tensor a worker hands on into a segment of its own (~0.5 ms for a 100 KB
+    image, thirty times the read); ``default_collate`` stacks, but detection batches are lists.
+    Tensors not ``_movable`` stay; one found in several places is copied once.
 
-    ``sizes``: the bytes of each sample's first item, known before it is made (decoded
-    images, from the pack's columns). The block is then made first and each first item
-    copied in as soon as its sample is made (``samples`` may be a generator), so one private
-    image is alive at a time, not the batch, which glibc would keep as the worker's heap
-    (49-65 -> 25-29 MB per worker, benchmarks/README.md); the rest of each sample stays.
-
-    ``borrowed``: the position in each sample of a tensor that may be a read-only view of a
-    map; one left out of the block (a batch of one tensor, no shared memory here) is
-    copied instead, never handed on.
-    """
+    ``sizes``: the bytes of each sample's first item, known up front (decoded images): the block
+    is made first and each first item copied in as its sample is made, so one private image is
+    alive at a time, not the batch glibc would keep as heap (49-65 -> 25-29 MB per worker,
+    benchmarks/README.md). ``borrowed``: the position of a tensor that may be a read-only view of
+    a map; if left out of the block it is copied, never handed on."""
     block = SharedBlock.of(sizes) if sizes is not None and len(sizes) > 1 else None
     if block is not None:
         shared = []
@@ -152,8 +127,8 @@ def share_batch(
 
 
 def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim``, or None (musl, macOS), looked up among the process's symbols
-    (``CDLL(None)``: no library search, which would run ``ldconfig`` in every worker)."""
+    """glibc's ``malloc_trim``, or None, from the process's own symbols (``CDLL(None)``: no
+    library search, which would run ``ldconfig`` in every worker)."""
     try:
         return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
@@ -164,20 +139,18 @@ _MALLOC_TRIM = _malloc_trim()
 
 
 def _release_freed() -> None:
-    """Hand the pages of freed decode buffers back to the kernel (``malloc_trim``).
+    """Hand freed decode buffers' pages back to the kernel (``malloc_trim``).
 
-    Freed decoded images (~0.5 MB each) stay in a worker's heap as its high-water mark:
-    10-13 MB per worker in some runs of the benchmark's memory scenario, -1.9 to 0.5 MB of
-    growth with the trim. Once per batch: ~150 µs for a batch of 32, under 0.3% of its
-    decoding (benchmarks/README.md)."""
+    Freed decoded images (~0.5 MB each) stay as a worker's heap high-water mark: 10-13 MB per
+    worker in some benchmark runs, -1.9 to 0.5 MB with the trim. Once per batch: ~150 µs for 32,
+    under 0.3% of its decoding (benchmarks/README.md)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
 
 def _movable(item: Any) -> bool:
-    """Whether ``item`` is a plain CPU tensor (or a tv_tensor without metadata) whose elements
-    fill its memory without gaps or overlap (contiguous, or a permutation of contiguous), not
-    needing grad, not already shared."""
+    """A plain CPU tensor (or metadata-free tv_tensor) whose elements fill its memory without
+    gaps or overlap, not needing grad, not already shared."""
     if type(item) not in _PLAIN:
         return False
     if (

@@ -1,8 +1,6 @@
 """A deterministic synthetic Pascal VOC dataset on disk, for examples, tests and the demo:
-VOC's image sizes and roughly its JPEG cost (so timings stay meaningful), its XML and palette
-masks (so torchvision reads it unchanged). Image ``i`` depends on ``(seed, i)``, ids and
-splits on ``(seed, year, num_images)``: the same arguments give the same bytes.
-"""
+VOC's image sizes and roughly its JPEG cost (so timings mean something), its XML and palette
+masks (torchvision reads it unchanged). The same arguments give the same bytes."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ from ..voc.layout import base_dir
 
 __all__ = ["make_synthetic_voc"]
 
-# (width, height, share): the common VOC sizes, landscape 500x375 first.
-_SIZES: tuple[tuple[int, int, float], ...] = (
+_SIZES: tuple[tuple[int, int, float], ...] = (  # (width, height, share) of VOC's sizes
     (500, 375, 0.50),
     (375, 500, 0.20),
     (500, 333, 0.10),
@@ -40,8 +37,7 @@ _NUM_OBJECTS_P = np.array([0.42, 0.24, 0.14, 0.09, 0.06, 0.05])  # 1..6 objects
 _TALL = frozenset({"person", "bottle", "pottedplant", "chair"})
 _WIDE = frozenset({"aeroplane", "boat", "bus", "car", "diningtable", "sofa", "train"})
 _SHAPES: tuple[str, ...] = ("ellipse", "rectangle", "rounded_rectangle", "polygon")
-# VOC-like class frequencies: person dominates, then chair and car.
-_CLASS_P = np.array(
+_CLASS_P = np.array(  # VOC-like: person dominates, then chair and car
     [8.0 if c == "person" else 2.0 if c in ("chair", "car") else 1.0 for c in VOC_CLASSES]
 )
 _CLASS_P /= _CLASS_P.sum()
@@ -51,8 +47,7 @@ _TILE = 640  # side of each precomputed noise tile; larger than any VOC image si
 _NUM_TILES = 4
 _BORDER = 3  # width of the 255 "void" band drawn around each object in the masks
 
-# Independent random streams: one for the noise tiles, one for ids/splits, one per image.
-_STREAM_TILES, _STREAM_LAYOUT, _STREAM_IMAGE = 1, 2, 3
+_STREAM_TILES, _STREAM_LAYOUT, _STREAM_IMAGE = 1, 2, 3  # independent random streams
 
 
 @dataclass
@@ -83,12 +78,11 @@ def _unit(a: np.ndarray) -> np.ndarray:
 
 
 def _make_noise_bank(seed: int) -> np.ndarray:
-    """The per-seed tiles every texture crops, ``(n, T, T, 4)`` float32 with unit-std channels:
-    1/f multi-octave structure, fine grain and two low-frequency colour fields (about 0.3 s)."""
+    """Per-seed ``(n, T, T, 4)`` float32 tiles textures crop: 1/f, grain, colour (about 0.3 s)."""
     rng = np.random.default_rng([seed, _STREAM_TILES])
     size, tiles = _TILE, []
     for _ in range(_NUM_TILES):
-        # Roughly photographs' 1/f spectrum, flatter so mid-scale detail carries JPEG cost too.
+        # ~photographs' 1/f spectrum, flatter so mid-scale detail carries JPEG cost too
         structure = np.zeros((size, size), np.float32)
         for cells in (3, 6, 12, 24, 48, 96, 192):
             structure += _upsampled(rng, cells, size) * (3.0 / cells) ** 0.75
@@ -101,8 +95,7 @@ def _make_noise_bank(seed: int) -> np.ndarray:
 def _texture(
     bank: np.ndarray, rng: np.random.Generator, height: int, width: int, detail: float
 ) -> np.ndarray:
-    """An RGB float32 texture (tinted 1/f luminance, grain, colour drift) from a random crop
-    of a random tile, randomly flipped."""
+    """An RGB float32 texture from a random, randomly flipped crop of a random tile."""
     tint = rng.uniform(0.75, 1.25, size=3)
     mix = np.empty((4, 3))
     mix[0] = tint * rng.uniform(28.0, 50.0)  # structure (shading, blobs, mid-scale detail)
@@ -126,7 +119,7 @@ def _draw_shape(
     outline: int | None = None,
     width: int = 0,
 ) -> None:
-    """Draw ``obj``'s silhouette (shifted by ``-offset``) with ``fill`` and an optional outline."""
+    """Draw ``obj``'s silhouette (shifted by ``-offset``), optionally outlined."""
     dx, dy = offset
     xy = [v - (dx if i % 2 == 0 else dy) for i, v in enumerate(obj.geometry)]
     style: dict[str, Any] = {"fill": fill, "outline": outline, "width": width}
@@ -138,7 +131,6 @@ def _draw_shape(
 def _render_image(
     bank: np.ndarray, rng: np.random.Generator, width: int, height: int, objects: Sequence[_Object]
 ) -> Image.Image:
-    """Background texture, then each object's own texture inside its silhouette."""
     detail = rng.uniform(15.0, 24.0)  # per-image sharpness: spreads the JPEG sizes
     rgb = _texture(bank, rng, height, width, detail)
     for obj in objects:
@@ -153,7 +145,7 @@ def _render_image(
 
 
 def _render_masks(width: int, height: int, objects: Sequence[_Object]) -> tuple[Image.Image, ...]:
-    """SegmentationClass and SegmentationObject PNGs: VOC palette, 255 bands at the borders."""
+    """SegmentationClass and SegmentationObject PNGs: VOC palette, 255 bands at borders."""
     masks = []
     for by_class in (True, False):
         mask = Image.new("P", (width, height), 0)
@@ -176,8 +168,7 @@ _PERSON_PARTS: tuple[tuple[str, float, float, float, float, float], ...] = (
 
 
 def _plan_object(rng: np.random.Generator, width: int, height: int) -> _Object:
-    """One object: class, box (maybe truncated), silhouette, flags and, for some large
-    persons, VOC's person-layout part boxes."""
+    """One object: class, box (maybe truncated), silhouette, flags, maybe person parts."""
     name = VOC_CLASSES[int(rng.choice(len(VOC_CLASSES), p=_CLASS_P))]
     aspect = math.exp(rng.normal(0.0, 0.3))  # height / width
     aspect *= 2.0 if name in _TALL else 0.6 if name in _WIDE else 1.0
@@ -214,10 +205,9 @@ def _plan_object(rng: np.random.Generator, width: int, height: int) -> _Object:
 
 
 def _plan_objects(rng: np.random.Generator, width: int, height: int) -> list[_Object]:
-    """1-6 objects, back to front; an object is ``occluded`` when a later box covers >10% of it."""
+    """1-6 objects, back to front; ``occluded`` when a later box covers >10% of one."""
     count = int(rng.choice(len(_NUM_OBJECTS_P), p=_NUM_OBJECTS_P)) + 1
     objects = [_plan_object(rng, width, height) for _ in range(count)]
-    # Draw big objects first so small ones stay visible, as in photographs.
     objects.sort(key=lambda o: -(o.box[2] - o.box[0]) * (o.box[3] - o.box[1]))
     for i, obj in enumerate(objects):
         xmin, ymin, xmax, ymax = obj.box
@@ -230,13 +220,11 @@ def _plan_objects(rng: np.random.Generator, width: int, height: int) -> list[_Ob
     return objects
 
 
-#: XML children: ``(tag, value)`` pairs, a value a leaf or another ``_Tree``.
 _Tree = list[tuple[str, object]]
 
 
 def _element(tag: str, value: object, depth: int) -> list[str]:
-    """``<tag>value</tag>`` indented by ``depth`` tabs; a list value holds ``(tag, value)``
-    children."""
+    """``<tag>value</tag>`` indented by ``depth`` tabs; a list value holds children."""
     pad = "\t" * depth
     if not isinstance(value, list):
         return [f"{pad}<{tag}>{value}</{tag}>"]
@@ -253,8 +241,7 @@ def _annotation_xml(
     objects: Sequence[_Object],
     rng: np.random.Generator,
 ) -> str:
-    """The annotation in VOC's layout (tabs, no XML declaration): VOC2007's with flickr ids
-    and an owner, later years' with ``occluded`` on most images."""
+    """The annotation in VOC's layout (tabs, no declaration), as VOC2007's or later years'."""
     voc2007 = year == "2007"
     source_year = "2007" if voc2007 else image_id[:4]
     source: _Tree = [
@@ -285,7 +272,7 @@ def _annotation_xml(
 
 
 def _image_ids(rng: np.random.Generator, year: str, num_images: int) -> list[str]:
-    """Sorted, unique ids: ``000123`` for 2007, ``2008_000123`` (2008..year) for later years."""
+    """Sorted unique ids: ``000123`` for 2007, ``2008_000123`` (2008..year) later."""
     gaps = np.cumsum(rng.integers(1, 4, size=num_images)) + 1
     if year == "2007":
         return [f"{n:06d}" for n in gaps]
@@ -300,8 +287,8 @@ def _image_ids(rng: np.random.Generator, year: str, num_images: int) -> list[str
 
 
 def _splits(rng: np.random.Generator, year: str, segmented: Sequence[bool]) -> list[str]:
-    """Each image's split: half train / half val, or (2007) a quarter each and half test;
-    segmented images apart, so each Segmentation split is a subset of the Main one, as in VOC."""
+    """Each image's split (half train / half val; 2007: a quarter each and half test);
+    segmented images apart, so Segmentation splits are subsets of Main's, as in VOC."""
     split = ["train"] * len(segmented)
     for group in (True, False):
         members = [i for i, s in enumerate(segmented) if s == group]
@@ -314,8 +301,7 @@ def _splits(rng: np.random.Generator, year: str, segmented: Sequence[bool]) -> l
 
 
 def _write_image_sets(folder: Path, members: Sequence[tuple[str, str]], year: str) -> None:
-    """``train``/``val``/``trainval`` (and ``test`` for 2007) lists of ``(id, split)``
-    ``members``, one sorted id per line."""
+    """``train``/``val``/``trainval`` (2007: ``test``) lists of ``members``, sorted."""
     folder.mkdir(parents=True, exist_ok=True)
     names = ("train", "val", "test") if year == "2007" else ("train", "val")
     lists = {name: [i for i, s in members if s == name] for name in names}
@@ -335,8 +321,8 @@ def make_synthetic_voc(
     progress: bool = False,
 ) -> Path:
     """Write a synthetic VOCdevkit under ``root`` where torchvision looks for ``year`` (masks
-    and Segmentation lists for every ``segmentation_every``-th image, 0: none), overwriting
-    files of the same names; return ``root`` as a ``Path``. Same arguments, same bytes."""
+    and Segmentation lists for every ``segmentation_every``-th image, 0: none), overwriting files
+    of the same names; return ``root`` as a ``Path``. Same arguments, same bytes."""
     if year not in {str(y) for y in range(2007, 2013)}:
         raise ValueError(f"year must be one of '2007'..'2012' (a string), got {year!r}")
     if num_images < 1:

@@ -1,9 +1,5 @@
-"""Append a VOC source folder's new and changed samples to its pack: ``append_voc``.
-
-A shard folder grows in place (``GrowWriter``: new shards, a new catalog, the manifest last);
-a single file is rewritten, its kept records copied with ``copy_file_range``. Never imports
-torch.
-"""
+"""``append_voc``: a VOC source folder's new and changed samples added to its pack. A shard folder
+grows in place; a single file is rewritten, kept records copied (``copy_file_range``). No torch."""
 
 from __future__ import annotations
 
@@ -59,16 +55,13 @@ def append_voc(
     """Bring the pack at ``pack`` up to date with the VOC source at ``root``; return what was
     done (``added``, ``replaced``, ``retired``, ``notes``, ``bytes_written``).
 
-    New ids become new records; an id whose files changed raises ``SourceDataError`` naming
-    it, unless ``replace_changed`` stores its new version. Ids no longer listed are retired,
-    but a ``root`` listing none of the pack's ids (likely the wrong folder) raises unless
-    ``retire_all``. The pack then reads as a full re-pack of ``root``, keeping its class ids
-    and its own image and shard options. Change is found from each file's size and mtime;
-    ``checksum`` compares contents. The other options are ``pack_voc``'s. An interrupted
-    append leaves the pack as it was. ``pack`` may be a writable URL (``storage_options``,
-    ``cache_dir``, ``cache_limit_bytes`` as readers take them): staged through the cache,
-    appended to locally, and its new files uploaded, the manifest last.
-    """
+    New ids become new records; a changed id raises ``SourceDataError`` unless ``replace_changed``.
+    Ids no longer listed are retired, but a ``root`` listing none of the pack's ids (likely the
+    wrong folder) raises unless ``retire_all``. The result reads as a full re-pack of ``root`` that
+    keeps the pack's class ids and options. Change is found by size and mtime; ``checksum``
+    compares contents. Other options are ``pack_voc``'s. An interrupted append changes nothing.
+    ``pack`` may be a writable URL (``storage_options``, ``cache_dir``, ``cache_limit_bytes`` as
+    readers take them): appended to through the cache, new files uploaded, the manifest last."""
     opts = Options(
         year=year,
         on_error=on_error,
@@ -109,8 +102,7 @@ def _append_local(
     opts: Options,
     check_shards: bool = True,
 ) -> PackResult:
-    """``append_voc`` on a local pack; ``check_shards``: open every old shard first, which a
-    staged copy of a pack at a URL (holding only the shards the append reads) leaves off."""
+    """``append_voc`` on a local pack; a URL's staged copy skips ``check_shards`` (it has few)."""
     started = time.perf_counter()
     old = VOCPackReader(pack)
     path = Path(old.path)
@@ -164,8 +156,7 @@ def _append_local(
 
 
 def _outcome(plan: Plan, books: Books) -> tuple[int, list[str], list[str]]:
-    """The ids added, replaced and retired, as the history and ``PackResult`` count them (the
-    retired: those no longer listed, then those loaded again that ``on_error="skip"`` left out)."""
+    """Ids added, replaced and retired (no longer listed, or reloaded and then skipped)."""
     skipped = {s.id for s in books.skipped}
     replaced = [job.id for job in plan.replaced if job.id in books.record_of]
     retired = [*plan.dropped, *(i for i in plan.reloading if i in skipped)]
@@ -173,8 +164,7 @@ def _outcome(plan: Plan, books: Books) -> tuple[int, list[str], list[str]]:
 
 
 def _check_shards(old: VOCPackReader) -> None:
-    """Open every shard of the folder as a reader would (O(metadata)), so an append never
-    builds a new generation on a damaged one."""
+    """Open every shard (O(metadata)): never build a new generation on a damaged one."""
     reader = old.reader
     for s in range(reader.num_shards):
         try:
@@ -189,8 +179,7 @@ def _check_shards(old: VOCPackReader) -> None:
 def _sort_source(
     root: str | os.PathLike[str], old: VOCPackReader, opts: Options
 ) -> tuple[Path, dict[str, dict[str, list[str]]], Plan]:
-    """The VOC root at ``root``, its image sets and every listed id sorted against ``old``;
-    ``WriteError`` for a pack written before appends were possible."""
+    """VOC root, image sets and ids sorted against ``old``; ``WriteError`` for pre-append packs."""
     arrays, meta = old.reader.arrays(), old.meta
     transformed = len(old) and (old.image_storage != "original" or meta.get("max_size"))
     if (
@@ -228,8 +217,8 @@ def _sort_source(
 
 
 def _old_books(old: VOCPackReader, plan: Plan, sharded: bool) -> Books:
-    """Books for the old records the new pack holds first: every record of a shard folder
-    (those not kept retired), the kept ones of a single file (copied, in order)."""
+    """Books for the old records the new pack holds first: all of a shard folder's
+    (unkept ones retired), the kept ones of a single file (copied, in order)."""
     books = Books(classes={name: c for c, name in enumerate(old.classes)})
     names = schema.decode_ids(*old.id_table())
     classes, counts = old.object_classes()
@@ -255,7 +244,7 @@ def _old_books(old: VOCPackReader, plan: Plan, sharded: bool) -> Books:
 def _metadata(
     old: VOCPackReader, plan: Plan, books: Books, values: dict[str, Any]
 ) -> dict[str, Any]:
-    """The old pack's metadata brought up to date, with this append in its history."""
+    """The old pack's metadata updated, with this append in its history."""
     meta = dict(old.meta)
     if "label_base" not in meta:  # the label lists as they are, kept: no label ever moves
         meta["label_base"] = {
@@ -273,8 +262,7 @@ def _metadata(
 
 
 def _append_shards(old: VOCPackReader, written: Callable[..., Path]) -> int:
-    """Grow a shard folder with ``written(open_writer)`` (``records.write``, all else given);
-    return the bytes of the files written."""
+    """Grow a shard folder via ``written(open_writer)``; return the bytes written."""
     manifest = old.reader.manifest
     assert manifest is not None
     kept_catalog = old.meta.get("previous_catalog")
@@ -303,8 +291,7 @@ def _append_shards(old: VOCPackReader, written: Callable[..., Path]) -> int:
 
 
 def _append_file(old: VOCPackReader, kept: list[int], written: Callable[..., Path]) -> int:
-    """Rewrite a single file: the ``kept`` records (ascending) copied from the old file, new
-    ones after them; return the bytes written (the whole new file)."""
+    """Rewrite a single file: ``kept`` records copied, then the new; return the new size."""
     source = old.reader.shard(0)
     copies: list[list[int]] = []  # source offset, target offset, length
 
@@ -343,9 +330,8 @@ def _append_file(old: VOCPackReader, kept: list[int], written: Callable[..., Pat
 
 @contextlib.contextmanager
 def _locked(source: ContainerReader) -> Iterator[int]:
-    """The single file appended to, open with an exclusive ``flock`` and checked to be the
-    file ``source`` validated: a second append is refused, not waited for, and one that
-    opened the file before another append replaced it is refused rather than undoing it."""
+    """The single file, under an exclusive ``flock`` and checked to be the one ``source``
+    validated: a second append is refused, not waited for, and cannot undo another."""
     fd = open_regular(source.path, "the pack")
     try:
         try:
@@ -355,7 +341,6 @@ def _locked(source: ContainerReader) -> Iterator[int]:
                 errno.EBUSY,
                 f"{source.path} is being appended to by another process; wait for it to finish",
             ) from None
-        # still at the path, and its size and footer as ``source`` validated them
         if not (os.path.samestat(os.fstat(fd), os.stat(source.path)) and source.holds(fd)):
             raise WriteError(
                 errno.EBUSY,

@@ -1,11 +1,6 @@
-"""Which packed ids changed in the source: the quick check of ``append_voc``.
-
-Like rsync's quick check, each packed id's source files are compared by size and mtime with
-the statistics the pack recorded (``schema``, "Source statistics"), all at once as arrays.
-Files whose statistics differ, and every file with ``checksum``, are compared by content with
-the stored bytes (or the stored SHA-256 of a transformed image); only those ids and the new ones
-get a ``Job``. Never imports torch.
-"""
+"""Which packed ids changed in the source: ``append_voc``'s quick check. As rsync's, source files
+are compared by size and mtime with the pack's statistics, as arrays; those that differ (all,
+with ``checksum``) by content. Only those ids and new ones get a ``Job``. No torch."""
 
 from __future__ import annotations
 
@@ -26,35 +21,30 @@ from .source import Job, Planned, source_paths, stores_digest
 
 __all__ = ["Plan", "classify", "compare"]
 
-#: How many changed ids an error message names before it counts the rest.
-_NAMED = 10
+_NAMED = 10  #: How many changed ids an error message names before it counts the rest.
 
 
 @dataclass
 class Plan:
-    """Every listed id sorted against a pack, and notes for the user."""
+    """Every listed id sorted against a pack."""
 
     kept: np.ndarray  # record numbers of the old pack left alone, ascending
-    #: int64 ``[len(pack), 4, 2]``: the kept records' source file statistics now
-    stats: np.ndarray
-    #: uint8 ``[len(pack), 32]``: the pack's image digests, or ``None`` (none kept)
-    digests: np.ndarray | None
+    stats: np.ndarray  # int64 [len(pack), 4, 2]: the kept records' source statistics now
+    digests: np.ndarray | None  # uint8 [len(pack), 32]: the pack's image digests, if any
     replaced: list[Job]  # the changed ids, stored again
     dropped: list[str]  # the ids no longer listed
     jobs: list[Job]  # to load, in layout order: new ids and changed ones
     #: the ids among ``jobs`` the pack holds already: their old records are retired whatever
     #: the load gives, so one that ``on_error="skip"`` leaves out is retired, not replaced
     reloading: list[str] = field(default_factory=list)
-    #: every listed id is packed and passed the quick check: nothing to write
-    current: bool = False
+    current: bool = False  # every listed id is packed and unchanged: nothing to write
 
 
 def classify(
     old: VOCPackReader, planned: Planned, replace: bool, checksum: bool, retire_all: bool = False
 ) -> Plan:
-    """Sort the ids of ``planned`` (every listed id) against the pack ``old``; raise
-    ``SourceDataError`` naming the changed ids unless ``replace``, and when no listed id is in
-    the pack (every sample would be retired) unless ``retire_all``."""
+    """Sort the listed ids of ``planned`` against ``old``. ``SourceDataError`` for changed
+    ids unless ``replace``, and for no listed id in the pack unless ``retire_all``."""
     arrays = old.reader.arrays()
     names = schema.decode_ids(*old.id_table())
     record_of = {names[r]: r for r in old.live.tolist()}
@@ -126,11 +116,9 @@ def compare(
     before: np.ndarray | None,
     digest: bytes,
 ) -> list[str] | None:
-    """How the source files of ``job`` differ from what ``record`` holds (empty: unchanged;
-    ``None``: unchanged, but its annotation did not parse at pack time and is now needed, so
-    it is loaded as if new). ``now`` and ``before``: their statistics now and at pack time
-    (``None``: compare every file by content); a file whose statistics match is unchanged,
-    unread; ``digest``: the stored SHA-256 of a transformed image."""
+    """How ``job``'s source files differ from ``record`` (empty: unchanged; ``None``:
+    unchanged but its unparsed annotation is now needed, so it loads as new). ``now``/``before``:
+    statistics (``before=None``: compare all by content); ``digest``: a transformed image's."""
     flags = int(old.columns[record]["flags"])
     changes: list[str] = []
     for k, path in enumerate(source_paths(job)):
@@ -161,10 +149,9 @@ def compare(
 def _same_content(
     old: VOCPackReader, record: int, job: Job, k: int, data: bytes, digest: bytes
 ) -> bool:
-    """Whether ``data`` (source file ``k`` of ``job``, now) is what ``record`` was made from."""
+    """Whether ``data`` (``job``'s source file ``k``, now) is what ``record`` was made of."""
     if k in (schema.MASK, schema.OBJECT_MASK) and job.options.max_size:
-        # masks of resized images are stored resized: compared as pixels and palette, not PNG
-        # bytes another Pillow may compress otherwise
+        # stored resized: compare pixels and palette, not PNG bytes another Pillow may differ in
         paths = source_paths(job)
         image = read_regular_file(paths[0], job.max_file_bytes, "the image")
         scale = image_scale(image, paths[0], job.options)  # its header: nothing decoded
@@ -183,9 +170,7 @@ def _absent(n: int) -> np.ndarray:
 
 
 def _quick_stats(planned: Planned, positions: np.ndarray, files: np.ndarray) -> np.ndarray:
-    """``_stat`` of each file ``load`` would read (``files``: ``Planned.reads``) for the ids at
-    ``positions``: ``[len(positions), 4, 2]``. One ``stat`` per file, relative to its folder
-    opened once (no path walk per file)."""
+    """``_stat`` per file ``files`` marks: ``[n, 4, 2]``, one ``stat`` each, folders opened once."""
     out = _absent(len(positions))
     for k, (folder, ext) in enumerate(zip(schema.SOURCE_FOLDERS, schema.SOURCE_EXTENSIONS)):
         rows = np.flatnonzero(files[:, k])
@@ -204,8 +189,7 @@ def _quick_stats(planned: Planned, positions: np.ndarray, files: np.ndarray) -> 
 
 
 def _stat(name: str, folder: int) -> tuple[int, int]:
-    """``(size, mtime_ns)`` of the regular file ``name`` in the open ``folder``, ``(ABSENT, 0)``
-    when it is not there; anything else counts as changed (``load`` says what it is)."""
+    """``(size, mtime_ns)`` of regular file ``name`` in ``folder``; ``(ABSENT, 0)`` if missing."""
     try:
         st = os.stat(name, dir_fd=folder)
     except (FileNotFoundError, NotADirectoryError):
@@ -218,9 +202,8 @@ def _stat(name: str, folder: int) -> tuple[int, int]:
 def _changed_message(
     pack: str, changed: Sequence[tuple[int, Job, list[str]]], unlisted: int, live: int
 ) -> str:
-    """The refusal of changed ids. The ``unlisted`` ids the same append would retire are said
-    too: another dataset whose ids overlap a few of the pack's looks like a few changed ids,
-    and replacing them must not retire most of a pack unannounced."""
+    """The refusal of changed ids, naming the ``unlisted`` ids the append would retire too:
+    another dataset overlapping a few ids looks like a few changed ids."""
     named = "; ".join(f"{job.id!r} ({', '.join(v)})" for _, job, v in changed[:_NAMED])
     more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
     retiring = ""

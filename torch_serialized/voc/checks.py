@@ -1,11 +1,6 @@
-"""The VOC layer's checks of a pack, made once when it is opened.
-
-The container layer checks a pack's bytes; ``check_voc_pack`` checks their VOC meaning (every
-metadata value and dataset-level array the VOC layer reads) and ``check_record_fields`` each
-file's ``records`` columns against its field lengths (a shard's when first opened). Each raises
-``FormatError`` naming the file and the field, so nothing later trips over a damaged or crafted
-pack. Only what varies inside a record (class ids, a target's JSON) is checked as it is read.
-"""
+"""The VOC layer's checks of a pack at open: every metadata value and array it reads, and each
+file's ``records`` columns, so nothing later trips over a damaged or crafted pack (``FormatError``
+naming file and field). Only a record's class ids and target JSON are checked as read."""
 
 from __future__ import annotations
 
@@ -24,8 +19,8 @@ from .layout import TASKS
 
 
 def check_voc_pack(reader: PackReader) -> dict[str, Any]:
-    """Check an open pack's VOC meaning and return its VOC metadata; ``FormatError`` names the
-    pack (or, for a shard or catalog file opened alone, the folder to pass instead)."""
+    """Check an open pack's VOC meaning; return its VOC metadata. ``FormatError`` names the
+    pack (or, for a shard or catalog opened alone, the folder to pass instead)."""
     name = reader.name
     if reader.manifest is None:  # one file: a pack, or a piece of one
         member = member_of(name, reader.binding)
@@ -64,12 +59,10 @@ def _bad(path: str, field: str, expected: str, found: Any) -> FormatError:
 
 
 def _is_int(value: Any, low: int = 0) -> bool:
-    """Whether ``value`` is an ``int`` (not a ``bool``) of at least ``low``."""
     return type(value) is int and value >= low
 
 
 def _names(value: Any) -> bool:
-    """Whether ``value`` is a list of distinct strings."""
     return (
         isinstance(value, list)
         and all(isinstance(v, str) for v in value)
@@ -77,7 +70,7 @@ def _names(value: Any) -> bool:
     )
 
 
-#: The metadata values checked alone: key, its default when absent, the rule, what it wants.
+#: (key, default when absent, rule, what it wants) of each metadata value checked alone
 _VALUES: tuple[tuple[str, Any, Callable[[Any], bool], str], ...] = (
     ("year", None, lambda v: isinstance(v, str) and len(v) == 4 and v.isdigit(), "4 digits"),
     ("base_dir", None, lambda v: isinstance(v, str), "a string"),
@@ -140,8 +133,7 @@ def check_metadata(meta: dict[str, Any], num_records: int, path: str) -> None:
 def check_arrays(
     arrays: Mapping[str, np.ndarray], meta: dict[str, Any], num_records: int, path: str
 ) -> None:
-    """Every dataset-level array has the dtype and shape, and holds the values, ``pack_voc``
-    writes (image sets: live records in range)."""
+    """Every dataset-level array has ``pack_voc``'s dtype, shape and values."""
     columns = _array(arrays, "records", schema.COLUMNS, (num_records,), path)
     retired = _check_records(columns, arrays, meta, path)
     ids = _array(arrays, "ids", np.uint8, (-1,), path)
@@ -209,8 +201,7 @@ def _array(
 def _check_records(
     columns: np.ndarray, arrays: Mapping[str, np.ndarray], meta: dict[str, Any], path: str
 ) -> np.ndarray:
-    """Check every record's flags, and each mark against the schema version; return the
-    retired records, checked."""
+    """Check every record's flags and marks against the schema version; return the retired."""
     flags, counted = columns["flags"], columns["num_objects"]
     untyped = (flags & schema.UNTYPED_OBJECTS) != 0
     unparsed = (flags & schema.UNPARSED_ANNOTATION) != 0
@@ -249,9 +240,7 @@ def _check_records(
 def check_record_fields(
     container: ContainerReader, first_record: int, name: str | None = None
 ) -> None:
-    """The ``records`` columns of one file agree with its field lengths (docs/FORMAT.md,
-    "Record columns"), read from the index alone; a file without VOC columns is left to
-    ``check_voc_pack``. ``name``: the file in messages, by default ``container.where``."""
+    """A file's ``records`` columns agree with its field lengths (FORMAT.md, "Record columns")."""
     columns = container.arrays().get("records")
     if (
         tuple(container.fields) != schema.FIELDS

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-#: The 20 VOC object classes in alphabetical order; mask value ``i + 1`` is ``VOC_CLASSES[i]``
-#: and 0 is the background.
-VOC_CLASSES: tuple[str, ...] = (
+VOC_CLASSES: tuple[str, ...] = (  #: mask value i + 1 is VOC_CLASSES[i]; 0: background
     "aeroplane",
     "bicycle",
     "bird",
@@ -30,13 +28,11 @@ VOC_CLASSES: tuple[str, ...] = (
     "tvmonitor",
 )
 
-#: Mask value of the "void" band that VOC draws around object borders.
-VOC_IGNORE_INDEX: int = 255
+VOC_IGNORE_INDEX: int = 255  #: Mask value of the "void" band that VOC draws around object borders.
 
 
 def voc_colormap(n: int = 256) -> tuple[tuple[int, int, int], ...]:
-    """The first ``n`` colours of the VOC devkit's ``labelcolormap``: bits 0, 1, 2 of ``i``
-    are the top bits of red, green, blue, bits 3, 4, 5 the next ones, and so on."""
+    """The first ``n`` colours of the VOC devkit's ``labelcolormap`` (bit-interleaved)."""
     if not 0 <= n <= 256:
         raise ValueError(f"voc_colormap: n must be in 0..256, got {n}")
     colors = []
@@ -53,19 +49,16 @@ def voc_colormap(n: int = 256) -> tuple[tuple[int, int, int], ...]:
     return tuple(colors)
 
 
-#: The standard 256-entry VOC palette as ``(r, g, b)`` triples (0 black, 1 aeroplane maroon, ...,
-#: 255 the cream void colour ``(224, 224, 192)``).
+#: The 256-entry VOC palette (0 black, ..., 255 the void colour ``(224, 224, 192)``).
 VOC_COLORMAP: tuple[tuple[int, int, int], ...] = voc_colormap()
 
-#: The same palette flattened to 768 bytes, ready for ``PIL.Image.putpalette``.
-VOC_PALETTE: bytes = bytes(v for rgb in VOC_COLORMAP for v in rgb)
+VOC_PALETTE: bytes = bytes(v for rgb in VOC_COLORMAP for v in rgb)  #: For ``PIL.Image.putpalette``.
 
 
 def label_classes(rule: str, classes: Sequence[str], base: Mapping[str, Any] | None) -> list[str]:
-    """The class names after ``"__background__"`` in a pack's ``tv_tensors`` labels:
-    ``"default"`` (VOC's 20 when they hold every class, else pack order) or ``"packed"``
-    (sorted). After an append, ``base`` (metadata ``label_base``) comes first, so no label moves.
-    """
+    """The class names after ``"__background__"`` in ``tv_tensors`` labels: ``"default"``
+    (VOC's 20 if they hold every class, else pack order) or ``"packed"`` (sorted). After an append,
+    ``base`` (metadata ``label_base``) comes first, so no label moves."""
     if base is not None:
         known = set(base[rule])
         return [*base[rule], *(c for c in classes if c not in known)]

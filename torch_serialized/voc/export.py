@@ -1,11 +1,6 @@
-"""Unpack a VOC pack back into a VOCdevkit folder, byte for byte (``export_voc``).
-
-A pack is untrusted input: every id and stored path is checked before anything is written, and
-folders below ``out_root`` are opened one component at a time with ``O_NOFOLLOW``, so a
-symbolic link there is refused, never followed. An export is all or nothing: files are staged
-in a hidden temporary folder (``fileio.AtomicOutput``), then renamed into place as one folder,
-or file by file into an existing devkit, undone if one rename fails.
-"""
+"""``export_voc``: a VOC pack back into a VOCdevkit folder, byte for byte. A pack is untrusted: ids
+and paths are checked first, folders opened with ``O_NOFOLLOW`` (links refused). All or nothing:
+staged in a hidden folder, then renamed in as one folder or file by file, undone on failure."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ from .packed import VOCPackReader
 
 __all__ = ["export_voc"]
 
-#: (field, flag that says the record has it, folder, extension) of each file of an id
-_OUTPUTS = tuple(
+_OUTPUTS = tuple(  #: (field, flag, folder, extension) per file of an id
     zip(range(4), schema.SOURCE_FLAGS, schema.SOURCE_FOLDERS, schema.SOURCE_EXTENSIONS)
 )
 
@@ -44,11 +38,9 @@ def export_voc(
     """Rebuild ``out_root/<base_dir>/`` (what torchvision's ``root=out_root`` reads) from the
     pack at ``path``, local or a URL; return that folder.
 
-    Raises ``ValueError`` for a pack that does not hold the original files, ``FormatError`` for
-    an unsafe id or stored path, ``ChecksumError`` for a damaged record, and ``WriteError``
-    (``EEXIST``, before anything is written) for an existing file without ``overwrite``. On
-    any error ``out_root`` holds what it held before.
-    """
+    Raises ``ValueError`` for a pack without the original files, ``FormatError`` for an unsafe id or
+    path, ``ChecksumError`` for a damaged record, and ``WriteError`` (``EEXIST``, before writing)
+    for an existing file without ``overwrite``. On any error ``out_root`` is left as it was."""
     pack = VOCPackReader(
         path,
         checked=True,
@@ -69,7 +61,6 @@ def export_voc(
     with _Tree(out_root, out_root) as existing:
         depth = existing.existing_depth(base)  # refuses a link below out_root
     if depth < len(base):
-        # Part of out_root/<base_dir> is missing: build it aside, then one rename.
         top = out_root.joinpath(*base[: depth + 1])
         _stage_and_rename(pack, plan, top, base[depth + 1 :], final, progress)
     else:
@@ -83,7 +74,6 @@ _Plan = list[tuple[_Folder, str, int, int, bytes | None]]
 
 
 def _stage(pack: VOCPackReader, plan: _Plan, tree: _Tree, progress: bool) -> None:
-    """Write every planned file into ``tree``."""
     for folder, name, record, field, stored in tqdm(
         plan, desc="exporting", unit="file", disable=not progress
     ):
@@ -112,8 +102,7 @@ def _stage_and_rename(
 def _stage_and_merge(
     pack: VOCPackReader, plan: _Plan, final: Path, overwrite: bool, progress: bool
 ) -> None:
-    """``final`` exists: stage every file beside it, then rename each into it, undoing all of
-    it if one rename fails, so ``final`` ends with every file or as it was."""
+    """``final`` exists: stage files beside it, rename each in; all undone if one rename fails."""
     with _Tree(final, final) as target:
         for folder in sorted({folder for folder, *_ in plan}):
             target.lookup(folder, create=False)  # a link at any planned folder: refused now
@@ -135,8 +124,7 @@ def _stage_and_merge(
 
 
 def _merge(plan: _Plan, staged: _Tree, target: _Tree, aside: _Tree, overwrite: bool) -> None:
-    """Rename each staged file into ``target``, a file it replaces moved into ``aside`` first;
-    on any failure put everything back as it was and raise."""
+    """Rename staged files into ``target`` (replaced ones to ``aside``), all undone on failure."""
     done: list[tuple[_Folder, str, bool]] = []
     try:
         for folder, name, *_ in plan:
@@ -172,8 +160,8 @@ def _merge(plan: _Plan, staged: _Tree, target: _Tree, aside: _Tree, overwrite: b
 
 
 class _Tree:
-    """The folders below ``root`` (which may be a link), each opened from its parent with
-    ``O_NOFOLLOW``, so none is reached through a link; messages name ``shown``, not ``root``."""
+    """The folders below ``root`` (maybe a link), each opened from its parent with
+    ``O_NOFOLLOW``; messages name ``shown``."""
 
     def __init__(self, root: Path, shown: Path) -> None:
         self.root = root
@@ -227,28 +215,25 @@ class _Tree:
         return fd
 
     def open(self, folder: _Folder) -> int:
-        """The descriptor of ``root/folder``, created if missing."""
         fd = self.lookup(folder, create=True)
         assert fd is not None
         return fd
 
     def existing_depth(self, folder: _Folder) -> int:
-        """How many leading components of ``folder`` exist below ``root`` (-1: not even
-        ``root``), refusing a link or a file on the way."""
+        """How many leading components of ``folder`` exist (-1: not ``root``)."""
         for depth in range(len(folder), -1, -1):
             if self.lookup(folder[:depth], create=False) is not None:
                 return depth
         return -1
 
     def remove_created(self) -> None:
-        """Remove the folders this tree created (empty again after a rollback), deepest first."""
+        """Remove the folders this tree created (empty after a rollback), deepest first."""
         for folder in reversed(self._created):
             with contextlib.suppress(OSError):
                 os.rmdir(folder[-1], dir_fd=self._fds[folder[:-1]])
         self._created.clear()
 
     def exists(self, folder: _Folder, name: str) -> bool:
-        """Whether ``root/folder/name`` exists (a link counts)."""
         fd = self.lookup(folder, create=False)
         if fd is None:
             return False
@@ -259,7 +244,7 @@ class _Tree:
         return True
 
     def write(self, folder: _Folder, name: str, data: bytes | memoryview) -> None:
-        """Write one file atomically, failing with a ``WriteError``."""
+        """Write one file atomically (``WriteError`` on failure)."""
         try:
             replace_file_at(self.open(folder), name, data)
         except OSError as exc:
@@ -276,9 +261,8 @@ class _Tree:
 def _plan(
     pack: VOCPackReader, files: dict[str, bytes]
 ) -> Iterator[tuple[_Folder, str, int, int, bytes | None]]:
-    """``(folder, name, record, field, None)`` per record file, ``(folder, name, -1, -1,
-    bytes)`` per list file, folders relative to ``out_root/<base_dir>``; raises on an unsafe
-    id or path."""
+    """``(folder, name, record, field, None)`` per record file and ``(folder, name, -1, -1,
+    bytes)`` per list file (folders below ``out_root/<base_dir>``); raises on unsafe ids, paths."""
     flags = pack.columns["flags"]
     seen: set[str] = set()
     for record in pack.live.tolist():  # a record an append retired is not in the devkit

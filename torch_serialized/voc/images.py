@@ -1,9 +1,6 @@
-"""Pack-time image processing: what to store for an image, its size, and resizing.
-
-By default an image is stored as its file's bytes, its size read from the JPEG header.
-``ImageOptions`` can ask to decode every image, store raw RGB pixels or shrink large images
-(their targets and masks with them). Pillow's decompression-bomb limit applies either way.
-"""
+"""Pack-time image processing: what to store for an image, its size, and resizing. By default the
+file's bytes and the JPEG header's size; ``ImageOptions`` can decode, store raw RGB or shrink.
+Pillow's decompression-bomb limit applies either way."""
 
 from __future__ import annotations
 
@@ -19,14 +16,10 @@ from PIL import Image, UnidentifiedImageError
 
 from ..errors import SourceDataError
 
-#: JPEG quality of images re-encoded after resizing (``max_size`` with original storage).
-RESIZE_QUALITY = 90
-#: How to leave bad samples out, for messages read by library and command line users alike.
+RESIZE_QUALITY = 90  #: JPEG quality of images re-encoded after resizing.
 SKIP_HINT = "(or leave such samples out: on_error='skip' in pack_voc, --skip-bad in the CLI)"
-#: Start-of-frame markers (baseline, extended, progressive, lossless...): they hold the size.
-_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  #: SOF markers: hold the size
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-#: How Pillow names the in-memory stream it was given ("cannot identify image file <...>").
 _STREAM_REPR = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 
@@ -40,7 +33,6 @@ class ImageOptions:
 
     @property
     def decodes(self) -> bool:
-        """Whether every image must be decoded at pack time."""
         return self.check_images or self.image_storage == "raw" or bool(self.max_size)
 
 
@@ -71,8 +63,7 @@ def store_image(
 
 
 def resized_size(width: int, height: int, max_size: int | None) -> tuple[int, int] | None:
-    """The size ``max_size`` resizes an image of ``width`` x ``height`` to, or None when the
-    image is stored at its own size."""
+    """The size ``max_size`` resizes ``width`` x ``height`` to, or None (kept as is)."""
     if not max_size or max(width, height) <= max_size:
         return None
     factor = max_size / max(width, height)
@@ -103,8 +94,7 @@ def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
 
 @contextlib.contextmanager
 def _opened(data: bytes | memoryview, path: str, what: str) -> Iterator[Image.Image]:
-    """``data`` opened by Pillow; what Pillow (or the caller, by ``ValueError``) finds wrong
-    raises ``SourceDataError`` naming ``path``."""
+    """``data`` opened by Pillow; its (or the caller's ``ValueError``) errors as ours."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             yield img
@@ -131,10 +121,8 @@ def png_size(data: bytes | memoryview) -> tuple[int, int] | None:
 
 def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
     """``(width, height)`` from a JPEG's start-of-frame header, or ``None`` (then ask Pillow).
-
-    Much faster than opening the image with Pillow (benchmarks/README.md, "Measurements
-    behind the code"): it keeps packing and the read-time pixel check cheap.
-    """
+    Much faster than Pillow (benchmarks/README.md, "Measurements behind the code"): it keeps
+    packing and the read-time pixel check cheap."""
     if bytes(data[:2]) != b"\xff\xd8":
         return None
     i, n = 2, len(data)
@@ -162,8 +150,8 @@ def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
 
 
 def check_pixels(size: tuple[int, int], where: str, error: type[Exception]) -> None:
-    """Pillow's decompression-bomb rule (``PIL.Image.MAX_IMAGE_PIXELS``) for a size read
-    without Pillow: above twice the limit ``error`` naming ``where``, above it a warning."""
+    """Pillow's decompression-bomb rule for a size read without Pillow: above twice
+    ``MAX_IMAGE_PIXELS`` ``error`` naming ``where``, above it a warning."""
     limit = Image.MAX_IMAGE_PIXELS
     pixels = size[0] * size[1]
     if limit and pixels > 2 * limit:
@@ -184,8 +172,7 @@ def check_pixels(size: tuple[int, int], where: str, error: type[Exception]) -> N
 def scale_target(
     target: dict[str, Any], scale: tuple[float, float], width: int, height: int
 ) -> None:
-    """Rewrite a target's size and every coordinate (boxes, part boxes, action points) for a
-    resized image."""
+    """Rescale a target's size and coordinates (boxes, part boxes, points) for a resized image."""
     annotation = target.get("annotation")
     if not isinstance(annotation, dict):
         return
@@ -195,15 +182,14 @@ def scale_target(
     _scale_coordinates(annotation.get("object", []), scale)
 
 
-#: The coordinate elements of a VOC annotation and the axis of each of their children.
-_COORDINATE_AXES = {
+_COORDINATE_AXES = {  #: Coordinate elements of a VOC annotation -> the axis of each child.
     "bndbox": {"xmin": 0, "xmax": 0, "ymin": 1, "ymax": 1},
     "point": {"x": 0, "y": 1},
 }
 
 
 def _scale_coordinates(node: Any, scale: tuple[float, float]) -> None:
-    """Scale, in place, every coordinate below ``node``; one that is no number is left."""
+    """Scale every coordinate below ``node`` in place; non-numbers are left."""
     if isinstance(node, list):
         for item in node:
             _scale_coordinates(item, scale)
@@ -227,8 +213,7 @@ def _scale_coordinates(node: Any, scale: tuple[float, float]) -> None:
 
 
 def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
-    """A mask PNG resized by ``scale`` as its image was, nearest-neighbour so every pixel keeps
-    a class index (same mode and palette)."""
+    """A mask PNG resized as its image, nearest-neighbour so pixels keep class indices."""
     with _opened(data, path, "PNG mask") as img:
         size = (max(1, round(img.width * scale[0])), max(1, round(img.height * scale[1])))
         resized = img.resize(size, Image.Resampling.NEAREST)  # keeps palette and info
@@ -238,7 +223,7 @@ def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:
 
 
 def same_mask(a: bytes | memoryview, b: bytes | memoryview) -> bool:
-    """Whether two mask PNGs hold the same size, mode, palette and pixels (unreadable: no)."""
+    """Same size, mode, palette and pixels (unreadable: False)."""
     try:
         with Image.open(io.BytesIO(a)) as one, Image.open(io.BytesIO(b)) as two:
             return (

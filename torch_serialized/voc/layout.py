@@ -1,9 +1,5 @@
-"""Where a VOCdevkit lives on disk and which ids its ImageSets lists name.
-
-:func:`find_voc_root` takes torchvision's ``root`` (holding ``base_dir(year)``) or the
-``VOC{year}`` folder itself; :func:`read_image_sets` returns the very id lists torchvision
-builds (``[x.strip() for x in f.readlines()]``), refusing lines that cannot name a file.
-"""
+"""Where a VOCdevkit lives on disk and which ids its ImageSets lists name, read as torchvision
+reads them; lines that cannot name a file are refused."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from ..container.fileio import (
 )
 from ..errors import SourceDataError, SourceNotFoundError
 
-#: The ImageSets sub-folders torchvision reads: ``Main`` for detection, ``Segmentation`` for masks;
-#: also the order in which a pack lays out their ids.
+#: The ImageSets sub-folders torchvision reads, in the order a pack lays out their ids.
 TASKS: tuple[str, ...] = ("Main", "Segmentation")
 #: The list names torchvision accepts as ``image_set`` (``test`` only for 2007).
 STANDARD_IMAGE_SETS: tuple[str, ...] = ("train", "val", "trainval", "test")
@@ -33,17 +28,15 @@ _YEAR = re.compile(r"\d{4}")
 
 
 def base_dir(year: str) -> str:
-    """The folder torchvision expects under its ``root`` for ``year``: ``VOCdevkit/VOC{year}``,
-    except 2011, whose archive unpacks under ``TrainVal/``."""
+    """The folder torchvision expects under ``root``; 2011's archive unpacks under ``TrainVal/``."""
     if year == "2011":
         return os.path.join("TrainVal", "VOCdevkit", "VOC2011")
     return os.path.join("VOCdevkit", f"VOC{year}")
 
 
 def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path, str]:
-    """``(voc_root, year)``: ``VOCdevkit/VOC{year}`` found from torchvision's ``root`` or the
-    folder itself. With ``year=None`` the year comes from the only ``VOC<year>`` folder there;
-    several are an error that names them."""
+    """``(voc_root, year)`` from torchvision's ``root`` or the ``VOC{year}`` folder itself;
+    ``year=None``: the only ``VOC<year>`` folder there (several: an error naming them)."""
     root = Path(root)
     if year is not None:
         _check_year(year)
@@ -78,7 +71,7 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
 
 
 def _check_year(year: object) -> None:
-    """Refuse a ``year`` that is not 4 digits in a ``str``, as torchvision refuses a non-str."""
+    """Refuse a ``year`` that is not a 4-digit ``str`` (torchvision refuses a non-str)."""
     if isinstance(year, str):
         if not _YEAR.fullmatch(year):
             raise SourceDataError(f"year must be 4 digits such as '2007', got {year!r}.")
@@ -104,8 +97,8 @@ def _candidates(root: Path, year: str) -> list[Path]:
 
 
 def _found(root: Path) -> list[Path]:
-    """The ``VOC<year>`` folders under ``root/VOCdevkit``, ``root/TrainVal/VOCdevkit``, else
-    ``root`` (a ``VOCdevkit`` folder), else ``root`` itself if it is one, sorted."""
+    """Sorted ``VOC<year>`` folders under ``root/VOCdevkit``, ``root/TrainVal/VOCdevkit``,
+    else ``root`` as a ``VOCdevkit``, else ``root`` itself if one."""
     parents = (root / "VOCdevkit", root / "TrainVal" / "VOCdevkit")
     found = sorted(path for parent in parents for path in _voc_folders(parent))
     if not found and root.name == "VOCdevkit":
@@ -116,7 +109,6 @@ def _found(root: Path) -> list[Path]:
 
 
 def _voc_folders(parent: Path) -> list[Path]:
-    """The ``VOC<4 digits>`` directories directly inside ``parent`` (none if it is missing)."""
     if not parent.is_dir():
         return []
     return [p for p in parent.iterdir() if _VOC_FOLDER.fullmatch(p.name) and p.is_dir()]
@@ -125,9 +117,8 @@ def _voc_folders(parent: Path) -> list[Path]:
 def read_image_sets(
     voc_root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 ) -> dict[str, dict[str, list[str]]]:
-    """Task (``Main``, ``Segmentation``) -> list name -> ids, as torchvision reads them (file
-    order, duplicates kept). Every ``*.txt`` but a per-class file (``aeroplane_train.txt``) is
-    a list; only regular files of at most ``max_file_bytes`` are read."""
+    """Task -> list name -> ids, as torchvision reads them (file order, duplicates kept).
+    Every ``*.txt`` but a per-class file (``aeroplane_train.txt``) is a list."""
     voc_root = Path(voc_root)
     image_sets = voc_root / "ImageSets"
     if not image_sets.is_dir():
@@ -147,7 +138,7 @@ def read_image_sets(
 
 
 def _read_task(folder: Path, max_file_bytes: int) -> dict[str, list[str]]:
-    """The id lists of one ImageSets sub-folder, standard names first, then custom ones sorted."""
+    """One ImageSets sub-folder's id lists, standard names first, then custom ones sorted."""
     paths = {path.stem: path for path in folder.glob("*.txt") if not path.is_dir()}
     standard = [name for name in STANDARD_IMAGE_SETS if name in paths]
     lists: dict[str, list[str]] = {}
@@ -167,13 +158,13 @@ def _read_task(folder: Path, max_file_bytes: int) -> dict[str, list[str]]:
 
 
 def _per_class(lines: list[str]) -> bool:
-    """Whether the lines are a per-class file: every non-blank line an id and -1, 0 or 1."""
+    """Whether every non-blank line is an id and -1, 0 or 1 (``aeroplane_train.txt``)."""
     rows = [line.split() for line in lines if line]
     return bool(rows) and all(len(row) == 2 and row[1] in ("-1", "0", "1") for row in rows)
 
 
 def _ids(path: Path, lines: list[str]) -> list[str]:
-    """Check a list's stripped lines and return them as ids."""
+    """A list's stripped lines, checked to be ids."""
     if lines and lines[0].startswith("\ufeff"):
         raise SourceDataError(f"{path}, line 1: starts with a byte order mark; save it without")
     for number, line in enumerate(lines, start=1):
@@ -191,7 +182,7 @@ def _ids(path: Path, lines: list[str]) -> list[str]:
 def image_set_files(
     voc_root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 ) -> Iterator[tuple[str, bytes]]:
-    """Every list file under ImageSets as ``(devkit-relative path, bytes)``, sorted, for export."""
+    """Every ImageSets list file as ``(devkit-relative path, bytes)``, sorted, for export."""
     base = voc_root / "ImageSets"
     for path in sorted(base.rglob("*.txt")):
         if not path.is_dir():
@@ -199,7 +190,7 @@ def image_set_files(
 
 
 def read_list_file(path: Path, max_file_bytes: int) -> bytes:
-    """The bytes of an ImageSets list file: a regular file of at most ``max_file_bytes``."""
+    """An ImageSets list file's bytes (``SourceDataError`` if unreadable)."""
     try:
         return read_regular_file(path, max_file_bytes, "the list file")
     except (FileKindError, FileSizeError) as exc:
@@ -208,8 +199,7 @@ def read_list_file(path: Path, max_file_bytes: int) -> bytes:
         raise SourceDataError(f"{path}: cannot read the list file: {exc.strerror or exc}") from None
 
 
-#: Other spellings of an extension (cameras, Roboflow) that torchvision does not read.
-_NEAR_MISSES: Final[Mapping[str, tuple[str, ...]]] = {
+_NEAR_MISSES: Final[Mapping[str, tuple[str, ...]]] = {  #: spellings torchvision won't read
     ".jpg": (".JPG", ".jpeg", ".JPEG", ".Jpg", ".png", ".PNG"),
     ".xml": (".XML",),
     ".png": (".PNG",),
@@ -217,8 +207,7 @@ _NEAR_MISSES: Final[Mapping[str, tuple[str, ...]]] = {
 
 
 def near_miss(path: str) -> str | None:
-    """A file beside the missing ``path`` with another spelling of its extension
-    (``000002.JPG`` for ``000002.jpg``), if there is one."""
+    """A file beside the missing ``path`` with another spelling of its extension, if any."""
     stem, ext = os.path.splitext(path)
     for other in _NEAR_MISSES.get(ext, ()):
         if os.path.isfile(stem + other):

@@ -1,11 +1,6 @@
-"""Lazy, read-only sequences of an image set's ids and file paths (``images``, ``targets``...).
-
-torchvision's VOC datasets hold ``images`` and ``targets`` as lists of N path strings, and code
-written for them indexes those lists per sample. ``RecordNames`` gives the same strings
-without the lists: each item is built on access from the pack's id table (one byte array and
-its offsets, views of the mapped file), so indexing is O(1), nothing is copied per process and
-DataLoader workers do not grow by touching N Python strings.
-"""
+"""Lazy, read-only sequences of an image set's ids and paths (``images``, ``targets``...): each
+string is built on access from the pack's mapped id table, not held in N-item lists, so workers
+do not grow by touching N Python strings and nothing is copied per process."""
 
 from __future__ import annotations
 
@@ -25,11 +20,8 @@ _SHOWN = 3  # items at each end of the repr
 class RecordNames(Sequence[str]):
     """``prefix + id + suffix`` for each record of ``records``, in order, made on access.
 
-    Behaves as a read-only ``list`` of ``str``: ``len``, indexing (negative too) and slicing
-    (a slice is again a ``RecordNames``, O(1)), iteration, ``in``, ``index``, ``count`` and
-    ``==`` with lists (``list(names) == names`` and ``names == torchvision_list``). Not
-    hashable, as a list is not.
-    """
+    A read-only ``list`` of ``str``: ``len``, indexing, slicing (O(1), again a ``RecordNames``),
+    iteration, ``in``, ``index``, ``count`` and ``==`` with lists. Unhashable, as a list."""
 
     __slots__ = ("_pack", "_records", "_prefix", "_suffix", "_table")
 
@@ -40,8 +32,7 @@ class RecordNames(Sequence[str]):
         self._records = records
         self._prefix = prefix
         self._suffix = suffix
-        #: (id bytes, id offsets, record numbers) as memoryviews: Python-int indexing without
-        #: numpy scalars; made on first use in a process, dropped when pickled
+        #: (id bytes, id offsets, records) memoryviews: Python ints, not numpy scalars
         self._table: tuple[memoryview, memoryview, memoryview] | None = None
 
     def _lookup(self) -> tuple[memoryview, memoryview, memoryview]:
@@ -103,8 +94,8 @@ class RecordNames(Sequence[str]):
 def record_names(
     pack: VOCPackReader, records: np.ndarray, folder: str | None = None, ext: str = ""
 ) -> RecordNames:
-    """The ids of ``records`` (``folder=None``), or their paths in ``folder`` of the devkit
-    relative to torchvision's root, as torchvision builds them (``os.path.join``)."""
+    """The ids of ``records`` (``folder=None``), or their root-relative paths in ``folder``,
+    as torchvision builds them (``os.path.join``)."""
     if folder is None:
         return RecordNames(pack, records)
     return RecordNames(pack, records, os.path.join(pack.base_dir, folder, ""), ext)

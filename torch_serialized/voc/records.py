@@ -1,11 +1,6 @@
-"""Writing VOC records, as ``pack_voc`` and ``append_voc`` both do.
-
-``write`` loads each job (in spawned processes with ``workers > 1``: ``SpillPool``), assigns
-class ids as names first appear and writes the records in job order, so the output is
-byte-identical for any number of processes; then the dataset arrays and the metadata built
-from the ``Books``. Also here: the shared options, ``PackResult``, the skipped-samples report
-and the progress bar. Never imports torch.
-"""
+"""Writing VOC records, for ``pack_voc`` and ``append_voc``: jobs loaded (in spawned processes
+with ``workers > 1``), class ids assigned as names first appear, records written in job order,
+so the output is byte-identical for any number of processes. Never imports torch."""
 
 from __future__ import annotations
 
@@ -37,7 +32,6 @@ from .images import ImageOptions
 from .layout import image_set_files
 from .source import Job, LoadedSample, load
 
-#: The skipped-samples report is ``OUTPUT`` + this, beside the output.
 REPORT_SUFFIX = ".skipped.json"
 ImageSets = Mapping[str, Mapping[str, Sequence[str]]]
 
@@ -53,7 +47,7 @@ class SkippedSample:
 @dataclass(frozen=True)
 class PackResult:
     """What ``pack_voc`` or ``append_voc`` wrote: ``num_bytes`` is the pack's size on disk as
-    ``torch-serialized info`` reports it; ``year`` the VOC year packed, from ``voc_root``."""
+    ``torch-serialized info`` reports it; ``year`` the VOC year packed."""
 
     path: Path
     num_samples: int
@@ -64,19 +58,13 @@ class PackResult:
     report: Path | None = None
     year: str = ""
     voc_root: Path | None = None
-    #: what the write did, in ids, as the pack's history counts it: ``added`` new ones (a
-    #: pack: all), ``replaced`` (changed files), ``retired`` (no longer listed); then
-    #: ``append_voc``'s ``notes``, and the bytes of the files written
-    added: int = 0
+    added: int = 0  #: ids added (a pack: all); replaced: changed; retired: unlisted
     replaced: list[str] = field(default_factory=list)
     retired: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     bytes_written: int = 0
-    #: the URL written to: then ``num_bytes`` is the pack's size there, ``bytes_written`` what
-    #: went up, and ``path`` and ``report`` were local temporary copies, removed by then
-    url: str | None = None
-    #: id -> why, for ids whose objects do not fit object rows (their ``"tv_tensors"``
-    #: targets raise), and for ids whose XML did not parse (stored with no target)
+    url: str | None = None  #: written to: num_bytes is the size there, path a removed copy
+    #: id -> why, for objects without rows (``"tv_tensors"`` raises) and XML that did not parse
     untyped: dict[str, str] = field(default_factory=dict)
     unparsed: dict[str, str] = field(default_factory=dict)
 
@@ -87,8 +75,7 @@ class PackResult:
 
 @dataclass(frozen=True)
 class Options:
-    """The arguments of ``pack_voc`` and ``append_voc`` past the paths, checked here, once
-    (an append uses the pack's own image and shard options)."""
+    """``pack_voc``'s and ``append_voc``'s arguments past the paths, checked once."""
 
     year: str | None = None
     on_error: str = "raise"
@@ -134,25 +121,22 @@ class Options:
 
 @dataclass
 class Books:
-    """What the writing process records about the records it wrote, in record order (an
-    append starts with the records it keeps of the pack it appends to)."""
+    """What the writer records of the records it wrote, in order (an append's kept ones first)."""
 
     classes: dict[str, int] = field(default_factory=dict)  # name -> class id, first seen first
     record_of: dict[str, int] = field(default_factory=dict)  # live id -> record number
     ids: list[str] = field(default_factory=list)  # every record's id
-    #: class ids of the kept records (flat, and per record how many), then per later record
+    #: class ids of the kept records (flat, counts per record), then of each later record
     base_classes: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     base_counts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     record_classes: list[list[int]] = field(default_factory=list)
-    #: per record: the size and mtime_ns of each ``schema.SOURCE_FILES`` file (flat), and its
-    #: source image's SHA-256 where images are transformed (zeros or b"": not known)
+    #: per record: (size, mtime_ns) of its source files, flat; image SHA-256 (b"": unknown)
     stats: list[Sequence[int]] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
     skipped: list[SkippedSample] = field(default_factory=list)
     source_bytes: int = 0
     retired: list[int] = field(default_factory=list)  # records no longer live (shard folders)
-    #: (id, why) of written records without object rows or whose XML did not parse, and the
-    #: kept records' flags, or-ed
+    #: (id, why) of records without object rows, or whose XML did not parse
     untyped: list[tuple[str, str]] = field(default_factory=list)
     unparsed: list[tuple[str, str]] = field(default_factory=list)
     base_flags: int = 0
@@ -160,7 +144,7 @@ class Books:
     def metadata(
         self, splits: Mapping[str, Mapping[str, int]], counts: Mapping[str, Mapping[str, int]]
     ) -> dict[str, Any]:
-        """The metadata values these books decide (the rest is the pack's own)."""
+        """The metadata values these books decide."""
         return {
             "schema_version": schema.schema_version(
                 retired=bool(self.retired),
@@ -177,8 +161,7 @@ class Books:
         }
 
     def result(self, path: Path, report: Path, started: float, bar: Any, **more: Any) -> PackResult:
-        """Write the skipped-samples ``report`` (or remove an earlier one); return what the
-        write did, and show its rate (bytes written over the whole time) last on ``bar``."""
+        """Write (or remove) the skipped ``report``; return the result, its rate shown last."""
         if self.skipped:
             text = json.dumps([asdict(s) for s in self.skipped], indent=1, ensure_ascii=False)
             replace_file(report, (text + "\n").encode("utf-8"))
@@ -201,15 +184,14 @@ class Books:
 
 
 def utc_now() -> str:
-    """The time a history entry records: UTC, to the second (tests pin it)."""
+    """UTC to the second (tests pin it)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def history_entry(
     action: str, records: int, added: int, replaced: int = 0, retired: int = 0
 ) -> dict[str, Any]:
-    """One entry of a pack's metadata ``history``: what a pack or append did, when, and by
-    which version."""
+    """One entry of metadata ``history``: what a pack or append did, when, by which version."""
     return {
         "action": action,
         "at": utc_now(),
@@ -226,8 +208,7 @@ def rate(num_bytes: int, seconds: float) -> str:
 
 
 def size_on_disk(path: Path) -> int:
-    """Bytes of the pack at ``path`` as ``info`` counts them: the file, or the files its
-    manifest names and the manifest (not the previous catalog an append keeps)."""
+    """The pack's bytes as ``info`` counts them: the file, or the manifest and files it names."""
     if not path.is_dir():
         return path.stat().st_size
     manifest = path / fmt.MANIFEST_NAME
@@ -235,7 +216,7 @@ def size_on_disk(path: Path) -> int:
 
 
 def warn_untyped(result: PackResult) -> None:
-    """Warn once per pack or append which ids were packed without object rows, and why."""
+    """Warn which ids were packed without object rows, and why."""
     if not result.untyped:
         return
     ids = list(result.untyped)
@@ -252,8 +233,7 @@ def warn_untyped(result: PackResult) -> None:
 
 
 def check_report_path(output: Path) -> Path:
-    """The report path of ``output``; refuse to write when a file there is not our report,
-    which writing or removing would destroy."""
+    """``output``'s report path; refuse a file there that is not our report."""
     report = output.with_name(output.name + REPORT_SUFFIX)
     if not os.path.lexists(report):
         return report
@@ -274,7 +254,6 @@ def check_report_path(output: Path) -> Path:
 
 
 def progress_bar(total: int, label: str, show: bool) -> Any:
-    """A tqdm bar of ``total`` images."""
     from tqdm.auto import tqdm  # here, not at the top: pack processes import this module
 
     return tqdm(total=total, unit="img", disable=not show, desc=label)
@@ -290,10 +269,8 @@ def write(
     bar: Any,
     started: float,
 ) -> Path:
-    """Write every job's record in job order after those ``books`` holds, assigning class ids
-    as names first appear, then the dataset arrays of ``source`` (VOC root, image sets) and
-    ``metadata(books, values)``; return what was written. ``open_writer(before_finish=...)``
-    opens the writer; ``bar`` shows the progress and the write rate so far."""
+    """Write every job's record after those ``books`` holds, then the dataset arrays of
+    ``source`` (VOC root, image sets) and ``metadata(books, values)``; return the output."""
     skip = opts.on_error == "skip"
     pool: SpillPool[Job] | None = None
     if pays_off(len(jobs), opts.workers):
@@ -351,8 +328,7 @@ def write_dataset_arrays(
     image_sets: ImageSets,
     max_file_bytes: int,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """Ids, source statistics, retired records, one record list per image set and the raw
-    list files; return the image set sizes and class counts for the metadata."""
+    """Ids, statistics, retired, image-set and list-file arrays; return set sizes, class counts."""
     blob, offsets = schema.encode_ids(books.ids)
     writer.add_array("ids", blob)
     writer.add_array("id_offsets", offsets)
@@ -367,7 +343,7 @@ def write_dataset_arrays(
         writer.add_array(schema.RETIRED_ARRAY, np.array(sorted(books.retired), dtype="<i8"))
     splits: dict[str, dict[str, int]] = {}
     class_counts: dict[str, dict[str, int]] = {}
-    # every object's class and record, so an image set's class counts are two bincounts
+    # every object's class and record: an image set's class counts are two bincounts
     per_record = np.concatenate(
         [books.base_counts, np.array([len(c) for c in books.record_classes], dtype=np.int64)]
     )
@@ -402,8 +378,8 @@ def _load_or_skip(job: Job, skip: bool) -> LoadedSample | SkippedSample:
 
 
 def load_spilled(job: Job, skip: bool) -> Record | SkippedSample:
-    """A job's record for a pack process: objects left as zero bytes, since class ids are only
-    known in the writing process, which sees the samples in dataset order."""
+    """A job's record for a pack process: objects left as zeros, since class ids are only
+    known in the writing process, which sees samples in dataset order."""
     loaded = _load_or_skip(job, skip)
     if isinstance(loaded, SkippedSample):
         return loaded

@@ -1,12 +1,6 @@
-"""The VOC sample schema: which fields and arrays a packed VOC dataset holds, and their codecs.
-
-A packed VOC dataset is a container (``container.spec``) whose records have the byte fields
-``FIELDS`` (image, annotation XML, class mask, object mask, torchvision's target as JSON, one
-``OBJECT_DTYPE`` row per object) and the per-record ``COLUMNS``, beside dataset-level arrays
-(ids, image sets, source statistics, object classes, retired records). docs/FORMAT.md, "VOC
-packs", is the specification; each schema version adds one mark (retired records, objects
-without rows, unparsed annotations) that readers before it must refuse.
-"""
+"""The VOC sample schema: fields, columns and arrays of a packed VOC dataset, and their codecs;
+docs/FORMAT.md, "VOC packs", is the specification. Each schema version adds one mark that
+readers before it must refuse."""
 
 from __future__ import annotations
 
@@ -18,10 +12,8 @@ import numpy as np
 import orjson
 
 SCHEMA = "voc"
-#: The newest schema version read; a pack is written as the lowest that holds it.
-SCHEMA_VERSION = 4
-#: Packs without retired records, objects without rows or unparsed annotations (0.1.0).
-BASE_SCHEMA_VERSION = 1
+SCHEMA_VERSION = 4  #: newest read; a pack is written as the lowest that holds it
+BASE_SCHEMA_VERSION = 1  #: 0.1.0: no retired records, untyped objects, unparsed XML
 RETIRED_SCHEMA_VERSION = 2
 UNTYPED_SCHEMA_VERSION = 3
 UNPARSED_SCHEMA_VERSION = 4
@@ -50,19 +42,14 @@ COLUMNS = np.dtype(
 HAS_ANNOTATION = 1
 HAS_MASK = 2
 HAS_OBJECT_MASK = 4
-#: the annotation's objects have no ``objects`` rows
-UNTYPED_OBJECTS = 8
-#: the annotation's bytes are stored but did not parse: no target, no objects
-UNPARSED_ANNOTATION = 16
+UNTYPED_OBJECTS = 8  # the annotation's objects have no ``objects`` rows
+UNPARSED_ANNOTATION = 16  # the annotation is stored but did not parse: no target, no objects
 KNOWN_FLAGS = HAS_ANNOTATION | HAS_MASK | HAS_OBJECT_MASK | UNTYPED_OBJECTS | UNPARSED_ANNOTATION
-#: The flag that says a record has each of ``SOURCE_FILES`` (the image: always)
 SOURCE_FLAGS = (0, HAS_ANNOTATION, HAS_MASK, HAS_OBJECT_MASK)
-#: Where each of ``SOURCE_FILES`` is in a devkit: its folder, and its extension after the id
 SOURCE_FOLDERS = ("JPEGImages", "Annotations", "SegmentationClass", "SegmentationObject")
 SOURCE_EXTENSIONS = (".jpg", ".xml", ".png", ".png")
 
-#: One row per object; ``class_id`` indexes the pack's ``classes`` list (its metadata).
-OBJECT_DTYPE = np.dtype(
+OBJECT_DTYPE = np.dtype(  #: a row per object; class_id indexes metadata classes
     [
         ("box", "<f4", (4,)),  # xmin, ymin, xmax, ymax as written in the XML
         ("class_id", "<i4"),
@@ -83,12 +70,10 @@ def schema_version(*, retired: bool, untyped: bool, unparsed: bool) -> int:
 
 
 def split_array_name(task: str, image_set: str) -> str:
-    """Name of the array listing the records of ``image_set`` of ``task``."""
     return f"split/{task}/{image_set}"
 
 
-#: The deepest nesting of lists and dicts a stored target may have: what orjson reads.
-MAX_TARGET_DEPTH = 1024
+MAX_TARGET_DEPTH = 1024  #: deepest list/dict nesting of a stored target: orjson's
 
 
 class TargetTooDeepError(ValueError):
@@ -96,8 +81,8 @@ class TargetTooDeepError(ValueError):
 
 
 def encode_target(target: dict[str, Any]) -> bytes:
-    """torchvision's target dict as compact JSON, order kept; ``TargetTooDeepError`` rather
-    than write a target ``decode_target`` cannot read."""
+    """torchvision's target as compact JSON, order kept; ``TargetTooDeepError`` rather than
+    write one ``decode_target`` cannot read."""
     try:
         data = json.dumps(target, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     except RecursionError:
@@ -114,8 +99,7 @@ def encode_target(target: dict[str, Any]) -> bytes:
 
 
 def decode_target(data: bytes | memoryview) -> dict[str, Any]:
-    """Inverse of ``encode_target`` (a fresh dict); orjson, as it is the largest cost after
-    the image copy on the ``decode="none"`` path."""
+    """Inverse of ``encode_target``; orjson: the top cost after ``decode="none"``'s copy."""
     result: dict[str, Any] = orjson.loads(data)
     return result
 
@@ -123,7 +107,6 @@ def decode_target(data: bytes | memoryview) -> dict[str, Any]:
 def encode_objects(
     boxes: np.ndarray, class_ids: Sequence[int], difficult: np.ndarray, truncated: np.ndarray
 ) -> bytes:
-    """Pack per-object arrays into ``OBJECT_DTYPE`` rows."""
     rows = np.zeros(len(class_ids), dtype=OBJECT_DTYPE)
     rows["box"] = boxes
     rows["class_id"] = class_ids
@@ -141,11 +124,9 @@ def encode_ids(ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode_id(blob: np.ndarray, offsets: np.ndarray, i: int) -> str:
-    """Id of record ``i`` from the arrays made by ``encode_ids``."""
     return blob[int(offsets[i]) : int(offsets[i + 1])].tobytes().decode("utf-8")
 
 
 def decode_ids(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
-    """Every id from the arrays made by ``encode_ids``."""
     data, ends = blob.tobytes(), offsets.tolist()
     return [data[a:b].decode("utf-8") for a, b in zip(ends[:-1], ends[1:])]

@@ -1,9 +1,6 @@
-"""The source side of a pack: which ids to store, in which order, and loading one id.
-
-``survey`` turns a devkit's image sets into its distinct ids in layout order, each with its
-``Job`` (made on demand); ``load`` reads and parses one id into a ``LoadedSample``
-(class ids are assigned by the writer). Both are picklable: pack processes load them too.
-"""
+"""The source side of a pack: ``survey`` orders a devkit's distinct ids (jobs made on demand);
+``load`` reads and parses one id (class ids are the writer's). Both are picklable: pack
+processes use them."""
 
 from __future__ import annotations
 
@@ -35,22 +32,19 @@ _LAYOUT_ORDER = {"train": 0, "val": 1, "test": 2, "trainval": 3}
 
 @dataclass(frozen=True)
 class Job:
-    """One id to load."""
-
     voc_root: str
     id: str
     listed_in: str  # "ImageSets/Main/train.txt line 3", for error messages
     needs_annotation: bool
     needs_mask: bool
     options: ImageOptions
-    #: The optional folders holding a file of this id: only those are opened.
-    listed_in_folders: frozenset[str]
+    listed_in_folders: frozenset[str]  # optional folders holding its file: only those opened
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
 @dataclass
 class LoadedSample:
-    """Everything about one id, ready to be written (objects not yet encoded)."""
+    """One id, ready to be written (objects not yet encoded)."""
 
     id: str
     payloads: list[bytes]  # in schema.FIELDS order, objects empty
@@ -60,8 +54,7 @@ class LoadedSample:
     names: list[str]
     objects: VOCObjects | None
     source_bytes: int
-    #: size and mtime_ns of each of ``schema.SOURCE_FILES`` (``ABSENT, 0``: not read)
-    stats: tuple[int, ...] = ()
+    stats: tuple[int, ...] = ()  # (size, mtime_ns) per ``SOURCE_FILES``; ``ABSENT, 0``: unread
     digest: bytes = b""  # SHA-256 of the source image when stored transformed
     untyped: str = ""  # why the objects have no rows (``schema.UNTYPED_OBJECTS``)
     unparsed: str = ""
@@ -69,8 +62,8 @@ class LoadedSample:
 
 @dataclass(frozen=True)
 class Planned:
-    """The distinct ids of a devkit's lists in layout order, and what ``Job`` each would get:
-    an append makes jobs only for the ids it loads."""
+    """A devkit's distinct ids in layout order and the ``Job`` each would get: an append
+    makes jobs only for the ids it loads."""
 
     voc_root: str
     options: ImageOptions
@@ -79,15 +72,14 @@ class Planned:
     main: frozenset[str]  # ids listed in ImageSets/Main
     segmentation: frozenset[str]  # ids listed in ImageSets/Segmentation
     names: tuple[frozenset[str], ...]
-    #: id -> where it is first listed: ``lists`` number << 32 | line number
-    first: Mapping[str, int]
+    first: Mapping[str, int]  # id -> where first listed: ``lists`` number << 32 | line
     lists: tuple[str, ...]  # "ImageSets/Main/train.txt", in layout order
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def job(self, i: int) -> Job:
-        """The job of ``ids[i]``, the same a full pack makes."""
+        """The job of ``ids[i]``, as a full pack makes it."""
         image_id = self.ids[i]
         where = self.first[image_id]
         folded = image_id.casefold()
@@ -107,12 +99,11 @@ class Planned:
         )
 
     def jobs(self) -> list[Job]:
-        """Every id's job."""
         return [self.job(i) for i in range(len(self.ids))]
 
     def reads(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """``reads(job(i))`` for ``positions`` without making the jobs (bool ``[n, 4]``), and
-        whether each id needs its annotation and mask (bool ``[n, 2]``)."""
+        """``reads(job(i))`` for ``positions`` without making jobs (bool ``[n, 4]``), and whether
+        each needs its annotation and mask (bool ``[n, 2]``)."""
         ids = [self.ids[i] for i in positions]
         folded = [i.casefold() for i in ids]
         main = [i in self.main for i in ids]
@@ -126,7 +117,6 @@ class Planned:
         return files, needs
 
 
-#: The folders and extensions of the files an id may lack
 _FOLDERS = schema.SOURCE_FOLDERS[1:]
 _EXTENSIONS = schema.SOURCE_EXTENSIONS[1:]
 
@@ -137,8 +127,7 @@ def survey(
     options: ImageOptions,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> Planned:
-    """The distinct ids of ``image_sets`` in layout order: train ids first, then val, test,
-    trainval, the rest."""
+    """The distinct ids of ``image_sets`` in layout order."""
     ordered = [
         (task, name, image_sets[task][name])
         for task in TASKS
@@ -169,7 +158,7 @@ def survey(
 
 
 def _listing(folder: Path) -> frozenset[str]:
-    """The case-folded names in ``folder`` (none if missing), as a case-blind file system sees."""
+    """Case-folded names in ``folder`` (none if missing), as a case-blind file system sees."""
     try:
         return frozenset(map(str.casefold, os.listdir(folder)))
     except (FileNotFoundError, NotADirectoryError):
@@ -177,13 +166,11 @@ def _listing(folder: Path) -> frozenset[str]:
 
 
 def stores_digest(options: ImageOptions) -> bool:
-    """Whether images stored with ``options`` may differ from their files, so a pack keeps
-    their SHA-256 (``schema.DIGEST_ARRAY``)."""
+    """Whether stored images may differ from their files, so a pack keeps their SHA-256."""
     return options.image_storage != "original" or options.max_size is not None
 
 
 def source_paths(job: Job) -> tuple[str, ...]:
-    """The paths of ``job``'s image, annotation, mask and object mask (``SOURCE_FILES``)."""
     voc, name = job.voc_root, job.id
     return tuple(
         f"{voc}{os.sep}{folder}{os.sep}{name}{ext}"
@@ -192,8 +179,7 @@ def source_paths(job: Job) -> tuple[str, ...]:
 
 
 def reads(job: Job) -> tuple[bool, bool, bool, bool]:
-    """Which of ``source_paths(job)`` ``load`` opens: the image, and the others when needed
-    or listed."""
+    """Which ``source_paths`` ``load`` opens: the image, the others if needed or listed."""
     listed = job.listed_in_folders
     return (
         True,
@@ -203,7 +189,6 @@ def reads(job: Job) -> tuple[bool, bool, bool, bool]:
     )
 
 
-#: What each of ``schema.SOURCE_FILES`` is, in messages
 _WHAT = ("the image", "the annotation", "the mask", "the object mask")
 
 
@@ -275,8 +260,8 @@ def load(job: Job) -> LoadedSample:
 
 
 def _unparsed(error: SourceDataError, job: Job) -> str:
-    """Why ``job``'s annotation did not parse, for an id only ``VOCSegmentation`` reads (it
-    never parses the XML); ``error`` raised for any other id."""
+    """Why the annotation did not parse, for an id only ``VOCSegmentation`` reads (it never
+    parses XML); for any other id ``error`` is raised."""
     if job.needs_annotation:
         raise error from None
     return str(error)
@@ -285,8 +270,7 @@ def _unparsed(error: SourceDataError, job: Job) -> str:
 def _read(
     path: str, required: bool, job: Job, what: str, stats: list[tuple[int, int]], k: int
 ) -> bytes | None:
-    """A regular file's bytes (``None`` when absent and not ``required``); its size and
-    mtime go to ``stats[k]``."""
+    """A regular file's bytes (``None``: absent, not ``required``); size, mtime to ``stats[k]``."""
     try:
         data, st = read_regular_file_stat(path, job.max_file_bytes, what)
         stats[k] = (st.st_size, st.st_mtime_ns)

@@ -1,10 +1,6 @@
-"""VOC annotation XML -> the exact dict torchvision's ``VOCDetection`` returns, safely.
-
-:func:`parse_annotation` parses with the same expat-built ElementTree torchvision uses and
-reproduces its ``parse_voc_xml`` rule for rule; unlike torchvision it refuses a document that
-declares entities (XML bombs) or names an external DTD or entity. :func:`extract_objects` reads
-the boxes, names and flags out of that dict as numpy arrays.
-"""
+"""VOC annotation XML -> the exact dict torchvision's ``VOCDetection`` returns, by its own expat
+ElementTree and ``parse_voc_xml`` rules, but refusing documents that declare entities (XML bombs)
+or name an external DTD or entity."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ from ..errors import SourceDataError
 
 __all__ = ["VOCObjects", "parse_annotation", "extract_objects"]
 
-# ElementTree's own namespace separator, so the safety pre-pass parses as ElementTree does.
-_NAMESPACE_SEPARATOR = "}"
+_NAMESPACE_SEPARATOR = "}"  # ElementTree's, so the pre-pass parses as it does
 _COORDINATES = ("xmin", "ymin", "xmax", "ymax")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Entities and external DTDs live only in <!DOCTYPE>: a document without it skips the pre-pass.
@@ -28,12 +23,11 @@ _DOCTYPE_MARKERS = (b"DOCTYPE", "DOCTYPE".encode("utf-16-le")[:-1])
 
 
 class _Unsafe(Exception):
-    """Raised from inside the expat pre-pass to stop it at the first unsafe construct."""
+    """Stops the expat pre-pass at the first unsafe construct."""
 
 
 def parse_annotation(data: bytes, *, source: str) -> dict[str, Any]:
-    """One annotation file's bytes as torchvision's target dict; ``SourceDataError`` naming
-    ``source`` for malformed or unsafe XML."""
+    """An annotation as torchvision's dict; ``SourceDataError`` for malformed or unsafe XML."""
     if any(marker in data for marker in _DOCTYPE_MARKERS):
         _check_safe(data, source)
     try:
@@ -54,8 +48,8 @@ def parse_annotation(data: bytes, *, source: str) -> dict[str, Any]:
 
 
 def _check_safe(data: bytes, source: str) -> None:
-    """Run expat once without building a tree, refusing entity declarations (bombs stop
-    before any expansion) and external DTDs or entities (never fetched)."""
+    """One expat pass without a tree, refusing entity declarations (bombs stop before any
+    expansion) and external DTDs or entities (never fetched)."""
     parser = pyexpat.ParserCreate(None, _NAMESPACE_SEPARATOR)
 
     def refuse_entity(name: str, *_args: object) -> NoReturn:
@@ -98,7 +92,7 @@ def _malformed(source: str, line: int, column: int, reason: str) -> NoReturn:
 
 
 def _unsupported_encoding(source: str, exc: Exception) -> NoReturn:
-    """Raise for an XML declaration naming an encoding expat cannot read (as torchvision fails)."""
+    """Raise for an encoding expat cannot read (torchvision fails too)."""
     raise SourceDataError(
         f"{source}: the encoding named in the XML declaration is not supported ({exc}); "
         "re-save the file as UTF-8."
@@ -106,9 +100,8 @@ def _unsupported_encoding(source: str, exc: Exception) -> NoReturn:
 
 
 def _convert(node: ET.Element) -> dict[str, Any]:
-    """The dict torchvision's ``parse_voc_xml`` stores under ``node.tag`` for a parent ``node``:
-    leaves give their stripped text (dropped when empty), repeated children a list, and an
-    ``annotation`` element always an ``object`` list."""
+    """``parse_voc_xml``'s dict for a parent ``node``: leaves give their stripped text (none if
+    empty), repeated children a list, ``annotation`` always an ``object`` list."""
     grouped: dict[str, list[Any]] = {}
     for child in node:
         if len(child):
@@ -130,8 +123,8 @@ def _convert(node: ET.Element) -> dict[str, Any]:
 
 @dataclass(frozen=True, eq=False)
 class VOCObjects:
-    """The objects of one annotation in document order: float32 ``boxes`` ``(n, 4)`` as written
-    (``xmin, ymin, xmax, ymax``), uint8 ``difficult`` and ``truncated`` (0 when absent)."""
+    """One annotation's objects in document order: float32 ``boxes`` ``(n, 4)`` as written,
+    uint8 ``difficult`` and ``truncated`` (0 when absent)."""
 
     boxes: np.ndarray
     names: list[str]
@@ -143,8 +136,7 @@ class VOCObjects:
 
 
 def extract_objects(target: dict[str, Any], *, source: str) -> VOCObjects:
-    """Boxes, class names and flags of a target made by :func:`parse_annotation`;
-    ``SourceDataError`` naming ``source`` and the object for one the rows cannot hold."""
+    """Boxes, names and flags of a target; ``SourceDataError`` for an object rows cannot hold."""
     annotation = target.get("annotation")
     if not isinstance(annotation, dict):
         raise SourceDataError(
@@ -193,7 +185,7 @@ def _box(bndbox: Any, where: str) -> list[float]:
 
 
 def _flag(obj: dict[str, Any], key: str, where: str) -> int:
-    """A 0/1 flag such as ``difficult``; missing or empty counts as 0."""
+    """A 0/1 flag such as ``difficult``; missing or empty is 0."""
     text = obj.get(key, "")
     if text == "":
         return 0

@@ -71,7 +71,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tser-example-") as tmp:
         pack = prepare(args.source, args.year, args.num_images, Path(tmp))
         dataset = VOCSerializedDataset(
-            pack, args.image_set, decode="none", target_format="tv_tensors", zero_copy=True
+            pack,
+            image_set=args.image_set,
+            decode="none",
+            target_format="tv_tensors",
+            zero_copy=True,
         )
         if len(dataset) == 0:
             sys.exit(f"error: image set {args.image_set!r} of {pack} is empty")
@@ -107,7 +111,7 @@ def main() -> None:
         )
 
         # The bytes decode to exactly what decode="tensor" returns (on the CPU: same libjpeg).
-        reference = VOCSerializedDataset(pack, args.image_set, decode="tensor")
+        reference = VOCSerializedDataset(pack, image_set=args.image_set, decode="tensor")
         checked = range(min(4, len(dataset)))
         first = decode_batch([dataset[i][0] for i in checked], torch.device("cpu"))
         same = all(torch.equal(first[i], reference[i][0]) for i in checked)

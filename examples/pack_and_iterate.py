@@ -30,14 +30,16 @@ def collate(batch: list[tuple[Any, Any]]) -> tuple[Any, ...]:
     return tuple(zip(*batch))
 
 
-def count(loader: DataLoader) -> tuple[int, int, float]:
-    """(samples, batches, seconds) of one pass over ``loader``."""
+def count(loader: DataLoader) -> tuple[str, float]:
+    """("N samples in M batches", seconds) of one pass over ``loader``."""
     samples = batches = 0
     started = time.perf_counter()
     for images, _targets in loader:
         samples += len(images)
         batches += 1
-    return samples, batches, time.perf_counter() - started
+    plural = "s" * (samples != 1), "es" * (batches != 1)
+    done = f"{samples} sample{plural[0]} in {batches} batch{plural[1]}"
+    return done, time.perf_counter() - started
 
 
 def main() -> None:
@@ -82,7 +84,7 @@ def main() -> None:
             [v2.ToImage(), v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)]
         )
         dataset = VOCSerializedDataset(
-            single.path, "train", transforms=transforms, target_format="tv_tensors"
+            single.path, image_set="train", transforms=transforms, target_format="tv_tensors"
         )
         print(
             f"tv_tensors labels: {dataset.label_names[:6]}{' ...' * (len(dataset.label_names) > 6)}"
@@ -90,8 +92,8 @@ def main() -> None:
         loader: DataLoader[Any] = DataLoader(
             dataset, batch_size=8, shuffle=True, num_workers=args.workers, collate_fn=collate
         )
-        samples, batches, seconds = count(loader)
-        print(f"map-style DataLoader: {samples} samples in {batches} batches, {seconds:.2f} s")
+        done, seconds = count(loader)
+        print(f"map-style DataLoader: {done}, {seconds:.2f} s")
 
         # 3. Iterable: blocks of records read in storage order, shuffled per epoch, split
         # across DataLoader workers (and ranks under torch.distributed).
@@ -106,11 +108,8 @@ def main() -> None:
         loader = DataLoader(stream, batch_size=8, num_workers=args.workers, collate_fn=collate)
         for epoch in range(2):
             stream.set_epoch(epoch)
-            samples, batches, seconds = count(loader)
-            print(
-                f"iterable: epoch {epoch}: {samples} samples in {batches} batches, "
-                f"{seconds:.2f} s (len {len(stream)})"
-            )
+            done, seconds = count(loader)
+            print(f"iterable: epoch {epoch}: {done}, {seconds:.2f} s (len {len(stream)})")
 
 
 if __name__ == "__main__":

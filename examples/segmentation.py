@@ -71,7 +71,7 @@ def main() -> None:
             ]
         )
         try:
-            dataset = VOCSerializedSegmentation(path, "train", transforms=transforms)
+            dataset = VOCSerializedSegmentation(path, image_set="train", transforms=transforms)
         except ValueError:  # no Segmentation lists: a detection-only dataset
             sys.exit(
                 f"error: {args.source or 'the sample'} has no Segmentation train list "

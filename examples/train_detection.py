@@ -71,7 +71,7 @@ def main() -> None:
         # Labels: 0 is the background, as the model expects, then VOC's 20 classes (or a
         # custom dataset's own classes): dataset.label_names says which.
         dataset = VOCSerializedDataset(
-            path, "train", transforms=transforms, target_format="tv_tensors"
+            path, image_set="train", transforms=transforms, target_format="tv_tensors"
         )
         if len(dataset) == 0:
             sys.exit(f"error: the train image set of {path} is empty; nothing to train on")
@@ -99,12 +99,13 @@ def main() -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4)
         model.train()
+        classes = len(dataset.label_names) - 1
         names = ", ".join(dataset.label_names[1:6]) + (
             ", ..." if len(dataset.label_names) > 6 else ""
         )
         print(
             f"training on {len(dataset)} samples of {path}, batch {batch_size}, CPU; "
-            f"{len(dataset.label_names) - 1} classes ({names})"
+            f"{classes} class{'es' * (classes != 1)} ({names})"
         )
 
         step, started = 0, time.perf_counter()

@@ -245,7 +245,7 @@ def test_lmdb_store_holds_torchvision_samples(
         assert [store.get(i) for i in range(len(tv))] == expected
         assert list(store.walk()) == expected  # key order is list order
         # the "as ours" variants: the same image as a uint8 tensor owning its bytes
-        ours = VOCSerializedDataset(synthetic_packs.single, "trainval", decode="none")
+        ours = VOCSerializedDataset(synthetic_packs.single, image_set="trainval", decode="none")
         for i, (image, target) in enumerate(store.walk(store.split_tensor)):
             assert isinstance(image, torch.Tensor) and image.dtype == torch.uint8
             assert image.numpy().flags.writeable

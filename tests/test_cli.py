@@ -285,7 +285,7 @@ def test_pack_options_reach_the_packer(
         "--max-size", "200", "--year", "2007",
     )  # fmt: skip
     assert status == 0, err
-    assert "skipped  1 samples" in out and ".skipped.json" in out
+    assert "skipped  1 sample;" in out and ".skipped.json" in out
     pack = VOCPackReader(tmp_path / "a.tser")
     assert pack.meta["max_size"] == 200 and len(pack) == 23
     assert int(pack.columns["width"].max()) <= 200
@@ -708,6 +708,21 @@ def test_errors_are_one_line_unless_debug(
         main(["info", str(tmp_path / "missing.tser"), "--debug"])
     with pytest.raises(FileNotFoundError):
         main(["--debug", "info", str(tmp_path / "missing.tser")])
+
+
+def test_a_missing_backend_is_one_line_unless_debug(tmp_path: Path) -> None:
+    """``info s3://...`` without s3fs: the library's ImportError as one line, exit 2."""
+    code = (
+        "import sys; sys.modules['s3fs'] = None; from torch_serialized.cli import main; "
+        "sys.exit(main(sys.argv[2:] + ['info', 's3://bucket/voc', '--cache-dir', sys.argv[1]]))"
+    )
+    command = [sys.executable, "-c", code, str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.startswith("torch-serialized: error: ") and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "s3://bucket/voc" in done.stderr
+    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True)
+    assert debug.returncode == 1 and "ImportError" in debug.stderr.splitlines()[-1]
 
 
 # -- bench: a short measurement that works from the wheel (tools/bench.py) ---------------------

@@ -108,7 +108,7 @@ def _corner(packed: Packed, image_set: str = "trainval") -> tuple[Path, str, str
 
 def our_dataset(task: str, path: Path, image_set: str, **kw: Any) -> Any:
     cls = VOCSerializedDataset if task == "Main" else VOCSerializedSegmentation
-    return cls(path, image_set, **kw)
+    return cls(path, image_set=image_set, **kw)
 
 
 def standard_sets(root: Path, year: str) -> list[tuple[str, str]]:
@@ -227,7 +227,7 @@ def wrapper_cases(packed: Packed, image_set: str, target_keys: Any) -> tuple[int
     crash the same way, since it is torchvision's wrapper over the same target dict.
     """
     tv = torchvision_dataset("Main", packed.root, packed.year, image_set)
-    ours = VOCSerializedDataset(packed.single, image_set)
+    ours = VOCSerializedDataset(packed.single, image_set=image_set)
     assert isinstance(ours, VOCDetection)
     tvw = wrap_dataset_for_transforms_v2(tv, target_keys=target_keys)
     ow = wrap_dataset_for_transforms_v2(ours, target_keys=target_keys)
@@ -270,7 +270,7 @@ def test_wrapper_on_real_data(
 
 
 def test_wrapped_dataset_pickles(corner_packs: Packed) -> None:
-    ours = VOCSerializedDataset(corner_packs.shards, "test", transforms=v2_transforms())
+    ours = VOCSerializedDataset(corner_packs.shards, image_set="test", transforms=v2_transforms())
     wrapped = wrap_dataset_for_transforms_v2(ours, target_keys={"boxes", "labels", "annotation"})
     expected = [wrapped[i] for i in range(len(wrapped))]  # maps are open before pickling
     clone = pickle.loads(pickle.dumps(wrapped))
@@ -284,7 +284,7 @@ def test_wrapped_dataset_pickles(corner_packs: Packed) -> None:
 def test_wrapped_segmentation_gives_masks(corner_packs: Packed) -> None:
     tv = wrap_dataset_for_transforms_v2(torchvision_dataset("Segmentation", *_corner(corner_packs)))
     ours = wrap_dataset_for_transforms_v2(
-        VOCSerializedSegmentation(corner_packs.single, "trainval")
+        VOCSerializedSegmentation(corner_packs.single, image_set="trainval")
     )
     assert len(ours) == len(tv)
     for i in range(len(tv)):
@@ -304,7 +304,7 @@ def test_tv_tensors_equal_the_wrapper(corner_packs: Packed, image_set: str) -> N
     wrapped = wrap_dataset_for_transforms_v2(tv)
     # the corner cases hold a class outside VOC's 20 ("cellbody"): ask for VOC's labels
     ours = VOCSerializedDataset(
-        corner_packs.shards, image_set, target_format="tv_tensors", classes=VOC_LABELS
+        corner_packs.shards, image_set=image_set, target_format="tv_tensors", classes=VOC_LABELS
     )
     empty = fractional = 0
     for i in range(len(tv)):
@@ -352,7 +352,7 @@ def test_tv_tensors_match_the_xml(
         targets = [tv[i][1] for i in range(len(tv))]
         classes = ["__background__", *sorted({n for t in targets for n in object_names(t)})]
         ours = VOCSerializedDataset(
-            packed.single, image_set, target_format="tv_tensors", classes=classes
+            packed.single, image_set=image_set, target_format="tv_tensors", classes=classes
         )
         for i, target in enumerate(targets):
             actual = ours[i][1]
@@ -365,17 +365,17 @@ def test_tv_tensors_match_the_xml(
 def test_tv_tensors_refuse_unknown_classes(corner_packs: Packed) -> None:
     with pytest.raises(ValueError, match="cellbody"):
         VOCSerializedDataset(
-            corner_packs.single, "val", target_format="tv_tensors", classes=VOC_LABELS
+            corner_packs.single, image_set="val", target_format="tv_tensors", classes=VOC_LABELS
         )
     ours = VOCSerializedDataset(
-        corner_packs.single, "val", target_format="tv_tensors", classes="packed"
+        corner_packs.single, image_set="val", target_format="tv_tensors", classes="packed"
     )
     assert len(ours) == 12
 
 
 def _default_labels_case(packed: Packed) -> tuple[list[str], list[str]]:
     """(the names the default classes give, the names the pack holds in pack order)."""
-    ours = VOCSerializedDataset(packed.single, "trainval", target_format="tv_tensors")
+    ours = VOCSerializedDataset(packed.single, image_set="trainval", target_format="tv_tensors")
     return ours.label_names, VOCPackReader(packed.single).classes
 
 
@@ -392,7 +392,9 @@ def test_default_classes_are_voc_or_the_packed_ones(
     assert names == (["__background__", *packed_classes] if custom else VOC_LABELS)
     tv = torchvision_dataset("Main", packed.root, packed.year, "trainval")
     for layout in LAYOUTS:
-        ours = VOCSerializedDataset(packed.path(layout), "trainval", target_format="tv_tensors")
+        ours = VOCSerializedDataset(
+            packed.path(layout), image_set="trainval", target_format="tv_tensors"
+        )
         stream = ts.VOCSerializedIterableDataset(
             packed.path(layout), "trainval", target_format="tv_tensors", decode="none"
         )
@@ -404,7 +406,7 @@ def test_default_classes_are_voc_or_the_packed_ones(
     if custom:
         assert ("cellbody" in names) == (root == "corner" or "zzkkzz" in root.name)
         by_name = VOCSerializedDataset(
-            packed.single, "trainval", target_format="tv_tensors", classes="packed"
+            packed.single, image_set="trainval", target_format="tv_tensors", classes="packed"
         )
         assert by_name.label_names == ["__background__", *sorted(packed_classes)]
 
@@ -421,7 +423,7 @@ def test_default_labels_equal_the_wrapper_on_voc_data(
     wrapped = wrap_dataset_for_transforms_v2(
         torchvision_dataset("Main", packed.root, packed.year, "trainval")
     )
-    ours = VOCSerializedDataset(packed.shards, "trainval", target_format="tv_tensors")
+    ours = VOCSerializedDataset(packed.shards, image_set="trainval", target_format="tv_tensors")
     compared = 0
     for i in range(len(ours)):
         try:
@@ -477,10 +479,10 @@ def test_transforms_and_transform_together_raise(corner_packs: Packed, cls: type
     with pytest.raises(ValueError) as expected:
         base(str(corner_packs.root), year=corner_packs.year, image_set="train", **kw)
     with pytest.raises(ValueError) as actual:
-        cls(corner_packs.single, "train", **kw)
+        cls(corner_packs.single, image_set="train", **kw)
     assert str(actual.value) == str(expected.value)
     with pytest.raises(ValueError):
-        cls(corner_packs.single, "train", target_transform=object_names, transforms=joint)
+        cls(corner_packs.single, image_set="train", target_transform=object_names, transforms=joint)
 
 
 @pytest.mark.parametrize(("task", "image_set"), [("Main", "trainval"), ("Segmentation", "val")])
@@ -521,10 +523,10 @@ def _loader_datasets(packed: Packed, flavour: str) -> tuple[Any, Any]:
     if flavour == "v1":
         kw: dict[str, Any] = {"transform": v1_transform(), "target_transform": object_names}
         tv = torchvision_dataset("Main", packed.root, packed.year, "trainval", **kw)
-        return tv, VOCSerializedDataset(packed.shards, "trainval", **kw)
+        return tv, VOCSerializedDataset(packed.shards, image_set="trainval", **kw)
     kw = {"transforms": v2_transforms()}
     tv = torchvision_dataset("Main", packed.root, packed.year, "trainval", **kw)
-    ours = VOCSerializedDataset(packed.shards, "trainval", **kw)
+    ours = VOCSerializedDataset(packed.shards, image_set="trainval", **kw)
     return wrap_dataset_for_transforms_v2(tv), wrap_dataset_for_transforms_v2(ours)
 
 
@@ -564,7 +566,7 @@ def test_decode_tensor_equals_pil_to_tensor(
     packed = synthetic_packs if source == "synthetic" else corner_packs
     for image_set in ("trainval", "test"):
         tv = torchvision_dataset("Main", packed.root, packed.year, image_set)
-        ours = VOCSerializedDataset(packed.shards, image_set, decode="tensor")
+        ours = VOCSerializedDataset(packed.shards, image_set=image_set, decode="tensor")
         for i in range(len(tv)):
             expected, actual = pil_to_tensor(tv[i][0]), ours[i][0]
             assert type(actual) is torch.Tensor and actual.dtype == torch.uint8
@@ -610,8 +612,8 @@ def test_zero_copy_raw_pixels_and_workers(synthetic_devkit: Path, tmp_path: Path
     from torch_serialized import pack_voc
 
     raw = pack_voc(synthetic_devkit, tmp_path / "raw.tser", year=None, image_storage="raw").path
-    views = VOCSerializedDataset(raw, "trainval", decode="tensor", zero_copy=True)
-    copies = VOCSerializedDataset(raw, "trainval", decode="tensor")
+    views = VOCSerializedDataset(raw, image_set="trainval", decode="tensor", zero_copy=True)
+    copies = VOCSerializedDataset(raw, image_set="trainval", decode="tensor")
     for i in range(len(views)):
         assert torch.equal(views[i][0], copies[i][0])
     loader = DataLoader(views, batch_size=4, num_workers=2, collate_fn=list)
@@ -626,7 +628,7 @@ def test_zero_copy_contract_no_warning_and_writes_fault(corner_packs: Packed) ->
     writing into one is refused by the read-only map (SIGSEGV), never silently stored."""
     read = (
         "import sys; from torch_serialized import VOCSerializedDataset as D\n"
-        "ds = D(sys.argv[1], 'trainval', decode='none', zero_copy=True)\n"
+        "ds = D(sys.argv[1], image_set='trainval', decode='none', zero_copy=True)\n"
         "print(sum(len(ds[i][0]) for i in range(len(ds))))\n"
     )
     done = subprocess.run(
@@ -660,6 +662,22 @@ def test_torchvision_keywords_year_and_download(synthetic_devkit: Path, tmp_path
         ts.VOCSerializedDataset(path, download=True)
 
 
+def test_torchvision_positional_arguments(synthetic_packs: Packed) -> None:
+    """``VOCDetection(root, "2007", "train", False, transform, target_transform, None)`` with
+    the pack as the first argument: the same samples; an image set where the year goes says so."""
+    root, path = synthetic_packs.root, synthetic_packs.single
+    tv = VOCDetection(str(root), "2007", "train", False, pil_to_tensor, object_names, None)
+    ours = VOCSerializedDataset(path, "2007", "train", False, pil_to_tensor, object_names, None)
+    assert ours.image_set == "train" and len(ours) == len(tv) > 0
+    for i in range(len(tv)):
+        (image, names), (ref_image, ref_names) = ours[i], tv[i]
+        assert torch.equal(image, ref_image) and names == ref_names
+    seg = VOCSegmentation(str(root), "2007", "val")
+    assert_same_dataset(seg, VOCSerializedSegmentation(path, "2007", "val"), "Segmentation")
+    with pytest.raises(ValueError, match=r"'train' is an image set.*image_set='train'"):
+        VOCSerializedDataset(path, "train")
+
+
 def test_undecoded_bytes_batch_decode_like_the_tensor_path(
     synthetic_devkit: Path, tmp_path: Path
 ) -> None:
@@ -673,8 +691,8 @@ def test_undecoded_bytes_batch_decode_like_the_tensor_path(
     if not batched_decode():  # README's recipe says so
         pytest.skip("decode_jpeg takes a list from torchvision 0.19 on")
     path = ts.pack_voc(synthetic_devkit, tmp_path / "out.tser", year="2007").path
-    raw = ts.VOCSerializedDataset(path, "train", decode="none")
-    tensors = ts.VOCSerializedDataset(path, "train", decode="tensor")
+    raw = ts.VOCSerializedDataset(path, image_set="train", decode="none")
+    tensors = ts.VOCSerializedDataset(path, image_set="train", decode="tensor")
     batch = [raw[i][0] for i in range(len(raw))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 -> TorchCodec
@@ -784,7 +802,7 @@ def test_getitems_refuses_bad_indices_as_a_list_does(corner_packs: Packed, task:
 
 
 def test_dataloader_calls_getitems_once_per_batch(synthetic_packs: Packed, monkeypatch) -> None:
-    ours = VOCSerializedDataset(synthetic_packs.shards, "trainval", decode="none")
+    ours = VOCSerializedDataset(synthetic_packs.shards, image_set="trainval", decode="none")
     calls: list[int] = []
     batch = VOCSerializedDataset.__getitems__
 
@@ -852,8 +870,8 @@ def test_each_read_returns_fresh_samples(
     """The fast read paths share nothing mutable between calls: per index and in a batch
     that names one index twice."""
     kw: dict[str, Any] = {"decode": "none", "target_format": target_format, "classes": "packed"}
-    ours = VOCSerializedDataset(corner_packs.path(layout), "trainval", **kw)
-    plain = VOCSerializedDataset(corner_packs.path(layout), "trainval", decode="none")
+    ours = VOCSerializedDataset(corner_packs.path(layout), image_set="trainval", **kw)
+    plain = VOCSerializedDataset(corner_packs.path(layout), image_set="trainval", decode="none")
     with_objects = next(i for i in range(len(plain)) if plain[i][1]["annotation"].get("object"))
     _owned_and_fresh(ours[with_objects], ours[with_objects])
     first, second = ours.__getitems__([with_objects, with_objects])
@@ -898,7 +916,7 @@ def test_bad_indices_name_the_index_and_the_length(
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_index_lookup_survives_pickle_and_copy(corner_packs: Packed, layout: str) -> None:
     """A pickled or copied dataset indexes as a list does."""
-    ours = VOCSerializedDataset(corner_packs.path(layout), "trainval", decode="none")
+    ours = VOCSerializedDataset(corner_packs.path(layout), image_set="trainval", decode="none")
     n = len(ours)
     for clone in (pickle.loads(pickle.dumps(ours)), copy.deepcopy(ours), copy.copy(ours)):
         for i in (0, n - 1, -1, -n, np.int64(1)):
@@ -921,10 +939,11 @@ class PerIndex(VOCSerializedDataset):
 def test_getitems_defers_to_an_overriding_getitem(corner_packs: Packed) -> None:
     """Subclasses that override ``__getitem__`` (a user's, torchvision's transforms-v2 wrapper)
     keep deciding what a sample is when a DataLoader fetches whole batches."""
-    ours = PerIndex(corner_packs.single, "trainval", decode="none")
+    ours = PerIndex(corner_packs.single, image_set="trainval", decode="none")
     assert_same_value([ours[i] for i in (2, 0)], ours.__getitems__([2, 0]))
     wrapped = wrap_dataset_for_transforms_v2(
-        VOCSerializedDataset(corner_packs.single, "train"), target_keys={"boxes", "labels"}
+        VOCSerializedDataset(corner_packs.single, image_set="train"),
+        target_keys={"boxes", "labels"},
     )
     tv = wrap_dataset_for_transforms_v2(
         torchvision_dataset("Main", corner_packs.root, corner_packs.year, "train"),

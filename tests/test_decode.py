@@ -217,7 +217,7 @@ def test_a_stored_jpeg_bomb_is_refused_before_decoding(
     naming pack, record and id, under a 512 MiB address-space cap."""
     bomb = jpeg_claiming(14_000, 14_000)
     path = rebuild_pack(tiny_packs["single"], tmp_path / "bomb.tser", _image(1, bomb))
-    dataset = VOCSerializedDataset(path, "train", decode=decode)
+    dataset = VOCSerializedDataset(path, image_set="train", decode=decode)
     dataset[0]
     with pytest.raises(ImageTooLargeError, match="decompression bomb") as info:
         dataset[1]
@@ -237,13 +237,13 @@ def test_raw_columns_claiming_a_huge_image_are_refused(
     columns that disagree with the stored bytes raised a bare ValueError."""
     huge = rebuild_pack(raw_pack, tmp_path / "huge.tser", _raw_size(1, 60_000, 60_000))
     with pytest.raises(ImageTooLargeError) as info:
-        VOCSerializedDataset(huge, "train", decode=decode)[1]
+        VOCSerializedDataset(huge, image_set="train", decode=decode)[1]
     _names_the_record(info.value, huge, huge, 1)
     off = rebuild_pack(raw_pack, tmp_path / "off.tser", _raw_size(1, 20, 10))
     with pytest.raises(FormatError, match="raw pixels") as info:
-        VOCSerializedDataset(off, "train", decode=decode)[1]
+        VOCSerializedDataset(off, image_set="train", decode=decode)[1]
     _names_the_record(info.value, off, off, 1)
-    assert VOCSerializedDataset(off, "train", decode=decode)[0] is not None
+    assert VOCSerializedDataset(off, image_set="train", decode=decode)[0] is not None
 
 
 @pytest.mark.timeout(60)
@@ -255,13 +255,13 @@ def test_a_stored_mask_bomb_or_junk_mask_raises_our_error(
     record's columns say it has one.)"""
     empty = rebuild_pack(tiny_packs["single"], tmp_path / "empty.tser", _mask(0, b""))
     with pytest.raises(FormatError, match="record 0's columns contradict its fields"):
-        VOCSerializedSegmentation(empty, "train")
+        VOCSerializedSegmentation(empty, image_set="train")
     for name, data, error in (
         ("bomb", png_claiming(50_000, 50_000), ImageTooLargeError),
         ("jpeg", b"\xff\xd8 not really", FormatError),
     ):
         path = rebuild_pack(tiny_packs["single"], tmp_path / f"{name}.tser", _mask(0, data))
-        dataset = VOCSerializedSegmentation(path, "train")
+        dataset = VOCSerializedSegmentation(path, image_set="train")
         assert int(dataset.records[0]) == 0
         with pytest.raises(error) as info:
             dataset[0]
@@ -275,9 +275,9 @@ def test_the_limit_is_pillows_read_at_call_time(
     """Users set ``PIL.Image.MAX_IMAGE_PIXELS`` as they do for Pillow: every path (images,
     raw pixels, masks) follows the value of the moment, with Pillow's warning above it and the
     error above twice it; ``None`` turns it off."""
-    detection = VOCSerializedDataset(tiny_packs["single"], "train", decode=decode)
-    raw = VOCSerializedDataset(raw_pack, "train", decode=decode)
-    masks = VOCSerializedSegmentation(tiny_packs["single"], "train", decode=decode)
+    detection = VOCSerializedDataset(tiny_packs["single"], image_set="train", decode=decode)
+    raw = VOCSerializedDataset(raw_pack, image_set="train", decode=decode)
+    masks = VOCSerializedSegmentation(tiny_packs["single"], image_set="train", decode=decode)
     readers = {"image": lambda: detection[0], "raw": lambda: raw[0], "mask": lambda: masks[0]}
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)  # the images have 120 to 170 pixels
     for read in readers.values():
@@ -321,7 +321,7 @@ def test_an_object_of_a_class_the_counts_left_out_is_refused_never_labelled(
     limits = {"max_records_per_shard": 2} if form == "shards" else {}
     path = rebuild_pack(tiny_packs[form], tmp_path / "bad", _counts_without_cat, **limits)
     kwargs: dict[str, Any] = {"target_format": "tv_tensors", "classes": ["__background__", "dog"]}
-    dataset = VOCSerializedDataset(path, "train", **kwargs)
+    dataset = VOCSerializedDataset(path, image_set="train", **kwargs)
     pack = VOCPackReader(path)
     cat = [pack.id(int(r)) for r in dataset.records].index("000001")
     assert dataset[0][1]["labels"].tolist() == [1]  # the dogs read

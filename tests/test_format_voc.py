@@ -114,7 +114,7 @@ def test_the_documented_recipe_reads_torchvisions_samples(
     )  # spelled from FORMAT.md's "An `objects` row"
     tv = VOCDetection(str(root), year=user["year"], image_set=image_set)
     ours = VOCSerializedDataset(
-        path, image_set, decode="none", target_format="tv_tensors", classes="packed"
+        path, image_set=image_set, decode="none", target_format="tv_tensors", classes="packed"
     )
     assert len(split) == len(tv) == user["splits"]["Main"][image_set]
     for i, r in enumerate(split.tolist()):

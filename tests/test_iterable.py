@@ -45,7 +45,7 @@ def positions_of(stream_packs: dict[str, Path]) -> dict[tuple[str, str], dict[st
     table = {}
     for kind, path in stream_packs.items():
         for image_set in ("train", "trainval", "test"):
-            ds = VOCSerializedDataset(path, image_set, decode="none", transform=digest)
+            ds = VOCSerializedDataset(path, image_set=image_set, decode="none", transform=digest)
             table[kind, image_set] = {ds[i][0]: i for i in range(len(ds))}
             assert len(table[kind, image_set]) == len(ds)
     return table
@@ -148,7 +148,7 @@ def test_pickled_copy_iterates_alike(stream_packs) -> None:
 
 
 def test_fewer_samples_than_ranks_pads_by_repeating(stream_packs) -> None:
-    ds = VOCSerializedDataset(stream_packs["single"], "train", decode="none")
+    ds = VOCSerializedDataset(stream_packs["single"], image_set="train", decode="none")
     n = len(ds)
     world = n + 2
     got = []
@@ -161,7 +161,7 @@ def test_fewer_samples_than_ranks_pads_by_repeating(stream_packs) -> None:
 
 def test_torch_distributed_defaults_to_one_rank(stream_packs) -> None:
     ds = cheap(stream_packs["single"], "train")
-    assert len(ds) == len(VOCSerializedDataset(stream_packs["single"], "train"))
+    assert len(ds) == len(VOCSerializedDataset(stream_packs["single"], image_set="train"))
 
 
 # -- order ------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def _pixels(sample: tuple[Any, Any]) -> bytes:
 
 @pytest.mark.parametrize("kind", ["single", "shards"])
 def test_samples_equal_the_map_style_dataset(stream_packs, kind) -> None:
-    reference = VOCSerializedDataset(stream_packs[kind], "trainval")
+    reference = VOCSerializedDataset(stream_packs[kind], image_set="trainval")
     by_pixels = {_pixels(reference[i]): i for i in range(len(reference))}
     ds = VOCSerializedIterableDataset(stream_packs[kind], "trainval", shuffle=True, block_size=5)
     ds.set_epoch(2)
@@ -256,7 +256,7 @@ def test_samples_equal_the_map_style_dataset(stream_packs, kind) -> None:
 @pytest.mark.parametrize("decode", ["tensor", "none"])
 def test_tensor_paths_equal_the_map_style_dataset(stream_packs, decode) -> None:
     kw = {"decode": decode, "target_format": "tv_tensors", "classes": "packed"}
-    reference = VOCSerializedDataset(stream_packs["shards"], "test", **kw)
+    reference = VOCSerializedDataset(stream_packs["shards"], image_set="test", **kw)
     ds = VOCSerializedIterableDataset(stream_packs["shards"], "test", block_size=3, **kw)
     got = list(ds)
     assert len(got) == len(reference)
@@ -270,7 +270,7 @@ def test_tensor_paths_equal_the_map_style_dataset(stream_packs, decode) -> None:
 
 
 def test_segmentation_task_equals_the_map_style_dataset(stream_packs) -> None:
-    reference = VOCSerializedSegmentation(stream_packs["shards"], "trainval")
+    reference = VOCSerializedSegmentation(stream_packs["shards"], image_set="trainval")
     ds = VOCSerializedIterableDataset(
         stream_packs["shards"], "trainval", task="Segmentation", checked=True
     )
@@ -296,7 +296,7 @@ def _both(img: Any, target: dict[str, Any]) -> tuple[Any, Any]:
     "kw", [{"transform": pil_to_tensor, "target_transform": _name}, {"transforms": _both}]
 )
 def test_transforms_applied_as_the_map_style_dataset(stream_packs, kw) -> None:
-    reference = VOCSerializedDataset(stream_packs["single"], "train", **kw)
+    reference = VOCSerializedDataset(stream_packs["single"], image_set="train", **kw)
     got = list(VOCSerializedIterableDataset(stream_packs["single"], "train", **kw))
     for i, (img, name) in enumerate(got):
         ref_img, ref_name = reference[i]

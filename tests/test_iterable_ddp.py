@@ -60,7 +60,7 @@ def test_two_ranks_with_two_workers_each_see_every_sample_once(tmp_path: Path) -
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    reference = VOCSerializedDataset(pack, "trainval", decode="none")
+    reference = VOCSerializedDataset(pack, image_set="trainval", decode="none")
     position = {digest(reference[i][0]): i for i in range(len(reference))}
     n = len(reference)
     assert n % 2 == 1  # so rank 1 gets a padding repeat

@@ -175,17 +175,17 @@ def check_against_torchvision(kit: dict[str, Any], tmp: Path) -> None:
         for image_set in lists:
             tv = torchvision_dataset(task, root, "2012", image_set)
             if task == "Main":
-                ours: Any = VOCSerializedDataset(path, image_set)
+                ours: Any = VOCSerializedDataset(path, image_set=image_set)
             else:
-                ours = VOCSerializedSegmentation(path, image_set)
+                ours = VOCSerializedSegmentation(path, image_set=image_set)
             assert_same_dataset(tv, ours, task)
             if task == "Main":
                 _assert_same_wrapped(tv, ours)
             # the stream yields the same samples (storage order: compared as multisets)
             if task == "Main":
-                raw = VOCSerializedDataset(path, image_set, decode="none")
+                raw = VOCSerializedDataset(path, image_set=image_set, decode="none")
             else:
-                raw = VOCSerializedSegmentation(path, image_set, decode="none")
+                raw = VOCSerializedSegmentation(path, image_set=image_set, decode="none")
             assert _stream(path, task, image_set) == _mapped(raw)
     out = ts.export_voc(path, tmp / "out")
     listed = {i for lists in kit["lists"].values() for chosen in lists.values() for i in chosen}
@@ -300,4 +300,4 @@ def check_history(
             for task, reader in readers.items():
                 if any(m in _TASKS[task] for m, _, _ in state.values()):
                     tv = torchvision_dataset(task, root, "2012", "train")
-                    assert_same_dataset(tv, reader(path, "train"), task)
+                    assert_same_dataset(tv, reader(path, image_set="train"), task)

@@ -72,8 +72,8 @@ def test_every_sample_equals_torchvision_and_a_fresh_pack(
 ) -> None:
     fresh = pack_voc(DEVKIT, tmp_path / "fresh", year="2007", max_samples_per_shard=2).path
     tv = VOCDetection(str(DEVKIT), year="2007", image_set=image_set)
-    old = VOCSerializedDataset(PACKS[form], image_set)
-    new = VOCSerializedDataset(fresh, image_set)
+    old = VOCSerializedDataset(PACKS[form], image_set=image_set)
+    new = VOCSerializedDataset(fresh, image_set=image_set)
     assert len(old) == len(tv) == len(new) > 0
     for i in range(len(tv)):
         want = tv[i]
@@ -81,8 +81,8 @@ def test_every_sample_equals_torchvision_and_a_fresh_pack(
             assert same(got[0], want[0]) and got[1] == want[1]
     stream = list(VOCSerializedIterableDataset(PACKS[form], image_set))
     assert [t for _, t in stream] == [tv[i][1] for i in range(len(tv))]
-    tensors = VOCSerializedDataset(PACKS[form], image_set, target_format="tv_tensors")
-    fresh_tensors = VOCSerializedDataset(fresh, image_set, target_format="tv_tensors")
+    tensors = VOCSerializedDataset(PACKS[form], image_set=image_set, target_format="tv_tensors")
+    fresh_tensors = VOCSerializedDataset(fresh, image_set=image_set, target_format="tv_tensors")
     for i in range(len(tv)):
         a, b = tensors[i][1], fresh_tensors[i][1]
         assert all(torch.equal(a[k], b[k]) for k in ("boxes", "labels", "difficult"))
@@ -91,7 +91,7 @@ def test_every_sample_equals_torchvision_and_a_fresh_pack(
 @pytest.mark.parametrize("form", sorted(PACKS))
 def test_segmentation_equals_torchvision(form: str) -> None:
     tv = VOCSegmentation(str(DEVKIT), year="2007", image_set="train")
-    ours = VOCSerializedSegmentation(PACKS[form], "train")
+    ours = VOCSerializedSegmentation(PACKS[form], image_set="train")
     assert len(ours) == len(tv) == 1
     (image, mask), (tv_image, tv_mask) = ours[0], tv[0]
     assert same(image, tv_image) and same(mask.convert("P"), tv_mask.convert("P"))
@@ -122,7 +122,7 @@ def test_an_edited_version_1_manifest_is_caught_by_the_last_shards_copy(tmp_path
     manifest["user"]["classes"] = ["cat", "dog", "person"][::-1]
     (folder / fmt.MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(CorruptFileError, match="metadata differs from") as info:
-        VOCSerializedDataset(folder, "train")
+        VOCSerializedDataset(folder, image_set="train")
     assert str(folder / fmt.MANIFEST_NAME) in str(info.value)
     assert "shard-00002.tser" in str(info.value)
 

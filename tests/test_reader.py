@@ -727,7 +727,7 @@ def test_reader_keeps_old_data_while_another_process_repacks(tmp_path, voc40, vo
     new_path = pack_voc(voc8, reference / out.name, year="2007", **options).path
 
     reader = open_pack(out)
-    dataset = torch_serialized.VOCSerializedDataset(out, "trainval", decode="none")
+    dataset = torch_serialized.VOCSerializedDataset(out, image_set="trainval", decode="none")
     old_records, old_samples = read_records(reader), fingerprints(dataset)
     blob = pickle.dumps(reader)
 
@@ -746,8 +746,8 @@ def test_reader_keeps_old_data_while_another_process_repacks(tmp_path, voc40, vo
     assert fingerprints(dataset) == old_samples
 
     assert read_records(open_pack(out)) == read_records(open_pack(new_path))
-    fresh = torch_serialized.VOCSerializedDataset(out, "trainval", decode="none")
-    expected = torch_serialized.VOCSerializedDataset(new_path, "trainval", decode="none")
+    fresh = torch_serialized.VOCSerializedDataset(out, image_set="trainval", decode="none")
+    expected = torch_serialized.VOCSerializedDataset(new_path, image_set="trainval", decode="none")
     assert fingerprints(fresh) == fingerprints(expected) != old_samples
 
     # the old reader sent to a new process: refused, never a mix of old index and new bytes

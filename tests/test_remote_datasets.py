@@ -114,9 +114,9 @@ def own_copy(remote: Remote, stream_packs: dict[str, Path]) -> Remote:
 def test_map_style_dataset_from_a_url_equals_the_local_pack(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:
-    local = ts.VOCSerializedDataset(stream_packs["shards"], "trainval")
+    local = ts.VOCSerializedDataset(stream_packs["shards"], image_set="trainval")
     ours = ts.VOCSerializedDataset(
-        served.url, "trainval", storage_options=served.storage_options, cache_dir=tmp_path
+        served.url, image_set="trainval", storage_options=served.storage_options, cache_dir=tmp_path
     )
     assert ours.root == served.url
     names = shard_names(stream_packs["shards"])
@@ -194,8 +194,8 @@ def test_every_reader_of_the_issue_takes_a_url(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:
     kw = {"storage_options": served.storage_options, "cache_dir": tmp_path}
-    seg = ts.VOCSerializedSegmentation(served.url, "trainval", **kw)
-    local = ts.VOCSerializedSegmentation(stream_packs["shards"], "trainval")
+    seg = ts.VOCSerializedSegmentation(served.url, image_set="trainval", **kw)
+    local = ts.VOCSerializedSegmentation(stream_packs["shards"], image_set="trainval")
     assert len(seg) == len(local)
     assert np.array_equal(np.asarray(seg[0][1]), np.asarray(local[0][1]))
     reader = ts.open_pack(served.url, **kw)
@@ -215,7 +215,7 @@ def test_a_damaged_shard_on_the_server_downloads_twice_then_raises(
     data[4096] ^= 0xFF  # a record's byte: size and metadata checksum still match
     served.put(name, bytes(data))
     ds = ts.VOCSerializedDataset(
-        served.url, "trainval", storage_options=served.storage_options, cache_dir=tmp_path
+        served.url, image_set="trainval", storage_options=served.storage_options, cache_dir=tmp_path
     )
     first = int(np.flatnonzero(ds.records == 0)[0])
     with pytest.raises(ChecksumError) as info:
@@ -229,9 +229,9 @@ def test_messages_about_a_pack_at_a_url_name_the_url(served: Remote, tmp_path: P
     """The user gave a URL: a message names it, never the cache file it was copied to."""
     opened = {"storage_options": served.storage_options, "cache_dir": tmp_path}
     with pytest.raises(ValueError, match="image_set 'nope' is not in ") as info:
-        ts.VOCSerializedDataset(served.url, "nope", **opened)
+        ts.VOCSerializedDataset(served.url, image_set="nope", **opened)
     assert served.url in str(info.value) and str(tmp_path) not in str(info.value)
-    ds = ts.VOCSerializedDataset(served.url, "trainval", **opened)
+    ds = ts.VOCSerializedDataset(served.url, image_set="trainval", **opened)
     with pytest.raises(IndexError) as info:
         ds[len(ds)]
     assert f"of {served.url} has {len(ds)} samples" in str(info.value)
@@ -275,7 +275,7 @@ def test_a_checked_read_of_a_damaged_cached_copy_says_to_clear_the_cache(
     url = f"{remote.url}/{single.name}"
     ds = ts.VOCSerializedDataset(
         url,
-        "trainval",
+        image_set="trainval",
         checked=True,
         storage_options=remote.storage_options,
         cache_dir=tmp_path,
@@ -383,7 +383,7 @@ def test_two_ranks_with_two_workers_share_one_cache_and_download_each_shard_once
             for rank in (0, 1)
         ]
     )
-    local = ts.VOCSerializedDataset(stream_packs["shards"], "trainval", decode="none")
+    local = ts.VOCSerializedDataset(stream_packs["shards"], image_set="trainval", decode="none")
     assert set(seen) == {digest(local[i][0]) for i in range(len(local))}
     for name in shard_names(stream_packs["shards"]):
         assert served.proxy.count("GET", served.path(name)) <= 1, name
@@ -407,7 +407,7 @@ def test_a_spawned_worker_streams_a_pack_at_a_url(
         "start": "spawn",
     }
     seen = run_ranks([spec])
-    local = ts.VOCSerializedDataset(stream_packs["shards"], "trainval", decode="none")
+    local = ts.VOCSerializedDataset(stream_packs["shards"], image_set="trainval", decode="none")
     assert sorted(seen) == sorted(digest(local[i][0]) for i in range(len(local)))
 
 
@@ -448,19 +448,23 @@ def test_pack_voc_to_a_url_then_a_repack_keeps_an_open_reader_working(
     log = [line for line in s3_remote.proxy.stats()["log"] if line.startswith("PUT")]
     assert log and "manifest.json" in log[-1]  # uploaded last
     local = ts.pack_voc(voc40, tmp_path / "local", max_samples_per_shard=9).path
-    old = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
-    want = ts.VOCSerializedDataset(local, "trainval")
+    old = ts.VOCSerializedDataset(
+        url, image_set="trainval", storage_options=options, cache_dir=tmp_path
+    )
+    want = ts.VOCSerializedDataset(local, image_set="trainval")
     old[0]  # one shard cached, the others not yet
     early = ts.VOCSerializedDataset(
-        url, "trainval", storage_options=options, cache_dir=tmp_path / "e"
+        url, image_set="trainval", storage_options=options, cache_dir=tmp_path / "e"
     )
     early[0]  # its own cache: its other shards are read after the prune below
     ts.pack_voc(voc8, url, max_samples_per_shard=3, storage_options=options)
     assert len(old) == len(want)
     for i in range(len(want)):  # the old pack's shards are still there
         assert old[i][1] == want[i][1]
-    new = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
-    v8 = ts.VOCSerializedDataset(ts.pack_voc(voc8, tmp_path / "v8").path, "trainval")
+    new = ts.VOCSerializedDataset(
+        url, image_set="trainval", storage_options=options, cache_dir=tmp_path
+    )
+    v8 = ts.VOCSerializedDataset(ts.pack_voc(voc8, tmp_path / "v8").path, image_set="trainval")
     assert [new[i][1] for i in range(len(new))] == [v8[i][1] for i in range(len(v8))]
     assert new.pack.reader.manifest_sha256 != old.pack.reader.manifest_sha256
     assert new.pack.path != old.pack.path  # a fresh cache folder: no stale shards mix in
@@ -471,15 +475,21 @@ def test_pack_voc_to_a_url_then_a_repack_keeps_an_open_reader_working(
     # a reader of the pruned pack is told the pack was replaced, not to check the bucket name
     with pytest.raises(ts.FileChangedError, match=f"{url} was replaced after it was opened"):
         early[len(early) - 1]
-    fresh = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
+    fresh = ts.VOCSerializedDataset(
+        url, image_set="trainval", storage_options=options, cache_dir=tmp_path
+    )
     assert [fresh[i][1] for i in range(len(fresh))] == [new[i][1] for i in range(len(new))]
 
 
 def test_a_single_file_pack_written_to_a_url(s3_remote: Remote, voc8: Path, tmp_path: Path) -> None:
     url, options = s3_remote.url + "/voc8.tser", s3_remote.storage_options
     ts.pack_voc(voc8, url, storage_options=options)
-    ours = ts.VOCSerializedDataset(url, "trainval", storage_options=options, cache_dir=tmp_path)
-    want = ts.VOCSerializedDataset(ts.pack_voc(voc8, tmp_path / "v8.tser").path, "trainval")
+    ours = ts.VOCSerializedDataset(
+        url, image_set="trainval", storage_options=options, cache_dir=tmp_path
+    )
+    want = ts.VOCSerializedDataset(
+        ts.pack_voc(voc8, tmp_path / "v8.tser").path, image_set="trainval"
+    )
     assert [ours[i][1] for i in range(len(ours))] == [want[i][1] for i in range(len(want))]
 
 

@@ -90,8 +90,8 @@ def test_map_style_dataset_at_a_url_equals_the_local_pack(
     upload(gcs_remote, local_pack)
     url = gcs_remote.url if layout == "shards" else f"{gcs_remote.url}/{local_pack.name}"
     remote_kw = {"storage_options": gcs_remote.storage_options, "cache_dir": tmp_path}
-    local = ts.VOCSerializedDataset(local_pack, "trainval", decode="none")
-    ours = ts.VOCSerializedDataset(url, "trainval", decode="none", **remote_kw)
+    local = ts.VOCSerializedDataset(local_pack, image_set="trainval", decode="none")
+    ours = ts.VOCSerializedDataset(url, image_set="trainval", decode="none", **remote_kw)
     assert ours.root == url and len(ours) == len(local) > 0
     for i in range(len(local)):
         (a, ta), (b, tb) = ours[i], local[i]
@@ -117,9 +117,13 @@ def test_pack_to_a_url_then_append_reads_as_a_fresh_pack(
     fresh = pack(source, tmp_path / "fresh", form)
     for image_set in ("train", "val"):
         at_url = ts.VOCSerializedDataset(
-            url, image_set, decode="none", storage_options=options, cache_dir=tmp_path / "r"
+            url,
+            image_set=image_set,
+            decode="none",
+            storage_options=options,
+            cache_dir=tmp_path / "r",
         )
-        local = ts.VOCSerializedDataset(fresh, image_set, decode="none")
+        local = ts.VOCSerializedDataset(fresh, image_set=image_set, decode="none")
         assert len(at_url) == len(local) > 0
         for i in range(len(local)):
             (a, ta), (b, tb) = at_url[i], local[i]

@@ -43,7 +43,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_a_dataset_opened_before_a_replace_reads_the_old_pack(tmp_path, sources, form, change):
     out = tmp_path / out_name(form)
     pack_voc(sources["old"], out, year="2007", **PACK_FORMS[form])
-    ds = VOCSerializedDataset(out, "trainval", decode="none")
+    ds = VOCSerializedDataset(out, image_set="trainval", decode="none")
     it = VOCSerializedIterableDataset(out, "trainval", decode="none")
     n = len(ds)
     old = [key(ds[i]) for i in range(n)]  # maps every shard of a folder; no other read yet
@@ -54,7 +54,9 @@ def test_a_dataset_opened_before_a_replace_reads_the_old_pack(tmp_path, sources,
         pack_voc(sources["other"], out, year="2007", **PACK_FORMS[form])
     else:
         append_voc(sources["grown"], out, replace_changed=True)
-    assert len(VOCSerializedDataset(out, "trainval", decode="none")) != n  # a new pack there
+    assert (
+        len(VOCSerializedDataset(out, image_set="trainval", decode="none")) != n
+    )  # a new pack there
 
     assert [key(ds[i]) for i in range(n)] == old
     assert [key(s) for s in ds.__getitems__(list(range(n))[::-1])] == old[::-1]

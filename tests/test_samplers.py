@@ -227,12 +227,14 @@ def test_resume_on_another_pack_of_the_same_size_is_refused(stream_packs, tmp_pa
 
     source = stream_packs["single"].parent / "src"
     again = ts.pack_voc(source, tmp_path / "again.tser", year="2007").path
-    sampler = BlockShuffleSampler(ts.VOCSerializedDataset(stream_packs["single"], "trainval"))
+    sampler = BlockShuffleSampler(
+        ts.VOCSerializedDataset(stream_packs["single"], image_set="trainval")
+    )
     it = iter(sampler)
     next(it)
     state = json.loads(json.dumps(sampler.state_dict()))
     assert "pack" in state and "pack" not in BlockShuffleSampler(len(sampler)).state_dict()
-    other = BlockShuffleSampler(ts.VOCSerializedDataset(again, "trainval"))
+    other = BlockShuffleSampler(ts.VOCSerializedDataset(again, image_set="trainval"))
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="saved on other samples"):
         iter(other)

@@ -19,7 +19,7 @@ def test_the_iterable_dataset_and_the_sampler_are_stateful(stream_packs: dict[st
     assert isinstance(BlockShuffleSampler(10), Stateful)
     assert issubclass(BlockShuffleSampler, Stateful)
     # map-style datasets hold no position: with them the sampler's state is the state
-    assert not isinstance(VOCSerializedDataset(stream_packs["single"], "train"), Stateful)
+    assert not isinstance(VOCSerializedDataset(stream_packs["single"], image_set="train"), Stateful)
 
 
 def test_torchdata_sees_the_same_protocol(stream_packs: dict[str, Any]) -> None:

@@ -129,10 +129,12 @@ def test_segmentation_equals_torchvision(
     unparsed_root: Path, unparsed_packs: dict[str, Path], layout: str, image_set: str
 ) -> None:
     tv = torchvision_dataset("Segmentation", unparsed_root, "2012", image_set)
-    ours = VOCSerializedSegmentation(unparsed_packs[layout], image_set)
+    ours = VOCSerializedSegmentation(unparsed_packs[layout], image_set=image_set)
     assert_same_dataset(tv, ours, "Segmentation")
     tv_main = torchvision_dataset("Main", unparsed_root, "2012", "train")
-    assert_same_dataset(tv_main, VOCSerializedDataset(unparsed_packs[layout], "train"), "Main")
+    assert_same_dataset(
+        tv_main, VOCSerializedDataset(unparsed_packs[layout], image_set="train"), "Main"
+    )
 
 
 def test_schema_version_4_marks_them(unparsed_packs: dict[str, Path], tmp_path: Path) -> None:
@@ -161,7 +163,7 @@ def test_a_reader_before_version_4_refuses_such_a_pack(
     monkeypatch.setattr(schema, "SCHEMA_VERSION", schema.UNTYPED_SCHEMA_VERSION)
     for layout in ("single", "shards"):
         with pytest.raises(FormatError, match="VOC schema version 4 is newer"):
-            VOCSerializedSegmentation(unparsed_packs[layout], "train")
+            VOCSerializedSegmentation(unparsed_packs[layout], image_set="train")
 
 
 def _edited(src: Path, out: Path, edit: Any) -> Path:
@@ -215,7 +217,7 @@ def test_readers_refuse_a_mark_they_cannot_trust(
     need its target: refused when opened, naming the field."""
     bad = _edited(unparsed_packs["single"], tmp_path / "bad.tser", edit)
     with pytest.raises(FormatError, match=message):
-        VOCSerializedSegmentation(bad, "train")
+        VOCSerializedSegmentation(bad, image_set="train")
 
 
 def test_export_gives_their_files_back(
@@ -270,9 +272,9 @@ def test_append_keeps_them_until_a_main_list_needs_them(tmp_path: Path, layout: 
     fixed = ts.append_voc(root, pack, replace_changed=True)
     assert fixed.replaced == ["malformed"] and fixed.unparsed == {}
     tv = torchvision_dataset("Main", root, "2012", "train")
-    assert_same_dataset(tv, VOCSerializedDataset(pack, "train"), "Main")
+    assert_same_dataset(tv, VOCSerializedDataset(pack, image_set="train"), "Main")
     tv_seg = torchvision_dataset("Segmentation", root, "2012", "train")
-    assert_same_dataset(tv_seg, VOCSerializedSegmentation(pack, "train"), "Segmentation")
+    assert_same_dataset(tv_seg, VOCSerializedSegmentation(pack, image_set="train"), "Segmentation")
 
 
 def test_an_id_skipped_when_loaded_again_is_reported_retired(tmp_path: Path) -> None:

@@ -121,7 +121,9 @@ def test_dict_targets_equal_torchvision(
     untyped_root: Path, untyped_packs: dict[str, Path], layout: str, image_set: str
 ) -> None:
     tv = torchvision_dataset("Main", untyped_root, "2012", image_set)
-    assert_same_dataset(tv, VOCSerializedDataset(untyped_packs[layout], image_set), "Main")
+    assert_same_dataset(
+        tv, VOCSerializedDataset(untyped_packs[layout], image_set=image_set), "Main"
+    )
 
 
 def test_the_wrapper_fails_where_torchvision_s_does(
@@ -130,7 +132,9 @@ def test_the_wrapper_fails_where_torchvision_s_does(
     """``wrap_dataset_for_transforms_v2`` over our dict targets: the same boxes where
     torchvision's wrapper makes them, the same exception type where it cannot."""
     tvw = wrap_dataset_for_transforms_v2(torchvision_dataset("Main", untyped_root, "2012", "train"))
-    ours = wrap_dataset_for_transforms_v2(VOCSerializedDataset(untyped_packs["single"], "train"))
+    ours = wrap_dataset_for_transforms_v2(
+        VOCSerializedDataset(untyped_packs["single"], image_set="train")
+    )
     failed = []
     for i, image_id in enumerate(CASES):
         try:
@@ -160,7 +164,7 @@ def test_tv_tensors_raise_for_them_and_only_them(
     untyped_packs: dict[str, Path], layout: str
 ) -> None:
     ds = VOCSerializedDataset(
-        untyped_packs[layout], "train", target_format="tv_tensors", decode="none"
+        untyped_packs[layout], image_set="train", target_format="tv_tensors", decode="none"
     )
     for i, image_id in enumerate(CASES):
         if CASES[image_id][1]:
@@ -180,7 +184,7 @@ def test_tv_tensors_raise_for_them_and_only_them(
         assert torch.equal(target["boxes"].as_subclass(torch.Tensor), _expected_boxes(image_id))
     with pytest.raises(SourceDataError, match=r"\(id 'no_box'\) has no tv_tensors target"):
         ds.__getitems__([*typed, list(CASES).index("no_box")])
-    dicts = VOCSerializedDataset(untyped_packs[layout], "train", decode="none")
+    dicts = VOCSerializedDataset(untyped_packs[layout], image_set="train", decode="none")
     assert [t for _, t in dicts.__getitems__(range(len(CASES)))] == [
         dicts[i][1] for i in range(len(CASES))
     ]
@@ -221,7 +225,9 @@ def test_a_reader_before_version_3_refuses_such_a_pack(
     monkeypatch.setattr(schema, "SCHEMA_VERSION", schema.RETIRED_SCHEMA_VERSION)
     for layout in ("single", "shards"):
         with pytest.raises(FormatError, match="VOC schema version 3 is newer"):
-            VOCSerializedDataset(untyped_packs[layout], "train", target_format="tv_tensors")
+            VOCSerializedDataset(
+                untyped_packs[layout], image_set="train", target_format="tv_tensors"
+            )
 
 
 def _edited(src: Path, out: Path, edit: Any) -> Path:
@@ -256,7 +262,7 @@ def test_readers_refuse_a_mark_they_cannot_trust(
     before would read as boxless), claims rows for them, or sets flags we do not know."""
     bad = _edited(untyped_packs["single"], tmp_path / "bad.tser", edit)
     with pytest.raises(FormatError, match=message):
-        VOCSerializedDataset(bad, "train")
+        VOCSerializedDataset(bad, image_set="train")
 
 
 def test_max_size_scales_their_dict_targets(untyped_root: Path, tmp_path: Path) -> None:
@@ -264,7 +270,7 @@ def test_max_size_scales_their_dict_targets(untyped_root: Path, tmp_path: Path) 
     other target's are; the words are left as they were."""
     with pytest.warns(UntypedObjectsWarning):
         pack = ts.pack_voc(untyped_root, tmp_path / "small.tser", max_size=20)
-    ds = VOCSerializedDataset(pack.path, "train")
+    ds = VOCSerializedDataset(pack.path, image_set="train")
     by_id = dict(zip(ds.ids, range(len(ds))))
     image, target = ds[by_id["text_box"]]
     assert image.size == (20, 15)
@@ -297,7 +303,7 @@ def test_append_adds_them_and_raises_the_version(tmp_path: Path) -> None:
     assert again.untyped == {}
     assert VOCPackReader(pack).meta["schema_version"] == schema.UNTYPED_SCHEMA_VERSION
     tv = torchvision_dataset("Main", root, "2012", "train")
-    assert_same_dataset(tv, VOCSerializedDataset(pack, "train"), "Main")
+    assert_same_dataset(tv, VOCSerializedDataset(pack, image_set="train"), "Main")
 
 
 def test_cli_pack_and_info_say_so_once(

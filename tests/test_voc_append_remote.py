@@ -188,12 +188,12 @@ def test_append_to_a_url_reads_as_a_full_repack_and_uploads_only_new_files(
     s3_remote.proxy.reset()
     at_url = VOCSerializedDataset(
         url,
-        "train",
+        image_set="train",
         decode="none",
         storage_options=s3_remote.storage_options,
         cache_dir=tmp_path / "cache",
     )
-    local = VOCSerializedDataset(grown, "train", decode="none")
+    local = VOCSerializedDataset(grown, image_set="train", decode="none")
     assert len(at_url) == len(local) > 0
     assert all(as_bytes(at_url[i][0]) == as_bytes(local[i][0]) for i in range(len(local)))
     if form == "shards":  # the old shards it reads, never a file the append uploaded
@@ -218,7 +218,11 @@ def test_a_reader_that_opened_before_keeps_working_and_the_next_append_downloads
     url = pack_at(source, store_remote, "shards")
     options = store_remote.storage_options
     old = VOCSerializedDataset(
-        url, "trainval", decode="none", storage_options=options, cache_dir=tmp_path / "reader"
+        url,
+        image_set="trainval",
+        decode="none",
+        storage_options=options,
+        cache_dir=tmp_path / "reader",
     )
     first = as_bytes(old[0][0])
     source.cut(0.75)
@@ -226,7 +230,11 @@ def test_a_reader_that_opened_before_keeps_working_and_the_next_append_downloads
     assert as_bytes(old[0][0]) == first
     before = [as_bytes(old[i][0]) for i in range(len(old))]  # every old shard still there
     new = VOCSerializedDataset(
-        url, "trainval", decode="none", storage_options=options, cache_dir=tmp_path / "reader"
+        url,
+        image_set="trainval",
+        decode="none",
+        storage_options=options,
+        cache_dir=tmp_path / "reader",
     )
     assert len(new) > len(old) == len(before)
     assert [as_bytes(new[i][0]) for i in range(len(old))] == before

@@ -78,7 +78,7 @@ def test_pillow_limits_unchanged_by_import_and_pack(tmp_path, voc8):
     assert current() == fresh
     pack = pack_voc(voc8, tmp_path / "voc.tser", year="2007", check_images=True).path
     for decode in ("pil", "tensor"):
-        torch_serialized.VOCSerializedDataset(pack, "trainval", decode=decode)[0]
+        torch_serialized.VOCSerializedDataset(pack, image_set="trainval", decode=decode)[0]
     assert current() == fresh
 
 

@@ -59,8 +59,8 @@ def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) ->
     )
     assert (sharded.path / "manifest.json").is_file()
     assert len(list(sharded.path.glob("shard-*.tser"))) == -(-single.num_samples // 5)
-    a = ts.VOCSerializedDataset(single.path, "trainval")
-    b = ts.VOCSerializedDataset(sharded.path, "trainval")
+    a = ts.VOCSerializedDataset(single.path, image_set="trainval")
+    b = ts.VOCSerializedDataset(sharded.path, image_set="trainval")
     assert len(a) == len(b)
     for i in range(len(a)):
         assert a[i][1] == b[i][1]
@@ -69,7 +69,7 @@ def test_shards_hold_the_same_samples(synthetic_devkit: Path, tmp_path: Path) ->
         synthetic_devkit, tmp_path / "sized", year="2007", max_shard_bytes=400_000
     )
     assert len(list(by_bytes.path.glob("shard-*.tser"))) > 2
-    assert len(ts.VOCSerializedDataset(by_bytes.path, "test")) == len(
+    assert len(ts.VOCSerializedDataset(by_bytes.path, image_set="test")) == len(
         VOCDetection(synthetic_devkit, "2007", "test")
     )
 
@@ -128,8 +128,8 @@ def test_an_option_beyond_what_metadata_holds_is_refused_before_packing(
 def test_raw_storage_returns_torchvision_pixels(synthetic_devkit: Path, tmp_path: Path) -> None:
     raw = ts.pack_voc(synthetic_devkit, tmp_path / "raw.tser", year="2007", image_storage="raw")
     tv = VOCDetection(synthetic_devkit, "2007", "train")
-    ours = ts.VOCSerializedDataset(raw.path, "train")
-    tensors = ts.VOCSerializedDataset(raw.path, "train", decode="tensor")
+    ours = ts.VOCSerializedDataset(raw.path, image_set="train")
+    tensors = ts.VOCSerializedDataset(raw.path, image_set="train", decode="tensor")
     for i in range(len(tv)):
         image, target = tv[i]
         mine, my_target = ours[i]
@@ -143,8 +143,8 @@ def test_raw_storage_returns_torchvision_pixels(synthetic_devkit: Path, tmp_path
 def test_max_size_scales_images_boxes_and_sizes(synthetic_devkit: Path, tmp_path: Path) -> None:
     small = ts.pack_voc(synthetic_devkit, tmp_path / "small.tser", year="2007", max_size=128)
     tv = VOCDetection(synthetic_devkit, "2007", "train")
-    ours = ts.VOCSerializedDataset(small.path, "train")
-    fast = ts.VOCSerializedDataset(small.path, "train", target_format="tv_tensors")
+    ours = ts.VOCSerializedDataset(small.path, image_set="train")
+    fast = ts.VOCSerializedDataset(small.path, image_set="train", target_format="tv_tensors")
     for i in range(len(tv)):
         image, target = tv[i]
         mine, my_target = ours[i]
@@ -176,9 +176,9 @@ def test_max_size_tv_tensors_boxes_are_the_dict_target_numbers(tmp_path: Path) -
     formats give the same numbers (as float32)."""
     root = make_synthetic_voc(tmp_path / "src", 12, year="2007", segmentation_every=0)
     small = ts.pack_voc(root, tmp_path / "small.tser", year="2007", max_size=137)
-    as_dict = ts.VOCSerializedDataset(small.path, "trainval", decode="none")
+    as_dict = ts.VOCSerializedDataset(small.path, image_set="trainval", decode="none")
     as_tv = ts.VOCSerializedDataset(
-        small.path, "trainval", decode="none", target_format="tv_tensors"
+        small.path, image_set="trainval", decode="none", target_format="tv_tensors"
     )
     compared = 0
     for i in range(len(as_dict)):
@@ -200,7 +200,7 @@ def test_max_size_resizes_masks_with_their_images(tmp_path: Path) -> None:
     root = make_synthetic_voc(tmp_path / "src", 8, year="2012", segmentation_every=2)
     small = ts.pack_voc(root, tmp_path / "small.tser", year="2012", max_size=200)
     tv = VOCSegmentation(root, "2012", "train")
-    ours = ts.VOCSerializedSegmentation(small.path, "train")
+    ours = ts.VOCSerializedSegmentation(small.path, image_set="train")
     assert len(ours) == len(tv) > 0
     for i in range(len(tv)):
         image, mask = ours[i]
@@ -240,7 +240,7 @@ def test_max_size_scales_every_coordinate_of_the_target(tmp_path: Path) -> None:
     root = tiny_devkit(tmp_path / "src", ["a"], **{"a.xml": xml})
     small = ts.pack_voc(root, tmp_path / "small.tser", year="2007", max_size=16)
     (target_tv,) = [VOCDetection(root, "2007", "train")[0][1]]
-    target = ts.VOCSerializedDataset(small.path, "train")[0][1]
+    target = ts.VOCSerializedDataset(small.path, image_set="train")[0][1]
     before, after = target_tv["annotation"]["object"][0], target["annotation"]["object"][0]
     assert after["bndbox"] == {"xmin": "1", "ymin": "1", "xmax": "10", "ymax": "10"}
     assert [p["bndbox"] for p in after["part"]] == [
@@ -261,7 +261,7 @@ def test_missing_annotation_fails_and_skip_mode_reports(tmp_path: Path) -> None:
     assert [s.id for s in result.skipped] == ["c"] and "c.xml" in result.skipped[0].reason
     assert result.report is not None
     assert json.loads(result.report.read_text())[0]["id"] == "c"
-    assert ts.VOCSerializedDataset(result.path, "train").ids == ["a", "b"]
+    assert ts.VOCSerializedDataset(result.path, image_set="train").ids == ["a", "b"]
 
 
 @pytest.mark.parametrize("options", [{}, {"max_samples_per_shard": 2}, {"workers": 2}])
@@ -406,7 +406,7 @@ def test_empty_list_file_gives_an_empty_image_set(tmp_path: Path) -> None:
     (root / "VOCdevkit/VOC2007/ImageSets/Main/val.txt").write_text("")
     result = ts.pack_voc(root, tmp_path / "out.tser", year="2007")
     assert (
-        len(ts.VOCSerializedDataset(result.path, "val"))
+        len(ts.VOCSerializedDataset(result.path, image_set="val"))
         == len(VOCDetection(root, "2007", "val"))
         == 0
     )
@@ -417,21 +417,29 @@ def test_packed_classes_and_unknown_labels(tmp_path: Path) -> None:
     root = tiny_devkit(tmp_path / "src", ["a", "b"], **{"a.xml": xml})
     result = ts.pack_voc(root, tmp_path / "out.tser", year="2007")
     # classes=None on custom data: the packed classes in pack order (first seen: a, then b)
-    default = ts.VOCSerializedDataset(result.path, "train", target_format="tv_tensors")
+    default = ts.VOCSerializedDataset(result.path, image_set="train", target_format="tv_tensors")
     assert default.label_names == ["__background__", "helmet", "head", "dog"]
     assert default[0][1]["labels"].tolist() == [1, 2] and default[1][1]["labels"].tolist() == [3]
     with pytest.raises(ValueError, match="helmet"):  # a list without them is refused
         ts.VOCSerializedDataset(
-            result.path, "train", target_format="tv_tensors", classes=["__background__", "dog"]
+            result.path,
+            image_set="train",
+            target_format="tv_tensors",
+            classes=["__background__", "dog"],
         )
-    ds = ts.VOCSerializedDataset(result.path, "train", target_format="tv_tensors", classes="packed")
+    ds = ts.VOCSerializedDataset(
+        result.path, image_set="train", target_format="tv_tensors", classes="packed"
+    )
     target = ds[0][1]
     names = ["__background__", "dog", "head", "helmet"]  # "packed": sorted by name
     assert ds.label_names == names
     assert [names[i] for i in target["labels"].tolist()] == ["helmet", "head"]
     assert target["boxes"].tolist()[1] == [2.5, 3.0, 9.0, 9.75]
     custom = ts.VOCSerializedDataset(
-        result.path, "train", target_format="tv_tensors", classes=["helmet", "head", "dog"]
+        result.path,
+        image_set="train",
+        target_format="tv_tensors",
+        classes=["helmet", "head", "dog"],
     )
     assert custom[0][1]["labels"].tolist() == [0, 1]
 
@@ -474,7 +482,7 @@ def test_progress_ends_with_the_summary_rate(
 
 def test_image_bytes_are_stored_unchanged(synthetic_devkit: Path, tmp_path: Path) -> None:
     result = ts.pack_voc(synthetic_devkit, tmp_path / "out.tser", year="2007")
-    ds = ts.VOCSerializedDataset(result.path, "trainval", decode="none")
+    ds = ts.VOCSerializedDataset(result.path, image_set="trainval", decode="none")
     tv = VOCDetection(synthetic_devkit, "2007", "trainval")
     for i in range(len(ds)):
         assert bytes(ds[i][0].numpy()) == Path(tv.images[i]).read_bytes()

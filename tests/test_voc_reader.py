@@ -289,7 +289,7 @@ def test_invalid_voc_metadata_is_refused_at_open_naming_the_field(
     path = rebuild_pack(tiny_packs[form], tmp_path / "bad", edit, **limits)
     for open_it in (
         lambda: VOCPackReader(path),
-        lambda: VOCSerializedDataset(path, "train"),
+        lambda: VOCSerializedDataset(path, image_set="train"),
         lambda: VOCSerializedIterableDataset(path, "train"),
         lambda: SerializedDataset(path),
     ):
@@ -301,7 +301,7 @@ def test_invalid_voc_metadata_is_refused_at_open_naming_the_field(
 def test_a_valid_rebuild_opens(tmp_path: Path, tiny_packs: dict[str, Path]) -> None:
     """The edits above start from a pack that reads: only the edit is refused."""
     path = rebuild_pack(tiny_packs["single"], tmp_path / "same.tser")
-    assert len(VOCSerializedDataset(path, "trainval")) == 6
+    assert len(VOCSerializedDataset(path, image_set="trainval")) == 6
 
 
 def test_a_label_base_of_the_first_classes_opens(
@@ -311,7 +311,9 @@ def test_a_label_base_of_the_first_classes_opens(
     pack had then); the classes after it get the next labels."""
     classes = VOCPackReader(tiny_packs["single"]).classes
     path = rebuild_pack(tiny_packs["single"], tmp_path / "base.tser", _label_base(id, 1))
-    data = VOCSerializedDataset(path, "trainval", target_format="tv_tensors", classes="packed")
+    data = VOCSerializedDataset(
+        path, image_set="trainval", target_format="tv_tensors", classes="packed"
+    )
     assert data.label_names == ["__background__", *classes]  # new classes after, in pack order
 
 
@@ -385,12 +387,12 @@ def test_record_columns_that_contradict_the_fields_are_refused(
     path = rebuild_pack(tiny_packs[form], tmp_path / "bad", edit, **limits)
     match = rf"record 1's columns contradict its fields.*expected {expected}"
     if form == "single":
-        for open_it in (VOCPackReader, lambda p: VOCSerializedDataset(p, "train")):
+        for open_it in (VOCPackReader, lambda p: VOCSerializedDataset(p, image_set="train")):
             with pytest.raises(FormatError, match=match) as info:
                 open_it(path)
             assert str(path) in str(info.value)
     else:
-        dataset = VOCSerializedDataset(path, "trainval", decode="none")
+        dataset = VOCSerializedDataset(path, image_set="trainval", decode="none")
         index = [int(r) for r in dataset.records].index(1)
         with pytest.raises(FormatError, match=match) as info:
             dataset[index]
@@ -409,7 +411,9 @@ def test_a_damaged_record_raises_our_error_naming_it_on_every_read_path(
     pack = VOCPackReader(path)
     where = f"record 1 (id {pack.id(1)!r})"
     classes = "packed" if target_format == "tv_tensors" else None
-    dataset = VOCSerializedDataset(path, "train", target_format=target_format, classes=classes)
+    dataset = VOCSerializedDataset(
+        path, image_set="train", target_format=target_format, classes=classes
+    )
     assert int(dataset.records[1]) == 1
     dataset[0]  # the other records read
     with pytest.raises(FormatError, match=message) as info:
@@ -460,9 +464,9 @@ def test_a_checked_read_of_a_damaged_record_names_the_sample(
         f.seek(offset + 10)
         f.write(bytes([byte ^ 0xFF]))
     id_ = VOCPackReader(path).id(record)
-    dataset = VOCSerializedDataset(path, "trainval", checked=True, decode="none")
+    dataset = VOCSerializedDataset(path, image_set="trainval", checked=True, decode="none")
     index = [int(r) for r in dataset.records].index(record)
-    segmentation = VOCSerializedSegmentation(path, "val", checked=True)
+    segmentation = VOCSerializedSegmentation(path, image_set="val", checked=True)
     assert int(segmentation.records[0]) == record
     named = rf"record {record} \(id '{id_}'\): its image field fails its checksum"
     named += r" \(in .*shard-.*\.tser\); " if form == "shards" else "; "

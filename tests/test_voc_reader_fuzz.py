@@ -219,7 +219,7 @@ class Checker:
                 ds = self.attempt(
                     "open",
                     lambda d=decode, t=target_format, k=classes: VOCSerializedDataset(
-                        self.path, image_set, decode=d, target_format=t, classes=k
+                        self.path, image_set=image_set, decode=d, target_format=t, classes=k
                     ),
                 )
                 if ds is None:
@@ -249,7 +249,7 @@ class Checker:
             )
 
     def segmentation(self, image_set: str) -> None:
-        ds = self.attempt("open", lambda: VOCSerializedSegmentation(self.path, image_set))
+        ds = self.attempt("open", lambda: VOCSerializedSegmentation(self.path, image_set=image_set))
         if ds is None:
             return
         records = self.c.arrays[schema.split_array_name("Segmentation", image_set)].tolist()

@@ -35,8 +35,8 @@ def _bytes_of(sample: tuple[torch.Tensor, Any]) -> bytes:
 
 
 def test_reopen_finds_datasets_inside_wrappers(synthetic_packs: Any) -> None:
-    ds = ts.VOCSerializedDataset(synthetic_packs.single, "train", decode="none")
-    seg = ts.VOCSerializedSegmentation(synthetic_packs.shards, "train")
+    ds = ts.VOCSerializedDataset(synthetic_packs.single, image_set="train", decode="none")
+    seg = ts.VOCSerializedSegmentation(synthetic_packs.shards, image_set="train")
     it = ts.VOCSerializedIterableDataset(synthetic_packs.single, "train")
     assert reopen_dataset(ds) == 1
     assert reopen_dataset(Subset(ds, [0, 1])) == 1
@@ -52,14 +52,14 @@ def test_reopen_finds_datasets_inside_wrappers(synthetic_packs: Any) -> None:
 
 
 def test_reopen_is_idempotent_in_one_process(synthetic_packs: Any) -> None:
-    ds = ts.VOCSerializedDataset(synthetic_packs.single, "train", decode="none")
+    ds = ts.VOCSerializedDataset(synthetic_packs.single, image_set="train", decode="none")
     shard = ds.pack.reader.shard(0)
     before = shard._local
     reopen_dataset(ds)
     reopen_dataset(ds)
     assert shard._local is before  # same process: nothing to do, nothing dropped
     assert _bytes_of(ds[0]) == _bytes_of(
-        ts.VOCSerializedDataset(synthetic_packs.single, "train", decode="none")[0]
+        ts.VOCSerializedDataset(synthetic_packs.single, image_set="train", decode="none")[0]
     )
 
 
@@ -79,7 +79,7 @@ def test_worker_init_fn_is_optional_and_harmless(
         pytest.skip(f"{method} is not available here")
     ds = Subset(
         ts.VOCSerializedDataset(
-            synthetic_packs.shards, "trainval", decode="none", zero_copy=zero_copy
+            synthetic_packs.shards, image_set="trainval", decode="none", zero_copy=zero_copy
         ),
         range(12),
     )
@@ -132,7 +132,9 @@ def test_twenty_epochs_with_persistent_workers_keep_fds_and_memory_flat(voc40_pa
     from torch.utils.data import DataLoader
 
     dataset = PidDataset(
-        torch_serialized.VOCSerializedDataset(voc40_packs["single"], "trainval", decode="tensor")
+        torch_serialized.VOCSerializedDataset(
+            voc40_packs["single"], image_set="trainval", decode="tensor"
+        )
     )
     loader = DataLoader(
         dataset,  # type: ignore[arg-type]
@@ -327,7 +329,7 @@ def storages_seen_in_worker(batch: list[Any]) -> tuple[list[Any], int]:
 def test_dataloader_workers_send_a_batch_in_one_block(synthetic_packs: Any, kw: dict) -> None:
     """Through DataLoader workers a batch's images travel as views of one shared block (one
     segment per batch, not per image) and equal what the main process reads."""
-    ds = ts.VOCSerializedDataset(synthetic_packs.shards, "trainval", **kw)
+    ds = ts.VOCSerializedDataset(synthetic_packs.shards, image_set="trainval", **kw)
     loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=storages_seen_in_worker)
     got = []
     for batch, storages in loader:
@@ -360,7 +362,10 @@ def test_a_workers_batch_copies_each_image_once(
     batch's shared block: no private copy of the batch first (Python allocates less than one
     image for the whole batch), and every image is the same value, shared, not the map."""
     ds = ts.VOCSerializedDataset(
-        synthetic_packs.path(layout), "trainval", decode="none", target_format=target_format
+        synthetic_packs.path(layout),
+        image_set="trainval",
+        decode="none",
+        target_format=target_format,
     )
     indices = [5, 0, 3, 3, 9, 1]
     expected = [ds[i] for i in indices]
@@ -388,7 +393,10 @@ def test_a_workers_batch_of_decoded_images_holds_one_at_a_time(
     that glibc then kept per worker. The pack's columns give each decoded size, so the
     block is made first and each image copied in as soon as it is decoded."""
     ds = ts.VOCSerializedDataset(
-        synthetic_packs.path(layout), "trainval", decode="tensor", target_format=target_format
+        synthetic_packs.path(layout),
+        image_set="trainval",
+        decode="tensor",
+        target_format=target_format,
     )
     indices = [5, 0, 3, 3, 9, 1]
     expected = [ds[i] for i in indices]
@@ -428,7 +436,7 @@ def test_a_workers_block_is_never_sized_past_the_pixel_limit(
 
     if limit == "off":
         monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
-    ds = ts.VOCSerializedDataset(synthetic_packs.single, "trainval", decode="tensor")
+    ds = ts.VOCSerializedDataset(synthetic_packs.single, image_set="trainval", decode="tensor")
     expected = [ds[i] for i in range(3)]
     sizes = ds.decoder._sizes.copy()
     sizes[:] = 2**32 - 1
@@ -448,7 +456,7 @@ def test_a_workers_batch_of_raw_pixels_copies_each_image_once(
     """Raw-pixel packs too: a worker's batch copies each image once, from the map into the
     shared block (CHW views keep their strides), equal to what the main process reads."""
     raw = ts.pack_voc(synthetic_devkit, tmp_path / "raw.tser", image_storage="raw").path
-    ds = ts.VOCSerializedDataset(raw, "trainval", decode=decode)
+    ds = ts.VOCSerializedDataset(raw, image_set="trainval", decode=decode)
     indices = [4, 1, 7]
     expected = [ds[i] for i in indices]
     monkeypatch.setattr(torch_serialized.data.datasets, "in_worker", lambda: True)
@@ -469,7 +477,7 @@ def test_a_workers_batch_of_one_owns_its_image(
     of its own (a read-only view of the map must never leave a worker's ``__getitems__``,
     even with ``zero_copy``: a collate_fn may write into it)."""
     ds = ts.VOCSerializedDataset(
-        synthetic_packs.single, "trainval", decode="none", zero_copy=zero_copy
+        synthetic_packs.single, image_set="trainval", decode="none", zero_copy=zero_copy
     )
     monkeypatch.setattr(torch_serialized.data.datasets, "in_worker", lambda: True)
     [(image, target)] = ds.__getitems__([2])

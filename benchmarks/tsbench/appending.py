@@ -105,7 +105,8 @@ def scenario_append(b: Bench) -> list[Row]:
             Row(
                 f"append_vs_repack_{form}",
                 "append",
-                f"append {len(new)} new images to a {form} pack of {len(ids) - len(new)}",
+                f"append {len(new)} new image{'s' * (len(new) != 1)} to a {form} pack of "
+                f"{len(ids) - len(new)}",
                 "s",
                 "cost",
                 full,

@@ -59,7 +59,7 @@ def scenario_attributes(b: Bench) -> list[Row]:
     root = tiny_devkit(b.work / "attributes", count)
     pack = pack_voc(root, b.work / "attributes.tser", year="2012").path
     tv = VOCDetection(str(root), year="2012", image_set=IMAGE_SET)
-    ours = VOCSerializedDataset(pack, IMAGE_SET)
+    ours = VOCSerializedDataset(pack, image_set=IMAGE_SET)
     same = [str(root / p) for p in ours.images] == tv.images
     order = np.random.default_rng(SEED).permutation(count).tolist()
     sides = {"tv": tv, "ours": ours}

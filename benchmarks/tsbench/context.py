@@ -38,7 +38,7 @@ class Bench:
     def ours(self, path: Path | None = None, **kwargs: Any) -> Any:
         from torch_serialized import VOCSerializedDataset
 
-        return VOCSerializedDataset(path or self.packed(), IMAGE_SET, **kwargs)
+        return VOCSerializedDataset(path or self.packed(), image_set=IMAGE_SET, **kwargs)
 
     def packed(self) -> Path:
         if self.pack is None:

@@ -39,7 +39,7 @@ def decode_epochs(b: Bench, device: Any, epochs: int) -> list[float]:
 
     from torch_serialized import VOCSerializedDataset
 
-    ds = VOCSerializedDataset(b.packed(), IMAGE_SET, decode="none", zero_copy=True)
+    ds = VOCSerializedDataset(b.packed(), image_set=IMAGE_SET, decode="none", zero_copy=True)
     loader = make_loader(ds, b.workers)
 
     def epoch() -> int:

@@ -36,9 +36,9 @@ def memory_child(config: dict[str, Any]) -> dict[str, list[dict[str, float]]]:
         root, year = config["root"], config["year"]
         ds: Any = VOCDetection(root, year=year, image_set=IMAGE_SET, transform=pil_to_tensor)
     elif config["variant"] == "pil":  # the drop-in: the same decode as torchvision's
-        ds = VOCSerializedDataset(config["pack"], IMAGE_SET, transform=pil_to_tensor)
+        ds = VOCSerializedDataset(config["pack"], image_set=IMAGE_SET, transform=pil_to_tensor)
     else:
-        ds = VOCSerializedDataset(config["pack"], IMAGE_SET, decode="tensor")
+        ds = VOCSerializedDataset(config["pack"], image_set=IMAGE_SET, decode="tensor")
     loader = make_loader(ds, config["workers"])
     try:
         iterator = iter(loader)

@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _error("interrupted")
         return 130
-    except (TorchSerializedError, OSError, ValueError) as exc:
+    except (TorchSerializedError, OSError, ValueError, ImportError) as exc:  # e.g. no s3fs
         if args.debug:
             raise
         from ..summary import describe_error

@@ -41,11 +41,14 @@ def say(*lines: str) -> None:
     print("\n".join(printable(line) for line in lines))
 
 
+def plural(count: int, noun: str) -> str:
+    """``"1 sample"``, ``"2 samples"``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def files(count: int, sharded: bool) -> str:
     """What a pack is made of: "1 file" (a ``.tser``), "1 shard", "8 shards" (a folder)."""
-    if not sharded:
-        return "1 file"
-    return f"{count} shard" if count == 1 else f"{count} shards"
+    return plural(count, "shard") if sharded else "1 file"
 
 
 def mb(num_bytes: float) -> str:
@@ -133,7 +136,7 @@ def _pack(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if not result.url:
         packed = open_pack(result.path)
         output = f"{result.path} ({files(packed.num_shards, packed.manifest is not None)})"
-    print(f"packed {result.num_samples} samples of {result.voc_root}")
+    print(f"packed {plural(result.num_samples, 'sample')} of {result.voc_root}")
     _rows(
         year=f"{result.year} ({how})",
         output=output,
@@ -145,7 +148,7 @@ def _pack(args: argparse.Namespace, options: dict[str, Any]) -> int:
     _print_outcome(result)
     if args.shards is not None and result.num_samples < args.shards:
         _rows(
-            note=f"--shards {args.shards} asked, but only {result.num_samples} samples were "
+            note=f"--shards {args.shards} asked, but only {plural(result.num_samples, 'sample')} "
             "packed: one shard each"
         )
     return EXIT_OK
@@ -175,9 +178,10 @@ def _append(args: argparse.Namespace, options: dict[str, Any]) -> int:
     where = f"{result.url} (new files uploaded, manifest last)" if result.url else result.path
     print(f"appended to {where} from {result.voc_root}")
     _rows(
-        added=f"{result.added} new samples, {len(result.replaced)} changed samples replaced",
-        retired=f"{len(result.retired)} samples no longer listed in the source",
-        pack=f"{result.num_samples} samples, {mb(result.num_bytes)} "
+        added=f"{plural(result.added, 'new sample')}, "
+        f"{plural(len(result.replaced), 'changed sample')} replaced",
+        retired=f"{plural(len(result.retired), 'sample')} no longer listed in the source",
+        pack=f"{plural(result.num_samples, 'sample')}, {mb(result.num_bytes)} "
         f"{'at the URL' if result.url else 'on disk'} ({mb(result.bytes_written)} written)",
         time=f"{result.seconds:.2f} s",
         transfer=f"{transfer:.2f} s (downloads and upload)" if result.url else None,
@@ -192,24 +196,25 @@ def _print_outcome(result: Any) -> None:
     """Samples skipped, and those packed without a usable target (the first ids, a reason)."""
     if result.skipped:
         report = f"{result.url}.skipped.json" if result.url else result.report
-        _rows(skipped=f"{len(result.skipped)} samples; reasons in {report}")
-    for label, why, what in (
-        ("untyped", result.untyped, _UNTYPED),
-        ("unparsed", result.unparsed, _UNPARSED),
+        _rows(skipped=f"{plural(len(result.skipped), 'sample')}; reasons in {report}")
+    for label, why, noun, what in (
+        ("untyped", result.untyped, "sample", _UNTYPED),
+        ("unparsed", result.unparsed, "segmentation-only sample", _UNPARSED),
     ):
         if why:
             ids = list(why)
             named = ", ".join(repr(i) for i in ids[:3]) + (", ..." if len(ids) > 3 else "")
-            _rows(**{label: f"{len(ids)} {what.format(named=named)}. The first: {why[ids[0]]}"})
+            said = f"{plural(len(ids), noun)} ({named}) {what}. The first: {why[ids[0]]}"
+            _rows(**{label: said})
 
 
 _UNTYPED = (
-    "samples ({named}) whose objects do not fit a tv_tensors target: packed as torchvision "
-    "reads them; target_format='tv_tensors' raises for them (docs/guarantees.md)"
+    "whose objects do not fit a tv_tensors target: packed as torchvision reads them; "
+    "target_format='tv_tensors' raises for them (docs/guarantees.md)"
 )
 _UNPARSED = (
-    "segmentation-only samples ({named}) whose annotation XML did not parse: packed with the "
-    "files' bytes and no target (VOCSegmentation never reads it)"
+    "whose annotation XML did not parse: packed with the files' bytes and no target "
+    "(VOCSegmentation never reads it)"
 )
 
 
@@ -298,21 +303,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     if about.sharded:
         lines += [
-            f"    {s.file}  {s.samples} samples"
+            f"    {s.file}  {plural(s.samples, 'sample')}"
             + (f" ({s.records - s.samples} retired)" if s.records > s.samples else "")
             + f"  {mb(s.bytes)}"
             for s in about.shards
         ]
-    notes = {
-        "retired      {} records replaced or dropped by appends (their bytes stay until the "
-        "next full pack)": about.retired,
-        "skipped      {} samples at pack time": len(about.skipped),
-        "untyped      {} samples whose objects have no box rows (target_format='tv_tensors' "
-        "raises for them)": untyped,
-        "unparsed     {} segmentation-only samples whose annotation XML did not parse (stored "
-        "as the files' bytes, no target)": about.with_unparsed_annotation,
-    }
-    lines += [f"  {note.format(count)}" for note, count in notes.items() if count]
+    notes = [
+        ("retired", about.retired, "record", "replaced or dropped by appends (their bytes "
+         "stay until the next full pack)"),
+        ("skipped", len(about.skipped), "sample", "at pack time"),
+        ("untyped", untyped, "sample", "whose objects have no box rows "
+         "(target_format='tv_tensors' raises for them)"),
+        ("unparsed", about.with_unparsed_annotation, "segmentation-only sample", "whose "
+         "annotation XML did not parse (stored as the files' bytes, no target)"),
+    ]  # fmt: skip
+    lines += [f"  {k:<12} {plural(n, noun)} {what}" for k, n, noun, what in notes if n]
     if about.history:  # each pack and append: when, how many added/replaced/retired, by whom
         lines.append("  history")
         lines += ["    " + ", ".join(f"{k} {v}" for k, v in e.items()) for e in about.history]
@@ -339,7 +344,7 @@ def _part(part: Any, as_json: bool) -> int:
     whole = f"{PROG} info {part.folder}" if part.folder else "the folder with its manifest.json"
     say(
         part.path,
-        f"  is {part.description}; holds {part.records} records, {mb(part.bytes)}",
+        f"  is {part.description}; holds {plural(part.records, 'record')}, {mb(part.bytes)}",
         f"The dataset is the whole folder: {whole}",
     )
     return EXIT_OK
@@ -350,7 +355,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     report = verify(args.path, **remote(args))  # what cannot be opened raises, named
     where = (
-        f"{report.path} ({report.records} records in {files(report.num_shards, report.sharded)})"
+        f"{report.path} ({plural(report.records, 'record')} in "
+        f"{files(report.num_shards, report.sharded)})"
     )
     if report.ok:
         say(
@@ -389,6 +395,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..voc.export import export_voc
     from ..voc.packed import VOCPackReader
 
+    if is_url(args.out_root):  # no local folder named "https:" (a Path drops one slash)
+        raise ValueError(f"{args.out_root} is a URL: export writes a local folder; upload it after")
     started = time.perf_counter()
     options = remote(args)
     folder = export_voc(
@@ -397,7 +405,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     pack = VOCPackReader(args.path, **options)
     print(
-        f"exported {len(pack.live)} samples and {len(pack.files())} list files to {folder} in "
+        f"exported {plural(len(pack.live), 'sample')} and {plural(len(pack.files()), 'list file')} "
+        f"to {folder} in "
         f"{seconds:.2f} s; torchvision reads it with root={str(args.out_root)!r}, "
         f"year={pack.year!r}"
     )

@@ -119,12 +119,31 @@ def _look(path: Path) -> tuple[Path, Path | None, bytes | None] | None:
             return None
         if os.path.lexists(manifest_path):  # a dangling link named manifest.json
             raise
+        voc = _voc_marks(path)
+        if voc is not None:
+            raise FormatError(
+                f"{path} is a VOC root ({voc}), not a pack: pack it first with `torch-serialized "
+                "pack` (torch_serialized.pack_voc), then pass the .tser file or shard folder"
+            ) from None
         return path, None, None
     except OSError as exc:
         if fileio.out_of_files(exc):
             raise fileio.too_many_files(manifest_path, exc) from None
         raise
     return path, manifest_path, data
+
+
+def _voc_marks(path: Path) -> str | None:
+    """What makes the folder ``path`` a VOC source, e.g. ``"VOCdevkit/"`` or ``"VOC2007/
+    Annotations, JPEGImages"``, or None: a look at a few names, nothing read."""
+    for name in ("VOCdevkit", "TrainVal/VOCdevkit"):
+        if (path / name).is_dir():
+            return f"{name}/"
+    for folder in (path, *sorted(path.glob("VOC[0-9][0-9][0-9][0-9]"))):
+        found = [name for name in ("Annotations", "JPEGImages") if (folder / name).is_dir()]
+        if found:
+            return f"{'' if folder == path else folder.name + '/'}{', '.join(found)}"
+    return None
 
 
 def _moved_aside(path: Path) -> tuple[Path, int] | None:

@@ -47,10 +47,11 @@ class PackedSamples:
         list-file order and their decoder; ``pack_options`` go to ``VOCPackReader``."""
         self.pack = VOCPackReader(path, **pack_options)
         if year is not None and str(year) != self.pack.year:
-            raise ValueError(
-                f"{self.pack.name} holds VOC{self.pack.year}, not VOC{year}; pass that "
-                "pack's year (or none: the pack knows it)"
-            )
+            hint = "pass that pack's year (or none: the pack knows it)"
+            if str(year) in self.pack.image_sets(task):  # the order before VOCDetection's
+                hint = f"{year!r} is an image set: the 2nd argument is the year, as in "
+                hint += f"VOCDetection; pass image_set={year!r}"
+            raise ValueError(f"{self.pack.name} holds VOC{self.pack.year}, not VOC{year}; {hint}")
         self.decoder = SampleDecoder(
             self.pack,
             task=task,
@@ -185,10 +186,14 @@ class _PackedVOCBase(PackedSamples):
 class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
     """``VOCDetection`` read from a pack: same samples, order and outputs.
 
+    Positional arguments in ``VOCDetection``'s order, a pack in place of ``root``.
+
     Args:
         path: a ``.tser`` file or shard folder written by ``pack_voc``, or its URL.
+        year: the pack's year, checked (default None: whatever the pack holds).
         image_set: ``"train"``, ``"val"``, ``"trainval"``, ``"test"`` (2007), or any other
             list packed from ``ImageSets/Main``.
+        download: must be False (a pack is made with ``pack_voc``, not downloaded).
         transform, target_transform, transforms: as in torchvision.
         decode: ``"pil"`` (default, exact), ``"tensor"`` or ``"none"``; see ``Decode``.
         target_format: ``"dict"`` (default, exact) or ``"tv_tensors"``; see ``TargetFormat``.
@@ -197,8 +202,6 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         checked: verify each record's checksum as it is read.
         zero_copy: with ``decode="none"`` (and raw-pixel packs), read-only views of the map
             instead of copies (e.g. for batched GPU ``decode_jpeg``); writing into one crashes.
-        year, download: accepted so ``VOCDetection(...)`` calls migrate by changing the first
-            argument only; ``year`` must match the pack, ``download`` must be False.
         storage_options, cache_dir, cache_limit_bytes: for a pack at a URL (``s3://``,
             ``gs://``, ``https://``...): fsspec options, the cache folder (default
             ``$TORCH_SERIALIZED_CACHE``, else ``~/.cache/torch_serialized``) and its bound in
@@ -210,7 +213,9 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
     def __init__(
         self,
         path: str | os.PathLike[str],
+        year: str | None = None,
         image_set: str = "train",
+        download: bool = False,
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         transforms: Callable | None = None,
@@ -220,8 +225,6 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
         classes: Classes = None,
         checked: bool = False,
         zero_copy: bool = False,
-        year: str | None = None,
-        download: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,
@@ -254,7 +257,9 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
     def __init__(
         self,
         path: str | os.PathLike[str],
+        year: str | None = None,
         image_set: str = "train",
+        download: bool = False,
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         transforms: Callable | None = None,
@@ -262,8 +267,6 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
         decode: Decode = "pil",
         checked: bool = False,
         zero_copy: bool = False,
-        year: str | None = None,
-        download: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,

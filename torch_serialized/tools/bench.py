@@ -58,7 +58,7 @@ def run_benchmark(
     if workers < 0 or (repeats is not None and repeats < 1):
         raise ValueError("workers must be at least 0 and repeats at least 1")
     from .. import pack_voc
-    from ..voc.layout import find_voc_root
+    from ..voc.pack import find_source
     from .demo import Measurements, check_against_torchvision
     from .synthetic import make_synthetic_voc
 
@@ -79,12 +79,12 @@ def run_benchmark(
             count = min(num_images or 200, 48) if quick else num_images or 200
             say(f"Generating {count} synthetic VOC{year} images in {work}")
             root = make_synthetic_voc(work / "voc", count, year=year, progress=progress)
-        voc_root, year = find_voc_root(root, year)
+        voc_root, year = find_source(root, year)
         tv_root, image_set = _torchvision_root(voc_root, year), _image_set(voc_root)
         # an earlier run's pack in the same work_dir is replaced
         packed = pack_voc(voc_root, work / "bench.tser", year=year, progress=progress)
         say(
-            f"Packed {packed.num_samples} samples of VOC{year} ({voc_root}): "
+            f"Packed {_samples(packed.num_samples)} of VOC{year} ({voc_root}): "
             f"{packed.num_bytes / 1e6:,.1f} MB, {packed.num_bytes / packed.source_bytes:.0%} of "
             f"the source, in {packed.seconds:.2f} s "
             f"({packed.num_samples / max(packed.seconds, 1e-9):,.0f} samples/s)"
@@ -102,12 +102,12 @@ def run_benchmark(
             limit=limit,
         )
         say(
-            f"Checked against torchvision: identical. Timing {demo.n} samples of "
+            f"Checked against torchvision: identical. Timing {_samples(demo.n)} of "
             f"{image_set!r}, samples/s, {demo.how}:"
         )
         if demo.n < _FEW:
             demo.notes.append(
-                f"only {demo.n} samples: costs paid once an epoch (opening files, starting a "
+                f"only {_samples(demo.n)}: costs paid once an epoch (opening files, starting a "
                 "stream) weigh on every figure; time more samples for figures that transfer"
             )
         rows = demo.table(say, chosen)
@@ -119,7 +119,7 @@ def run_benchmark(
     result = {
         "config": {
             "data": str(voc_root),
-            "pack": str(packed.path),
+            "pack": None if work_dir is None else str(packed.path),  # a temporary one is gone
             "year": year,
             "image_set": image_set,
             "samples_timed": demo.n,
@@ -149,6 +149,10 @@ def run_benchmark(
         (folder / "results.txt").write_text("\n".join(printed) + "\n", encoding="utf-8")
         out(f"Saved in {folder}: results.txt (this summary) and results.json (every figure).")
     return result
+
+
+def _samples(count: int) -> str:
+    return f"{count} sample{'s' * (count != 1)}"
 
 
 def _torchvision_root(voc_root: Path, year: str) -> Path:

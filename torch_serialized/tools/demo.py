@@ -169,7 +169,7 @@ class Measurements:
         return VOCDetection(str(self.root), year=self.year, image_set=self.image_set, **kwargs)
 
     def ours(self, **kwargs: Any) -> VOCSerializedDataset:
-        return VOCSerializedDataset(self.pack, self.image_set, **kwargs)
+        return VOCSerializedDataset(self.pack, image_set=self.image_set, **kwargs)
 
     def table(
         self, out: Callable[[str], None], scenarios: Sequence[str] | None = None
@@ -327,11 +327,11 @@ def check_against_torchvision(
 ) -> None:
     """Compare ``count`` evenly spaced samples with torchvision's (pixels, dict, tensors,
     tv_tensors boxes and labels); raise naming every mismatch."""
-    ours = VOCSerializedDataset(pack, image_set)
+    ours = VOCSerializedDataset(pack, image_set=image_set)
     theirs = VOCDetection(str(root), year=year, image_set=image_set)
-    ours_tv = VOCSerializedDataset(pack, image_set, target_format="tv_tensors")
+    ours_tv = VOCSerializedDataset(pack, image_set=image_set, target_format="tv_tensors")
     theirs_tv = wrap_dataset_for_transforms_v2(theirs, target_keys={"boxes", "labels"})
-    tensors = VOCSerializedDataset(pack, image_set, decode="tensor")
+    tensors = VOCSerializedDataset(pack, image_set=image_set, decode="tensor")
     problems = []
     if len(ours) != len(theirs):
         problems.append(f"length {len(ours)} != torchvision's {len(theirs)}")

@@ -77,6 +77,15 @@ def pack_voc(
         max_shard_bytes=max_shard_bytes,
         num_shards=num_shards,
     )
+    limits = (num_shards, max_samples_per_shard, max_shard_bytes)
+    as_file = str(output).rstrip("/").endswith(FILE_SUFFIX) and limits != (None,) * 3
+    # a file that no pack may replace (a shard of a folder...): the writer's refusal says more
+    if as_file and not (os.path.isfile(output) and replace_refusal(Path(output))):
+        raise ValueError(
+            f"{output}: a shard limit makes a shard folder, and this name ends with "
+            f"{FILE_SUFFIX}: drop the {FILE_SUFFIX} suffix to name the folder, or pass no shard "
+            "limit (no --shards, --shard-size or --samples-per-shard) for one file"
+        )
     local = functools.partial(_pack_local, root, opts=opts)
     if is_url(output):
         check_writable(str(output), "pack")
@@ -96,6 +105,27 @@ def pack_voc(
         result = local(output)
     records.warn_untyped(result)
     return result
+
+
+def find_source(root: str | os.PathLike[str], year: str | None) -> tuple[Path, str]:
+    """``find_voc_root``, its error saying so when ``root`` is a pack or URL, not a VOC source."""
+    if is_url(root):  # as typed: a Path would make https://host/x https:/host/x
+        raise SourceDataError(
+            f"{root} is a URL: packing reads a local VOC folder (torchvision's root); download "
+            "it first and pack that (OUTPUT may be a URL)"
+        )
+    try:
+        return find_voc_root(root, year)
+    except SourceDataError as exc:
+        path = Path(root)
+        if path.suffix == FILE_SUFFIX or (path / MANIFEST_NAME).is_file():
+            what = "a shard folder" if path.is_dir() else f"a {FILE_SUFFIX} file"
+            raise type(exc)(
+                f"{root} is a pack ({what}), not a VOC root: it is read with "
+                "VOCSerializedDataset / VOCSerializedIterableDataset (`torch-serialized info` "
+                "describes it); pack the folder holding VOCdevkit/ instead"
+            ) from None
+        raise
 
 
 def _refuse_remote_pack(url: str, storage_options: Mapping[str, Any] | None) -> None:
@@ -119,7 +149,7 @@ def _pack_local(
     """``pack_voc`` to a local path (a URL's temporary copy included), without its warning."""
     check_output_name(output)
     started = time.perf_counter()
-    voc_root, year = find_voc_root(root, opts.year)
+    voc_root, year = find_source(root, opts.year)
     image_sets = read_image_sets(voc_root, opts.max_file_bytes)
     jobs = survey(voc_root, image_sets, opts.image, opts.max_file_bytes).jobs()
     ends: list[int] = []  # with num_shards: the record counts after which a shard ends
@@ -149,6 +179,7 @@ def _pack_local(
             "image_storage": opts.image.image_storage,
             "max_size": opts.image.max_size,
             "options": {
+                "num_shards": opts.num_shards,  # as asked; appends write max_samples_per_shard
                 "max_samples_per_shard": per_shard,
                 "max_shard_bytes": opts.max_shard_bytes,
                 "check_images": opts.image.check_images,

@@ -229,16 +229,22 @@ class ShardWindow:
         return own + ahead
 
     def before(self, b: int) -> None:
-        wanted = [s for s in self.window(b) if s not in self.held]
+        """Download block ``b``'s own shards: alone, so they get the link while awaited."""
+        self._get(self.shards[b] if b < len(self.shards) else [])
+
+    def after(self, b: int) -> None:
+        """Block ``b`` is read: release what the next window leaves out, download the rest."""
+        keep = self.window(b + 1)
+        for s in sorted(self.held - set(keep)):
+            self.reader.release_shard(s)
+        self.held &= set(keep)
+        self._get(keep)
+
+    def _get(self, shards: list[int]) -> None:
+        wanted = [s for s in shards if s not in self.held]
         if wanted:
             self.reader.prefetch_shards(wanted)
             self.held.update(wanted)
-
-    def after(self, b: int) -> None:
-        keep = set(self.window(b + 1))
-        for s in sorted(self.held - keep):
-            self.reader.release_shard(s)
-        self.held &= keep
 
 
 def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:

@@ -191,7 +191,7 @@ class RemotePack(PackCache):
         self._check_fork()
         with self._mutex:
             future = self._pending.pop(name, None)
-        if future is not None:
+        if future is not None and not future.cancel():  # not started: fetched first, now
             try:
                 return future.result()
             except Exception as exc:

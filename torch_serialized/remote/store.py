@@ -26,7 +26,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 from fsspec.callbacks import Callback
 
-from ..container.fileio import fsync_dir
 from ..errors import (
     ChecksumError,
     CorruptFileError,
@@ -404,10 +403,7 @@ class RemoteStore(PerProcess):
                             "(or pack it again)"
                         )
                     raise ShortReadError("the download does not match its checksum")
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, dest)
-                fsync_dir(dest.parent)
+                os.replace(tmp, dest)  # not fsynced: a crash's damage is caught at open
                 return dest
             finally:
                 tmp.unlink(missing_ok=True)

@@ -163,6 +163,42 @@ def test_a_download_is_not_fsynced(
     assert synced == []
 
 
+def test_a_shard_cached_before_the_last_boot_is_verified_once(
+    remote: Remote, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    """Downloads are not fsynced: an OS crash may leave holes in a cached shard, so one
+    downloaded before the machine booted is verified before use, and downloaded again if
+    damaged; once verified (or downloaded) in this boot it is trusted."""
+    data = shards["a.tser"]
+    checks: list[Path] = []
+
+    def verify(path: Path) -> bool:
+        checks.append(path)
+        return path.read_bytes() == data
+
+    with open_pack(remote, tmp_path) as pack:
+        cached = pack.fetch_shard("a.tser", len(data), verify)
+    assert len(checks) == 1  # the download's own check
+    mark = cached.parent / ".locks" / "a.tser.lock"
+    gets = remote.proxy.count("GET", remote.path("a.tser"))
+
+    os.utime(mark, (0, 0))  # downloaded before this boot
+    with open_pack(remote, tmp_path) as pack:
+        assert pack.fetch_shard("a.tser", len(data), verify).read_bytes() == data
+        assert len(checks) == 2 and remote.proxy.count("GET", remote.path("a.tser")) == gets
+    with open_pack(remote, tmp_path) as pack:  # verified in this boot: trusted
+        pack.fetch_shard("a.tser", len(data), verify)
+    assert len(checks) == 2
+
+    os.utime(mark, (0, 0))
+    with open(cached, "r+b") as f:  # a hole a crash left: zeros where bytes were
+        f.seek(PART)
+        f.write(bytes(4096))
+    with open_pack(remote, tmp_path) as pack:
+        assert pack.fetch_shard("a.tser", len(data), verify).read_bytes() == data
+    assert remote.proxy.count("GET", remote.path("a.tser")) == gets + 1
+
+
 def test_a_failed_prefetch_raises_when_the_shard_is_asked_for(
     remote: Remote, shards: dict[str, bytes], tmp_path: Path
 ) -> None:

@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from ..errors import (
     RemoteNotFoundError,
 )
 from .cache import Cache, PackCache
+from .locks import LOCKS
 from .store import RemoteStore, RetryPolicy
 
 __all__ = ["RemotePack", "ShardRequest", "file_identity", "file_tail", "resolve"]
@@ -88,14 +90,9 @@ def _resolve_file(
         def check(path: Path, tail: bytes = tail) -> bool:  # the footer: not replaced meanwhile
             return _tail_of(path)[1] == tail and (verify_file is None or verify_file(path))
 
-        def download(
-            dest: Path, room: Callable[[int], None], size: int = size, check: Any = check
-        ) -> Path:
-            return store.download("", dest, expected_size=size, verify=check, room=room)
-
         pack = RemotePack(store, cache, file_identity(size, tail), prefetch_threads)
         try:
-            pack.path = pack.fetch(name, size, download)
+            pack.path = pack._fetch(ShardRequest(name, size, check), key="")
         except (CorruptFileError, RemoteError) as exc:
             now = file_tail(store)
             if now == opened and isinstance(exc, ChecksumError):  # no manifest to blame
@@ -118,6 +115,25 @@ def _resolve_file(
         pack.remove_other_versions()
         return pack
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _before_boot(path: Path) -> bool:
+    """Whether ``path`` was last modified before this machine booted (Linux; elsewhere
+    never), or is missing."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            boot = next((float(line.split()[1]) for line in f if line.startswith(b"btime ")), 0.0)
+    except OSError:
+        boot = 0.0
+    try:
+        return os.stat(path).st_mtime < boot
+    except OSError:
+        return True
+
+
+def _touch(path: Path) -> None:
+    with suppress(OSError):
+        os.utime(path)
 
 
 def file_tail(store: RemoteStore) -> tuple[int, bytes]:
@@ -198,12 +214,32 @@ class RemotePack(PackCache):
                 log.info("%s: prefetch failed (%s); fetching it again", name, exc)
         return self._fetch(ShardRequest(name, expected_size, verify))
 
-    def _fetch(self, shard: ShardRequest) -> Path:
-        def download(dest: Path, room: Callable[[int], None]) -> Path:
-            return self.store.download(
-                shard.name, dest, expected_size=shard.size, verify=shard.verify, room=room
-            )
+    def _fetch(self, shard: ShardRequest, key: str | None = None) -> Path:
+        """``fetch`` of ``shard`` (at ``key``, default its name). Downloads are not fsynced, so
+        a cached copy older than the machine's last boot is verified before use (a crash may
+        have left holes in it) and downloaded again if damaged."""
+        whole = self.directory / LOCKS / f"{shard.name}.lock"  # mtime: when last known whole
 
+        def download(dest: Path, room: Callable[[int], None]) -> Path:
+            path = self.store.download(
+                shard.name if key is None else key,
+                dest,
+                expected_size=shard.size,
+                verify=shard.verify,
+                room=room,
+            )
+            _touch(whole)
+            return path
+
+        path = self.fetch(shard.name, shard.size, download)
+        if shard.verify is None or not _before_boot(whole):
+            return path
+        if shard.verify(path):
+            _touch(whole)
+            return path
+        log.warning("%s: the cached copy is damaged (by a crash?); downloading it again", path)
+        self.release(shard.name)
+        path.unlink(missing_ok=True)
         return self.fetch(shard.name, shard.size, download)
 
     def prefetch(self, shards: Iterable[ShardRequest | str]) -> None:

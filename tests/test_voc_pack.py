@@ -593,3 +593,24 @@ def test_overwrite_false_refuses_an_existing_pack_and_nothing_else(
         with pytest.raises(OSError, match="not a torch_serialized pack"):
             ts.pack_voc(voc8, notes, overwrite=overwrite)
     assert notes.read_text() == "mine"
+
+
+def test_an_output_moved_aside_by_another_packer_is_our_error(
+    synthetic_devkit: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two packs of one output at once: the other one moves ours aside right after our commit
+    to put its own in place. What reaches the user names the output (issue #34), not a bare
+    FileNotFoundError from counting the bytes of a folder that is gone for a moment."""
+    from torch_serialized.voc import records
+
+    out = tmp_path / "out"
+    write = records.write
+
+    def write_then_swapped(*args: object, **kwargs: object) -> Path:
+        path = write(*args, **kwargs)  # type: ignore[arg-type]
+        path.rename(tmp_path / f".out.old-{os.getpid()}-0")  # the other writer's first rename
+        return path
+
+    monkeypatch.setattr(records, "write", write_then_swapped)
+    with pytest.raises(ts.errors.FileChangedError, match=r"out.*another process"):
+        ts.pack_voc(synthetic_devkit, out, max_samples_per_shard=8)

@@ -26,7 +26,13 @@ from ..container.manifest import read_manifest
 from ..container.parallel import Record, Spilled, SpillPool, pays_off
 from ..container.shardwriter import PackWriter
 from ..container.writer import CREATED_BY
-from ..errors import SourceDataError, UntypedObjectsWarning, WriteError
+from ..errors import (
+    FileChangedError,
+    FormatError,
+    SourceDataError,
+    UntypedObjectsWarning,
+    WriteError,
+)
 from . import schema
 from .images import ImageOptions
 from .layout import image_set_files
@@ -208,11 +214,18 @@ def rate(num_bytes: int, seconds: float) -> str:
 
 
 def size_on_disk(path: Path) -> int:
-    """The pack's bytes as ``info`` counts them: the file, or the manifest and files it names."""
-    if not path.is_dir():
-        return path.stat().st_size
-    manifest = path / fmt.MANIFEST_NAME
-    return read_manifest(manifest).files_bytes() + manifest.stat().st_size
+    """The pack's bytes as ``info`` counts them: the file, or the manifest and files it names;
+    ``FileChangedError`` if another writer is replacing it right now (two packs of one output)."""
+    try:
+        if not path.is_dir():
+            return path.stat().st_size
+        manifest = path / fmt.MANIFEST_NAME
+        return read_manifest(manifest).files_bytes() + manifest.stat().st_size
+    except (FileNotFoundError, FormatError) as exc:
+        raise FileChangedError(
+            f"{path} was written, then moved aside by another process writing the same output "
+            f"({exc}); the pack there is the last one written: run one pack of it at a time"
+        ) from exc
 
 
 def warn_untyped(result: PackResult) -> None:

@@ -44,6 +44,17 @@ def test_a_pack_where_a_voc_root_goes_says_how_it_is_read(
         status, out, err = run(capsys, "pack", pack, tmp_path / "again.tser", "-q")
         assert status == 2 and f"{pack} is a pack" in err and "VOCSerializedDataset" in err
     assert not (tmp_path / "again.tser").exists()
+    copy = tmp_path / "copy.tser"  # appending from a pack: the same advice
+    ts.pack_voc(synthetic_packs.root, copy)
+    with pytest.raises(SourceDataError, match="is a pack .*VOCSerializedDataset"):
+        ts.append_voc(synthetic_packs.single, copy)
+
+
+def test_export_to_a_url_is_refused_by_the_library(synthetic_packs: Packed, tmp_path: Path) -> None:
+    """export_voc writes a local folder: a URL would become a folder named "https:"."""
+    with pytest.raises(ValueError, match=r"https://host/x is a URL"):
+        ts.export_voc(synthetic_packs.single, "https://host/x")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

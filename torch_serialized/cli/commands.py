@@ -395,8 +395,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..voc.export import export_voc
     from ..voc.packed import VOCPackReader
 
-    if is_url(args.out_root):  # no local folder named "https:" (a Path drops one slash)
-        raise ValueError(f"{args.out_root} is a URL: export writes a local folder; upload it after")
     started = time.perf_counter()
     options = remote(args)
     folder = export_voc(

@@ -58,7 +58,7 @@ def run_benchmark(
     if workers < 0 or (repeats is not None and repeats < 1):
         raise ValueError("workers must be at least 0 and repeats at least 1")
     from .. import pack_voc
-    from ..voc.pack import find_source
+    from ..voc.layout import find_source
     from .demo import Measurements, check_against_torchvision
     from .synthetic import make_synthetic_voc
 

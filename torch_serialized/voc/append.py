@@ -28,7 +28,7 @@ from . import records, schema
 from .changes import Plan, classify
 from .classes import label_classes
 from .images import ImageOptions
-from .layout import find_voc_root, image_set_files, read_image_sets
+from .layout import find_source, find_voc_root, image_set_files, read_image_sets
 from .packed import VOCPackReader
 from .records import Books, Options, PackResult
 from .source import survey
@@ -195,7 +195,7 @@ def _sort_source(
             "torch-serialized pack --overwrite), then append",
         )
     try:
-        voc_root, found_year = find_voc_root(root, old.year if opts.year is None else opts.year)
+        voc_root, found_year = find_source(root, old.year if opts.year is None else opts.year)
     except SourceNotFoundError as missing:
         if opts.year is not None:
             raise

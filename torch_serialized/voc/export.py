@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ..container.fileio import AtomicOutput, replace_file_at
 from ..errors import ChecksumError, FormatError, WriteError
+from ..remote.store import is_url
 from . import schema
 from .packed import VOCPackReader
 
@@ -41,6 +42,8 @@ def export_voc(
     Raises ``ValueError`` for a pack without the original files, ``FormatError`` for an unsafe id or
     path, ``ChecksumError`` for a damaged record, and ``WriteError`` (``EEXIST``, before writing)
     for an existing file without ``overwrite``. On any error ``out_root`` is left as it was."""
+    if is_url(out_root):  # a Path would write a local folder named "https:"
+        raise ValueError(f"{out_root} is a URL: export writes a local folder; upload it after")
     pack = VOCPackReader(
         path,
         checked=True,

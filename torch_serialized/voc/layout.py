@@ -16,7 +16,9 @@ from ..container.fileio import (
     FileSizeError,
     read_regular_file,
 )
+from ..container.spec import FILE_SUFFIX, MANIFEST_NAME
 from ..errors import SourceDataError, SourceNotFoundError
+from ..remote.store import is_url
 
 #: The ImageSets sub-folders torchvision reads, in the order a pack lays out their ids.
 TASKS: tuple[str, ...] = ("Main", "Segmentation")
@@ -68,6 +70,27 @@ def find_voc_root(root: str | os.PathLike[str], year: str | None) -> tuple[Path,
         names = ", ".join(path.name for path in found)
         advice = f"Found {names} ({listed}): pass year={years} (--year on the command line)."
     raise SourceNotFoundError(f"No Pascal VOC {year} folder found: looked for {looked}. {advice}")
+
+
+def find_source(root: str | os.PathLike[str], year: str | None) -> tuple[Path, str]:
+    """``find_voc_root``, its error saying so when ``root`` is a pack or URL, not a VOC source."""
+    if is_url(root):  # as typed: a Path would make https://host/x https:/host/x
+        raise SourceDataError(
+            f"{root} is a URL: packing reads a local VOC folder (torchvision's root); download "
+            "it first and pack that (OUTPUT may be a URL)"
+        )
+    try:
+        return find_voc_root(root, year)
+    except SourceDataError as exc:
+        path = Path(root)
+        if path.suffix == FILE_SUFFIX or (path / MANIFEST_NAME).is_file():
+            what = "a shard folder" if path.is_dir() else f"a {FILE_SUFFIX} file"
+            raise type(exc)(
+                f"{root} is a pack ({what}), not a VOC root: it is read with "
+                "VOCSerializedDataset / VOCSerializedIterableDataset (`torch-serialized info` "
+                "describes it); pack the folder holding VOCdevkit/ instead"
+            ) from None
+        raise
 
 
 def _check_year(year: object) -> None:

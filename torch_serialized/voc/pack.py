@@ -25,7 +25,7 @@ from ..remote.store import RemoteStore, is_url
 from ..remote.upload import check_writable, write_then_upload
 from . import records, schema
 from .images import ImageOptions
-from .layout import base_dir, find_voc_root, read_image_sets
+from .layout import base_dir, find_source, read_image_sets
 from .records import REPORT_SUFFIX, Books, Options, PackResult, SkippedSample
 from .source import survey
 
@@ -105,27 +105,6 @@ def pack_voc(
         result = local(output)
     records.warn_untyped(result)
     return result
-
-
-def find_source(root: str | os.PathLike[str], year: str | None) -> tuple[Path, str]:
-    """``find_voc_root``, its error saying so when ``root`` is a pack or URL, not a VOC source."""
-    if is_url(root):  # as typed: a Path would make https://host/x https:/host/x
-        raise SourceDataError(
-            f"{root} is a URL: packing reads a local VOC folder (torchvision's root); download "
-            "it first and pack that (OUTPUT may be a URL)"
-        )
-    try:
-        return find_voc_root(root, year)
-    except SourceDataError as exc:
-        path = Path(root)
-        if path.suffix == FILE_SUFFIX or (path / MANIFEST_NAME).is_file():
-            what = "a shard folder" if path.is_dir() else f"a {FILE_SUFFIX} file"
-            raise type(exc)(
-                f"{root} is a pack ({what}), not a VOC root: it is read with "
-                "VOCSerializedDataset / VOCSerializedIterableDataset (`torch-serialized info` "
-                "describes it); pack the folder holding VOCdevkit/ instead"
-            ) from None
-        raise
 
 
 def _refuse_remote_pack(url: str, storage_options: Mapping[str, Any] | None) -> None:

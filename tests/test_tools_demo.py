@@ -21,6 +21,14 @@ def test_spread_is_median_and_range_of_rates() -> None:
     assert str(spread) == "100/s (50-200)"
 
 
+def test_one_run_claims_nothing() -> None:
+    """``bench --quick`` runs each variant once: no range, no "faster beyond noise"."""
+    once = Comparison("bytes", Spread(100, 100, 100, runs=1), Spread(500, 500, 500, runs=1))
+    assert str(once.ours) == "500/s" and once.verdict == "5.00x, one run"
+    text = " ".join(summarize([once]))
+    assert "Measured once, so nothing is claimed: bytes 5.00x" in text and "beyond" not in text
+
+
 def test_overlapping_ranges_are_within_noise_and_said_so() -> None:
     tv = Spread(100, 90, 110)
     noisy = Comparison("epoch", tv, Spread(120, 105, 130))  # ranges overlap at 105-110

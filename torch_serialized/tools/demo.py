@@ -44,13 +44,16 @@ class Spread:
     median: float
     low: float
     high: float
+    runs: int = 3
 
     @classmethod
     def of_rates(cls, samples: int, seconds: Sequence[float]) -> Spread:
         rates = [samples / max(s, 1e-9) for s in seconds]
-        return cls(statistics.median(rates), min(rates), max(rates))
+        return cls(statistics.median(rates), min(rates), max(rates), len(rates))
 
     def __str__(self) -> str:
+        if self.runs < 2:  # one run has no range
+            return f"{self.median:,.0f}/s"
         return f"{self.median:,.0f}/s ({self.low:,.0f}-{self.high:,.0f})"
 
 
@@ -72,7 +75,14 @@ class Comparison:
         return self.ours.low <= self.torchvision.high and self.torchvision.low <= self.ours.high
 
     @property
+    def once(self) -> bool:
+        """Measured once: no range says what is noise."""
+        return min(self.ours.runs, self.torchvision.runs) < 2
+
+    @property
     def verdict(self) -> str:
+        if self.once:
+            return f"{self.ratio:.2f}x, one run"
         if self.within_noise:
             return f"{self.ratio:.2f}x, within noise"
         return f"{self.ratio:.2f}x {'faster' if self.ratio > 1 else 'slower'}"
@@ -304,12 +314,14 @@ class Measurements:
 
 def summarize(comparisons: Sequence[Comparison]) -> list[str]:
     """Plain words: where the pack wins beyond noise, and what is within noise."""
+    once = [f"{c.name} {c.ratio:.2f}x" for c in comparisons if c.once]
+    comparisons = [c for c in comparisons if not c.once]
     wins = [f"{c.name} {c.ratio:.1f}x" for c in comparisons if not c.within_noise and c.ratio > 1]
     noise = [c.name for c in comparisons if c.within_noise]
     losses = [
         f"{c.name} {c.ratio:.2f}x" for c in comparisons if not c.within_noise and c.ratio <= 1
     ]
-    text = []
+    text = [f"Measured once, so nothing is claimed: {'; '.join(once)}."] if once else []
     if wins:
         text.append(f"Faster beyond noise: {'; '.join(wins)}.")
     if noise:

@@ -374,3 +374,30 @@ def test_the_benchmark_runs_from_a_checkout_as_its_readme_says() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: python benchmarks/run.py")
     assert "--scenarios" in done.stdout
+
+
+def test_the_chart_says_what_its_colours_mean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bars are coloured by their target (met, missed, none): the legend says so (issue #34)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    from tsbench import report
+
+    def row(name: str, ratio: float, met: bool | None) -> dict[str, Any]:
+        target = None if met is None else 2.0
+        return dict(key=name, scenario="s", name=name, unit="/s", kind="rate", baseline=None,
+                    ours=None, target=target, ratio=ratio, met=met)  # fmt: skip
+
+    labels: list[str] = []
+    legend = matplotlib.axes.Axes.legend
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        labels.extend(h.get_label() for h in kwargs["handles"])
+        return legend(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", spy)
+    rows = [row("a", 3.0, True), row("b", 1.5, False), row("c", 1.1, None)]
+    result = {"scenarios": {"s": {"rows": rows}}, "config": {"num_images": 8}}
+    assert report.plot_chart(result, tmp_path / "chart.png")
+    assert labels == ["target met", "target missed", "no target"]

@@ -128,6 +128,9 @@ def miss_text(row: Row) -> str:
     return f"{row.name}: {value} vs target {_target_cell(row)}: {row.reason or 'see details'}"
 
 
+COLOURS = {True: "#2a7", False: "#d55", None: "#89a"}  # a row's target: met, missed, none
+
+
 def plot_chart(result: dict[str, Any], path: Path) -> bool:
     """Bar chart of the ratios to torchvision with their targets; False without matplotlib."""
     try:
@@ -147,7 +150,7 @@ def plot_chart(result: dict[str, Any], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     y = np.arange(len(rows))[::-1]
-    colours = [{True: "#2a7", False: "#d55", None: "#89a"}[r.met] for r in rows]
+    colours = [COLOURS[r.met] for r in rows]
     ratios = [float(r.ratio or 0.0) for r in rows]
     ax.barh(y, ratios, color=colours)
     for yi, r, ratio in zip(y, rows, ratios):
@@ -157,6 +160,12 @@ def plot_chart(result: dict[str, Any], path: Path) -> bool:
         if r.peer_ratio is not None and r.ratio:  # LMDB's ratio to torchvision
             ax.plot([r.ratio / r.peer_ratio], [yi], "bx", markersize=6)
     ax.axvline(1.0, color="grey", lw=0.8)
+    from matplotlib.patches import Patch
+
+    shown = {r.met for r in rows}
+    meaning = {True: "target met", False: "target missed", None: "no target"}
+    handles = [Patch(color=COLOURS[k], label=meaning[k]) for k in (True, False, None) if k in shown]
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
     ax.set_xscale("log")
     ax.set_yticks(y, [r.name for r in rows], fontsize=8)
     ax.set_xlabel(f"ratio to torchvision VOCDetection (log; | target, x {PEER} in this run)")

@@ -126,14 +126,14 @@ def _before_boot(path: Path) -> bool:
     except OSError:
         boot = 0.0
     try:
-        return os.stat(path).st_mtime < boot
+        return os.lstat(path).st_mtime < boot
     except OSError:
         return True
 
 
 def _touch(path: Path) -> None:
     with suppress(OSError):
-        os.utime(path)
+        os.utime(path, follow_symlinks=False)  # never what a link in the cache points to
 
 
 def file_tail(store: RemoteStore) -> tuple[int, bytes]:

@@ -116,3 +116,19 @@ def test_the_default_run_says_why_tests_skip() -> None:
 
     config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "-rs" in config["tool"]["pytest"]["ini_options"]["addopts"]
+
+
+def test_a_missing_shard_is_named_when_the_dataset_opens(
+    synthetic_packs: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not at sample 1,844 of an epoch hours later, as a raw FileNotFoundError (issue #34)."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(synthetic_packs.shards, copy)
+    shard = sorted(copy.glob("shard-*.tser"))[1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{re.escape(str(shard))} is missing"):
+        ts.VOCSerializedDataset(copy)
+    status, out, err = run(capsys, "info", copy)
+    assert status != 0 and f"{shard} is missing" in err

@@ -61,7 +61,7 @@ from _reliability_helpers import (
 import torch_serialized
 from torch_serialized.container import spec as fmt
 from torch_serialized.container.reader import ContainerReader
-from torch_serialized.container.shards import open_pack
+from torch_serialized.container.shards import PackReader, open_pack
 from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import (
     ChecksumError,
@@ -211,15 +211,22 @@ def test_folder_without_manifest(tmp_path):
     assert_bad_content(info.value, tmp_path / "d")
 
 
-def test_missing_shard_is_named_when_first_read(tmp_path, container_packs):
+def test_a_missing_or_cut_shard_is_named_at_open(tmp_path, container_packs):
+    """Not hours later, when a reader reaches it (issue #34): one stat per listed file."""
     path = copy_pack(container_packs["shards"], tmp_path)
-    missing = container_files(path)[2]
+    missing, cut = container_files(path)[2], container_files(path)[3]
     missing.unlink()
-    reader = open_pack(path)  # shards open on first use
-    bytes(reader.field(0, 0))
     with pytest.raises(FileNotFoundError, match="incomplete") as info:
-        reader.field(15, 0)
-    assert str(missing) in str(info.value) and fmt.MANIFEST_NAME in str(info.value)
+        open_pack(path)
+    message = str(info.value)
+    assert isinstance(info.value, CorruptFileError) and not isinstance(info.value, FileChangedError)
+    assert f"{missing} is missing" in message and fmt.MANIFEST_NAME in message
+    assert str(cut) not in message and "copy the pack again" in message
+    os.truncate(cut, cut.stat().st_size - 10)
+    with pytest.raises(CorruptFileError, match="re-pack") as info:
+        open_pack(path)
+    assert f"{missing} is missing" in str(info.value) and f"{cut} has " in str(info.value)
+    assert PackReader(path).shard(0) is not None  # unless asked (a staged partial copy)
 
 
 def test_shard_from_another_pack_is_refused(tmp_path, container_packs):
@@ -227,7 +234,10 @@ def test_shard_from_another_pack_is_refused(tmp_path, container_packs):
     other = write_pack(tmp_path / "other", 30, seed=100, **SHARDED)
     target = container_files(path)[1]
     shutil.copyfile(container_files(other)[1], target)
-    reader = open_pack(path)
+    with pytest.raises(CorruptFileError, match="another size") as info:
+        open_pack(path)  # its size differs: refused at open
+    assert f"{target} has " in str(info.value)
+    reader = PackReader(path)  # unchecked at open: refused when the shard is opened
     for i in range(7):  # shard 0 is intact
         assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
     with pytest.raises(CorruptFileError, match="does not match") as info:
@@ -392,7 +402,7 @@ def test_a_pack_replaced_between_its_manifest_and_catalog_raises_file_changed(
     check_pack(open_pack(out), 30, seed=7)
 
     catalog_file(out).unlink()  # the manifest unchanged: an incomplete pack, not a replaced one
-    with pytest.raises(FileNotFoundError, match="the catalog named by .* is missing") as missing:
+    with pytest.raises(FileNotFoundError, match="catalog-.* is missing") as missing:
         open_pack(out)
     assert not isinstance(missing.value, FileChangedError)
 
@@ -868,7 +878,7 @@ def test_open_file_descriptors_stay_bounded(tmp_path):
 TEN_THOUSAND_SHARDS = """
 import json, os, resource, sys
 import numpy as np
-from torch_serialized.container.shards import open_pack
+from torch_serialized.container.shards import PackReader, open_pack
 from torch_serialized.data.pipeline import read_block, views_fit
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 reader = open_pack(sys.argv[1])
@@ -914,7 +924,7 @@ def test_ten_thousand_shards_read_under_ulimit_256(tmp_path, monkeypatch):
 
 OPEN_UNTIL_EMFILE = """
 import json, resource, sys
-from torch_serialized.container.shards import open_pack
+from torch_serialized.container.shards import PackReader, open_pack
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 readers = []
 try:

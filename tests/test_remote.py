@@ -108,7 +108,10 @@ print(sorted(m for m in heavy if m in sys.modules))
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_a_missing_backend_names_the_extra_to_install() -> None:
+def test_a_missing_backend_names_the_package_to_install() -> None:
+    """The package is installed from a clone, not an index: the hint names the backend itself
+    (``pip install s3fs``), the extra only as the clone's alternative, and no verb (packing
+    *to* s3:// needs it as much as reading)."""
     code = """
 import sys
 sys.modules["s3fs"] = None  # as if not installed
@@ -119,8 +122,9 @@ except ImportError as exc:
     print(exc)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "pip install 'torch_serialized[s3]'" in out.stdout
-    assert "s3://bucket/voc" in out.stdout
+    assert "s3://URLs" not in out.stdout and "reading" not in out.stdout
+    assert "need s3fs" in out.stdout and "pip install s3fs (" in out.stdout
+    assert "pip install -e '.[s3]'" in out.stdout and "s3://bucket/voc" in out.stdout
 
 
 # --------------------------------------------------------------------------- classification

@@ -11,6 +11,7 @@ import bisect
 import hashlib
 import os
 import resource
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -22,10 +23,14 @@ from ..errors import CorruptFileError, FileChangedError, FormatError
 from . import spec as fmt
 from .fileio import read_regular_file
 from .locate import find, intact
-from .manifest import Expected, Manifest, ShardEntry, parse_manifest
+from .manifest import CatalogEntry, Expected, Manifest, ShardEntry, parse_manifest
 from .reader import ContainerReader, gone
 
 __all__ = ["PackReader", "open_pack", "default_max_open_shards"]
+
+
+class IncompletePackError(CorruptFileError, FileNotFoundError):
+    """A local shard folder lacks files its manifest lists, or holds them at another size."""
 
 
 #: Checked shards whose maps were closed, kept so mapping one again costs a map, not a
@@ -51,7 +56,10 @@ class PackReader:
     checked against the manifest; at most ``max_open_shards`` stay mapped. ``path`` may be an
     fsspec URL read through the local cache (``remote.packs.resolve``): ``path`` is then the
     cache folder, ``url`` the URL. ``check_records(shard, first_record)``, a schema's check,
-    runs on each shard it opens (the single file's is the caller's).
+    runs on each shard it opens (the single file's is the caller's). ``check_files``: a local
+    shard folder whose listed files are not all there at their sizes (a ``stat`` each) raises
+    ``IncompletePackError`` at open, not when a reader reaches the first missing one (``open_pack``
+    asks it; a staged partial copy for an append, or ``verify``, must not).
     """
 
     def __init__(
@@ -64,6 +72,7 @@ class PackReader:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,
         check_records: Callable[[ContainerReader, int], None] | None = None,
+        check_files: bool = False,
     ) -> None:
         if max_open_shards is None:
             max_open_shards = default_max_open_shards()
@@ -85,7 +94,12 @@ class PackReader:
         self._expected: list[Expected | None] = []
         self._local: _Shards | None = None
         if manifest_path is None:
-            self._catalog = ContainerReader(location, checked=checked)
+            try:
+                self._catalog = ContainerReader(location, checked=checked)
+            except FormatError as exc:
+                if self.remote is None:
+                    raise
+                raise self._damaged_copy(str(location), self.name) from exc
             c = self._catalog
             self.entries: tuple[ShardEntry, ...] = (
                 ShardEntry(location.name, 0, c.num_records, c.size, c.meta_crc32),
@@ -98,6 +112,8 @@ class PackReader:
             self.entries = manifest.shards
             name = self._manifest_name()
             self._expected = [manifest.expect_shard(k, name) for k in range(len(manifest.shards))]
+            if check_files and self.remote is None:
+                self._check_files(manifest)
             if manifest.version >= 2:
                 self._open_catalog(manifest)
             else:
@@ -125,6 +141,33 @@ class PackReader:
             if name == "records" and array.shape[:1] != (manifest.num_records,):
                 raise expect.mismatch(catalog.path, "its record columns do not cover every record")
         self._catalog = catalog
+
+    def _check_files(self, manifest: Manifest) -> None:
+        """Every file the manifest lists is here at its listed size (what is not a regular
+        file is refused by name when opened)."""
+        listed: list[CatalogEntry | ShardEntry] = [*manifest.shards]
+        if manifest.catalog is not None:
+            listed.insert(0, manifest.catalog)
+        wrong = {}
+        for entry in listed:
+            path = os.path.join(self.path, entry.file)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                wrong[entry.file] = f"{path} is missing"
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_size != entry.bytes:
+                wrong[entry.file] = f"{path} has {st.st_size:,} bytes, it lists {entry.bytes:,}"
+        if not wrong:
+            return
+        if (changed := self._changed(next(iter(wrong)))) is not None:
+            raise changed
+        more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+        raise IncompletePackError(
+            f"{self.path}: files its {fmt.MANIFEST_NAME} lists are missing or of another "
+            f"size: {'; '.join(list(wrong.values())[:5])}{more}. An incomplete or mixed copy: "
+            "copy the pack again from where it came from, or re-pack it"
+        )
 
     def _manifest_name(self) -> str:
         """The manifest as messages name it: its URL for a remote pack, else its path."""
@@ -270,22 +313,44 @@ class PackReader:
     def _open_listed(self, name: str, expect: Expected) -> ContainerReader:
         """The manifest's file ``name``, opened and checked against ``expect``; missing or not
         that file: ``FileChangedError`` if the manifest changed since (a replaced pack)."""
-        path = os.path.join(self.path, name)
+        path, url = os.path.join(self.path, name), None  # url: of the cached copy at path
         try:
             if self.remote is not None:  # the cached copy, downloaded and checked if need be
                 path = str(self.remote.fetch_shard(name, expect.bytes, intact(expect)))
+                url = self.remote.store.url_of(name)
             return ContainerReader(path, checked=self.checked, expect=expect)
         except (FileNotFoundError, FormatError) as exc:
-            if self._manifest_changed():
-                assert self.manifest_path is not None
-                if self.remote is None and not os.path.lexists(self.manifest_path):
-                    raise FileChangedError(gone(self.path, f" ({name} is gone)")) from None
-                msg = f"{self.name} was replaced after it was opened ({name} changed)"
-                raise FileChangedError(f"{msg}; create the dataset again to read it") from None
+            if (changed := self._changed(name)) is not None:
+                raise changed from None
+            if url is not None and isinstance(exc, FormatError):
+                raise self._damaged_copy(path, url) from exc
             if isinstance(exc, FileNotFoundError) and self.remote is None:
                 msg = f"{path}: {expect.member} is missing (incomplete pack): copy it again"
                 raise FileNotFoundError(msg) from None
             raise
+
+    def _changed(self, name: str) -> FileChangedError | None:
+        """The error for file ``name`` missing or different because the pack was replaced since
+        it was opened; None if it was not."""
+        if not self._manifest_changed():
+            return None
+        assert self.manifest_path is not None
+        if self.remote is None and not os.path.lexists(self.manifest_path):
+            return FileChangedError(gone(self.path, f" ({name} is gone)"))
+        msg = f"{self.name} was replaced after it was opened ({name} changed)"
+        return FileChangedError(f"{msg}; create the dataset again to read it")
+
+    def _damaged_copy(self, path: str, url: str) -> CorruptFileError:
+        """The error for the cached copy at ``path`` of the file at ``url`` damaged on the local
+        disk after its download was checked: the copy at the URL is not to blame."""
+        assert self.remote is not None
+        return CorruptFileError(
+            f"{path}: this cached copy of {url} was damaged on the local disk after its "
+            "download was checked (the copy at the URL is not to blame): delete it, or clear "
+            f"the pack from the cache (`torch-serialized cache clear --url {self.name} "
+            f"--cache-dir {self.remote.cache.directory}`), and open the pack again to download "
+            "it again"
+        )
 
     def _check_columns(self, s: int, shard: ContainerReader) -> None:
         """A shard's per-record arrays are its rows of the catalog's ``records``."""
@@ -415,9 +480,10 @@ def open_pack(
     storage_options: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit_bytes: int | None = None,
+    check_files: bool = True,
 ) -> PackReader:
     """Open a packed dataset: a ``.tser`` file or a shard folder, local or at a URL
-    (``PackReader``)."""
+    (``PackReader``; a local shard folder's files are all checked there at open)."""
     return PackReader(
         path,
         checked=checked,
@@ -425,4 +491,5 @@ def open_pack(
         storage_options=storage_options,
         cache_dir=cache_dir,
         cache_limit_bytes=cache_limit_bytes,
+        check_files=check_files,
     )

@@ -44,8 +44,10 @@ from .locks import (
     PACK_LOCK,
     PARTIAL,
     close_inherited_locks,
+    drop_links,
     flocked,
     objects,
+    open_regular,
     pack_dirs,
     same_file,
     unless_locked,
@@ -142,8 +144,12 @@ class Cache:
                     "sharing it; raise the limit or read fewer shards at once"
                 )
             if reserve is not None and need > 0:
-                with open(reserve, "wb") as f:
-                    f.truncate(need)  # sparse: counted, not written
+                fd = open_regular(reserve, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+                assert fd is not None
+                try:
+                    os.ftruncate(fd, need)  # sparse: counted, not written
+                finally:
+                    os.close(fd)
 
     def _warn(self, message: str) -> None:
         if not self._warned:
@@ -193,11 +199,13 @@ class PackCache(PerProcess):
         dropped and the folder made again."""
         lock = self.directory / LOCKS / PACK_LOCK
         for _ in range(100):
+            drop_links(lock.parent)
             lock.parent.mkdir(parents=True, exist_ok=True)
             try:
-                fd = os.open(lock, OPEN, 0o644)
+                fd = open_regular(lock, OPEN)
             except FileNotFoundError:  # moved aside between mkdir and open
                 continue
+            assert fd is not None
             fcntl.flock(fd, fcntl.LOCK_SH)
             if same_file(fd, lock):
                 break
@@ -265,6 +273,7 @@ class PackCache(PerProcess):
             if name in self._held:
                 _touch(path)
                 return path
+        drop_links(self.directory.parent, self.directory)
         for _ in range(3):
             fd = self._open_held(path, expected_size)
             if fd is None:
@@ -304,10 +313,10 @@ class PackCache(PerProcess):
         )
 
     def _open_held(self, path: Path, expected_size: int | None) -> int | None:
-        """A descriptor of ``path`` holding a shared lock, if it is there and complete."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        """A descriptor of ``path`` holding a shared lock, if it is there and complete (a
+        link, FIFO or device there is removed: absent)."""
+        fd = open_regular(path)
+        if fd is None:
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an evictor unlinks it
         if same_file(fd, path) and expected_size in (None, os.fstat(fd).st_size):
@@ -344,7 +353,7 @@ def _close_all(held: dict[str, int]) -> None:
 
 def _touch(path: Path) -> None:
     with suppress(FileNotFoundError):
-        os.utime(path)  # the mtime is the last use: the LRU order
+        os.utime(path, follow_symlinks=False)  # the mtime is the last use: the LRU order
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -385,7 +394,11 @@ class ClearResult:
 
 def _info(pack_dir: Path) -> dict[str, Any]:
     try:
-        info = json.loads((pack_dir / PACK_INFO).read_text(encoding="utf-8"))
+        fd = open_regular(pack_dir / PACK_INFO)
+        if fd is None:
+            return {}
+        with os.fdopen(fd, "rb") as f:
+            info = json.loads(f.read(1 << 16))
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}

@@ -4,12 +4,18 @@ A pack folder ``<cache_dir>/v1/<key>/`` holds ``pack.json``, the objects, ``.loc
 (held by the one process fetching ``name``; ``.pack.lock`` held shared by every process
 writing in the folder) and ``.<name>.<random>.partial`` downloads. A reader holds an object
 with a shared ``flock`` on the object itself.
+
+Nothing in the cache folder is followed: a link, FIFO or device where a file of ours should be is
+removed (the entry, never what it points to) and taken as absent; a link where a pack folder
+should be is skipped. The cache folder itself may be a link.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -22,11 +28,57 @@ PARTIAL = ".partial"
 PACK_LOCK = ".pack.lock"  # in .locks/; held shared while writing in the folder
 EVICT_LOCK = ".evict.lock"  # in the cache folder; held while evicting or clearing
 OPEN = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+_ODD = (errno.ELOOP, errno.ENXIO, errno.EISDIR)  # a link, a socket or reader-less FIFO, a folder
+
+
+def open_regular(path: Path, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int | None:
+    """``path`` opened with ``flags`` if it is a regular file, never through a link nor blocking
+    on a FIFO; None if absent. Anything else there is removed (a link: the link) and taken as
+    absent, then made again under ``O_CREAT``; a folder raises ``IsADirectoryError``."""
+    for _ in range(3):
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except FileNotFoundError:
+            if flags & os.O_CREAT:
+                raise
+            return None
+        except OSError as exc:
+            if exc.errno not in _ODD:
+                raise
+        else:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.set_blocking(fd, True)
+                return fd
+            os.close(fd)
+        with suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                raise IsADirectoryError(
+                    errno.EISDIR,
+                    f"{path}: a folder where the cache keeps a file; delete it (or clear the "
+                    "cache: torch-serialized cache clear)",
+                )
+            os.unlink(path)  # not a regular file: never one of ours
+        if not flags & os.O_CREAT:
+            return None
+    raise OSError(
+        f"{path}: kept being replaced by something other than a file; is another "
+        "program writing in the cache folder?"
+    )
+
+
+def drop_links(*folders: Path) -> None:
+    """Remove each of ``folders`` that is a link (the link, never what it points to), so that
+    the files below it are made in the cache folder itself."""
+    for folder in folders:
+        with suppress(FileNotFoundError):
+            if folder.is_symlink():
+                os.unlink(folder)
 
 
 @contextmanager
 def flocked(path: Path, operation: int) -> Iterator[None]:
-    fd = os.open(path, OPEN, 0o644)
+    fd = open_regular(path, OPEN)
+    assert fd is not None  # O_CREAT: made if absent
     try:
         fcntl.flock(fd, operation)
         yield
@@ -41,9 +93,12 @@ def unless_locked(lock: Path, create: bool = False) -> Iterator[bool]:
     process about to take it waits for the block."""
     try:
         if create:
+            drop_links(lock.parent)
             lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, OPEN if create else os.O_RDONLY | os.O_CLOEXEC, 0o644)
-    except FileNotFoundError:  # never locked: nobody holds it
+        fd = open_regular(lock, OPEN) if create else open_regular(lock)
+    except FileNotFoundError:
+        fd = None
+    if fd is None:  # never locked: nobody holds it
         yield True
         return
     try:
@@ -59,7 +114,7 @@ def unless_locked(lock: Path, create: bool = False) -> Iterator[bool]:
 
 def same_file(fd: int, path: Path) -> bool:
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
     own = os.fstat(fd)
@@ -112,9 +167,8 @@ class _Entry:
         with unless_locked(self.lock) as free:
             if not free:
                 return False
-            try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
+            fd = open_regular(self.path)
+            if fd is None:
                 return False
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a reader's shared lock
@@ -130,6 +184,7 @@ class _Entry:
 
 def objects(pack_dir: Path) -> list[_Entry]:
     """The objects and partial downloads of one pack folder."""
+    drop_links(pack_dir / LOCKS)
     try:
         items = list(os.scandir(pack_dir))
     except FileNotFoundError:
@@ -147,7 +202,14 @@ def objects(pack_dir: Path) -> list[_Entry]:
 
 
 def pack_dirs(root: Path) -> list[Path]:
-    try:
-        return sorted(p for p in (root / LAYOUT).iterdir() if p.is_dir() and p.name[0] != ".")
-    except FileNotFoundError:
+    """The pack folders under ``root``: real folders only, never a link to one."""
+    layout = root / LAYOUT
+    if layout.is_symlink():
         return []
+    try:
+        items = list(os.scandir(layout))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        Path(p.path) for p in items if p.is_dir(follow_symlinks=False) and p.name[0] != "."
+    )

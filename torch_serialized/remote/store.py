@@ -26,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from fsspec.callbacks import Callback
 
+from ..container.spec import MAX_MANIFEST_BYTES
 from ..errors import (
     ChecksumError,
     CorruptFileError,
@@ -51,7 +52,15 @@ T = TypeVar("T")
 _DEADLINE_GRACE = 60.0  # seconds, as aiohttp's sock_read below
 _CHUNK = 1 << 20
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+#: The backend each scheme needs, and the extra that installs it from a clone.
+_BACKENDS = {
+    "s3": ("s3fs", "s3"),
+    "s3a": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"),
+    "gcs": ("gcsfs", "gcs"),
+    "http": ("aiohttp", "http"),
+    "https": ("aiohttp", "http"),
+}
 _LOCAL = {"file", "local"}
 _RETRYING = {"s3", "s3a", "gs", "gcs"}  # backends that retry requests themselves
 #: URL schemes of fsspec's HTTP filesystem: reads only, servers that may ignore ``Range``.
@@ -203,11 +212,13 @@ class RemoteStore(PerProcess):
                 options["client_kwargs"] = client
             fs, root = url_to_fs(self.url, skip_instance_cache=True, **options)
         except ImportError as exc:
-            extra = _EXTRAS.get(self.protocol)
-            hint = f"pip install 'torch_serialized[{extra}]'" if extra else "install its backend"
+            package, extra = _BACKENDS.get(self.protocol, (getattr(exc, "name", None), None))
+            hint = f"pip install {package}" if package else "install fsspec's backend for it"
+            if extra:
+                hint += f" (or, in a clone of torch_serialized: pip install -e '.[{extra}]')"
             raise ImportError(
-                f"{self.url_of()}: reading {self.protocol}:// URLs needs a package that is not "
-                f"installed ({exc}); {hint}"
+                f"{self.url_of()}: {self.protocol}:// URLs need {package or 'a package'}, which "
+                f"is not installed ({exc}): {hint}"
             ) from exc
         except ValueError as exc:
             raise RemoteError(f"{self.url_of()}: fsspec cannot open this URL: {exc}") from exc
@@ -306,12 +317,26 @@ class RemoteStore(PerProcess):
             )
         return int(size)
 
-    def read_bytes(self, key: str = "", start: int | None = None, end: int | None = None) -> bytes:
-        """The bytes of a small object ``key`` (``[start, end)`` if given). Over HTTP a range
-        is streamed, so a server that ignores ``Range`` still gives the right bytes."""
+    def read_bytes(
+        self,
+        key: str = "",
+        start: int | None = None,
+        end: int | None = None,
+        max_bytes: int | None = None,
+    ) -> bytes:
+        """The bytes of a small object ``key``: ``[start, end)`` if given, else at most
+        ``max_bytes`` (default: a manifest's cap), a longer one raising unread. Over HTTP the
+        body is streamed: a server that ignores ``Range`` still gives the right bytes."""
         path = self.fs_path(key)
         if start is None or end is None:
-            return bytes(self.call("read", key, lambda: self.fs.cat_file(path)))
+            cap = MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
+            data = self.call("read", key, lambda: self._read_capped(key, cap))
+            if len(data) > cap:
+                raise RemoteError(
+                    f"{self.url_of(key)}: larger than the {cap:,}-byte limit of this read (a "
+                    "pack's manifest, say), or endless; check that the URL names a pack"
+                )
+            return data
         n = end - start
 
         def read() -> bytes:
@@ -324,6 +349,22 @@ class RemoteStore(PerProcess):
             return data
 
         return self.call("read", key, read)
+
+    def _read_capped(self, key: str, cap: int) -> bytes:
+        """At most ``cap + 1`` bytes of ``key``, whole or cut; no more are read."""
+        path = self.fs_path(key)
+        if self.protocol not in HTTP_PROTOCOLS:
+            try:
+                return bytes(self.fs.cat_file(path, start=0, end=cap + 1))
+            except OSError as exc:  # no range of an empty object can be served
+                if classify_error(exc) is Fault.FATAL and self.fs.size(path) == 0:
+                    return b""
+                raise
+        body = bytearray()
+        with self.fs.open(path, "rb", block_size=0, size=cap + 1) as f:
+            while len(body) <= cap and (chunk := f.read(_CHUNK)):
+                body += chunk
+        return bytes(body)
 
     def _read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` over HTTP; a body longer than the range is the whole object

@@ -104,7 +104,7 @@ def _append_local(
 ) -> PackResult:
     """``append_voc`` on a local pack; a URL's staged copy skips ``check_shards`` (it has few)."""
     started = time.perf_counter()
-    old = VOCPackReader(pack)
+    old = VOCPackReader(pack, check_files=False)  # _check_shards says more, or a staged copy
     path = Path(old.path)
     report = records.check_report_path(path)
     voc_root, image_sets, plan = _sort_source(root, old, opts)

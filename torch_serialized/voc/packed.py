@@ -31,6 +31,7 @@ class VOCPackReader:
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,
+        check_files: bool = True,
     ) -> None:
         self.reader = PackReader(
             path,
@@ -39,6 +40,7 @@ class VOCPackReader:
             cache_dir=cache_dir,
             cache_limit_bytes=cache_limit_bytes,
             check_records=check_record_fields,
+            check_files=check_files,
         )
         meta = check_voc_pack(self.reader)
         self.meta: dict[str, Any] = meta

@@ -1,7 +1,6 @@
 """What a pack holds and whether it is intact: ``info(path)`` and ``verify(path)``, dataclasses
 the command line prints (``info --json`` is their ``asdict``). One shard or catalog file of a
-folder is no pack: ``info`` refuses it, ``part_info`` says where it belongs.
-"""
+folder is no pack: ``info`` refuses it, ``part_info`` says where it belongs."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ from .voc.packed import VOCPackReader
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard of a pack: records stored, samples a reader shows (records an append
-    retired are not samples) and bytes on disk."""
+    """One shard: records stored, samples shown (retired records are not), bytes on disk."""
 
     file: str
     records: int
@@ -43,8 +41,7 @@ class PackInfo:
     height, count]``; ``classes``: objects per class in the samples, most common first."""
 
     path: str
-    #: for a pack at a URL, where the cache holds it (else None)
-    cached_in: str | None
+    cached_in: str | None  #: for a pack at a URL, where the cache holds it (else None)
     format_version: str
     schema: str
     packed_by: str | None
@@ -52,15 +49,13 @@ class PackInfo:
     base_dir: str
     options: dict[str, Any]
     num_samples: int
-    #: records appends replaced or dropped (their bytes stay until the next full pack)
-    retired: int
+    retired: int  #: records appends replaced or dropped (bytes stay until the next full pack)
     with_annotation: int
     with_mask: int
     with_object_mask: int
     with_untyped_objects: int
     with_unparsed_annotation: int
-    #: task ("Main", "Segmentation") -> image set -> number of ids
-    image_sets: dict[str, dict[str, int]]
+    image_sets: dict[str, dict[str, int]]  #: task ("Main", ...) -> image set -> number of ids
     classes: dict[str, int]
     class_counts: dict[str, Any]
     num_objects: int
@@ -73,8 +68,7 @@ class PackInfo:
     sharded: bool
     shards: list[ShardInfo]
     skipped: list[Any]
-    #: every pack and append of the pack, oldest first
-    history: list[dict[str, Any]]
+    history: list[dict[str, Any]]  #: every pack and append of the pack, oldest first
 
 
 def info(
@@ -162,15 +156,12 @@ class PartInfo:
 
     path: str
     role: str  # "shard" or "catalog"
-    #: the shard folder to pass instead; None when the file is not in it (copied out)
-    folder: str | None
+    folder: str | None  #: the shard folder to pass instead; None if the file is not in it
     shard: int | None  # a shard's number from 0 (None for a catalog)
-    #: the shards of the folder's manifest; None when the manifest does not name the file
-    num_shards: int | None
+    num_shards: int | None  #: the manifest's shard count; None if it does not name the file
     records: int
     bytes: int
-    #: what the file is, e.g. "shard 2 of 3 of the pack at data/voc"
-    description: str
+    description: str  #: what the file is, e.g. "shard 2 of 3 of the pack at data/voc"
 
     @property
     def current(self) -> bool:
@@ -179,8 +170,7 @@ class PartInfo:
 
 
 def part_info(path: str | os.PathLike[str]) -> PartInfo | None:
-    """What the local file ``path`` is when it is a shard or catalog of a shard folder (not
-    a pack by itself), else None: a pack, a folder, a URL, or a file that is no container."""
+    """What local file ``path`` is if a shard or catalog of a shard folder (no pack), else None."""
     if is_url(os.fspath(path)) or not os.path.isfile(path):
         return None
     member = member_of(path, read_binding(path))
@@ -219,20 +209,14 @@ class VerifyReport:
     records: int
     num_shards: int
     sharded: bool
-    #: field checksums checked (records times fields)
-    checksums: int
+    checksums: int  #: field checksums checked (records times fields)
     bytes: int
     seconds: float
-    #: the pack's VOC metadata was checked too (a VOC pack, not one file of a folder)
-    voc: bool
-    #: when ``path`` is one shard or catalog file of a folder: what it is (``PartInfo``)
-    part: str | None = None
-    #: ... and the folder to verify for the whole pack (None if unknown)
-    folder: str | None = None
-    #: why every VOC reader refuses the pack, though its bytes check
-    voc_error: str | None = None
-    #: why each shard that fails its own checks does (every record of it is suspect)
-    damaged_shards: list[str] = field(default_factory=list)
+    voc: bool  #: VOC metadata checked too (a VOC pack, not one file of a folder)
+    part: str | None = None  #: if ``path`` is one shard or catalog of a folder: what it is
+    folder: str | None = None  #: ... and the folder to verify for the whole pack (or None)
+    voc_error: str | None = None  #: why every VOC reader refuses the pack, though bytes check
+    damaged_shards: list[str] = field(default_factory=list)  #: why each bad shard fails
     damaged_records: list[DamagedRecord] = field(default_factory=list)
 
     @property
@@ -247,9 +231,8 @@ def verify(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit_bytes: int | None = None,
 ) -> VerifyReport:
-    """Check the pack at ``path`` (a URL: downloaded into the cache): header, footer,
-    metadata, index, arrays, VOC metadata and every field checksum. Damaged records and shards
-    are reported; a file that cannot be opened at all raises."""
+    """Check the pack at ``path`` (a URL: via the cache): header, footer, metadata, index, arrays,
+    VOC metadata, every field checksum. Damage is reported; what cannot be opened raises."""
     remote: dict[str, Any] = dict(
         storage_options=storage_options, cache_dir=cache_dir, cache_limit_bytes=cache_limit_bytes
     )

@@ -1,7 +1,6 @@
 """The ``torch-serialized`` command line (also ``python -m torch_serialized``): the argument
 parser and ``main``; ``commands`` holds one function per command. An error prints one line on
-stderr and exits 2 (``--debug``: the traceback); ``verify`` exits 1 when it finds damage.
-"""
+stderr and exits 2 (``--debug``: the traceback); ``verify`` exits 1 when it finds damage."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ from .commands import EXIT_ERROR, PROG, one_line, printable
 
 __all__ = ["main", "parse_size"]
 
-#: What a shell reports for a process a closed pipe stopped (128 + SIGPIPE), as ``ls | head``.
-EXIT_BROKEN_PIPE = 141
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for ``ls | head``
 
 #: a number, then B, or k/M/G/T alone or with B (powers of 1000) or iB (of 1024)
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(ib|b)?|b)?\s*", re.IGNORECASE)

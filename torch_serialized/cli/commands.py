@@ -1,7 +1,6 @@
 """One function per command (``cmd_<name>``): call the library, print what it answered, return
 the exit status (errors propagate to ``main``). Refused here, as no library call can:
-``pack`` options that mean nothing together (``append_voc`` takes no shard options).
-"""
+``pack`` options that mean nothing together (``append_voc`` takes no shard options)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 
 
 def printable(text: str, *, json_text: bool = False) -> str:
-    """``text`` with what ``str.isprintable`` refuses but newlines escaped (``\\x1b``,
-    ``\\u202e``): a pack's metadata is untrusted and must not move the cursor or reorder text.
-    ``json_text``: escape as JSON spells it (``\\u001b``)."""
+    """``text`` with non-printables but newlines escaped (``\\x1b``; ``json_text``: ``\\u001b``):
+    a pack's metadata is untrusted and must not move the cursor or reorder text (``\\u202e``)."""
     return "".join(c if c.isprintable() or c == "\n" else _escape(c, json_text) for c in text)
 
 
@@ -69,7 +67,6 @@ def remote(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-# -- pack ----------------------------------------------------------------------------------------
 #: ``pack`` options an append cannot take (it keeps the pack's own), and ``--append``'s.
 _PACK_ONLY = ["shards", "shard_size", "samples_per_shard", "image_storage", "max_size"]
 _PACK_ONLY += ["check_images", "overwrite"]
@@ -218,7 +215,6 @@ _UNPARSED = (
 )
 
 
-# -- prune, cache, info, verify, export, bench, demo ---------------------------------------------
 def cmd_prune(args: argparse.Namespace) -> int:
     from ..remote.upload import prune_remote
 

@@ -1,9 +1,6 @@
-"""Finding a pack while a re-pack may be swapping it, and checking a downloaded file.
-
-A re-pack moves the old folder aside and renames the new one in (``fileio.AtomicOutput``):
-``find`` looks again rather than calling the missing path empty, and says what happened when
-the swap never completes. ``intact`` is the check a download passes to enter the cache.
-"""
+"""Finding a pack while a re-pack may be swapping it (``fileio.AtomicOutput`` moves the old folder
+aside, renames the new one in): ``find`` looks again rather than call it missing, and says what
+happened if the swap never completes. ``intact``: the check a download passes to enter the cache."""
 
 from __future__ import annotations
 
@@ -134,8 +131,7 @@ def _look(path: Path) -> tuple[Path, Path | None, bytes | None] | None:
 
 
 def _voc_marks(path: Path) -> str | None:
-    """What makes the folder ``path`` a VOC source, e.g. ``"VOCdevkit/"`` or ``"VOC2007/
-    Annotations, JPEGImages"``, or None: a look at a few names, nothing read."""
+    """What makes ``path`` a VOC source (e.g. ``"VOCdevkit/"``), or None; only names looked at."""
     for name in ("VOCdevkit", "TrainVal/VOCdevkit"):
         if (path / name).is_dir():
             return f"{name}/"
@@ -147,16 +143,14 @@ def _voc_marks(path: Path) -> str | None:
 
 
 def _moved_aside(path: Path) -> tuple[Path, int] | None:
-    """What a writer moved aside to replace ``path`` (a link: its target), and its pid:
-    ``.{name}.old-{pid}-{hex}`` beside it, one whose writer runs first."""
+    """``(aside, pid)``: what a writer moved aside for ``path`` (``.{name}.old-{pid}-{hex}``)."""
     real = Path(os.path.realpath(path))
     found = [(entry, pid) for kind, pid, entry in fileio.temporaries(real) if kind == "old"]
     return max(found, key=lambda moved: fileio.pid_alive(moved[1]), default=None)
 
 
 def intact(expect: Expected | None = None) -> Callable[[Path], bool]:
-    """A download check: the file is a whole container (of ``expect``, a manifest entry,
-    when given) whose arrays and records all match their CRC32s."""
+    """A download check: a whole container (of manifest entry ``expect``), all CRC32s matching."""
 
     def check(path: Path) -> bool:
         try:

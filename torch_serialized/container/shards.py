@@ -1,9 +1,6 @@
-"""A packed dataset: one container file, or a shard folder opened from its manifest.
-
-A shard folder opens from its manifest and catalog; each shard is opened and checked on first
-use and kept in a bounded least-recently-used set, so any number of shards needs a bounded
-number of file descriptors. Never imports torch.
-"""
+"""A packed dataset: one container file, or a shard folder opened from its manifest and catalog.
+Shards are opened and checked on first use and kept in a bounded LRU set, so any number of
+shards needs a bounded number of file descriptors. Never imports torch."""
 
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ class IncompletePackError(CorruptFileError, FileNotFoundError):
     """A local shard folder lacks files its manifest lists, or holds them at another size."""
 
 
-#: Checked shards whose maps were closed, kept so mapping one again costs a map, not a
-#: validation (0.03 vs 0.2 ms a shard; a few KB each).
+#: Checked shards kept unmapped: remapping costs a map, not a check (0.03 vs 0.2 ms; KBs each).
 _MAX_CLOSED_SHARDS = 4096
 
 
@@ -51,15 +47,14 @@ class _Shards:
 class PackReader:
     """A packed dataset: one container file, or a shard folder with ``manifest.json``.
 
-    Records are numbered across shards; arrays and ``user`` come from the catalog (manifest
-    version 1: the last shard, plus every shard's columns read at open). Shards open on use,
-    checked against the manifest; at most ``max_open_shards`` stay mapped. ``path`` may be an
-    fsspec URL read through the local cache (``remote.packs.resolve``): ``path`` is then the
-    cache folder, ``url`` the URL. ``check_records(shard, first_record)``, a schema's check,
-    runs on each shard it opens (the single file's is the caller's). ``check_files``: a local
-    shard folder whose listed files are not all there at their sizes (a ``stat`` each) raises
-    ``IncompletePackError`` at open, not when a reader reaches the first missing one (``open_pack``
-    asks it; a staged partial copy for an append, or ``verify``, must not).
+    Records are numbered across shards; arrays and ``user`` come from the catalog (manifest v1:
+    the last shard, plus all shards' columns read at open). Shards open on use, checked against
+    the manifest; at most ``max_open_shards`` stay mapped. ``path`` may be an fsspec URL read
+    through the local cache: ``path`` is then the cache folder, ``url`` the URL.
+    ``check_records(shard, first_record)``, a schema's check, runs on each shard opened (a single
+    file's is the caller's). ``check_files``: a local shard folder missing listed files or sizes
+    (a ``stat`` each) raises ``IncompletePackError`` at open, not at the first read of one
+    (``open_pack`` asks it; an append's partial staged copy and ``verify`` must not).
     """
 
     def __init__(
@@ -129,7 +124,6 @@ class PackReader:
         v2 = self.manifest is not None and self.manifest.version >= 2
         self._catalog_shard = -1 if v2 else len(self.entries) - 1
 
-    # -- opening ---------------------------------------------------------------------------
     def _open_catalog(self, manifest: Manifest) -> None:
         """Manifest version 2: the catalog holds the metadata, arrays and every record's columns."""
         assert manifest.catalog is not None and manifest.pack_id is not None
@@ -143,8 +137,7 @@ class PackReader:
         self._catalog = catalog
 
     def _check_files(self, manifest: Manifest) -> None:
-        """Every file the manifest lists is here at its listed size (what is not a regular
-        file is refused by name when opened)."""
+        """Every file the manifest lists is here at its size (non-regular ones fail at open)."""
         listed: list[CatalogEntry | ShardEntry] = [*manifest.shards]
         if manifest.catalog is not None:
             listed.insert(0, manifest.catalog)
@@ -202,10 +195,8 @@ class PackReader:
             except (ValueError, TypeError) as exc:  # shapes or dtypes differ by shard
                 raise CorruptFileError(f"{damaged} ({exc}), re-pack it") from None
 
-    # -- shards: opened on first use, a bounded number kept ------------------------------------
     def _here(self) -> _Shards:
-        """This process's shards, made on first use in a process (a fork: the inherited maps
-        are closed, what was checked is kept, except a remote pack's, fetched again)."""
+        """This process's shards (after a fork: maps closed, checked ones kept unless remote)."""
         here = self._local
         if here is not None and here.pid == os.getpid():
             return here
@@ -228,8 +219,7 @@ class PackReader:
         return os.path.join(self.path, self.entries[s].file)
 
     def shard(self, s: int) -> ContainerReader:
-        """Shard ``s``, opened and checked on first use (the least recently used one is closed
-        beyond ``max_open_shards``)."""
+        """Shard ``s``, opened and checked on first use (LRU closed beyond ``max_open_shards``)."""
         if s == self._catalog_shard:
             return self._catalog
         here = self._here()
@@ -259,7 +249,6 @@ class PackReader:
             while len(here.closed) > _MAX_CLOSED_SHARDS:
                 here.closed.popitem(last=False)
 
-    # -- remote packs: where the files come from -------------------------------------------
     def prefetch_shards(self, shards: Iterable[int]) -> None:
         """Start downloading ``shards`` of a remote pack in the background (else a no-op)."""
         if self.remote is None or self.manifest_path is None:
@@ -286,8 +275,7 @@ class PackReader:
         self.remote.release(self.entries[s].file)
 
     def close(self) -> None:
-        """Close every shard's map (a remote pack: stop prefetching, release its cached shards);
-        shards are mapped again on next use."""
+        """Close every shard's map (remote: stop prefetching, release shards); remapped on use."""
         here = self._here()
         with here.lock:
             opened = list(here.open.items())
@@ -330,8 +318,7 @@ class PackReader:
             raise
 
     def _changed(self, name: str) -> FileChangedError | None:
-        """The error for file ``name`` missing or different because the pack was replaced since
-        it was opened; None if it was not."""
+        """``FileChangedError`` if ``name`` is off because the pack was replaced, else None."""
         if not self._manifest_changed():
             return None
         assert self.manifest_path is not None
@@ -341,8 +328,7 @@ class PackReader:
         return FileChangedError(f"{msg}; create the dataset again to read it")
 
     def _damaged_copy(self, path: str, url: str) -> CorruptFileError:
-        """The error for the cached copy at ``path`` of the file at ``url`` damaged on the local
-        disk after its download was checked: the copy at the URL is not to blame."""
+        """The error for a cached copy of ``url`` damaged locally after its download was checked."""
         assert self.remote is not None
         return CorruptFileError(
             f"{path}: this cached copy of {url} was damaged on the local disk after its "
@@ -464,8 +450,7 @@ class PackReader:
 
 
 def default_max_open_shards() -> int:
-    """Shards a reader keeps mapped unless told: an eighth of the descriptor limit (each holds
-    up to two), 4 to 512."""
+    """Default ``max_open_shards``: an eighth of the descriptor limit (2 each at most), 4 to 512."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return 512

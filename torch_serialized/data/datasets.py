@@ -1,7 +1,6 @@
 """Map-style drop-ins for torchvision's ``VOCDetection`` and ``VOCSegmentation``: index for
 index the same samples. They subclass torchvision's classes so ``isinstance`` and
-``wrap_dataset_for_transforms_v2`` keep working; ``PackedSamples`` is shared with the stream.
-"""
+``wrap_dataset_for_transforms_v2`` keep working; ``PackedSamples`` is shared with the stream."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ __all__ = ["VOCSerializedDataset", "VOCSerializedSegmentation"]
 
 
 class PackedSamples:
-    """What every dataset of a pack shares: decoding and transforming a record's fields, a
-    DataLoader worker's batches, reopening, the label names."""
+    """What every dataset of a pack shares: decoding, worker batches, reopening, label names."""
 
     transforms: Callable | None
 
@@ -43,8 +41,7 @@ class PackedSamples:
         year: str | None = None,
         **pack_options: Any,
     ) -> None:
-        """Open the pack at ``path`` (or URL), the records of ``image_set`` of ``task`` in
-        list-file order and their decoder; ``pack_options`` go to ``VOCPackReader``."""
+        """Open ``path``, the records of ``task``'s ``image_set`` (list-file order), a decoder."""
         self.pack = VOCPackReader(path, **pack_options)
         if year is not None and str(year) != self.pack.year:
             hint = "pass that pack's year (or none: the pack knows it)"
@@ -76,18 +73,16 @@ class PackedSamples:
         return list(self.decoder.label_names)
 
     def _decoded(self, record: int, fields: Sequence[Buffer], view: bool = False) -> Any:
-        """The sample of ``record`` from its image and target fields, decoded (``view``: see
-        ``SampleDecoder.image``) and transformed."""
+        """``record``'s sample, decoded (``view``: see ``SampleDecoder.image``) and transformed."""
         image = self.decoder.image(record, fields[0], view=view)
         target = self.decoder.target(record, fields[1])
         return (image, target) if self.transforms is None else self.transforms(image, target)
 
     def _shared(self, items: Iterable[tuple[int, Sequence[Buffer]]]) -> list[Any]:
-        """The samples of ``(record, fields)`` items, their tensors in one block of shared
-        memory (``share_batch``). Views of the map are copied once, into the block (a worker's
-        CPU 107 -> 96 us a sample of decode="none"); decoded images, sized from the pack's
-        columns, go in as each is made, so one private image is alive at a time, not the
-        batch that glibc would keep as the worker's heap (benchmarks/README.md)."""
+        """The samples of ``(record, fields)`` items, their tensors in one shared-memory block.
+        Map views are copied once, into it (worker CPU 107 -> 96 us a sample, decode="none");
+        decoded images, sized from the pack's columns, go in as made: one private image alive
+        at a time, not a batch glibc would keep as the worker's heap (benchmarks/README.md)."""
         items = list(items)
         plain = self.transforms is None
         view = plain and self.decoder.stored_bytes
@@ -106,7 +101,6 @@ class _PackedVOCBase(PackedSamples):
     def _open(
         self, path: str | os.PathLike[str], image_set: str, download: bool, **kw: Any
     ) -> None:
-        """Open the split; ``kw``: the keyword arguments of ``_open_split``."""
         if download:
             raise ValueError(
                 "a pack is not downloaded from torchvision's mirrors: download with "
@@ -137,8 +131,7 @@ class _PackedVOCBase(PackedSamples):
         return "\n".join(lines)
 
     def _record(self, index: Any) -> int:
-        """The record at dataset ``index`` (the one index check of a read), or a list's
-        ``IndexError`` / ``TypeError`` naming the index and the length."""
+        """The record at ``index`` (a read's one index check); errors name index and length."""
         name = type(self).__name__
         try:
             i = as_index(index)
@@ -172,9 +165,8 @@ class _PackedVOCBase(PackedSamples):
         return self._decoded(*self._read(self._record(index)))
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-        """``[self[i] for i in indices]`` (a DataLoader batch), every index checked first; in a
-        worker the tensors go in one block of shared memory. A subclass that overrides
-        ``__getitem__`` (torchvision's v2 wrapper) gets per-index calls."""
+        """``[self[i] for i in indices]``, indices checked first; in a worker, tensors go in one
+        shared-memory block. An overridden ``__getitem__`` (the v2 wrapper) gets per-index calls."""
         if type(self).__getitem__ is not _PackedVOCBase.__getitem__:
             return [self[i] for i in indices]
         records = [self._record(i) for i in indices]
@@ -191,21 +183,18 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
     Args:
         path: a ``.tser`` file or shard folder written by ``pack_voc``, or its URL.
         year: the pack's year, checked (default None: whatever the pack holds).
-        image_set: ``"train"``, ``"val"``, ``"trainval"``, ``"test"`` (2007), or any other
-            list packed from ``ImageSets/Main``.
+        image_set: ``"train"``, ``"val"``, ``"trainval"``, ``"test"`` (2007) or any Main list.
         download: must be False (a pack is made with ``pack_voc``, not downloaded).
         transform, target_transform, transforms: as in torchvision.
         decode: ``"pil"`` (default, exact), ``"tensor"`` or ``"none"``; see ``Decode``.
         target_format: ``"dict"`` (default, exact) or ``"tv_tensors"``; see ``TargetFormat``.
-        classes: label names for ``"tv_tensors"`` targets; see ``Classes`` and
-            ``label_names``.
+        classes: label names for ``"tv_tensors"`` targets; see ``Classes``, ``label_names``.
         checked: verify each record's checksum as it is read.
         zero_copy: with ``decode="none"`` (and raw-pixel packs), read-only views of the map
             instead of copies (e.g. for batched GPU ``decode_jpeg``); writing into one crashes.
-        storage_options, cache_dir, cache_limit_bytes: for a pack at a URL (``s3://``,
-            ``gs://``, ``https://``...): fsspec options, the cache folder (default
-            ``$TORCH_SERIALIZED_CACHE``, else ``~/.cache/torch_serialized``) and its bound in
-            bytes (None: unbounded). Shards are downloaded on first touch.
+        storage_options, cache_dir, cache_limit_bytes: for a pack at a URL (``s3://``...):
+            fsspec options, the cache folder (default ``$TORCH_SERIALIZED_CACHE``, else
+            ``~/.cache/torch_serialized``), its bound in bytes (None: unbounded).
     """
 
     _TASK, _TARGET_DIR, _TARGET_EXT = "Main", "Annotations", ".xml"
@@ -249,8 +238,7 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
 class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignore[misc]
     """``VOCSegmentation`` read from a pack: same images and masks (mode P, palette kept).
 
-    Arguments as ``VOCSerializedDataset`` (``target_format`` and ``classes`` do not apply).
-    """
+    Arguments as ``VOCSerializedDataset`` (``target_format`` and ``classes`` do not apply)."""
 
     _TASK, _TARGET_DIR, _TARGET_EXT = "Segmentation", "SegmentationClass", ".png"
 

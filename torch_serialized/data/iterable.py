@@ -1,6 +1,5 @@
 """Streaming VOC from a pack: an ``IterableDataset`` chaining the stages of ``pipeline`` and
-decoding as ``VOCSerializedDataset`` does; torchdata-``Stateful`` (``state``).
-"""
+decoding as ``VOCSerializedDataset`` does; torchdata-``Stateful`` (``state``)."""
 
 from __future__ import annotations
 
@@ -56,10 +55,8 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         drop_last: drop the tail so ranks get equal counts, instead of padding with repeats.
         block_size: positions per block (the unit of sequential reading).
         shuffle_buffer: samples held for mixing when ``shuffle`` (0 or 1: blocks only).
-        storage_options, cache_dir, cache_limit_bytes: for a pack at a URL, as
-            ``VOCSerializedDataset``.
-        prefetch: for a pack at a URL, shards each worker downloads ahead of the one it
-            reads, in background threads (0: download each shard when first read).
+        storage_options, cache_dir, cache_limit_bytes: for a pack at a URL, as the map datasets.
+        prefetch: URL packs: shards a worker downloads ahead in threads (0: each when first read).
 
     **Work split** as ``DistributedSampler``: the epoch padded with its first samples to a
     multiple of the world size (or cut, ``drop_last``), rank ``r`` taking the ``r``-th
@@ -69,10 +66,9 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
     same on every rank), the buffer by ``(seed, epoch, rank, worker)``; a window of ``B``
     samples mixes about ``B / block_size + 1`` blocks: smaller blocks shuffle better.
 
-    **Epochs and resumption.** Call ``set_epoch`` before each epoch (persistent workers see
-    it). ``state_dict`` / ``load_state_dict`` follow torchdata's ``StatefulDataLoader``: a
-    resumed iterator yields exactly the rest of the epoch without reading what it skips.
-    One live iterator per dataset object.
+    **Epochs and resumption.** Call ``set_epoch`` before each epoch (persistent workers see it).
+    ``state_dict``/``load_state_dict`` follow torchdata's ``StatefulDataLoader``: a resumed
+    iterator yields exactly the rest of the epoch, skips unread; one live iterator per dataset.
     """
 
     root: str  # set by ``VisionDataset.__init__``, as for the map-style datasets
@@ -142,15 +138,13 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         self._identity = keys.samples_identity(self)
 
     def _topology(self) -> Topology:
-        """The calling process's rank, world size and DataLoader worker."""
         return Topology.current(self.rank, self.world_size)
 
     def __len__(self) -> int:
         return self._topology().samples_per_rank(len(self.records), self.drop_last)
 
     def blocks(self, worker: int | None = None, num_workers: int | None = None) -> list[np.ndarray]:
-        """Positions this rank's ``worker`` (default: the caller's) reads this epoch, block by
-        block, in read order."""
+        """Positions this rank's ``worker`` (default: the caller's) reads this epoch, by block."""
         here = self._topology()
         worker = here.worker if worker is None else worker
         num_workers = here.num_workers if num_workers is None else num_workers

@@ -1,18 +1,7 @@
-"""The stages of the streaming dataset, each a plain function that can be tested alone.
-
-``VOCSerializedIterableDataset`` chains them, as webdataset chains its pipeline::
-
-    block_bounds     image set positions cut into blocks (runs of neighbouring records)
-    epoch_order      the blocks in epoch order (a (seed, epoch) permutation, same on every rank)
-    rank_share       padded to equal rank counts (or the remainder dropped); rank's slice
-    worker_share     the rank's slice split evenly across DataLoader workers
-    split_blocks     a worker's positions regrouped into the blocks they came from
-    read_blocks      each block's fields as views of the map, the next blocks hinted ahead
-    shuffle_buffer   bounded sample mixing (shuffle=True)
-
-Only positions travel through the first five stages, so a plan costs microseconds and a
-resume replays it without I/O. How ranks and workers share an epoch is ``topology``'s rule.
-"""
+"""The stages of the streaming dataset, plain functions testable alone, chained by
+``VOCSerializedIterableDataset``: block_bounds, epoch_order, rank_share, worker_share,
+split_blocks, read_blocks, shuffle_buffer. Only positions travel through the first five, so a
+plan costs microseconds and a resume replays it without I/O; ``topology`` rules the sharing."""
 
 from __future__ import annotations
 
@@ -25,14 +14,12 @@ import numpy as np
 from ..container.shards import PackReader
 from .topology import Topology, epoch_total, seeded_rng
 
-#: Independent random streams under one seed: the block order, and the shuffle buffer.
-BLOCK_ORDER, BUFFER = 0, 1
+BLOCK_ORDER, BUFFER = 0, 1  #: independent random streams under one seed
 
 
 def block_bounds(records: np.ndarray, shard_starts: np.ndarray, block_size: int) -> np.ndarray:
-    """Block boundaries over positions ``0..n-1`` (block ``b`` is ``[bounds[b], bounds[b+1])``)
-    of at most ``block_size``, also cut at shard changes when the image set visits the shards
-    in order (an interleaved list, as VOC's ``trainval``, would make tiny blocks)."""
+    """Bounds of blocks of at most ``block_size`` over positions ``0..n-1``, cut at shard changes
+    if the image set visits shards in order (not if interleaved, as ``trainval``: tiny blocks)."""
     n = len(records)
     segments = np.array([0, n], dtype=np.int64)
     if len(shard_starts) > 2:
@@ -96,8 +83,7 @@ def split_blocks(positions: np.ndarray, block_ids: np.ndarray) -> list[np.ndarra
 
 #: A record's fields as read: views of the map, or private arrays (``read_block(copy=True)``).
 Fields = list[memoryview] | list[np.ndarray]
-#: One sample between the read and decode stages: ``(global record number, fields)``;
-#: ``fields`` is ``None`` for an item planned while replaying a resume.
+#: One sample between read and decode: ``(global record, fields)``; no fields in a resume replay.
 Item = tuple[int, Fields | None]
 
 
@@ -110,8 +96,7 @@ class Gate:
         self.open = open
 
 
-#: Records at most this far apart are read with one request, reading through the gap.
-MAX_GAP = 8
+MAX_GAP = 8  #: records at most this far apart are read in one request, through the gap
 
 
 def record_runs(reader: PackReader, records: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -136,8 +121,7 @@ def read_block(
     *,
     copy: bool = False,
 ) -> dict[int, Fields]:
-    """``fields`` of every record of a block by global record number (``runs``:
-    ``record_runs``): views of the map, or with ``copy`` private arrays (``views_fit``)."""
+    """``fields`` of a block's records by global number: map views, or ``copy``: private arrays."""
     out: dict[int, Fields] = {}
     for shard, local in record_runs(reader, records) if runs is None else runs:
         container = reader.shard(shard)
@@ -147,16 +131,14 @@ def read_block(
 
 
 def views_fit(reader: PackReader, in_flight: int) -> bool:
-    """Whether a stream holding ``in_flight`` records may hold views of the map: a view keeps
-    its shard mapped, so only while every shard can stay open or shards outnumber what is in
-    flight; else copies, keeping open shards within ``max_open_shards``."""
+    """Whether a stream holding ``in_flight`` records may hold views: a view keeps its shard
+    mapped, so only if all shards can stay open or shards outnumber what is in flight."""
     if reader.num_shards <= reader.max_open_shards:
         return True
     return reader.num_records >= in_flight * reader.num_shards
 
 
-#: Blocks hinted to the kernel ahead of the one being used (see ``read_blocks``).
-AHEAD = 2
+AHEAD = 2  #: blocks hinted to the kernel ahead of the one in use (see ``read_blocks``)
 
 
 def read_blocks(
@@ -169,10 +151,9 @@ def read_blocks(
     copy: bool = False,
     shards_ahead: int = 0,
 ) -> Iterator[Item]:
-    """Items of each block in position order, fields as views (``copy``: private arrays);
-    while ``gate`` is closed, without data. The ``AHEAD`` next blocks are hinted to the
-    kernel (a cold epoch: 6,160/s, 3,933/s without); a remote pack's shards are downloaded
-    ``shards_ahead`` ahead and released after their last block (``ShardWindow``)."""
+    """Items of each block in position order, fields as views (``copy``: private arrays), no
+    data while ``gate`` is closed. The ``AHEAD`` next blocks are hinted to the kernel (cold
+    epoch: 6,160/s, 3,933/s without); remote shards come via ``ShardWindow``."""
     gate = gate or Gate()
     runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
     window = None
@@ -201,12 +182,10 @@ def read_blocks(
 
 
 class ShardWindow:
-    """The shards of a remote pack a stream holds at block ``b``: its own and the next
-    ``ahead`` distinct ones. ``before(b)`` downloads those not held; ``after(b)`` releases
-    those the next window leaves out, so a bounded cache may evict them."""
+    """A remote pack's shards a stream holds at block ``b``: its own and the next ``ahead``,
+    downloaded by ``before(b)``; ``after(b)`` releases what leaves, so the cache may evict it."""
 
-    #: blocks looked ahead at most (bounds the work per block)
-    SCAN = 4096
+    SCAN = 4096  #: blocks looked ahead at most (bounds the work per block)
 
     def __init__(self, reader: PackReader, block_records: Sequence[np.ndarray], ahead: int):
         self.reader, self.ahead = reader, ahead
@@ -248,9 +227,8 @@ class ShardWindow:
 
 
 def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
-    """Mix a stream in a buffer of ``size`` items (webdataset's shuffle, deterministic): each
-    arriving item replaces a random one, which is emitted; no item leaves more than ``size``
-    places early."""
+    """Mix a stream in a ``size``-item buffer (webdataset's, deterministic): an arriving item
+    replaces a random one, emitted; no item leaves more than ``size`` places early."""
     if size <= 1:
         yield from items
         return

@@ -1,17 +1,12 @@
 """The local cache of remote packs: one download per object, shared by every process.
 
-A pack's folder (``locks``: the layout) is keyed by its URL and identity (the manifest's
-sha256), so a re-packed pack never mixes with stale shards. Every rule is an ``flock``:
-
-* a process missing an object takes its fetch lock, looks again, and only then downloads (to
-  a temporary renamed in when whole); a killed download's partial file goes with the next;
-* a reader holds a fetched object with a shared lock on it until :meth:`PackCache.release`;
-* ``clear`` never moves a pack folder away under a writer (who holds its pack lock shared);
-* with ``limit_bytes``, room for a download is made under ``.evict.lock`` once the source
-  states its size, and reserved (a sparse partial file): killed downloads' partial files go
-  first, then objects no process holds, least recently used first (mtime is the last fetch).
-  When what is held exceeds the limit the cache grows past it and warns once per :class:`Cache`.
-"""
+A pack folder (layout: ``locks``) is keyed by URL and identity (manifest sha256), so a re-packed
+pack never mixes with stale shards. All rules are ``flock``s: a fetcher takes the object's fetch
+lock, looks again, then downloads to a temporary renamed in when whole; readers hold objects with
+a shared lock until :meth:`PackCache.release`; ``clear`` never moves a folder a writer holds.
+With ``limit_bytes``, room is made under ``.evict.lock`` once the size is known, reserved as a
+sparse partial file: killed downloads go first, then unheld objects by LRU (mtime: last fetch).
+If held objects exceed the limit the cache grows past it and warns once per :class:`Cache`."""
 
 from __future__ import annotations
 
@@ -66,8 +61,7 @@ def default_cache_dir() -> Path:
 
 
 def cache_folder(cache_dir: str | os.PathLike[str] | None) -> Path:
-    """The cache folder ``cache_dir`` names (default: :func:`default_cache_dir`); one that
-    exists and is not a folder raises ``NotADirectoryError``."""
+    """``cache_dir`` or :func:`default_cache_dir`; ``NotADirectoryError`` if not a folder."""
     folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if os.path.lexists(folder) and not folder.is_dir():
         raise NotADirectoryError(
@@ -80,17 +74,12 @@ def cache_folder(cache_dir: str | os.PathLike[str] | None) -> Path:
 
 
 def pack_key(url: str, identity: str) -> str:
-    """A pack's folder name: a hash of its whole URL (credentials included: URLs that may
-    grant different access never share a folder) and its identity."""
+    """A hash of URL (credentials too: differing access never shares a folder) and identity."""
     return hashlib.sha256(f"{url.rstrip('/')}\n{identity}".encode()).hexdigest()[:32]
 
 
-# --------------------------------------------------------------------------- the cache
-
-
 class Cache:
-    """A cache folder shared by every process on the machine; ``limit_bytes`` (None:
-    unbounded) bounds the bytes of all packs in it together."""
+    """A cache folder shared by all processes; ``limit_bytes`` (None: unbounded) bounds its size."""
 
     def __init__(
         self, cache_dir: str | os.PathLike[str] | None = None, limit_bytes: int | None = None
@@ -109,9 +98,8 @@ class Cache:
         return PackCache(self, url, identity)
 
     def make_room(self, need: int, reserve: Path | None = None) -> None:
-        """Evict least recently used objects no process holds until ``need`` more bytes fit,
-        then make ``reserve`` a sparse file of ``need`` bytes, so that the next download's
-        room counts this one at its full size (the caller removes it once the bytes are in)."""
+        """Evict unheld objects, LRU first, until ``need`` bytes fit; then reserve them as the
+        sparse file ``reserve`` so other downloads count this one in full (caller removes it)."""
         limit = self.limit_bytes
         if limit is None:
             return
@@ -158,8 +146,7 @@ class Cache:
 
 
 class PackCache(PerProcess):
-    """The cached objects of one pack; get them with :meth:`fetch`. Thread-safe. After a
-    fork the child holds nothing (the parent keeps its locks); pickling drops what is held."""
+    """One pack's cached objects (:meth:`fetch`). Thread-safe; forking or pickling drops holds."""
 
     def __init__(self, cache: Cache, url: str, identity: str) -> None:
         self.cache = cache
@@ -174,7 +161,6 @@ class PackCache(PerProcess):
         self._pid = os.getpid()
         self._mutex = threading.Lock()
         self._held: dict[str, int] = {}
-        # what is still held is closed when this object goes away, even without close()
         self._finalizer = weakref.finalize(self, _close_all, self._held)
 
     def __repr__(self) -> str:
@@ -194,9 +180,7 @@ class PackCache(PerProcess):
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
-        """Hold the pack folder (shared) so :func:`clear_cache` cannot move it away meanwhile,
-        making it and its ``pack.json`` if needed; a lock moved away with its folder is
-        dropped and the folder made again."""
+        """Hold the pack folder shared (:func:`clear_cache` cannot move it), made if needed."""
         lock = self.directory / LOCKS / PACK_LOCK
         for _ in range(100):
             drop_links(lock.parent)
@@ -227,9 +211,7 @@ class PackCache(PerProcess):
             os.close(fd)
 
     def remove_other_versions(self) -> ClearResult:
-        """Delete the folders of this very URL under another identity, as
-        :func:`clear_cache` would, unless anything in them is in use (an ``OSError`` is logged:
-        opening a pack never fails for it)."""
+        """Delete this URL's folders of other identities not in use; ``OSError`` is only logged."""
 
         def other_version(pack_dir: Path) -> bool:
             identity = _info(pack_dir).get("identity")
@@ -259,14 +241,10 @@ class PackCache(PerProcess):
     def fetch(
         self, name: str, expected_size: int | None, download: Callable[[Path, Room], object]
     ) -> Path:
-        """The local path of object ``name``, ``download(dest, room)`` first if not cached.
-
-        ``download`` creates ``dest`` atomically with the whole object, calling ``room(n)``
-        once the source states the size ``n`` (room is made then; if it never does, once the
-        bytes are in); processes asking for one object make one call between them. The object
-        stays held (never evicted) until :meth:`release`. A cached file whose size is not
-        ``expected_size`` is downloaded again.
-        """
+        """The local path of object ``name``, calling ``download(dest, room)`` first if needed:
+        it writes ``dest`` atomically, calling ``room(n)`` once the size is known (else room is
+        made after); one call for all processes. Held until :meth:`release`; a cached file whose
+        size is not ``expected_size`` is downloaded again."""
         self._check_fork()
         path = self.object_path(name)
         with self._mutex:
@@ -313,8 +291,7 @@ class PackCache(PerProcess):
         )
 
     def _open_held(self, path: Path, expected_size: int | None) -> int | None:
-        """A descriptor of ``path`` holding a shared lock, if it is there and complete (a
-        link, FIFO or device there is removed: absent)."""
+        """A shared-locked descriptor of ``path`` if it is there and complete, else None."""
         fd = open_regular(path)
         if fd is None:
             return None
@@ -363,9 +340,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-# --------------------------------------------------------------------------- list and clear
 
 
 @dataclass(frozen=True)
@@ -429,11 +403,9 @@ def list_cache(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedPa
 def clear_cache(
     cache_dir: str | os.PathLike[str] | None = None, *, url: str | None = None
 ) -> ClearResult:
-    """Delete the cached packs (only those of ``url`` if given), except objects in use.
+    """Delete the cached packs (only ``url``'s if given) but objects in use (``objects_in_use``).
 
-    A pack folder goes once nothing in it is in use; objects some process holds or is
-    downloading stay, counted in ``objects_in_use``. ``url`` matches as :func:`list_cache`
-    shows it: passwords and query strings are not compared.
+    ``url`` matches as :func:`list_cache` shows it: passwords and query strings are not compared.
     """
     shown = None if url is None else redact_url(url).rstrip("/")
 
@@ -445,8 +417,7 @@ def clear_cache(
 
 
 def _clear_packs(root: Path, wanted: Callable[[Path], bool]) -> ClearResult:
-    """Clear each pack folder under ``root`` that ``wanted`` accepts (asked under
-    ``.evict.lock``, so nothing is evicted meanwhile); what was done, in all."""
+    """Clear the pack folders ``wanted`` accepts (asked under ``.evict.lock``); the totals."""
     totals = [0, 0, 0, 0]
     if not (root / LAYOUT).is_dir():
         return ClearResult(*totals)

@@ -1,14 +1,9 @@
-"""The cache folder on disk: its layout, its ``flock`` locks, the files of a pack folder.
-
-A pack folder ``<cache_dir>/v1/<key>/`` holds ``pack.json``, the objects, ``.locks/<name>.lock``
-(held by the one process fetching ``name``; ``.pack.lock`` held shared by every process
-writing in the folder) and ``.<name>.<random>.partial`` downloads. A reader holds an object
-with a shared ``flock`` on the object itself.
-
-Nothing in the cache folder is followed: a link, FIFO or device where a file of ours should be is
-removed (the entry, never what it points to) and taken as absent; a link where a pack folder
-should be is skipped. The cache folder itself may be a link.
-"""
+"""The cache folder on disk: its layout, its ``flock`` locks, the files of a pack folder:
+a pack folder ``<cache_dir>/v1/<key>/`` holds ``pack.json``, the objects, ``.locks/<name>.lock``
+(held by the one fetcher of ``name``; ``.pack.lock`` held shared by every writer) and
+``.<name>.<random>.partial`` downloads; readers ``flock`` an object shared. Nothing is followed:
+a link, FIFO or device where our file should be is removed (never its target) and taken as
+absent; a link for a pack folder is skipped. The cache folder itself may be a link."""
 
 from __future__ import annotations
 
@@ -32,9 +27,8 @@ _ODD = (errno.ELOOP, errno.ENXIO, errno.EISDIR)  # a link, a socket or reader-le
 
 
 def open_regular(path: Path, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int | None:
-    """``path`` opened with ``flags`` if it is a regular file, never through a link nor blocking
-    on a FIFO; None if absent. Anything else there is removed (a link: the link) and taken as
-    absent, then made again under ``O_CREAT``; a folder raises ``IsADirectoryError``."""
+    """``path`` opened if a regular file (never via a link, never blocking on a FIFO); None if
+    absent. Anything else is removed, taken as absent (made under ``O_CREAT``); a folder raises."""
     for _ in range(3):
         try:
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
@@ -67,8 +61,7 @@ def open_regular(path: Path, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int | N
 
 
 def drop_links(*folders: Path) -> None:
-    """Remove each of ``folders`` that is a link (the link, never what it points to), so that
-    the files below it are made in the cache folder itself."""
+    """Remove those of ``folders`` that are links, so files below are made in the cache itself."""
     for folder in folders:
         with suppress(FileNotFoundError):
             if folder.is_symlink():
@@ -88,9 +81,8 @@ def flocked(path: Path, operation: int) -> Iterator[None]:
 
 @contextmanager
 def unless_locked(lock: Path, create: bool = False) -> Iterator[bool]:
-    """Hold ``lock`` exclusively while the block runs and yield True if no process holds it
-    (or it is absent); else yield False. ``create`` makes an absent lock and holds it, so a
-    process about to take it waits for the block."""
+    """Yield True, holding ``lock`` exclusively, if no process holds it (or it is absent), else
+    False. ``create`` makes and holds an absent lock, so a process about to take it waits."""
     try:
         if create:
             drop_links(lock.parent)
@@ -122,9 +114,8 @@ def same_file(fd: int, path: Path) -> bool:
 
 
 def close_inherited_locks(root: Path) -> None:
-    """In a forked child, close the cache's lock files inherited from parent threads holding
-    them: a ``flock`` belongs to the open file, so the child's copy would keep the lock after
-    the parent let go (found in ``/proc/self/fd``; elsewhere nothing is closed)."""
+    """In a forked child, close lock files inherited from parent threads: a ``flock`` belongs to
+    the open file, so the copy would keep it after the parent let go (Linux ``/proc`` only)."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -162,8 +153,7 @@ class _Entry:
             return not free
 
     def remove(self) -> bool:
-        """Delete it unless a process holds or fetches it (its fetch lock is held meanwhile:
-        a new fetcher waits); True if deleted."""
+        """Delete it unless held or fetched (holding its fetch lock meanwhile); True if deleted."""
         with unless_locked(self.lock) as free:
             if not free:
                 return False

@@ -1,9 +1,6 @@
 """A pack at a URL, read through the local cache: what a reader holds instead of a local path.
-
-:func:`resolve` reads a shard folder's ``manifest.json`` fresh (it changes on a re-pack) and
-names the pack by its sha256; a single ``.tser`` object is downloaded whole. Shards come on
-demand or ahead of time (background threads overlap download and read).
-"""
+A shard folder's ``manifest.json`` is read fresh (a re-pack changes it) and its sha256 names the
+pack; a ``.tser`` object is downloaded whole. Shards come on demand or prefetched by threads."""
 
 from __future__ import annotations
 
@@ -54,9 +51,8 @@ def resolve(
     prefetch_threads: int = 2,
     verify_file: Callable[[Path], bool] | None = None,
 ) -> RemotePack:
-    """Open the pack at ``url`` through the cache: one ``.tser`` object (the URL ends so),
-    downloaded whole now and checked by ``verify_file``, or a shard folder whose manifest is
-    read now and whose shards are downloaded when asked."""
+    """Open the pack at ``url`` through the cache: a ``.tser`` object, downloaded and checked by
+    ``verify_file`` now, or a shard folder whose shards are downloaded when asked."""
     store = RemoteStore(url, storage_options, retry=retry)
     cache = Cache(cache_dir, cache_limit_bytes)
     if store.url.endswith(FILE_SUFFIX):
@@ -80,8 +76,7 @@ def _resolve_file(
     prefetch_threads: int,
     verify_file: Callable[[Path], bool] | None,
 ) -> RemotePack:
-    """``resolve`` of a single-file pack; if it was replaced during the download (its size or
-    footer changed), the new one, once."""
+    """``resolve`` of a single-file pack; if replaced during the download, the new one, once."""
     opened = file_tail(store)
     name = store.url.rsplit("/", 1)[-1]
     for round_ in (1, 2):
@@ -118,8 +113,7 @@ def _resolve_file(
 
 
 def _before_boot(path: Path) -> bool:
-    """Whether ``path`` was last modified before this machine booted (Linux; elsewhere
-    never), or is missing."""
+    """Whether ``path`` is missing or older than this boot (Linux; elsewhere never)."""
     try:
         with open("/proc/stat", "rb") as f:
             boot = next((float(line.split()[1]) for line in f if line.startswith(b"btime ")), 0.0)
@@ -151,8 +145,7 @@ def _tail_of(path: str | os.PathLike[str]) -> tuple[int, bytes]:
 
 
 def file_identity(size: int, tail: bytes) -> str:
-    """A single-file pack's identity (its cache key, and what an append checks is unchanged):
-    the sha256 of its size and footer, which holds the pack id and checksums."""
+    """A file pack's identity (cache key; append's check): sha256 of size and footer (id, sums)."""
     return hashlib.sha256(f"{size}\n".encode() + tail).hexdigest()
 
 
@@ -162,13 +155,10 @@ def local_file_identity(path: str | os.PathLike[str]) -> str:
 
 
 class RemotePack(PackCache):
-    """A pack at a URL and its cache folder, made by :func:`resolve`.
-
-    ``path`` is what a reader opens: the cache folder holding ``manifest.json`` (shards appear
-    as they are fetched) or the cached ``.tser`` file, for which ``manifest_path`` and
-    ``manifest`` (the bytes read from the URL) are None. ``identity``: the manifest's sha256,
-    or that of a single file's size and footer. Pickles without its threads and locks.
-    """
+    """A pack at a URL and its cache folder, made by :func:`resolve`. ``path`` is what a reader
+    opens: the cache folder with ``manifest.json`` (shards appear as fetched) or the cached
+    ``.tser`` file (then ``manifest_path`` and ``manifest`` are None). ``identity``: see
+    :func:`file_identity`, or the manifest's sha256. Pickles without threads and locks."""
 
     def __init__(
         self, store: RemoteStore, cache: Cache, identity: str, prefetch_threads: int = 2
@@ -202,8 +192,7 @@ class RemotePack(PackCache):
         expected_size: int | None = None,
         verify: Callable[[Path], bool] | None = None,
     ) -> Path:
-        """The local path of shard ``name``, downloaded (and ``verify``-ed) now unless cached
-        or prefetched. A failed prefetch is tried once more now (an outage may be over)."""
+        """Shard ``name``'s local path: cached, prefetched or downloaded now (a failed one too)."""
         self._check_fork()
         with self._mutex:
             future = self._pending.pop(name, None)
@@ -215,9 +204,8 @@ class RemotePack(PackCache):
         return self._fetch(ShardRequest(name, expected_size, verify))
 
     def _fetch(self, shard: ShardRequest, key: str | None = None) -> Path:
-        """``fetch`` of ``shard`` (at ``key``, default its name). Downloads are not fsynced, so
-        a cached copy older than the machine's last boot is verified before use (a crash may
-        have left holes in it) and downloaded again if damaged."""
+        """``fetch`` of ``shard`` (at ``key``, default its name). Downloads are not fsynced, so a
+        copy older than the last boot is verified (a crash may leave holes), refetched if bad."""
         whole = self.directory / LOCKS / f"{shard.name}.lock"  # mtime: when last known whole
 
         def download(dest: Path, room: Callable[[int], None]) -> Path:
@@ -254,8 +242,7 @@ class RemotePack(PackCache):
                     self._pending[request.name] = self._pool.submit(self._fetch, request)
 
     def close(self, keep: Iterable[str] = ()) -> None:
-        """Cancel pending prefetches, wait for running ones, and release every held object
-        but those named in ``keep``."""
+        """Cancel pending prefetches, wait for running ones, release held objects but ``keep``."""
         self._check_fork()
         with self._mutex:
             pool, self._pool = self._pool, None

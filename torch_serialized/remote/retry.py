@@ -1,9 +1,5 @@
-"""What a failed remote call means, and how often ``RemoteStore.call`` retries a transfer.
-
-:func:`classify_error` reads the standard exceptions fsspec and its backends raise (and any
-HTTP status they carry): not found, denied, fatal (other 4xx, a full disk, a bug), or, for
-anything else (a lost connection, 408/429/5xx, a cut body, a stall), transient.
-"""
+"""What a failed remote call means, and how often ``RemoteStore.call`` retries a transfer: all
+but not found, denied and fatal (other 4xx, full disk, bug) is transient (408/429/5xx, stall)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: Environment variables that change the default ``RetryPolicy`` (``RetryPolicy.from_env``).
 RETRY_ATTEMPTS_ENV = "TORCH_SERIALIZED_RETRY_ATTEMPTS"
 RETRY_MAX_DELAY_ENV = "TORCH_SERIALIZED_RETRY_MAX_DELAY"
 MIN_RATE_ENV = "TORCH_SERIALIZED_MIN_RATE"
@@ -66,8 +61,7 @@ def http_status(exc: BaseException) -> int | None:
 
 
 def classify_error(exc: BaseException) -> Fault:
-    """What a remote call's exception means, read from the standard exceptions fsspec's
-    backends raise and any HTTP status carried; what none of them marks is transient."""
+    """What a remote call's exception means (fsspec's standard exceptions, any HTTP status)."""
     for e in causes(exc):
         if isinstance(e, PermissionError) or (
             isinstance(e, OSError) and str(e).startswith("Forbidden")  # gcsfs's 403
@@ -91,12 +85,9 @@ def classify_error(exc: BaseException) -> Fault:
 @dataclass(frozen=True)
 class RetryPolicy:
     """How transient faults are retried: ``attempts`` tries in all, exponential backoff.
-
-    The wait before retry ``k`` is ``min(max_delay, base_delay * 2 ** (k - 1))``, with
-    ``jitter`` a random half of it dropped so that many workers do not retry in step.
-    ``min_rate`` (bytes per second) stalls a transfer of known length once it takes 60 s plus
-    its size at that rate (HTTP, S3, GCS); ``0`` turns the deadline off.
-    """
+    Retry ``k`` waits ``min(max_delay, base_delay * 2 ** (k - 1))``, less a random half with
+    ``jitter`` (workers do not retry in step). ``min_rate`` (bytes/s) stalls a transfer of known
+    length after 60 s plus its size at that rate (HTTP, S3, GCS); ``0``: no deadline."""
 
     attempts: int = 5
     base_delay: float = 0.5
@@ -122,9 +113,8 @@ class RetryPolicy:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RetryPolicy:
-        """The default policy with ``TORCH_SERIALIZED_RETRY_ATTEMPTS`` (tries in all),
-        ``TORCH_SERIALIZED_RETRY_MAX_DELAY`` (seconds) and ``TORCH_SERIALIZED_MIN_RATE``
-        (bytes per second) applied when set, in every DataLoader worker and rank alike."""
+        """Defaults with ``TORCH_SERIALIZED_RETRY_ATTEMPTS``, ``TORCH_SERIALIZED_RETRY_MAX_DELAY``
+        (s) and ``TORCH_SERIALIZED_MIN_RATE`` (bytes/s) applied if set, alike in every worker."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for variable, key, kind, unit in (

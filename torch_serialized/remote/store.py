@@ -1,12 +1,9 @@
 """Pack locations at URLs: whole objects moved to and from them through fsspec, and retries.
 
-A location is a URL when it is a ``str`` with a scheme of two or more letters. Backends load
-lazily in the process that uses them. fsspec's backends retry requests their way;
-:meth:`RemoteStore.call` is our one retry loop, around each whole transfer: over S3 and GCS
-only for what theirs cannot see (a short or damaged body, a stall past our deadline of 60 s
-plus the size at ``min_rate``, HTTP 429), over HTTP every transient fault. Messages name the
-URL with any password and query hidden.
-"""
+A URL is a ``str`` with a scheme of 2+ letters; backends load lazily. :meth:`RemoteStore.call`
+is our one retry loop, around whole transfers: over S3 and GCS only for what their own retries
+cannot see (short or damaged body, a stall past 60 s plus the size at ``min_rate``, HTTP 429),
+over HTTP every transient fault. Messages hide passwords and query strings."""
 
 from __future__ import annotations
 
@@ -90,15 +87,10 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "…" if parts.query else "", ""))
 
 
-# --------------------------------------------------------------------------- the store
-
-
 class PerProcess:
-    """Instances holding things of the process using them (locks, threads, descriptors).
-
-    ``_reset`` makes the attributes ``_PER_PROCESS`` names: pickling drops them, unpickling and
-    a fork (at once, in the child's one thread, via ``multiprocessing``) call ``_reset`` again.
-    """
+    """Holds things of the process using it (locks, threads, descriptors): ``_reset`` makes the
+    ``_PER_PROCESS`` attributes; pickling drops them, unpickling and a fork (at once, in the
+    child's one thread, via ``multiprocessing``) call ``_reset`` again."""
 
     _PER_PROCESS: ClassVar[tuple[str, ...]] = ("_pid",)
     _pid: int
@@ -123,18 +115,16 @@ class PerProcess:
 
 
 def _orphan_loop(fs: Any) -> None:
-    """Mark the event loop of a filesystem inherited through a fork as stopped: its thread
-    stayed in the parent, and fsspec's session finalizers wait 1 s on a loop that claims to
-    run (a DataLoader worker lost 1 s before its first sample, measured)."""
+    """Mark a fork-inherited filesystem's event loop stopped: its thread stayed in the parent,
+    and fsspec's finalizers wait 1 s on a loop that claims to run (measured: 1 s per worker)."""
     loop = vars(fs).get("_loop") if fs is not None else None
     if loop is not None and getattr(loop, "_thread_id", None) is not None:
         loop._thread_id = None  # asyncio's own test of is_running()
 
 
 class _Stated(Callback):
-    """Calls ``on_size(n)`` once the GET's answer stated ``n`` bytes and its body flows
-    (fsspec sets the size before it checks the status, so an error page's too). A module-level
-    class: one made per download would be a reference cycle holding the cache until a GC."""
+    """Calls ``on_size(n)`` once the GET stated ``n`` bytes and its body flows (fsspec sets an
+    error page's size too). Module-level: a class per download would be a cycle until a GC."""
 
     def __init__(self, on_size: Callable[[int], None]) -> None:
         super().__init__()
@@ -148,11 +138,8 @@ class _Stated(Callback):
 
 class RemoteStore(PerProcess):
     """A pack location at a URL: reads, downloads and uploads objects below it, with retries.
-
-    ``key`` arguments are paths relative to ``url``; ``""`` is ``url`` itself (a single-file
-    pack). ``storage_options`` go to fsspec as they are. Thread-safe; pickles without its
-    filesystem, which each process opens for itself.
-    """
+    ``key``s are relative to ``url`` (``""``: ``url`` itself); ``storage_options`` go to fsspec.
+    Thread-safe; pickles without its filesystem, which each process opens for itself."""
 
     def __init__(
         self,
@@ -230,8 +217,7 @@ class RemoteStore(PerProcess):
         return f"{self._root}/{key}" if key else self._root
 
     def call(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        """``fn()`` (one whole transfer) under the retry policy: the one retry loop. Errors
-        become ours, naming the URL of ``key``."""
+        """``fn()``, one whole transfer, under the retry policy; errors become ours (URL named)."""
         policy = self.retry
         for attempt in range(1, policy.attempts + 1):
             try:
@@ -254,8 +240,7 @@ class RemoteStore(PerProcess):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _ours(self, exc: Exception) -> bool:
-        """Whether our loop retries a transient fault: all over HTTP; over S3 and GCS only what
-        their retries cannot see (a short or damaged body, a stall, HTTP 429)."""
+        """Whether we retry a transient fault: all over HTTP; over S3/GCS what theirs cannot see."""
         if self.protocol not in _RETRYING:
             return True
         mine = (ShortReadError, TimeoutError)
@@ -294,16 +279,13 @@ class RemoteStore(PerProcess):
         )
 
     def _deadline(self, nbytes: int) -> dict[str, Any]:
-        """fsspec's ``timeout`` for a transfer of ``nbytes`` on an async backend; none when
-        ``min_rate`` is 0 or ``storage_options`` bound whole requests themselves."""
+        """fsspec's ``timeout`` for ``nbytes``; none if ``min_rate`` is 0 or options bound it."""
         rate = self.retry.min_rate
         session = (self.storage_options.get("client_kwargs") or {}).get("timeout")
         own = [getattr(t, "total", t) for t in (session, self.storage_options.get("timeout"))]
         if not rate or any(isinstance(t, (int, float)) and t > 0 for t in own):
             return {}
         return {"timeout": _DEADLINE_GRACE + nbytes / rate} if self.fs.async_impl else {}
-
-    # -- reading
 
     def size(self, key: str = "") -> int:
         """Size in bytes of object ``key``, which the server must report."""
@@ -324,9 +306,8 @@ class RemoteStore(PerProcess):
         end: int | None = None,
         max_bytes: int | None = None,
     ) -> bytes:
-        """The bytes of a small object ``key``: ``[start, end)`` if given, else at most
-        ``max_bytes`` (default: a manifest's cap), a longer one raising unread. Over HTTP the
-        body is streamed: a server that ignores ``Range`` still gives the right bytes."""
+        """Small object ``key``: ``[start, end)``, else at most ``max_bytes`` (default: the manifest
+        cap; more raises). Over HTTP streamed, so a server that ignores ``Range`` still works."""
         path = self.fs_path(key)
         if start is None or end is None:
             cap = MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
@@ -367,8 +348,7 @@ class RemoteStore(PerProcess):
         return bytes(body)
 
     def _read_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` over HTTP; a body longer than the range is the whole object
-        (``Range`` ignored), whose bytes before ``start`` are dropped as they come."""
+        """Bytes ``[start, end)`` over HTTP; if ``Range`` is ignored, cut as it comes."""
         headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})
         headers["Range"] = f"bytes={start}-{end - 1}"
         options: dict[str, Any] = {"block_size": 0, "size": end, "headers": headers}
@@ -399,10 +379,9 @@ class RemoteStore(PerProcess):
         verify: Callable[[Path], bool] | None = None,
         room: Callable[[int], None] | None = None,
     ) -> Path:
-        """Download ``key`` to the local file ``dest`` atomically, checked (its size, which
-        the GET's answer must state as ``expected_size``: ``room(size)`` is then called once;
-        ``verify(path)``); return ``dest``. A short body is retried (the same end twice is the
-        object's size); a second ``verify`` failure raises ``ChecksumError``."""
+        """Download ``key`` atomically to ``dest``; the GET must state ``expected_size`` (then
+        ``room(size)`` is called once) and ``verify(path)`` pass. Short bodies are retried (one end
+        twice is the size); a second ``verify`` failure raises ``ChecksumError``."""
         dest = Path(dest)
         size = self.size(key) if expected_size is None else expected_size
         path, deadline = self.fs_path(key), self._deadline(size)
@@ -451,11 +430,8 @@ class RemoteStore(PerProcess):
 
         return self.call("download", key, attempt)
 
-    # -- writing
-
     def upload_file(self, local: str | os.PathLike[str], key: str = "") -> None:
-        """Upload the local file ``local`` as ``key``, so that no reader sees it half written
-        (object stores write atomically; on ``file://`` a temporary name is renamed)."""
+        """Upload ``local`` as ``key`` atomically (object stores do; ``file://`` renames a temp)."""
         local, path = os.fspath(local), self.fs_path(key)
         if self.protocol not in _LOCAL:
             self.call("upload", key, lambda: self.fs.put_file(local, path))
@@ -473,9 +449,8 @@ class RemoteStore(PerProcess):
         self.call("upload", key, put)
 
     def upload_folder(self, folder: str | os.PathLike[str]) -> list[str]:
-        """Upload every file of ``folder`` (recursively) below this URL, ``manifest.json`` last
-        so a reader that finds it finds every shard it names; return the keys. Nothing is
-        deleted at the destination."""
+        """Upload ``folder``'s files, ``manifest.json`` last (a reader finding it finds every
+        shard); the keys. Nothing is deleted at the destination."""
         root = Path(folder)
         if not (root / "manifest.json").is_file():
             raise FileNotFoundError(f"{root / 'manifest.json'}: missing; it must be uploaded last")

@@ -1,9 +1,6 @@
-"""Packs written to a URL: written locally first, then uploaded, the manifest last.
-
-A write names its shards and catalog with a fresh token (docs/FORMAT.md, "Shard folders"), so
-a re-pack never overwrites a file the previous manifest names and its readers keep reading;
-``prune_remote`` removes those older files once nobody reads them.
-"""
+"""Packs written to a URL: written locally, then uploaded, the manifest last. Files get a fresh
+token (docs/FORMAT.md, "Shard folders"), so a re-pack never overwrites what readers of the last
+manifest read; ``prune_remote`` removes those files once nobody reads them."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ R = TypeVar("R")
 
 
 def check_writable(url: str, verb: str) -> None:
-    """Refuse, before any work, to ``verb`` ("pack", "append") a pack at a read-only (HTTP)
-    URL, rather than failing once the pack is built."""
+    """Refuse to ``verb`` ("pack", "append") at a read-only (HTTP) URL before any work is done."""
     protocol = protocol_of(url)
     if protocol in HTTP_PROTOCOLS:
         raise ValueError(
@@ -49,10 +45,8 @@ def write_then_upload(
     written: Callable[[R], Path],
     report: Callable[[R], Path | None] = lambda _result: None,
 ) -> R:
-    """Run ``write(local_path)`` into a temporary folder, then upload its output
-    (``written(result)``: a shard folder, manifest last, or one file) to ``url``, and
-    ``report(result)``, if any, as ``url + ".skipped.json"``. Nothing goes up if ``write``
-    fails."""
+    """Run ``write(local_path)`` in a temporary folder, then upload ``written(result)`` (manifest
+    last) to ``url`` and ``report(result)``, if any, as ``url + ".skipped.json"``."""
     store = RemoteStore(url, storage_options)
     with tempfile.TemporaryDirectory(prefix="torch_serialized-upload-") as tmp:
         result = write(Path(tmp) / (store.url.rsplit("/", 1)[-1] or "pack"))

@@ -1,6 +1,5 @@
 """``torch-serialized bench``: the demo's measurements on your own data. The full benchmark is
-``python benchmarks/run.py`` in a checkout. Imports no torch until a run starts.
-"""
+``python benchmarks/run.py`` in a checkout. Imports no torch until a run starts."""
 
 from __future__ import annotations
 
@@ -19,10 +18,8 @@ __all__ = ["run_benchmark", "SCENARIOS", "FULL_ONLY"]
 SCENARIOS = ("pack", "bytes", "cold", "decoded", "tensor", "dataloader")
 #: Scenarios of the full benchmark (``python benchmarks/run.py``): accepted, not run here.
 FULL_ONLY = ("append", "attributes", "gpu", "memory", "remote")
-#: Fewer samples than this make a note that the figures are dominated by per-epoch costs.
-_FEW = 50
-#: The image sets ``bench`` reads, the first one the data lists (torchvision's names).
-_IMAGE_SETS = ("trainval", "train", "val", "test")
+_FEW = 50  #: fewer samples timed: a note that per-epoch costs dominate the figures
+_IMAGE_SETS = ("trainval", "train", "val", "test")  #: ``bench`` reads the first one listed
 
 
 def run_benchmark(
@@ -43,11 +40,9 @@ def run_benchmark(
     """Pack ``root`` (torchvision's VOC root) or ``num_images`` synthetic images (default 200),
     check it against torchvision, time both, print a summary; return ``results.json``'s data.
 
-    ``num_images`` with ``root``: time that many random samples (default all). ``repeats``:
-    runs per measurement (default 5 warm, 3 others). ``scenarios``: of ``SCENARIOS``.
-    ``quick``: at most 48 samples, one run each. ``work_dir`` keeps the data and the pack;
-    ``out_dir`` receives ``results.txt`` (what was printed) and ``results.json``.
-    """
+    ``num_images`` with ``root``: random samples timed (default all). ``repeats``: runs per
+    measurement (default 5 warm, 3 others). ``scenarios``: of ``SCENARIOS``. ``quick``: at most
+    48 samples, one run each. ``work_dir`` keeps data and pack; ``out_dir`` gets the results."""
     chosen = [s.strip() for s in (SCENARIOS if scenarios is None else scenarios) if s.strip()]
     unknown = [s for s in chosen if s not in SCENARIOS + FULL_ONLY]
     if unknown:

@@ -106,7 +106,6 @@ def _time_runs(
 
 
 def _each(get: Callable[[int], object], order: Sequence[int]) -> Callable[[], object]:
-    """A run that gets every index of ``order``."""
     return lambda: deque(map(get, order), maxlen=0)
 
 
@@ -123,8 +122,7 @@ def list_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[tuple[Any, ...], ...
 
 
 def _evict(paths: Iterable[str]) -> float | None:
-    """Drop the files from the page cache; return the share of their pages still cached
-    (``mincore``), or None where that cannot be checked (not Linux)."""
+    """Drop the files from the page cache; the share of pages still cached (None: not Linux)."""
     os.sync()  # DONTNEED leaves dirty pages in place
     pages = cached = 0
     for path in paths:
@@ -337,8 +335,7 @@ def summarize(comparisons: Sequence[Comparison]) -> list[str]:
 def check_against_torchvision(
     pack: Path, root: Path, year: str, image_set: str, count: int = _NUM_CHECKED
 ) -> None:
-    """Compare ``count`` evenly spaced samples with torchvision's (pixels, dict, tensors,
-    tv_tensors boxes and labels); raise naming every mismatch."""
+    """Check ``count`` evenly spaced samples against torchvision's (pixels, dicts, boxes)."""
     ours = VOCSerializedDataset(pack, image_set=image_set)
     theirs = VOCDetection(str(root), year=year, image_set=image_set)
     ours_tv = VOCSerializedDataset(pack, image_set=image_set, target_format="tv_tensors")
@@ -376,8 +373,7 @@ def run_demo(
     batch_size: int = 16,
     out: Callable[[str], None] = print,
 ) -> list[Comparison]:
-    """``bench`` on ``num_images`` generated VOC2012 images (kept in ``directory`` if given),
-    printed; return its comparisons."""
+    """``bench`` on ``num_images`` generated VOC2012 images (kept in ``directory``); its results."""
     from .bench import run_benchmark
 
     started = time.perf_counter()

@@ -1,10 +1,7 @@
-"""``append_voc`` on a pack at a URL: stage it locally, append there, upload what is new.
-
-The staged copy (in the cache folder; cached files hard-linked) grows by the local
-``append_voc``'s rules. A shard folder uploads only new files, manifest last (older ones stay
-for readers until ``prune_remote``); a single file goes up whole. The URL must still hold the
-pack the append started from (a check, not a lock). The grown pack is put in the cache.
-"""
+"""``append_voc`` on a pack at a URL: stage it locally (in the cache folder, files hard-linked),
+append there, upload what is new: a shard folder's new files, manifest last (old ones stay until
+``prune_remote``), or a whole file. The URL must still hold the pack the append started from (a
+check, not a lock). The grown pack is put in the cache."""
 
 from __future__ import annotations
 
@@ -44,10 +41,9 @@ def append_to_url(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit_bytes: int | None = None,
 ) -> PackResult:
-    """Grow the pack at ``url`` with ``append(local_pack)`` (the local ``append_voc``) and
-    upload the result; return its ``PackResult`` with ``url`` set and ``num_bytes`` the size at
-    the URL. ``compare(reader)`` sorts the source against the pack as ``append`` will: the
-    shards it reads are the only ones downloaded."""
+    """Grow the pack at ``url`` with ``append(local_pack)`` and upload it; its ``PackResult``,
+    ``num_bytes`` the size at the URL. ``compare(reader)`` sorts the source against the pack as
+    ``append`` will: the shards it reads are the only ones downloaded."""
     url = url.rstrip("/").removesuffix("/" + fmt.MANIFEST_NAME)  # a manifest names its folder
     check_writable(url, "append")
     store = RemoteStore(url, storage_options)
@@ -104,8 +100,7 @@ def append_to_url(
 
 @contextlib.contextmanager
 def _staging(cache_dir: Path) -> Iterator[Path]:
-    """A private folder in the cache folder (hard links work; its leading dot keeps it out of
-    ``cache list``), removed afterwards, and those of appends that were killed first."""
+    """A private dot-folder in the cache (hard links work); removed after, killed appends' first."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     clean_stale(cache_dir / "append-staging")
     folder = temp_sibling(cache_dir / "append-staging")
@@ -117,8 +112,7 @@ def _staging(cache_dir: Path) -> Iterator[Path]:
 
 
 def _link_or_copy(source: Path, target: Path, _room: object = None) -> None:
-    """``target`` made, in one step, a hard link to ``source`` or else a copy of it (a
-    ``PackCache.fetch`` download: ``_room`` unused, the size is known)."""
+    """Make ``target`` a hard link to ``source``, else an atomic copy (a ``PackCache`` download)."""
     try:
         os.link(source, target)
     except OSError:
@@ -163,8 +157,7 @@ def _check_unchanged(store: RemoteStore, started_from: str) -> None:
 
 
 def _seed_cache(cache: Cache, store: RemoteStore, local: Path) -> None:
-    """Put the grown pack's files in the cache under its new identity, so a reader of the URL
-    here downloads none of them again. Best effort: a failure costs a download later."""
+    """Cache the grown pack's files under its new identity, so readers here need no download."""
     with contextlib.suppress(OSError):
         if local.is_dir():
             data = (local / fmt.MANIFEST_NAME).read_bytes()

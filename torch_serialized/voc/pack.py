@@ -1,8 +1,6 @@
-"""Pack a VOCdevkit folder into one file or a shard folder: ``pack_voc``.
-
-Every listed id is stored once (``source.survey``); this module plans the shards and the
-metadata, ``records.write`` writes the records. Never imports torch.
-"""
+"""Pack a VOCdevkit folder into one file or a shard folder: ``pack_voc``. Every listed id is
+stored once (``source.survey``); this module plans shards and metadata, ``records.write`` writes
+the records. Never imports torch."""
 
 from __future__ import annotations
 
@@ -52,19 +50,17 @@ def pack_voc(
 ) -> PackResult:
     """Pack a VOC dataset into ``output`` (a ``.tser`` file, or a shard folder with a limit).
 
-    ``root`` is torchvision's root (holding ``VOCdevkit/``) or the ``VOCdevkit/VOC20xx``
-    folder; ``year=None`` detects the year from the one ``VOC<year>`` folder there. A shard
-    limit makes a shard folder: ``max_samples_per_shard``, ``max_shard_bytes``, or
-    ``num_shards`` (exactly that many, counts differing by at most one). ``image_storage="raw"``
-    stores decoded pixels and ``max_size`` resizes images (with boxes and masks): such packs
-    are no longer byte-exact drop-ins. ``check_images`` decodes every image at pack time.
-    ``on_error="skip"`` leaves out bad samples, listed in the result and a ``.skipped.json``
-    report beside ``output``. Only regular files of at most ``max_file_bytes`` are read.
-    ``workers > 1`` loads samples in spawned processes, with the same output. ``output`` may
-    be an fsspec URL (``storage_options`` go to fsspec): written locally, then uploaded with
-    the manifest last, so readers never see a partial pack. ``overwrite=False`` refuses
-    (``FileExistsError``) an ``output`` that already holds a pack; what is no pack is never
-    replaced.
+    ``root`` is torchvision's root (holding ``VOCdevkit/``) or ``VOCdevkit/VOC20xx``;
+    ``year=None`` takes the one ``VOC<year>`` folder there. A shard limit makes a shard folder:
+    ``max_samples_per_shard``, ``max_shard_bytes`` or ``num_shards`` (exactly that many, counts
+    differing by at most one). ``image_storage="raw"`` (decoded pixels) and ``max_size``
+    (resized images, boxes and masks) make packs that are not byte-exact drop-ins.
+    ``check_images`` decodes every image. ``on_error="skip"`` leaves out bad samples, listed in
+    the result and a ``.skipped.json`` beside ``output``. Only regular files of at most
+    ``max_file_bytes`` are read. ``workers > 1``: spawned loader processes, same output. A URL
+    ``output`` (``storage_options`` go to fsspec) is written locally, then uploaded manifest
+    last, so readers never see a partial pack. ``overwrite=False`` refuses (``FileExistsError``)
+    an ``output`` holding a pack; what is no pack is never replaced.
     """
     opts = Options(
         year=year,

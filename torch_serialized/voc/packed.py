@@ -1,8 +1,5 @@
-"""A packed VOC dataset seen through its schema: splits, ids, sizes and raw fields.
-
-``VOCPackReader`` adds VOC meaning to a ``PackReader``, checked once at open (``checks``); it
-holds numpy arrays only, never per-sample Python objects, so DataLoader workers do not grow.
-"""
+"""A packed VOC dataset seen through its schema: splits, ids, sizes and raw fields. Checked once
+at open (``checks``); numpy arrays only, never per-sample objects, so workers do not grow."""
 
 from __future__ import annotations
 
@@ -103,9 +100,8 @@ class VOCPackReader:
         return arrays["ids"], arrays["id_offsets"]
 
     def object_classes(self) -> tuple[np.ndarray, np.ndarray]:
-        """The class id of every stored object (records in order, retired ones too) and each
-        record's object count, int64: from ``objects/class_id``, or for a pack written before
-        it from every record. ``FormatError`` for a class the pack does not have."""
+        """Each stored object's class id (records in order, retired too) and each record's object
+        count, int64 (older packs: read from every record); ``FormatError`` for unknown classes."""
         stored = self.reader.arrays().get(schema.OBJECT_CLASSES_ARRAY)  # checked at open
         if stored is None:  # whole rows: check_records
             rows = b"".join(self.field(r, schema.OBJECTS) for r in range(len(self)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -160,6 +161,24 @@ def test_shuffle_buffer_is_a_bounded_permutation(n, size, seed) -> None:
     assert all(i >= item - max(size, 1) for i, item in enumerate(out))
     again = list(shuffle_buffer(range(n), size, np.random.default_rng(seed)))
     assert out == again
+
+
+def test_a_shuffle_buffer_starts_before_it_is_full() -> None:
+    """A first batch of 32 needs 64 reads (one block), not the buffer's 256: a stream from a
+    remote pack would wait for several shards before its first batch (issue #36)."""
+    pulled = 0
+
+    def source() -> Iterator[int]:
+        nonlocal pulled
+        for i in range(1000):
+            pulled += 1
+            yield i
+
+    out = shuffle_buffer(source(), 256, np.random.default_rng(0))
+    first = [next(out) for _ in range(32)]
+    assert pulled == 64 and len(set(first)) == 32
+    rest = list(out)
+    assert sorted(first + rest) == list(range(1000))
 
 
 def test_shard_window_downloads_ahead_and_releases_behind() -> None:

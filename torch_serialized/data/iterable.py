@@ -64,7 +64,9 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
 
     **Randomness** (``shuffle=True``): the block order is seeded by ``(seed, epoch)`` (the
     same on every rank), the buffer by ``(seed, epoch, rank, worker)``; a window of ``B``
-    samples mixes about ``B / block_size + 1`` blocks: smaller blocks shuffle better.
+    samples mixes about ``B / block_size + 1`` blocks (smaller blocks shuffle better). It
+    grows to ``B`` over a worker's first ``2 * B`` reads, one sample out for two in, so a first
+    batch of ``k`` waits for ``2k`` reads, not ``B``.
 
     **Epochs and resumption.** Call ``set_epoch`` before each epoch (persistent workers see it).
     ``state_dict``/``load_state_dict`` follow torchdata's ``StatefulDataLoader``: a resumed

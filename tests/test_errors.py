@@ -12,6 +12,7 @@ BUILTIN = {
     "FormatError": ValueError,
     "CorruptFileError": ValueError,
     "TruncatedFileError": ValueError,
+    "IncompletePackError": FileNotFoundError,
     "UnsupportedVersionError": ValueError,
     "ChecksumError": ValueError,
     "ImageTooLargeError": ValueError,
@@ -39,6 +40,7 @@ def test_the_tree() -> None:
     assert issubclass(errors.UnsupportedVersionError, errors.FormatError)
     assert issubclass(errors.RemoteNotFoundError, errors.RemoteError)
     assert issubclass(errors.ImageTooLargeError, errors.FormatError)
+    assert issubclass(errors.IncompletePackError, errors.CorruptFileError)
     # missing source data is still a SourceDataError (what callers catch) and a ValueError
     assert issubclass(errors.SourceNotFoundError, errors.SourceDataError)
     assert issubclass(errors.SourceNotFoundError, ValueError)

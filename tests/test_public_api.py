@@ -46,6 +46,7 @@ PUBLIC = [
     "FormatError",
     "CorruptFileError",
     "TruncatedFileError",
+    "IncompletePackError",
     "UnsupportedVersionError",
     "ChecksumError",
     "ImageTooLargeError",

@@ -8,6 +8,7 @@ __all__ = [
     "FormatError",
     "CorruptFileError",
     "TruncatedFileError",
+    "IncompletePackError",
     "UnsupportedVersionError",
     "ChecksumError",
     "ImageTooLargeError",
@@ -37,6 +38,10 @@ class CorruptFileError(FormatError):
 
 class TruncatedFileError(CorruptFileError):
     """A torch_serialized file is shorter than it claims: an interrupted copy or write."""
+
+
+class IncompletePackError(CorruptFileError, FileNotFoundError):
+    """A local shard folder lacks files its manifest lists, or holds them at another size."""
 
 
 class UnsupportedVersionError(FormatError):

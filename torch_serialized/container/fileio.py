@@ -46,9 +46,12 @@ class FileSizeError(OSError):
     """A file is larger than the cap its reader allows."""
 
 
-def open_regular(path: str | os.PathLike[str], what: str) -> int:
-    """Read-only fd of the regular file ``path`` (else ``FileKindError``); ``what``: its role."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+def open_regular(
+    path: str | os.PathLike[str], what: str, flags: int = os.O_RDONLY | os.O_CLOEXEC
+) -> int:
+    """An fd (read-only unless ``flags`` say) of the regular file ``path``, never blocking on a
+    FIFO (else ``FileKindError``); ``what``: its role."""
+    fd = os.open(path, flags | os.O_NONBLOCK, 0o644)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

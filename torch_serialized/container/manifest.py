@@ -69,12 +69,15 @@ class Manifest:
     checksum: str | None = None
     user: dict[str, Any] | None = None
 
-    def files(self) -> list[str]:
+    def listed(self) -> list[CatalogEntry | ShardEntry]:
         """Every file the manifest names (catalog first), the manifest itself excluded."""
-        return [*([self.catalog.file] if self.catalog else []), *(s.file for s in self.shards)]
+        return [*([self.catalog] if self.catalog else []), *self.shards]
+
+    def files(self) -> list[str]:
+        return [entry.file for entry in self.listed()]
 
     def files_bytes(self) -> int:
-        return sum(s.bytes for s in self.shards) + (self.catalog.bytes if self.catalog else 0)
+        return sum(entry.bytes for entry in self.listed())
 
     def expect_shard(self, k: int, name: str) -> Expected:
         """What shard ``k`` must be (``name``: the manifest, for messages)."""

@@ -16,18 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptFileError, FileChangedError, FormatError
+from ..errors import CorruptFileError, FileChangedError, FormatError, IncompletePackError
 from . import spec as fmt
 from .fileio import read_regular_file
 from .locate import find, intact
-from .manifest import CatalogEntry, Expected, Manifest, ShardEntry, parse_manifest
+from .manifest import Expected, Manifest, ShardEntry, parse_manifest
 from .reader import ContainerReader, gone
 
 __all__ = ["PackReader", "open_pack", "default_max_open_shards"]
-
-
-class IncompletePackError(CorruptFileError, FileNotFoundError):
-    """A local shard folder lacks files its manifest lists, or holds them at another size."""
 
 
 #: Checked shards kept unmapped: remapping costs a map, not a check (0.03 vs 0.2 ms; KBs each).
@@ -138,11 +134,8 @@ class PackReader:
 
     def _check_files(self, manifest: Manifest) -> None:
         """Every file the manifest lists is here at its size (non-regular ones fail at open)."""
-        listed: list[CatalogEntry | ShardEntry] = [*manifest.shards]
-        if manifest.catalog is not None:
-            listed.insert(0, manifest.catalog)
         wrong = {}
-        for entry in listed:
+        for entry in manifest.listed():
             path = os.path.join(self.path, entry.file)
             try:
                 st = os.stat(path)

@@ -42,7 +42,7 @@ from .locks import (
     drop_links,
     flocked,
     objects,
-    open_regular,
+    open_own,
     pack_dirs,
     same_file,
     unless_locked,
@@ -132,7 +132,7 @@ class Cache:
                     "sharing it; raise the limit or read fewer shards at once"
                 )
             if reserve is not None and need > 0:
-                fd = open_regular(reserve, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+                fd = open_own(reserve, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
                 assert fd is not None
                 try:
                     os.ftruncate(fd, need)  # sparse: counted, not written
@@ -186,7 +186,7 @@ class PackCache(PerProcess):
             drop_links(lock.parent)
             lock.parent.mkdir(parents=True, exist_ok=True)
             try:
-                fd = open_regular(lock, OPEN)
+                fd = open_own(lock, OPEN)
             except FileNotFoundError:  # moved aside between mkdir and open
                 continue
             assert fd is not None
@@ -292,7 +292,7 @@ class PackCache(PerProcess):
 
     def _open_held(self, path: Path, expected_size: int | None) -> int | None:
         """A shared-locked descriptor of ``path`` if it is there and complete, else None."""
-        fd = open_regular(path)
+        fd = open_own(path)
         if fd is None:
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an evictor unlinks it
@@ -368,7 +368,7 @@ class ClearResult:
 
 def _info(pack_dir: Path) -> dict[str, Any]:
     try:
-        fd = open_regular(pack_dir / PACK_INFO)
+        fd = open_own(pack_dir / PACK_INFO)
         if fd is None:
             return {}
         with os.fdopen(fd, "rb") as f:

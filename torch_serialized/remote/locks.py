@@ -16,6 +16,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..container.fileio import FileKindError, open_regular
+
 LAYOUT = "v1"
 PACK_INFO = "pack.json"
 LOCKS = ".locks"
@@ -26,24 +28,21 @@ OPEN = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _ODD = (errno.ELOOP, errno.ENXIO, errno.EISDIR)  # a link, a socket or reader-less FIFO, a folder
 
 
-def open_regular(path: Path, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int | None:
-    """``path`` opened if a regular file (never via a link, never blocking on a FIFO); None if
-    absent. Anything else is removed, taken as absent (made under ``O_CREAT``); a folder raises."""
+def open_own(path: Path, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int | None:
+    """``fileio.open_regular`` for a file of the cache, never through a link; None if absent.
+    Anything else there is removed, taken as absent (made under ``O_CREAT``); a folder raises."""
     for _ in range(3):
         try:
-            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            return open_regular(path, "a file of the cache", flags | os.O_NOFOLLOW)
         except FileNotFoundError:
             if flags & os.O_CREAT:
                 raise
             return None
+        except FileKindError:
+            pass
         except OSError as exc:
             if exc.errno not in _ODD:
                 raise
-        else:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                os.set_blocking(fd, True)
-                return fd
-            os.close(fd)
         with suppress(FileNotFoundError):
             if stat.S_ISDIR(os.lstat(path).st_mode):
                 raise IsADirectoryError(
@@ -70,7 +69,7 @@ def drop_links(*folders: Path) -> None:
 
 @contextmanager
 def flocked(path: Path, operation: int) -> Iterator[None]:
-    fd = open_regular(path, OPEN)
+    fd = open_own(path, OPEN)
     assert fd is not None  # O_CREAT: made if absent
     try:
         fcntl.flock(fd, operation)
@@ -87,7 +86,7 @@ def unless_locked(lock: Path, create: bool = False) -> Iterator[bool]:
         if create:
             drop_links(lock.parent)
             lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = open_regular(lock, OPEN) if create else open_regular(lock)
+        fd = open_own(lock, OPEN) if create else open_own(lock)
     except FileNotFoundError:
         fd = None
     if fd is None:  # never locked: nobody holds it
@@ -157,7 +156,7 @@ class _Entry:
         with unless_locked(self.lock) as free:
             if not free:
                 return False
-            fd = open_regular(self.path)
+            fd = open_own(self.path)
             if fd is None:
                 return False
             try:

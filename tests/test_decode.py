@@ -107,7 +107,7 @@ def test_tv_tensors_target_from_object_rows(pack: VOCPackReader) -> None:
 
 def test_mask_as_pil_opens_the_png(pack: VOCPackReader) -> None:
     png = palette_mask(7, 5, seed=1)
-    mask = SampleDecoder(pack).mask(0, png)
+    mask = SampleDecoder(pack, task="Segmentation").target(0, png)
     assert mask.mode == "P" and mask.size == (7, 5)
 
 

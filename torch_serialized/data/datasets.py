@@ -42,6 +42,8 @@ class PackedSamples:
         **pack_options: Any,
     ) -> None:
         """Open ``path``, the records of ``task``'s ``image_set`` (list-file order), a decoder."""
+        if task == "Segmentation" and (target_format != "dict" or classes is not None):
+            raise ValueError("target_format and classes apply to task='Main' (detection) only")
         self.pack = VOCPackReader(path, **pack_options)
         if year is not None and str(year) != self.pack.year:
             hint = "pass that pack's year (or none: the pack knows it)"
@@ -72,6 +74,16 @@ class PackedSamples:
         ``"__background__"`` unless ``classes`` says otherwise): what ``classes`` resolved to."""
         return list(self.decoder.label_names)
 
+    def extra_repr(self) -> str:
+        lines = [f"Year: {self.year}", f"Image set: {self.image_set}"]
+        if self.decoder.decode != "pil":
+            lines.append(f"Decode: {self.decoder.decode}")
+        if self.decoder.target_format != "dict":
+            lines.append(f"Target format: {self.decoder.target_format}")
+        if self.decoder.zero_copy:
+            lines.append("Zero copy: True")
+        return "\n".join(lines)
+
     def _decoded(self, record: int, fields: Sequence[Buffer], view: bool = False) -> Any:
         """``record``'s sample, decoded (``view``: see ``SampleDecoder.image``) and transformed."""
         image = self.decoder.image(record, fields[0], view=view)
@@ -79,10 +91,8 @@ class PackedSamples:
         return (image, target) if self.transforms is None else self.transforms(image, target)
 
     def _shared(self, items: Iterable[tuple[int, Sequence[Buffer]]]) -> list[Any]:
-        """The samples of ``(record, fields)`` items, their tensors in one shared-memory block.
-        Map views are copied once, into it (worker CPU 107 -> 96 us a sample, decode="none");
-        decoded images, sized from the pack's columns, go in as made: one private image alive
-        at a time, not a batch glibc would keep as the worker's heap (benchmarks/README.md)."""
+        """The samples of ``(record, fields)`` items, their tensors in one shared-memory block
+        (``share_batch``): map views copied once, into it; decoded images sized up front."""
         items = list(items)
         plain = self.transforms is None
         view = plain and self.decoder.stored_bytes
@@ -98,16 +108,45 @@ class _PackedVOCBase(PackedSamples):
     _TARGET_DIR: str
     _TARGET_EXT: str
 
-    def _open(
-        self, path: str | os.PathLike[str], image_set: str, download: bool, **kw: Any
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        year: str | None = None,
+        image_set: str = "train",
+        download: bool = False,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        transforms: Callable | None = None,
+        *,
+        decode: Decode = "pil",
+        target_format: TargetFormat = "dict",
+        classes: Classes = None,
+        checked: bool = False,
+        zero_copy: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
+        VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
         if download:
             raise ValueError(
-                "a pack is not downloaded from torchvision's mirrors: download with "
-                "torchvision's VOCDetection(download=True) once, pack it with "
-                "torch_serialized.pack_voc, then pass the pack's path or URL"
+                "a pack is not downloaded: get VOC with torchvision's VOCDetection(download=True), "
+                "pack it with torch_serialized.pack_voc, then pass the pack's path or URL"
             )
-        self._open_split(path, self._TASK, image_set, **kw)
+        self._open_split(
+            path,
+            self._TASK,
+            image_set,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            checked=checked,
+            zero_copy=zero_copy,
+            year=year,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )
         self._ids = record_names(self.pack, self.records)
         self._images = record_names(self.pack, self.records, "JPEGImages", ".jpg")
         self._targets = record_names(self.pack, self.records, self._TARGET_DIR, self._TARGET_EXT)
@@ -120,19 +159,9 @@ class _PackedVOCBase(PackedSamples):
     def __len__(self) -> int:
         return len(self.records)
 
-    def extra_repr(self) -> str:
-        lines = [f"Year: {self.year}", f"Image set: {self.image_set}"]
-        if self.decoder.decode != "pil":
-            lines.append(f"Decode: {self.decoder.decode}")
-        if self.decoder.target_format != "dict":
-            lines.append(f"Target format: {self.decoder.target_format}")
-        if self.decoder.zero_copy:
-            lines.append("Zero copy: True")
-        return "\n".join(lines)
-
     def _record(self, index: Any) -> int:
         """The record at ``index`` (a read's one index check); errors name index and length."""
-        name = type(self).__name__
+        name, n = type(self).__name__, len(self)
         try:
             i = as_index(index)
         except TypeError:
@@ -140,12 +169,11 @@ class _PackedVOCBase(PackedSamples):
             if isinstance(index, str):
                 hint = f"; to find an image id use dataset.ids.index({index!r})"
             elif isinstance(index, slice):
-                span = range(*index.indices(len(self)))
-                hint = f"; for a part of the dataset use torch.utils.data.Subset(dataset, {span})"
+                span = range(*index.indices(n))
+                hint = f"; for a part use torch.utils.data.Subset(dataset, {span})"
             raise TypeError(
                 f"{name} indices must be integers, not {type(index).__name__}{hint}"
             ) from None
-        n = len(self)
         if not -n <= i < n:
             raise IndexError(
                 f"{name} index {i} is out of range: image set {self.image_set!r} of "
@@ -199,41 +227,6 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
 
     _TASK, _TARGET_DIR, _TARGET_EXT = "Main", "Annotations", ".xml"
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        year: str | None = None,
-        image_set: str = "train",
-        download: bool = False,
-        transform: Callable | None = None,
-        target_transform: Callable | None = None,
-        transforms: Callable | None = None,
-        *,
-        decode: Decode = "pil",
-        target_format: TargetFormat = "dict",
-        classes: Classes = None,
-        checked: bool = False,
-        zero_copy: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_limit_bytes: int | None = None,
-    ) -> None:
-        VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
-        self._open(
-            path,
-            image_set,
-            download,
-            decode=decode,
-            target_format=target_format,
-            classes=classes,
-            checked=checked,
-            zero_copy=zero_copy,
-            year=year,
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit_bytes=cache_limit_bytes,
-        )
-
 
 class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignore[misc]
     """``VOCSegmentation`` read from a pack: same images and masks (mode P, palette kept).
@@ -241,34 +234,3 @@ class VOCSerializedSegmentation(_PackedVOCBase, VOCSegmentation):  # type: ignor
     Arguments as ``VOCSerializedDataset`` (``target_format`` and ``classes`` do not apply)."""
 
     _TASK, _TARGET_DIR, _TARGET_EXT = "Segmentation", "SegmentationClass", ".png"
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        year: str | None = None,
-        image_set: str = "train",
-        download: bool = False,
-        transform: Callable | None = None,
-        target_transform: Callable | None = None,
-        transforms: Callable | None = None,
-        *,
-        decode: Decode = "pil",
-        checked: bool = False,
-        zero_copy: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_limit_bytes: int | None = None,
-    ) -> None:
-        VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
-        self._open(
-            path,
-            image_set,
-            download,
-            decode=decode,
-            checked=checked,
-            zero_copy=zero_copy,
-            year=year,
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit_bytes=cache_limit_bytes,
-        )

@@ -162,8 +162,8 @@ class SampleDecoder:
         except (OSError, ValueError, SyntaxError) as exc:
             raise FormatError(
                 f"{self._where(record)}: the stored {what} cannot be decoded "
-                f"({type(exc).__name__}: {pil_reason(exc)}); the source file was damaged (pack "
-                "with check_images=True to find such files) or the pack is, re-pack it"
+                f"({type(exc).__name__}: {pil_reason(exc)}); re-pack it (check_images=True finds "
+                "damaged source files)"
             ) from exc
 
     def _raw_image(self, record: int, data: Buffer, view: bool) -> Any:
@@ -171,9 +171,8 @@ class SampleDecoder:
         self._check_pixels(record, (width, height))
         if len(data) != width * height * 3:
             raise FormatError(
-                f"{self._where(record)}: {len(data)} bytes of raw pixels for a "
-                f"{width}x{height} RGB image ({width * height * 3} bytes); the pack is "
-                "damaged, re-pack it"
+                f"{self._where(record)}: {len(data)} bytes of raw pixels for a {width}x{height} "
+                "RGB image; the pack is damaged, re-pack it"
             )
         if self.decode == "pil":
             return Image.frombytes("RGB", (width, height), bytes(data))
@@ -192,8 +191,10 @@ class SampleDecoder:
             return torch.frombuffer(data, dtype=torch.uint8)
 
     def target(self, record: int, data: Buffer) -> Any:
+        """The target from its ``target_field``: the mask as PIL opens it (mode P), else
+        torchvision's dict or the ``tv_tensors`` dict."""
         if self.task == "Segmentation":
-            return self.mask(record, data)
+            return self._pil(record, data, "mask")
         if self.target_format == "dict":
             return self._dict_target(record, data)
         if self._untyped[record]:
@@ -205,9 +206,8 @@ class SampleDecoder:
             labels = None
         if labels is None or (self._unknown and bool((labels < 0).any())):
             raise FormatError(
-                f"{self._where(record)}: an object's class is not in the label list (not one "
-                "of the pack's classes, or left out of its class counts); the pack is "
-                "damaged, re-pack it"
+                f"{self._where(record)}: an object's class is not in the label list (the pack's "
+                "classes or class counts are damaged); re-pack it"
             )
         height, width = self._sizes[record].tolist()
         return {
@@ -228,10 +228,7 @@ class SampleDecoder:
         except ValueError as exc:  # orjson.JSONDecodeError
             found = f"not valid JSON ({exc})"
         if found:
-            raise FormatError(
-                f"{self._where(record)}: the stored target is {found}; "
-                "the pack is damaged, re-pack it"
-            )
+            raise FormatError(f"{self._where(record)}: the stored target is {found}; re-pack it")
         return target
 
     def _no_rows(self, record: int) -> SourceDataError:
@@ -244,16 +241,10 @@ class SampleDecoder:
         except SourceDataError as exc:
             reason = str(exc)
         return SourceDataError(
-            f"{self._where(record)} has no tv_tensors target: {reason} torchvision reads such "
-            "an annotation but cannot make boxes of it either. Use target_format='dict' for "
-            "torchvision's dict of it, or fix the XML and append it with "
-            "append_voc(..., replace_changed=True) (`pack --append --replace-changed`), or "
-            "leave the id out of the image set."
+            f"{self._where(record)} has no tv_tensors target: {reason} Use target_format='dict', "
+            "or fix the XML and append it with replace_changed=True (`pack --append "
+            "--replace-changed`), or leave the id out of the image set."
         )
-
-    def mask(self, record: int, data: Buffer) -> Image.Image:
-        """A SegmentationClass mask as PIL opens it: mode P."""
-        return self._pil(record, data, "mask")
 
 
 def _view(data: Buffer) -> memoryview | bytes:

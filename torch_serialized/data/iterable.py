@@ -7,6 +7,7 @@ import itertools
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -16,7 +17,6 @@ from torchvision.datasets.vision import VisionDataset
 
 from ..errors import ChecksumError
 from ..voc.layout import TASKS
-from . import state as keys
 from .datasets import PackedSamples
 from .decode import Classes, Decode, TargetFormat
 from .pipeline import (
@@ -34,7 +34,7 @@ from .pipeline import (
     views_fit,
     worker_share,
 )
-from .state import Resumable
+from .state import Resumable, samples_identity
 from .topology import Topology, distributed_info, seeded_rng
 from .workers import SHARED_RUN, in_worker
 
@@ -103,8 +103,6 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         super().__init__()
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-        if task == "Segmentation" and (target_format != "dict" or classes is not None):
-            raise ValueError("target_format and classes apply to task='Main' only")
         for name, value, low in (
             ("block_size", block_size, 1),
             ("shuffle_buffer", shuffle_buffer, 0),
@@ -137,7 +135,7 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         self._epoch = 0
         #: the epoch in shared memory that DataLoader workers inherit (see __getstate__)
         self._shared_epoch: Any = multiprocessing.RawValue("q", 0)
-        self._identity = keys.samples_identity(self)
+        self._identity = samples_identity(self)
 
     def _topology(self) -> Topology:
         return Topology.current(self.rank, self.world_size)
@@ -218,24 +216,19 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
     _HINT = "dataset arguments, world size and num_workers"
 
     def _settings(self) -> dict[str, Any]:
-        here = self._topology()
-        values = (
-            *(here.rank, here.world_size, here.worker, here.num_workers),
-            *(len(self.records), self.shuffle, self.seed, self.drop_last),
-            *(self.block_size, self.shuffle_buffer),
-        )
-        return dict(zip(keys.TOPOLOGY_KEYS + keys.ORDER_KEYS, values, strict=True))
+        return {
+            **asdict(self._topology()),  # rank, world_size, worker, num_workers
+            "num_samples": len(self.records),
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "block_size": self.block_size,
+            "shuffle_buffer": self.shuffle_buffer,
+        }
 
-    def __repr__(self) -> str:
-        lines = [
-            f"Number of datapoints: {len(self.records)}",
-            f"Root location: {self.root}",
-            f"Year: {self.year}",
-            f"Image set: {self.image_set}",
-            f"Task: {self.task}",
-            f"Shuffle: {self.shuffle} (seed {self.seed}, epoch {self.epoch})",
-        ]
-        if self.transforms is not None:
-            lines.append(repr(self.transforms))
-        body = "\n".join(" " * 4 + line for text in lines for line in text.splitlines())
-        return f"{type(self).__name__}\n{body}"
+    _repr_indent = 4
+    __repr__ = VisionDataset.__repr__  # with the lines of ``extra_repr``, as the map datasets
+
+    def extra_repr(self) -> str:
+        shuffle = f"Shuffle: {self.shuffle} (seed {self.seed}, epoch {self.epoch})"
+        return "\n".join([super().extra_repr(), f"Task: {self.task}", shuffle])

@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from . import state as keys
-from .state import Resumable
+from .state import Resumable, samples_identity
 from .topology import Topology, distributed_info, epoch_total, seeded_rng
 
 __all__ = ["BlockShuffleSampler", "block_shuffle"]
@@ -40,7 +39,6 @@ class BlockShuffleSampler(Sampler[int], Resumable):
     Call ``set_epoch`` before each epoch. ``state_dict`` / ``load_state_dict`` follow torchdata's
     ``StatefulDataLoader``; a resume on a pack re-packed since is refused."""
 
-    _KIND = "BlockShuffleSampler"
     _HINT = "sampler arguments, dataset length, rank and world size"
 
     def __init__(
@@ -67,12 +65,7 @@ class BlockShuffleSampler(Sampler[int], Resumable):
         self.rank, self.world_size = distributed_info(rank, world_size)
         self.drop_last = drop_last
         self.epoch = 0
-        self._identity = keys.samples_identity(data_source_or_length)  # None for a length
-
-    @property
-    def total_size(self) -> int:
-        """Indices across all ranks per epoch (padding included)."""
-        return epoch_total(self.num_indices, self.world_size, self.drop_last)
+        self._identity = samples_identity(data_source_or_length)  # None for a length
 
     def __len__(self) -> int:
         return Topology(self.rank, self.world_size).samples_per_rank(
@@ -87,17 +80,20 @@ class BlockShuffleSampler(Sampler[int], Resumable):
             rng = seeded_rng(self.seed, self.epoch)
             order = block_shuffle(n, self.block_size, self.window, rng)
         share = Topology(self.rank, self.world_size).rank_slice(n, self.drop_last)
-        return np.resize(order, self.total_size)[share]
+        return np.resize(order, epoch_total(n, self.world_size, self.drop_last))[share]
 
     def __iter__(self) -> Iterator[int]:
         skip = self._start("BlockShuffleSampler")
         return self._counted(self.indices()[skip:].tolist())
 
     def _settings(self) -> dict[str, Any]:
-        values = (
-            *(self.rank, self.world_size),
-            *(self.num_indices, self.shuffle, self.seed, self.drop_last),
-            *(self.block_size, self.window),
-        )
-        names = keys.SAMPLER_TOPOLOGY_KEYS + keys.SAMPLER_ORDER_KEYS
-        return dict(zip(names, values, strict=True))
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_samples": self.num_indices,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "block_size": self.block_size,
+            "window": self.window,
+        }

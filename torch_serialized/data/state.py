@@ -1,6 +1,7 @@
 """Resume state for torchdata's ``StatefulDataLoader`` (its protocol redeclared, so torchdata
-stays optional). A state is a flat JSON-compatible dict: where the epoch stopped, and the
-settings and topology that fix the order, checked on resume."""
+stays optional). A state is a flat JSON-compatible dict: ``version``, ``epoch``, ``yielded``
+(where the epoch stopped), the topology and settings that fix the order, and ``pack`` (pack id,
+kept by appends, and record digest), all checked on resume."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+
+from ..voc.packed import VOCPackReader
 
 
 @runtime_checkable
@@ -22,27 +25,16 @@ class Stateful(Protocol):
 
 
 STATE_VERSION = 1
-VERSION = "version"
-EPOCH = "epoch"
-YIELDED = "yielded"
-PACK = "pack"  #: samples saved on: pack id (kept by appends), record digest
-TOPOLOGY_KEYS = ("rank", "world_size", "worker", "num_workers")
-ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "shuffle_buffer")
-KIND = "kind"  #: which class saved a state (``BlockShuffleSampler``'s carry it)
-SAMPLER_TOPOLOGY_KEYS = ("rank", "world_size")
-SAMPLER_ORDER_KEYS = ("num_samples", "shuffle", "seed", "drop_last", "block_size", "window")
 
 T = TypeVar("T")
 
 
 def samples_identity(dataset: Any) -> str | None:
-    """``PACK`` of a torch_serialized dataset (pack id, CRC of its record numbers), else None."""
-    reader = getattr(getattr(dataset, "pack", None), "reader", None)
-    records = getattr(dataset, "records", None)
-    if reader is None or not isinstance(records, np.ndarray):
+    """``pack`` of a torch_serialized dataset (pack id, CRC of its record numbers), else None."""
+    pack, records = getattr(dataset, "pack", None), getattr(dataset, "records", None)
+    if not isinstance(pack, VOCPackReader) or not isinstance(records, np.ndarray):
         return None
-    binding = getattr(reader, "binding", None)
-    pack_id = binding.get("pack_id") if isinstance(binding, dict) else None
+    pack_id = (pack.reader.binding or {}).get("pack_id")
     digest = zlib.crc32(np.ascontiguousarray(records, dtype="<i8").tobytes())
     return f"{pack_id or 'unbound'}/{digest:08x}"
 
@@ -51,12 +43,11 @@ class Resumable(Stateful):
     """The epoch, what this iteration handed out, and a loaded state the next iteration
     resumes from once checked to describe the same samples in the same order."""
 
-    _KIND: str | None = None  # the ``KIND`` a state carries
     _HINT: str  # what must stay the same to resume, for the error
     epoch: int
     _yielded = 0  # what the current iterator has handed out in this epoch
     _resume: dict[str, Any] | None = None  # a loaded state awaiting the next iteration
-    _identity: str | None  # ``PACK`` of the samples, if known
+    _identity: str | None  # ``pack`` of the samples, if known
 
     @abstractmethod
     def _settings(self) -> dict[str, Any]:
@@ -74,31 +65,24 @@ class Resumable(Stateful):
         if self._resume is not None:  # loaded, not yet iterated: still that point
             return dict(self._resume)
         return {
-            VERSION: STATE_VERSION,
-            **({} if self._KIND is None else {KIND: self._KIND}),
-            EPOCH: self.epoch,
-            YIELDED: self._yielded,
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "yielded": self._yielded,
             **self._settings(),
-            **({} if self._identity is None else {PACK: self._identity}),
+            **({} if self._identity is None else {"pack": self._identity}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next iteration goes on with that epoch, if it may."""
-        owner = type(self).__name__
-        if state.get(VERSION) != STATE_VERSION:
+        if state.get("version") != STATE_VERSION:
             raise ValueError(
-                f"state version {state.get(VERSION)!r} is not {STATE_VERSION}; it was not "
-                f"saved by this {owner}"
+                f"state version {state.get('version')!r} is not {STATE_VERSION}; load what "
+                f"{type(self).__name__}.state_dict() returned"
             )
-        if self._KIND is not None and state.get(KIND) != self._KIND:
-            raise ValueError(
-                f"state kind {state.get(KIND)!r} is not {self._KIND!r}: another class saved "
-                f"it; load what {owner}.state_dict() returned"
-            )
-        yielded = int(state[YIELDED])
+        yielded = int(state["yielded"])
         if yielded < 0:
             raise ValueError(f"state yielded {yielded} is negative; it is not a saved position")
-        self.epoch = int(state[EPOCH])
+        self.epoch = int(state["epoch"])
         self._yielded = yielded
         self._resume = dict(state)
 
@@ -107,12 +91,11 @@ class Resumable(Stateful):
         these samples with these settings."""
         state, skip = self._resume, 0
         if state is not None:
-            before, now = state.get(PACK), self._identity
+            before, now = state.get("pack"), self._identity
             if before is not None and now is not None and before != now:
                 raise ValueError(
                     f"cannot resume {where}: the state was saved on other samples (pack "
-                    f"{before!r}, now {now!r}): the pack was re-packed, or appended to with "
-                    "this image set's records changed; start the epoch afresh (set_epoch)"
+                    f"{before!r}, now {now!r}: re-packed or appended to); start the epoch afresh"
                 )
             settings = self._settings()
             diff = [(k, state.get(k), v) for k, v in settings.items() if state.get(k) != v]
@@ -122,7 +105,7 @@ class Resumable(Stateful):
                     f"cannot resume {where}: the state was saved with other settings "
                     f"({detail}); resume with the same {self._HINT}"
                 )
-            skip, self._resume = int(state[YIELDED]), None
+            skip, self._resume = int(state["yielded"]), None
         self._yielded = skip
         return skip
 

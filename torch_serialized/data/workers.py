@@ -45,6 +45,14 @@ _ALIGN = 64  #: Alignment in the shared block (as an allocator's, for SIMD loads
 
 SHARED_RUN = 32  #: stream samples per shared block: a batch spans at most two
 
+#: glibc's ``malloc_trim``, called once a ``decode="tensor"`` batch is in its block: freed ~0.5 MB
+#: decode buffers otherwise stay as the worker's heap (benchmarks/README.md). From the process's
+#: own symbols (``CDLL(None)``: no library search, which would run ``ldconfig`` in every worker).
+try:
+    _MALLOC_TRIM: Any = ctypes.CDLL(None).malloc_trim
+except (OSError, AttributeError):
+    _MALLOC_TRIM = None
+
 
 class SharedBlock:
     """Shared memory that tensors are copied into, each returned as an equal view of it."""
@@ -89,63 +97,35 @@ def share_batch(
 
     ``sizes``: the bytes of each sample's first item, known up front (decoded images): the block
     is made first and each first item copied in as its sample is made, so one private image is
-    alive at a time, not the batch glibc would keep as heap (49-65 -> 25-29 MB per worker,
-    benchmarks/README.md). ``borrowed``: the position of a tensor that may be a read-only view of
-    a map; if left out of the block it is copied, never handed on."""
+    alive at a time, not the batch glibc would keep as heap (benchmarks/README.md).
+    ``borrowed``: the position of a tensor that may be a read-only view of a map; if left out of
+    the block it is copied, never handed on."""
     block = SharedBlock.of(sizes) if sizes is not None and len(sizes) > 1 else None
     if block is not None:
         shared = []
         for first, *rest in samples:
             shared.append((block.put(first), *rest))
             del first  # the private copy goes now, not when the next sample has been made
-        _release_freed()
+        if _MALLOC_TRIM is not None:  # freed decode buffers' pages back to the kernel
+            _MALLOC_TRIM(0)
         return shared
     samples = list(samples)
-    picks = [
-        (i, j, item)
-        for i, sample in enumerate(samples)
-        if type(sample) is tuple
-        for j, item in enumerate(sample)
-        if _movable(item)
-    ]
-    distinct = {id(item): item for *_, item in picks}  # a tensor in two places moves once
-    block = None
-    if len(distinct) > 1:  # one tensor is shared as cheaply by torch itself
-        block = SharedBlock.of(item.numel() * item.element_size() for item in distinct.values())
-    out: list[Any] = [list(sample) if type(sample) is tuple else sample for sample in samples]
-    if block is not None:  # else no shared memory here: torch shares them itself
-        moved = {key: block.put(item) for key, item in distinct.items()}
-        for i, j, item in picks:
-            out[i][j] = moved[id(item)]
-    if borrowed is not None:
-        for new, old in zip(out, samples):
-            if type(old) is tuple and len(old) > borrowed:
-                item = new[borrowed]
-                if isinstance(item, torch.Tensor) and item is old[borrowed]:
-                    new[borrowed] = item.clone()  # not moved: a copy, never the view
-    return [tuple(new) if type(old) is tuple else new for old, new in zip(samples, out)]
+    tensors = {id(x): x for s in samples if type(s) is tuple for x in s if _movable(x)}
+    moved: dict[int, Any] = {}
+    if len(tensors) > 1:  # one tensor is shared as cheaply by torch itself
+        block = SharedBlock.of(x.numel() * x.element_size() for x in tensors.values())
+        if block is not None:  # else no shared memory here: torch shares them itself
+            moved = {key: block.put(x) for key, x in tensors.items()}
 
+    def placed(sample: tuple[Any, ...]) -> tuple[Any, ...]:
+        new = [moved.get(id(x), x) for x in sample]
+        if borrowed is not None and len(new) > borrowed:
+            kept = new[borrowed]
+            if isinstance(kept, torch.Tensor) and kept is sample[borrowed]:
+                new[borrowed] = kept.clone()  # not moved: a copy, never the view
+        return tuple(new)
 
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim``, or None, from the process's own symbols (``CDLL(None)``: no
-    library search, which would run ``ldconfig`` in every worker)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def _release_freed() -> None:
-    """Hand freed decode buffers' pages back to the kernel (``malloc_trim``).
-
-    Freed decoded images (~0.5 MB each) stay as a worker's heap high-water mark: 10-13 MB per
-    worker in some benchmark runs, -1.9 to 0.5 MB with the trim. Once per batch: ~150 µs for 32,
-    under 0.3% of its decoding (benchmarks/README.md)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    return [placed(s) if type(s) is tuple else s for s in samples]
 
 
 def _movable(item: Any) -> bool:

@@ -42,7 +42,7 @@ def main(mode: str, spec: dict[str, Any]) -> None:
     elif mode == "hold":
         pack_cache = Cache(spec["cache_dir"]).pack(spec["url"], spec["identity"])
 
-        def refuse(dest: Path, room: object) -> None:
+        def refuse(dest: Path) -> None:
             raise AssertionError(f"{dest} should be cached already")
 
         pack_cache.fetch(spec["name"], spec["size"], refuse)

@@ -10,6 +10,7 @@ import pickle
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,11 +52,9 @@ class Source:
         self.objects = objects
         self.calls: list[str] = []
 
-    def __call__(self, name: str, states_size: bool = True) -> Callable[[Path, Any], None]:
-        def download(dest: Path, room: Callable[[int], None]) -> None:
+    def __call__(self, name: str) -> Callable[[Path], None]:
+        def download(dest: Path) -> None:
             self.calls.append(name)
-            if states_size:  # as a GET's Content-Length: room is made before the body
-                room(len(self.objects[name]))
             tmp = dest.with_name(f".{dest.name}.x.partial")
             tmp.write_bytes(self.objects[name])
             os.replace(tmp, dest)
@@ -238,41 +237,35 @@ def test_eviction_spares_an_object_whose_fetch_holds_its_lock(tmp_path: Path) ->
     assert not path.exists()
 
 
-def test_two_downloads_at_once_do_not_fit_on_the_same_free_bytes(tmp_path: Path) -> None:
-    """Room for a download was made, then its partial file grew from nothing, so a second
-    download starting meanwhile counted it at 0 bytes: both fitted on the same free bytes
-    and the cache ended one object over its limit (a streaming test with two prefetch
-    threads saw 4.5 shards in a 4-shard limit). Room is now reserved until the download is
-    in, so the second one evicts one more old object and the cache stays within its limit."""
-    import threading
-
+def test_room_is_made_once_a_download_is_in_for_its_bytes(tmp_path: Path) -> None:
+    """Room is made after a download, for the bytes that came (never for a size the manifest
+    only claims); a download in flight is not counted, and its partial file is never evicted."""
     objects = {f"s{i}.tser": blob(1000, i) for i in range(4)}
     source = Source(objects)
-    cache = Cache(tmp_path, limit_bytes=3000)
-    pc = cache.pack(URL, "i")
+    pc = Cache(tmp_path, limit_bytes=3000).pack(URL, "i")
     for i, name in enumerate(["s0.tser", "s1.tser"]):
         age(fetch(pc, source, name), 100 - i)
         pc.release(name)
     started, go_on = threading.Event(), threading.Event()
 
-    def slow(dest: Path, room: Callable[[int], None]) -> None:  # room is made; bytes later
-        room(1000)
+    def slow(dest: Path) -> None:
         started.set()
         assert go_on.wait(10)
-        source("s2.tser", states_size=False)(dest, room)
+        source("s2.tser")(dest)
 
     first = threading.Thread(target=pc.fetch, args=("s2.tser", 1000, slow))
     first.start()
     assert started.wait(10)
     try:
-        fetch(pc, source, "s3.tser")  # meanwhile: s2's room is counted, so s0 goes
+        fetch(pc, source, "s3.tser")  # s0, s1, s3 fit: nothing is evicted yet
+        names = sorted(p.name for p in pc.directory.glob("*.tser"))
+        assert names == ["s0.tser", "s1.tser", "s3.tser"]
     finally:
         go_on.set()
         first.join()
     names = sorted(p.name for p in pc.directory.glob("*.tser"))
-    assert names == ["s1.tser", "s2.tser", "s3.tser"]
+    assert names == ["s1.tser", "s2.tser", "s3.tser"]  # s2 in: the oldest goes
     assert sum(p.bytes for p in list_cache(tmp_path)) <= 3000
-    assert not list(pc.directory.glob(".*.partial")), "no reservation is left behind"
 
 
 def test_the_limit_spans_every_pack_in_the_folder(tmp_path: Path) -> None:
@@ -341,17 +334,6 @@ def test_an_object_larger_than_the_limit_evicts_nothing(tmp_path: Path) -> None:
     with pytest.warns(CacheLimitWarning, match="larger than cache_limit_bytes=2500"):
         fetch(pc, source, "huge.tser")  # a size no eviction can make fit (or a manifest's lie)
     assert pc.object_path("x.tser").exists() and pc.object_path("y.tser").exists()
-
-
-def test_room_is_made_for_the_size_the_source_states(tmp_path: Path) -> None:
-    source = Source({"x.tser": blob(1000), "y.tser": blob(1000, 1), "z.tser": blob(1000, 2)})
-    pc = Cache(tmp_path, limit_bytes=2500).pack(URL, "i")
-    age(fetch(pc, source, "x.tser"), 200)
-    age(fetch(pc, source, "y.tser"), 100)
-    pc.close()
-    # A claimed size the source never states makes no room; once the bytes are in, for them.
-    assert pc.fetch("z.tser", 1000, source("z.tser", states_size=False)).exists()
-    assert not pc.object_path("x.tser").exists() and pc.object_path("y.tser").exists()
 
 
 def test_no_limit_evicts_nothing(tmp_path: Path) -> None:
@@ -452,8 +434,8 @@ def test_clear_between_a_download_and_its_first_use_removes_nothing(tmp_path: Pa
     source = Source({"a.tser": blob(100)})
     pc = Cache(tmp_path).pack(URL, "i")
 
-    def download_then_clear(dest: Path, room: Any) -> None:
-        source("a.tser")(dest, room)
+    def download_then_clear(dest: Path) -> None:
+        source("a.tser")(dest)
         clear_cache(tmp_path)  # `cache clear` run by hand at the worst moment
 
     assert pc.fetch("a.tser", 100, download_then_clear).read_bytes() == source.objects["a.tser"]
@@ -509,7 +491,7 @@ def test_clear_never_removes_a_folder_a_writer_is_about_to_lock(
 
     def fetch() -> None:
         try:
-            got["path"] = pc.fetch("a.tser", 3, lambda dest, room: dest.write_bytes(b"abc"))
+            got["path"] = pc.fetch("a.tser", 3, lambda dest: dest.write_bytes(b"abc"))
         except Exception as exc:
             got["error"] = exc
 
@@ -637,7 +619,7 @@ def test_a_child_forked_during_a_download_does_not_wait_on_its_parents_lock(
     pack = Cache(tmp_path, limit).pack("https://example.invalid/voc", "id")
     started, release = threading.Event(), threading.Event()
 
-    def slow_download(dest: Path, room: Any) -> None:
+    def slow_download(dest: Path) -> None:
         started.set()
         release.wait(10)
         dest.write_bytes(b"x" * 100)
@@ -649,7 +631,7 @@ def test_a_child_forked_during_a_download_does_not_wait_on_its_parents_lock(
     if pid == 0:  # the child: fetch the same object, which the parent is downloading
         status = 1
         try:
-            got = pack.fetch("a.tser", 100, lambda dest, room: dest.write_bytes(b"y" * 100))
+            got = pack.fetch("a.tser", 100, lambda dest: dest.write_bytes(b"y" * 100))
             status = 0 if got.read_bytes() == b"x" * 100 else 2
         finally:
             os._exit(status)
@@ -680,25 +662,6 @@ def test_an_object_as_large_as_the_limit_evicts_every_other_one(tmp_path: Path) 
     fetch(pc, source, "big.tser")  # no CacheLimitWarning (an error in this suite)
     assert not pc.object_path("x.tser").exists() and not pc.object_path("y.tser").exists()
     assert [(p.objects, p.bytes) for p in list_cache(tmp_path)] == [(1, 2500)]
-
-
-def test_a_downloads_reservation_and_partial_file_count_once(tmp_path: Path) -> None:
-    """A download in progress has two partial files, its sparse reservation and the bytes
-    coming in: counted as the larger of them, not their sum, so nothing else is evicted
-    for it twice."""
-    cache = Cache(tmp_path, limit_bytes=3000)
-    pc = cache.pack(URL, "i")
-    source = Source({"old.tser": blob(1000), "x.tser": blob(1000, 1)})
-    fetch(pc, source, "old.tser")
-    pc.release("old.tser")
-    coming = orphan(pc, "s.tser", 1000)  # its bytes, all in, not yet renamed
-    reserved = pc.directory / ".s.tser.reserved.partial"
-    with open(reserved, "wb") as f:
-        f.truncate(1000)
-    with open(coming.parent / ".locks" / "s.tser.lock") as writer:
-        fcntl.flock(writer, fcntl.LOCK_EX)  # its download is running
-        fetch(pc, source, "x.tser")  # 1000 + 1000 + 1000 fit in 3000: no eviction, no warning
-        assert pc.object_path("old.tser").read_bytes() == source.objects["old.tser"]
 
 
 def test_list_shows_each_packs_last_use_and_versions_of_a_url_newest_first(tmp_path: Path) -> None:

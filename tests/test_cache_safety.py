@@ -33,9 +33,8 @@ FAST = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.02)
 T = TypeVar("T")
 
 
-def download_of(data: bytes) -> Callable[[Path, Any], None]:
-    def download(dest: Path, room: Callable[[int], None]) -> None:
-        room(len(data))
+def download_of(data: bytes) -> Callable[[Path], None]:
+    def download(dest: Path) -> None:
         tmp = dest.with_name(f".{dest.name}.x.partial")
         tmp.write_bytes(data)
         os.replace(tmp, dest)

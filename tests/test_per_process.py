@@ -115,7 +115,7 @@ def test_a_used_remote_store_pickles_without_its_per_process_state(
 def test_a_used_pack_cache_pickles_without_its_per_process_state(tmp_path: Path) -> None:
     data = blob(100)
     used = Cache(tmp_path).pack("s3://bucket/voc", "i")
-    used.fetch("a.tser", len(data), lambda dest, room: dest.write_bytes(data))
+    used.fetch("a.tser", len(data), lambda dest: dest.write_bytes(data))
     assert used.held() == ["a.tser"]
     clone = check_per_process(used, Cache(tmp_path).pack("s3://bucket/voc", "i"))
     assert clone.held() == [] and used.held() == ["a.tser"]

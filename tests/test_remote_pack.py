@@ -25,7 +25,7 @@ from torch_serialized.errors import (
     RemoteNotFoundError,
 )
 from torch_serialized.remote.cache import list_cache
-from torch_serialized.remote.packs import RemotePack, ShardRequest, file_tail, resolve
+from torch_serialized.remote.packs import RemotePack, ShardRequest, file_identity, resolve
 from torch_serialized.remote.retry import RetryPolicy
 from torch_serialized.remote.store import RemoteStore
 
@@ -101,13 +101,13 @@ def test_a_shard_download_is_one_get(remote: Remote, tmp_path: Path) -> None:
     with open_pack(remote, tmp_path) as pack:
         for name in ("a.tser", "b.tser"):
             assert pack.fetch_shard(name, len(data[name])).read_bytes() == data[name]
-    url = f"{remote.url}/one.tser"  # a single file: its size (one HEAD), footer, whole file
+    url = f"{remote.url}/one.tser"  # a single file: its size and identity (one HEAD), the file
     with resolve(url, remote.storage_options, tmp_path, retry=FAST) as one:
         assert one.path.read_bytes() == data["one.tser"]
     heads = {name: remote.proxy.count("HEAD", remote.path(name)) for name in data}
     gets = {name: remote.proxy.count("GET", remote.path(name)) for name in data}
     assert heads == {"a.tser": 0, "b.tser": 0, "one.tser": 1}
-    assert gets == {"a.tser": 1, "b.tser": 1, "one.tser": 2}
+    assert gets == {"a.tser": 1, "b.tser": 1, "one.tser": 1}
 
 
 def test_prefetch_downloads_in_the_background(
@@ -326,18 +326,19 @@ def test_two_versions_of_a_url_leave_one_cache_folder(remote: Remote, tmp_path: 
     remote.put("one.tser", old)
     remote.put("two.tser", old)  # another URL: its folder is no version of one.tser
     options, url = remote.storage_options, f"{remote.url}/one.tser"
-    resolve(f"{remote.url}/two.tser", options, tmp_path, retry=FAST).close()
+    with resolve(f"{remote.url}/two.tser", options, tmp_path, retry=FAST) as two:
+        pass
     with resolve(url, options, tmp_path, retry=FAST) as first:
         assert first.path.read_bytes() == old
     remote.put("one.tser", new)  # replaced on the server: a new identity
     with resolve(url, options, tmp_path, retry=FAST) as second:
         assert second.path.read_bytes() == new
         listed = {(p.url.rsplit("/", 1)[-1], p.identity) for p in list_cache(tmp_path)}
-        assert listed == {("one.tser", second.identity), ("two.tser", first.identity)}
+        assert listed == {("one.tser", second.identity), ("two.tser", two.identity)}
         assert not first.directory.exists()
-        remote.put("one.tser", old)  # and back, while a reader holds the new version
+        remote.put("one.tser", old)  # and back (a new upload), while a reader holds the new one
         with resolve(url, options, tmp_path, retry=FAST) as third:
-            assert third.identity == first.identity
+            assert third.identity not in (first.identity, second.identity)
             assert second.path.read_bytes() == new  # held: left whole
         assert len(list_cache(tmp_path)) == 3
 
@@ -360,13 +361,9 @@ def test_a_single_file_pack_replaced_while_it_downloads_opens_the_new_one(
     options = remote.storage_options
     with resolve(url, options, tmp_path, retry=FAST, verify_file=replace_once) as p:
         assert p.path.read_bytes() == new
-        assert p.identity == sha256_of_size_and_tail(new)
+        assert p.identity == file_identity(RemoteStore(url, options))[1]
     with pytest.raises(ChecksumError, match=r"one\.tser: the downloaded file failed.*damaged"):
         resolve(url, options, tmp_path / "b", retry=FAST, verify_file=lambda path: False)
-
-
-def sha256_of_size_and_tail(data: bytes) -> str:
-    return sha(f"{len(data)}\n".encode() + data[-64:])
 
 
 def test_a_single_file_pack_on_a_server_without_range_support(tmp_path: Path) -> None:
@@ -380,10 +377,9 @@ def test_a_single_file_pack_on_a_server_without_range_support(tmp_path: Path) ->
             assert pack.path.read_bytes() == data
 
 
-def test_a_single_file_on_a_server_without_range_support_is_never_held(tmp_path: Path) -> None:
-    """Its footer is a ranged read, which such a server answers with the whole file: kept
-    whole (by the client's join of the body, then in an exception), the footer of a 32 MiB
-    file held 64 MiB at the peak; the file is now streamed and only the footer kept."""
+def test_a_single_file_is_opened_with_one_get_and_never_held_in_memory(tmp_path: Path) -> None:
+    """Its identity comes from what the server says of it (no ranged read, which a server
+    without Range support answers with the whole file); the download streams to disk."""
     import tracemalloc
 
     served = tmp_path / "served"
@@ -392,23 +388,17 @@ def test_a_single_file_on_a_server_without_range_support_is_never_held(tmp_path:
     (served / "one.tser").write_bytes(data)
     with start_http_server(served, ranges=False) as server, start_fault_proxy(server.url) as proxy:
         url = f"{proxy.url}/one.tser"
-        store = RemoteStore(url, retry=FAST)
-        store.fs  # noqa: B018 - imports and the HTTP session are not the read's memory
-        peaks = []
-        for step in (lambda: file_tail(store), lambda: resolve(url, None, tmp_path, retry=FAST)):
-            tracemalloc.start()
-            try:
-                got = step()
-                peaks.append(tracemalloc.get_traced_memory()[1])
-            finally:
-                tracemalloc.stop()
-            if isinstance(got, RemotePack):
-                assert got.path.read_bytes() == data
-                got.close()
-            else:
-                assert got == (len(data), data[-64:])
-        assert max(peaks) < len(data) // 4, f"peaks {peaks} bytes for a {len(data)}-byte file"
-        assert proxy.count("GET", "/one.tser") == 3  # the footer's, then the footer's, the file's
+        RemoteStore(url, retry=FAST).fs  # noqa: B018 - imports are not the read's memory
+        tracemalloc.start()
+        try:
+            pack = resolve(url, None, tmp_path, retry=FAST)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        with pack:
+            assert pack.path.read_bytes() == data
+        assert peak < len(data) // 4, f"peak {peak} bytes for a {len(data)}-byte file"
+        assert proxy.count("GET", "/one.tser") == 1
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])

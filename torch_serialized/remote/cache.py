@@ -4,9 +4,9 @@ A pack folder (layout: ``locks``) is keyed by URL and identity (manifest sha256)
 pack never mixes with stale shards. All rules are ``flock``s: a fetcher takes the object's fetch
 lock, looks again, then downloads to a temporary renamed in when whole; readers hold objects with
 a shared lock until :meth:`PackCache.release`; ``clear`` never moves a folder a writer holds.
-With ``limit_bytes``, room is made under ``.evict.lock`` once the size is known, reserved as a
-sparse partial file: killed downloads go first, then unheld objects by LRU (mtime: last fetch).
-If held objects exceed the limit the cache grows past it and warns once per :class:`Cache`."""
+With ``limit_bytes``, each finished download makes room under ``.evict.lock``: killed downloads
+go first, then unheld objects by LRU (mtime: last fetch). Downloads in flight are not counted,
+and if held objects exceed the limit the cache grows past it and warns once per :class:`Cache`."""
 
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ from .store import PerProcess, redact_url
 
 log = logging.getLogger(__name__)
 CACHE_ENV = "TORCH_SERIALIZED_CACHE"
-Room = Callable[[int], None]  # make room for an object of this many bytes
 
 
 def default_cache_dir() -> Path:
@@ -97,29 +96,27 @@ class Cache:
         """The cache of one pack, identified by its URL and identity (its manifest's sha256)."""
         return PackCache(self, url, identity)
 
-    def make_room(self, need: int, reserve: Path | None = None) -> None:
-        """Evict unheld objects, LRU first, until ``need`` bytes fit; then reserve them as the
-        sparse file ``reserve`` so other downloads count this one in full (caller removes it)."""
+    def make_room(self, need: int = 0, fresh: int = 0) -> None:
+        """Evict unheld objects, LRU first, until the finished objects and ``need`` more bytes fit
+        in the limit (partial files of killed downloads go first). ``fresh``: the size of the
+        object just fetched; one larger than the limit evicts nothing, as nothing makes it fit."""
         limit = self.limit_bytes
         if limit is None:
             return
-        if need > limit:  # evicting cannot make it fit: nothing is evicted for it
+        if max(need, fresh) > limit:
             self._warn(
-                f"{self.directory}: an object of {need} bytes is larger than "
+                f"{self.directory}: an object of {max(need, fresh)} bytes is larger than "
                 f"cache_limit_bytes={limit}; the cache grows past it while it is held (raise it)"
             )
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         with flocked(self.directory / EVICT_LOCK, fcntl.LOCK_EX):
             entries = [e for d in pack_dirs(self.directory) for e in objects(d)]
-            entries = [e for e in entries if not (e.partial and e.remove())]  # killed ones
-            # A download counts once, at the largest of its reservation and its bytes.
-            partials: dict[Path, int] = {}
+            done = [e for e in entries if not e.partial]
             for e in entries:
                 if e.partial:
-                    partials[e.lock] = max(partials.get(e.lock, 0), e.size)
-            done = [e for e in entries if not e.partial]
-            total = sum(e.size for e in done) + sum(partials.values())
+                    e.remove()  # only if its writer is dead
+            total = sum(e.size for e in done)
             for entry in sorted(done, key=lambda e: e.mtime):
                 if total + need <= limit:
                     break
@@ -131,13 +128,6 @@ class Cache:
                     f"cache_limit_bytes={limit}, in use or being downloaded now by the processes "
                     "sharing it; raise the limit or read fewer shards at once"
                 )
-            if reserve is not None and need > 0:
-                fd = open_own(reserve, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
-                assert fd is not None
-                try:
-                    os.ftruncate(fd, need)  # sparse: counted, not written
-                finally:
-                    os.close(fd)
 
     def _warn(self, message: str) -> None:
         if not self._warned:
@@ -236,15 +226,15 @@ class PackCache(PerProcess):
 
     def put(self, name: str, data: bytes) -> Path:
         """Store small ``data`` (a manifest) as object ``name``, atomically, and hold it."""
-        return self.fetch(name, len(data), lambda dest, room: _write_atomic(dest, data))
+        return self.fetch(name, len(data), lambda dest: _write_atomic(dest, data))
 
     def fetch(
-        self, name: str, expected_size: int | None, download: Callable[[Path, Room], object]
+        self, name: str, expected_size: int | None, download: Callable[[Path], object]
     ) -> Path:
-        """The local path of object ``name``, calling ``download(dest, room)`` first if needed:
-        it writes ``dest`` atomically, calling ``room(n)`` once the size is known (else room is
-        made after); one call for all processes. Held until :meth:`release`; a cached file whose
-        size is not ``expected_size`` is downloaded again."""
+        """The local path of object ``name``, calling ``download(dest)`` (which writes ``dest``
+        atomically) first if needed, once for all processes; then room is made for it. Held
+        until :meth:`release`; a cached file whose size is not ``expected_size`` is downloaded
+        again."""
         self._check_fork()
         path = self.object_path(name)
         with self._mutex:
@@ -253,37 +243,26 @@ class PackCache(PerProcess):
                 return path
         drop_links(self.directory.parent, self.directory)
         for _ in range(3):
-            fd = self._open_held(path, expected_size)
+            fd, fetched = self._open_held(path, expected_size), False
             if fd is None:
-                with (
-                    self._writing(),
-                    flocked(self.directory / LOCKS / f"{name}.lock", fcntl.LOCK_EX),
-                ):
+                fetch_lock = self.directory / LOCKS / f"{name}.lock"
+                with self._writing(), flocked(fetch_lock, fcntl.LOCK_EX):
                     fd = self._open_held(path, expected_size)
                     if fd is None:
                         for stale in self.directory.glob(f".{name}.*{PARTIAL}"):
                             stale.unlink(missing_ok=True)  # its writer died: we hold the lock
-                        reservation = self.directory / f".{name}.reserved{PARTIAL}"
-                        sized: list[int] = []
-
-                        def room(n: int, at: Path = reservation, sized: list[int] = sized) -> None:
-                            sized.append(n)
-                            self.cache.make_room(n, at)
-
-                        try:
-                            download(path, room)
-                        finally:
-                            reservation.unlink(missing_ok=True)
-                        if not sized:  # its bytes are in: room for them (our lock keeps it)
-                            self.cache.make_room(0)
-                        fd = self._open_held(path, expected_size)
+                        download(path)
+                        fd, fetched = self._open_held(path, expected_size), True
             if fd is not None:
+                size = os.fstat(fd).st_size
                 with self._mutex:
                     if name in self._held:
                         os.close(fd)
                     else:
                         self._held[name] = fd
                 _touch(path)
+                if fetched:  # held: never evicted for itself
+                    self.cache.make_room(fresh=size)
                 return path
         raise OSError(
             f"{path}: the cached object kept disappearing or changing size right after its "

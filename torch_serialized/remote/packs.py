@@ -5,6 +5,7 @@ pack; a ``.tser`` object is downloaded whole. Shards come on demand or prefetche
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -26,10 +27,9 @@ from .cache import Cache, PackCache
 from .locks import LOCKS
 from .store import RemoteStore, RetryPolicy
 
-__all__ = ["RemotePack", "ShardRequest", "file_identity", "file_tail", "resolve"]
+__all__ = ["RemotePack", "ShardRequest", "file_identity", "resolve"]
 
 log = logging.getLogger(__name__)
-_TAIL = 64  # a container's footer: its identity, as a manifest is a shard folder's
 
 
 @dataclass(frozen=True)
@@ -77,19 +77,16 @@ def _resolve_file(
     verify_file: Callable[[Path], bool] | None,
 ) -> RemotePack:
     """``resolve`` of a single-file pack; if replaced during the download, the new one, once."""
-    opened = file_tail(store)
-    name = store.url.rsplit("/", 1)[-1]
+    opened = file_identity(store)
     for round_ in (1, 2):
-        size, tail = opened
-
-        def check(path: Path, tail: bytes = tail) -> bool:  # the footer: not replaced meanwhile
-            return _tail_of(path)[1] == tail and (verify_file is None or verify_file(path))
-
-        pack = RemotePack(store, cache, file_identity(size, tail), prefetch_threads)
+        size, identity = opened
+        pack = RemotePack(store, cache, identity, prefetch_threads)
         try:
-            pack.path = pack._fetch(ShardRequest(name, size, check), key="")
+            pack.path = pack._fetch(
+                ShardRequest(store.url.rsplit("/", 1)[-1], size, verify_file), ""
+            )
         except (CorruptFileError, RemoteError) as exc:
-            now = file_tail(store)
+            now = file_identity(store)
             if now == opened and isinstance(exc, ChecksumError):  # no manifest to blame
                 raise ChecksumError(
                     f"{store.url_of()}: the downloaded file failed its checks twice (its size, "
@@ -101,10 +98,9 @@ def _resolve_file(
             if round_ == 2:
                 raise FileChangedError(
                     f"{store.url_of()}: the file was replaced on the server twice while it was "
-                    "being opened (is it being uploaded now?): open it again once the upload is "
-                    "done"
+                    "being opened (is it being uploaded now?): open it again once it is done"
                 ) from exc
-            log.warning("%s: replaced on the server while opened; opening the new file", name)
+            log.warning("%s: replaced on the server while opened; opening the new file", store)
             opened = now
             continue
         pack.remove_other_versions()
@@ -130,28 +126,13 @@ def _touch(path: Path) -> None:
         os.utime(path, follow_symlinks=False)  # never what a link in the cache points to
 
 
-def file_tail(store: RemoteStore) -> tuple[int, bytes]:
-    """The size of the single-file pack at ``store`` and its footer's bytes (two requests)."""
-    size = store.size()
-    return size, store.read_bytes("", max(0, size - _TAIL), size) if size else b""
-
-
-def _tail_of(path: str | os.PathLike[str]) -> tuple[int, bytes]:
-    """``file_tail`` of a local file."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        f.seek(max(0, size - _TAIL))
-        return size, f.read()
-
-
-def file_identity(size: int, tail: bytes) -> str:
-    """A file pack's identity (cache key; append's check): sha256 of size and footer (id, sums)."""
-    return hashlib.sha256(f"{size}\n".encode() + tail).hexdigest()
-
-
-def local_file_identity(path: str | os.PathLike[str]) -> str:
-    """``file_identity`` of a local file: what the object holds once ``path`` is uploaded."""
-    return file_identity(*_tail_of(path))
+def file_identity(store: RemoteStore) -> tuple[int, str]:
+    """The size of the single-file pack at ``store`` and its identity (cache key; append's
+    check): a hash of what the server says of it (size, ETag, modification time...)."""
+    info = store.info()
+    return int(info["size"]), hashlib.sha256(
+        json.dumps(info, sort_keys=True, default=str).encode()
+    ).hexdigest()
 
 
 class RemotePack(PackCache):
@@ -208,14 +189,9 @@ class RemotePack(PackCache):
         copy older than the last boot is verified (a crash may leave holes), refetched if bad."""
         whole = self.directory / LOCKS / f"{shard.name}.lock"  # mtime: when last known whole
 
-        def download(dest: Path, room: Callable[[int], None]) -> Path:
-            path = self.store.download(
-                shard.name if key is None else key,
-                dest,
-                expected_size=shard.size,
-                verify=shard.verify,
-                room=room,
-            )
+        def download(dest: Path) -> Path:
+            name = shard.name if key is None else key
+            path = self.store.download(name, dest, expected_size=shard.size, verify=shard.verify)
             _touch(whole)
             return path
 

@@ -96,20 +96,14 @@ class RetryPolicy:
     min_rate: float = _MIN_RATE
 
     def __post_init__(self) -> None:
+        rate = self.min_rate
+        rate_ok = type(rate) in (int, float) and math.isfinite(rate) and (rate == 0 or rate >= 1)
         if not isinstance(self.attempts, int) or self.attempts < 1:
             raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
         if not 0 <= self.base_delay <= self.max_delay:
-            raise ValueError(
-                "RetryPolicy needs 0 <= base_delay <= max_delay, got "
-                f"base_delay={self.base_delay!r}, max_delay={self.max_delay!r}"
-            )
-        rate = self.min_rate
-        number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
-        if not number or not math.isfinite(rate) or (rate != 0 and rate < 1):
-            raise ValueError(
-                "RetryPolicy.min_rate must be 0 (reads have no deadline) or a finite number "
-                f"of bytes per second >= 1, got {rate!r}"
-            )
+            raise ValueError(f"RetryPolicy needs 0 <= base_delay <= max_delay, got {self!r}")
+        if not rate_ok:
+            raise ValueError(f"RetryPolicy.min_rate must be 0 or a number >= 1, got {rate!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RetryPolicy:
@@ -122,18 +116,17 @@ class RetryPolicy:
             (RETRY_MAX_DELAY_ENV, "max_delay", float, "seconds"),
             (MIN_RATE_ENV, "min_rate", float, "bytes per second"),
         ):
-            text = environ.get(variable, "")
-            if text.strip():
-                try:
+            text = environ.get(variable, "").strip()
+            try:
+                if text:
                     values[key] = kind(text)
-                    if "max_delay" in values:
-                        values["base_delay"] = min(cls.base_delay, values["max_delay"])
+                    values["base_delay"] = min(cls.base_delay, values.get("max_delay", 1e9))
                     cls(**values)
-                except ValueError as exc:
-                    raise ValueError(
-                        f"{variable}={text!r} is not valid ({unit}; {exc}); unset it or give "
-                        f"e.g. {variable}={getattr(cls, key)}"
-                    ) from None
+            except ValueError as exc:
+                raise ValueError(
+                    f"{variable}={text!r} is not valid ({unit}; {exc}); unset it or give e.g. "
+                    f"{variable}={getattr(cls, key)}"
+                ) from None
         return cls(**values)
 
     def delay(self, retry: int, rng: random.Random) -> float:

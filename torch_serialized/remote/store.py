@@ -124,7 +124,7 @@ def _orphan_loop(fs: Any) -> None:
 
 class _Stated(Callback):
     """Calls ``on_size(n)`` once the GET stated ``n`` bytes and its body flows (fsspec sets an
-    error page's size too). Module-level: a class per download would be a cycle until a GC."""
+    error page's size too): a false size is refuted before the body is read."""
 
     def __init__(self, on_size: Callable[[int], None]) -> None:
         super().__init__()
@@ -287,88 +287,45 @@ class RemoteStore(PerProcess):
             return {}
         return {"timeout": _DEADLINE_GRACE + nbytes / rate} if self.fs.async_impl else {}
 
-    def size(self, key: str = "") -> int:
-        """Size in bytes of object ``key``, which the server must report."""
+    def info(self, key: str = "") -> dict[str, Any]:
+        """What the server says of object ``key`` (fsspec's ``info``); it must state the size."""
         path = self.fs_path(key)
-        size = self.call("size", key, lambda: self.fs.size(path))
-        if size is None:
+        info = dict(self.call("size", key, lambda: self.fs.info(path)))
+        if info.get("size") is None:
             raise RemoteError(
                 f"{self.url_of(key)}: the server does not report the object's size (no "
                 "Content-Length), which reading it needs. Serve the pack with a server that "
                 "sends Content-Length (check any proxy or compression in between)"
             )
-        return int(size)
+        return info
 
-    def read_bytes(
-        self,
-        key: str = "",
-        start: int | None = None,
-        end: int | None = None,
-        max_bytes: int | None = None,
-    ) -> bytes:
-        """Small object ``key``: ``[start, end)``, else at most ``max_bytes`` (default: the manifest
-        cap; more raises). Over HTTP streamed, so a server that ignores ``Range`` still works."""
+    def read_bytes(self, key: str = "", max_bytes: int | None = None) -> bytes:
+        """Small object ``key`` whole; over ``max_bytes`` (default: a manifest's cap) raises.
+        Streamed over HTTP: an endless body is cut at the cap, a server may ignore ``Range``."""
         path = self.fs_path(key)
-        if start is None or end is None:
-            cap = MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
-            data = self.call("read", key, lambda: self._read_capped(key, cap))
-            if len(data) > cap:
-                raise RemoteError(
-                    f"{self.url_of(key)}: larger than the {cap:,}-byte limit of this read (a "
-                    "pack's manifest, say), or endless; check that the URL names a pack"
-                )
-            return data
-        n = end - start
+        cap = MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
 
         def read() -> bytes:
-            if self.protocol in HTTP_PROTOCOLS:
-                data = self._read_range(key, start, end)
-            else:
-                data = bytes(self.fs.cat_file(path, start=start, end=end, **self._deadline(n)))
-            if len(data) < n:
-                raise ShortReadError(f"got {len(data)} of {n} bytes")
-            return data
-
-        return self.call("read", key, read)
-
-    def _read_capped(self, key: str, cap: int) -> bytes:
-        """At most ``cap + 1`` bytes of ``key``, whole or cut; no more are read."""
-        path = self.fs_path(key)
-        if self.protocol not in HTTP_PROTOCOLS:
-            try:
-                return bytes(self.fs.cat_file(path, start=0, end=cap + 1))
-            except OSError as exc:  # no range of an empty object can be served
-                if classify_error(exc) is Fault.FATAL and self.fs.size(path) == 0:
-                    return b""
-                raise
-        body = bytearray()
-        with self.fs.open(path, "rb", block_size=0, size=cap + 1) as f:
-            while len(body) <= cap and (chunk := f.read(_CHUNK)):
-                body += chunk
-        return bytes(body)
-
-    def _read_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` over HTTP; if ``Range`` is ignored, cut as it comes."""
-        headers = dict(getattr(self.fs, "kwargs", {}).get("headers") or {})
-        headers["Range"] = f"bytes={start}-{end - 1}"
-        options: dict[str, Any] = {"block_size": 0, "size": end, "headers": headers}
-        limit = self._deadline(end).get("timeout")
-        if limit is not None:
-            import aiohttp
-
-            options["timeout"] = aiohttp.ClientTimeout(total=limit, sock_connect=30, sock_read=60)
-        body = bytearray()
-        received = 0
-        with self.fs.open(self.fs_path(key), "rb", **options) as f:
-            while received < end and (chunk := f.read(_CHUNK)):
-                body += chunk
-                received += len(chunk)
-                if received > end - start:  # the whole object: keep what reaches the range
-                    del body[: max(0, len(body) - (received - start))]
-        if received <= end - start:
+            if self.protocol not in HTTP_PROTOCOLS:
+                try:
+                    return bytes(self.fs.cat_file(path, start=0, end=cap + 1))
+                except OSError as exc:  # no range of an empty object can be served
+                    if classify_error(exc) is Fault.FATAL and self.fs.size(path) == 0:
+                        return b""
+                    raise
+            body = bytearray()
+            with self.fs.open(path, "rb", block_size=0, size=cap + 1) as f:
+                while len(body) <= cap and (chunk := f.read(_CHUNK)):
+                    body += chunk
             return bytes(body)
-        log.warning("%s: the server ignores Range requests", self.url_of(key))
-        return bytes(body[: end - start]) if received >= end else b""
+
+        data = self.call("read", key, read)
+        if len(data) > cap:
+            raise RemoteError(
+                f"{self.url_of(key)}: larger than the {cap:,}-byte limit of this read (a "
+                "pack's manifest, say), or endless; check that the URL names a pack"
+            )
+        return data
 
     def download(
         self,
@@ -377,45 +334,37 @@ class RemoteStore(PerProcess):
         *,
         expected_size: int | None = None,
         verify: Callable[[Path], bool] | None = None,
-        room: Callable[[int], None] | None = None,
     ) -> Path:
-        """Download ``key`` atomically to ``dest``; the GET must state ``expected_size`` (then
-        ``room(size)`` is called once) and ``verify(path)`` pass. Short bodies are retried (one end
-        twice is the size); a second ``verify`` failure raises ``ChecksumError``."""
+        """Download ``key`` atomically to ``dest``: the GET must state ``expected_size`` (a false
+        one is refuted at the first chunk) and ``verify(path)`` pass. Short bodies are retried
+        (one end twice is the size); a second ``verify`` failure raises ``ChecksumError``."""
         dest = Path(dest)
-        size = self.size(key) if expected_size is None else expected_size
+        size = self.info(key)["size"] if expected_size is None else expected_size
         path, deadline = self.fs_path(key), self._deadline(size)
         ends: set[int] = set()
-        damaged = []
+        damaged = 0
 
-        def disagree(got: int) -> RemoteError:
-            return RemoteError(
-                f"{self.url_of(key)}: the object has {got} bytes, the manifest says {size}. "
-                "The manifest and the object disagree: re-upload the pack (or pack it again)"
-            )
-
-        roomed: list[int] = []
-
-        def stated(n: int) -> None:  # at the first chunk: a wrong manifest evicts nothing
-            if n != size:
-                raise disagree(n)
-            if room is not None and not roomed:
-                roomed.append(n)
-                room(n)
+        def refute(got: int) -> None:
+            if got != size:
+                raise RemoteError(
+                    f"{self.url_of(key)}: the object has {got} bytes, the manifest says {size}. "
+                    "The manifest and the object disagree: re-upload the pack (or pack it again)"
+                )
 
         def attempt() -> Path:
+            nonlocal damaged
             tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.partial"
             try:
-                self.fs.get_file(path, str(tmp), callback=_Stated(stated), **deadline)
+                self.fs.get_file(path, str(tmp), callback=_Stated(refute), **deadline)
                 got = tmp.stat().st_size
-                if got != size:
-                    if got in ends or got > size:
-                        raise disagree(got)
+                if got in ends or got > size:
+                    refute(got)
+                if got < size:
                     ends.update([got] if got else [])  # an empty body shows no size
                     raise ShortReadError(f"the body ended after {got} of {size} bytes")
                 if verify is not None and not verify(tmp):
-                    damaged.append(tmp)
-                    if len(damaged) == 2:
+                    damaged += 1
+                    if damaged == 2:
                         raise ChecksumError(
                             f"{self.url_of(key)}: object {key or dest.name!r} does not match "
                             "its checksum in the manifest, twice. The object on the server is "
@@ -448,19 +397,28 @@ class RemoteStore(PerProcess):
 
         self.call("upload", key, put)
 
-    def upload_folder(self, folder: str | os.PathLike[str]) -> list[str]:
-        """Upload ``folder``'s files, ``manifest.json`` last (a reader finding it finds every
-        shard); the keys. Nothing is deleted at the destination."""
+    def upload_folder(
+        self,
+        folder: str | os.PathLike[str],
+        keys: list[str] | None = None,
+        check: Callable[[], object] = lambda: None,
+    ) -> list[str]:
+        """Upload ``folder``'s files (or those of ``keys``), ``manifest.json`` last: a reader
+        finding it finds every shard. ``check()`` runs before the files and before the manifest
+        (it raises to stop); the keys. Nothing is deleted at the destination."""
         root = Path(folder)
         if not (root / "manifest.json").is_file():
             raise FileNotFoundError(f"{root / 'manifest.json'}: missing; it must be uploaded last")
-        keys = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        keys.remove("manifest.json")
+        if keys is None:
+            keys = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        keys = [k for k in keys if k != "manifest.json"]
         if self.protocol in _LOCAL:
             for key in {k.rpartition("/")[0] for k in keys}:
                 self.fs.makedirs(self.fs_path(key), exist_ok=True)
+        check()
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda k: self.upload_file(root / k, k), keys))
+        check()
         self.upload_file(root / "manifest.json", "manifest.json")
         self.fs.invalidate_cache()
         return [*keys, "manifest.json"]

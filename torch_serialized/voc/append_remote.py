@@ -14,7 +14,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from ..container.fileio import clean_stale, temp_sibling
 from ..container.manifest import read_manifest
 from ..errors import WriteError
 from ..remote.cache import Cache
-from ..remote.packs import file_identity, file_tail, local_file_identity
+from ..remote.packs import file_identity
 from ..remote.store import RemoteStore, redact_url
 from ..remote.upload import REPORT_SUFFIX, check_writable
 from .packed import VOCPackReader
@@ -83,12 +82,7 @@ def append_to_url(
             assert before.manifest is not None
             old = set(before.manifest.files())
             new = [n for n in read_manifest(local / fmt.MANIFEST_NAME).files() if n not in old]
-            _check_unchanged(store, started_from)  # lost already: upload nothing
-            with ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda name: store.upload_file(local / name, name), new))
-            _check_unchanged(store, started_from)
-            store.upload_file(local / fmt.MANIFEST_NAME, fmt.MANIFEST_NAME)
-            store.fs.invalidate_cache()
+            store.upload_folder(local, new, lambda: _check_unchanged(store, started_from))
         else:
             _check_unchanged(store, started_from)
             store.upload_file(local)
@@ -111,7 +105,7 @@ def _staging(cache_dir: Path) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _link_or_copy(source: Path, target: Path, _room: object = None) -> None:
+def _link_or_copy(source: Path, target: Path) -> None:
     """Make ``target`` a hard link to ``source``, else an atomic copy (a ``PackCache`` download)."""
     try:
         os.link(source, target)
@@ -143,7 +137,7 @@ def _naming(local: Path, url: str) -> Iterator[None]:
 def _check_unchanged(store: RemoteStore, started_from: str) -> None:
     """Refuse to replace the pack at ``store`` if it is no longer the one this append read."""
     if store.url.endswith(fmt.FILE_SUFFIX):
-        now = file_identity(*file_tail(store))
+        now = file_identity(store)[1]
     else:
         now = hashlib.sha256(store.read_bytes(fmt.MANIFEST_NAME)).hexdigest()
     if now != started_from:
@@ -165,7 +159,7 @@ def _seed_cache(cache: Cache, store: RemoteStore, local: Path) -> None:
             pack.put(fmt.MANIFEST_NAME, data)
             files = {n: local / n for n in read_manifest(local / fmt.MANIFEST_NAME).files()}
         else:
-            pack = cache.pack(store.url, local_file_identity(local))
+            pack = cache.pack(store.url, file_identity(store)[1])  # as uploaded
             files = {local.name: local}
         try:
             for name, path in files.items():

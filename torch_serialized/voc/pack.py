@@ -107,7 +107,7 @@ def _refuse_remote_pack(url: str, storage_options: Mapping[str, Any] | None) -> 
     """``FileExistsError`` if ``url`` already holds a pack (its file, or its manifest)."""
     key = "" if url.rstrip("/").endswith(FILE_SUFFIX) else MANIFEST_NAME
     try:
-        RemoteStore(url, storage_options).size(key)
+        RemoteStore(url, storage_options).info(key)
     except RemoteNotFoundError:
         return
     raise FileExistsError(

@@ -474,7 +474,7 @@ def test_an_open_beside_a_pack_an_interrupted_re_pack_moved_aside(tmp_path, monk
     also when the user had since deleted the pack on purpose. With the writer's process not
     running here it still looks again for a while (the writer may run on another machine of
     a shared file system, and its new pack then opens), then says that the path does not
-    exist, which pack is beside it (a link: beside its target) and both ways out."""
+    exist and which pack is beside it (a link: beside its target) to rename back."""
     from torch_serialized.container import locate as locate_module
 
     (tmp_path / "real").mkdir()
@@ -493,18 +493,16 @@ def test_an_open_beside_a_pack_an_interrupted_re_pack_moved_aside(tmp_path, monk
     check_pack(open_pack(out), 30, seed=7)
     shutil.rmtree(out)  # then deleted on purpose: only the old pack is left, aside
     monkeypatch.setattr(locate_module, "_pause", lambda seconds: None)
-    for given, said in ((out, f"{out} does not exist"), (link, f"{link} links to {out}, which")):
+    for given in (out, link):
         with pytest.raises(FileNotFoundError) as info:
             open_pack(given)
-        message = " ".join(str(info.value).split())
+        message = str(info.value)
         assert not isinstance(info.value, FileChangedError)
-        assert message.startswith(said)
+        assert message.startswith(f"{given} does not exist")
         assert f"{aside} holds the pack" in message and f"rename it to {out}" in message
-        assert "or delete it if out was removed on purpose" in message
-        assert "open it again" in message
     huge = out.parent / ".out.old-99999999999-0123abcd"  # no pid is that large
     os.replace(aside, huge)
-    with pytest.raises(FileNotFoundError, match="process 99999999999, not running"):
+    with pytest.raises(FileNotFoundError, match=r"process 99999999999\) moved"):
         open_pack(out)
     os.replace(huge, out)
     check_pack(open_pack(link), 30)
@@ -528,7 +526,7 @@ def test_an_open_through_a_link_mid_swap_and_a_denied_folder(tmp_path, monkeypat
     for given in (link, link / fmt.MANIFEST_NAME):
         with pytest.raises(FileChangedError, match="is being replaced") as info:
             open_pack(given)
-        assert f"rename {aside.name} back to out" in str(info.value)
+        assert f"rename {aside} back to {out}" in str(info.value)
     os.replace(aside, out)
     check_pack(open_pack(link), 30)
     check_pack(open_pack(link / fmt.MANIFEST_NAME), 30)
@@ -922,36 +920,6 @@ def test_ten_thousand_shards_read_under_ulimit_256(tmp_path, monkeypatch):
     assert result["records"] == result["shards"] == 10_000 and result["fds"] < 256
 
 
-OPEN_UNTIL_EMFILE = """
-import json, resource, sys
-from torch_serialized.container.shards import PackReader, open_pack
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-readers = []
-try:
-    for _ in range(64):
-        readers.append(open_pack(sys.argv[1]))
-except OSError as exc:
-    print(json.dumps({"opened": len(readers), "errno": exc.errno, "message": str(exc)}))
-"""
-
-
-@pytest.mark.parametrize("form", FORMS)
-def test_too_many_open_files_names_the_file_and_what_to_do(tmp_path, container_packs, form):
-    """Opening packs until the descriptor limit raised ``OSError: [Errno 24] Too many open
-    files`` from ``mmap``, naming no file (500 datasets under ``ulimit -n 1024``)."""
-    path = container_packs[form]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run(
-        [sys.executable, "-c", OPEN_UNTIL_EMFILE, str(path)],
-        capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout)
-    assert 5 < result["opened"] < 64 and result["errno"] == errno.EMFILE, result
-    assert str(path) in result["message"], result
-    assert "ulimit -n" in result["message"] and "fewer" in result["message"], result
-
-
 # -- issue #11 item 2: the manifest is protected, and so is what it points to -----------------
 def _read_everything(reader) -> tuple[Any, ...]:
     records = [[bytes(reader.field(i, k)) for k in range(2)] for i in range(len(reader))]
@@ -1018,9 +986,7 @@ def test_a_shard_whose_columns_differ_from_the_catalog_s_copy_is_refused(tmp_pat
     edit_manifest(other, lambda m: {**m, "shards": [entry, *m["shards"][1:]]})
     reader = open_pack(other)
     assert bytes(reader.field(7, 0)) == payload(7, 0, size_of(7, 0))  # shard 1 reads
-    with pytest.raises(
-        CorruptFileError, match="array 'records' differs from the catalog's"
-    ) as info:
+    with pytest.raises(CorruptFileError, match="records.* differ from the catalog") as info:
         reader.field(0, 0)
     assert str(shard) in str(info.value) and str(other / fmt.MANIFEST_NAME) in str(info.value)
 

@@ -1,6 +1,6 @@
 """What the container needs from the OS: regular-file reads under a cap (a FIFO or ``/dev/zero``
 would block or never end), and atomic output: a hidden sibling, fsynced, renamed over the
-destination (docs/FORMAT.md, "Writing safely"). Without ``pread`` (Windows) import fails."""
+destination (docs/FORMAT.md, "Writing safely"). POSIX only (``fcntl``, ``pread``)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,10 @@ import re
 import secrets
 import shutil
 import stat
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-
-if not hasattr(os, "pread"):
-    raise ImportError(
-        f"torch_serialized reads packs with positional reads (os.pread), which this platform "
-        f"({sys.platform}) does not have; it runs on Linux and macOS (on Windows, use WSL2)"
-    )
 
 # -- regular files only ---------------------------------------------------------------------------
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # pack_voc(max_file_bytes=...)
@@ -77,18 +70,12 @@ def read_regular_file_stat(
     path: str | os.PathLike[str], max_bytes: int, what: str, *, prefix: bool = False
 ) -> tuple[bytes, os.stat_result]:
     """``read_regular_file`` and the file's ``fstat`` taken before its first byte was read."""
-    fd = open_regular(path, what)
-    try:
-        st = os.fstat(fd)
-        want, total, chunks = min(st.st_size, max_bytes) + 1, 0, []
-        while total < want and (chunk := os.read(fd, min(want - total, 1 << 24))):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total == want <= max_bytes:  # the file grew while we read it
-                want = max_bytes + 1
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
+    with os.fdopen(open_regular(path, what), "rb") as file:
+        st = os.fstat(file.fileno())
+        want = min(st.st_size, max_bytes) + 1
+        data = file.read(want)
+        if len(data) == want <= max_bytes:  # the file grew while we read it
+            data += file.read(max_bytes + 1 - want)
     if len(data) > max_bytes:
         if prefix:
             return data[:max_bytes], st
@@ -215,11 +202,7 @@ def _writers_lock(final: Path) -> Iterator[None]:
             return
         raise
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("%s is being appended to; waiting for that to end to replace it", final)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -268,20 +251,3 @@ def remove(path: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
-
-
-def out_of_files(exc: OSError) -> bool:
-    return exc.errno in (errno.EMFILE, errno.ENFILE)
-
-
-def too_many_files(path: str | os.PathLike[str], exc: OSError) -> OSError:
-    """``exc`` unless ``out_of_files``; then an ``OSError`` naming ``path`` and what to do."""
-    if not out_of_files(exc):
-        return exc
-    return OSError(
-        exc.errno,
-        f"{os.fspath(path)}: cannot open or map it: {exc.strerror}. Each open pack file "
-        "holds two descriptors (one from Python 3.13): raise the limit (`ulimit -n`, "
-        "`resource.setrlimit`), keep fewer datasets open at once, or pass `open_pack` a lower "
-        "`max_open_shards`",
-    )

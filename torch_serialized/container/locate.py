@@ -52,29 +52,19 @@ def find(
             return (*found, None)
         if pause is not None:
             _pause(pause)
-    if path.name == fmt.MANIFEST_NAME:
-        path = path.parent
-    moved = _moved_aside(path)
-    if moved is None:  # swapped at every look: re-packed again and again
+    folder = path.parent if path.name == fmt.MANIFEST_NAME else path
+    aside, pid = _moved_aside(folder) or (None, 0)
+    if aside is None:  # swapped at every look: re-packed again and again
+        raise FileChangedError(f"{folder} is being re-packed again and again; open it again")
+    real = aside.parent / Path(os.path.realpath(folder)).name  # a link's target was swapped
+    if fileio.pid_alive(pid):
         raise FileChangedError(
-            f"{path} is being replaced by new packs faster than it can be opened; open it again"
+            f"{folder} is being replaced by a re-pack (process {pid}); open it again. If none "
+            f"runs, rename {aside} back to {real} (the next pack of it does)"
         )
-    aside, pid = moved
-    real = aside.parent / Path(os.path.realpath(path)).name  # a link's target was swapped
-    if not fileio.pid_alive(pid):  # killed between its two renames, or the new pack deleted since
-        missing = f"{path} links to {real}, which" if os.path.islink(path) else f"{path}"
-        raise FileNotFoundError(
-            f"{missing} does not exist, and {aside} holds the pack that a re-pack (process "
-            f"{pid}, not running on this machine) moved aside to replace it and never "
-            f"replaced: rename it to {real} to read that pack (the next pack of {real} does "
-            f"so before it writes), or delete it if {real.name} was removed on purpose. If a "
-            "pack on another machine is writing it, open it again"
-        )
-    raise FileChangedError(
-        f"{path} is being replaced: a re-pack (process {pid}) moved the previous pack aside "
-        f"to {aside} and has not renamed the new one into place yet; open it again. If no pack "
-        f"of it is running (process {pid} is another program now), rename {aside.name} back "
-        f"to {real.name} (the next pack of {real} does)"
+    raise FileNotFoundError(
+        f"{folder} does not exist; {aside} holds the pack a killed re-pack (process {pid}) moved "
+        f"aside: rename it to {real} to read it (the next pack of it does), or delete it"
     )
 
 
@@ -116,30 +106,20 @@ def _look(path: Path) -> tuple[Path, Path | None, bytes | None] | None:
             return None
         if os.path.lexists(manifest_path):  # a dangling link named manifest.json
             raise
-        voc = _voc_marks(path)
-        if voc is not None:
+        if _is_voc_root(path):
             raise FormatError(
-                f"{path} is a VOC root ({voc}), not a pack: pack it first with `torch-serialized "
-                "pack` (torch_serialized.pack_voc), then pass the .tser file or shard folder"
+                f"{path} is a VOC root (VOCdevkit or VOC20xx folders), not a pack: pack it first "
+                "with `torch-serialized pack` (torch_serialized.pack_voc)"
             ) from None
         return path, None, None
-    except OSError as exc:
-        if fileio.out_of_files(exc):
-            raise fileio.too_many_files(manifest_path, exc) from None
-        raise
     return path, manifest_path, data
 
 
-def _voc_marks(path: Path) -> str | None:
-    """What makes ``path`` a VOC source (e.g. ``"VOCdevkit/"``), or None; only names looked at."""
-    for name in ("VOCdevkit", "TrainVal/VOCdevkit"):
-        if (path / name).is_dir():
-            return f"{name}/"
-    for folder in (path, *sorted(path.glob("VOC[0-9][0-9][0-9][0-9]"))):
-        found = [name for name in ("Annotations", "JPEGImages") if (folder / name).is_dir()]
-        if found:
-            return f"{'' if folder == path else folder.name + '/'}{', '.join(found)}"
-    return None
+def _is_voc_root(path: Path) -> bool:
+    """Whether ``path`` is or holds a VOC source folder (only names looked at)."""
+    marks = ("VOCdevkit", "TrainVal/VOCdevkit", "Annotations", "JPEGImages")
+    folders = [*(path / mark for mark in marks), *path.glob("VOC[0-9][0-9][0-9][0-9]")]
+    return any(folder.is_dir() for folder in folders)
 
 
 def _moved_aside(path: Path) -> tuple[Path, int] | None:

@@ -5,7 +5,6 @@ and copies each in (``copy_file_range``): byte-identical to a one-process pack. 
 from __future__ import annotations
 
 import errno
-import multiprocessing.process
 import os
 import sys
 from collections import deque
@@ -37,18 +36,12 @@ def pays_off(num_jobs: int, processes: int) -> bool:
 
 
 def check_spawnable(processes: int) -> None:
-    """Refuse up front what ``spawn`` cannot start: a ``__main__`` read from standard input
+    """Refuse what ``spawn`` cannot start: a main script read from standard input (``python -``)
     has no file to run again in each child (which fails without a word)."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if getattr(getattr(main, "__spec__", None), "name", None) or not isinstance(path, str):
-        return  # ``python -m``, a notebook or an interactive session: nothing to run again
-    origin = getattr(multiprocessing.process, "ORIGINAL_DIR", None) or ""  # spawn's folder
-    if not os.path.isfile(os.path.join(origin, path)):
+    if getattr(sys.modules.get("__main__"), "__file__", None) == "<stdin>":
         raise ValueError(
             f"workers={processes} starts pack processes that run the main script again, but it "
-            f"was read from {path!r}, not a file: run a script file, use the command line, or "
-            "pass workers=1"
+            "was read from '<stdin>', not a file: run a script file or pass workers=1"
         )
 
 

@@ -105,8 +105,12 @@ class PackReader:
             self._expected = [manifest.expect_shard(k, name) for k in range(len(manifest.shards))]
             if check_files and self.remote is None:
                 self._check_files(manifest)
-            if manifest.version >= 2:
-                self._open_catalog(manifest)
+            if manifest.catalog is not None:  # version 2: the catalog holds metadata and arrays
+                expect = manifest.expect_catalog(name)
+                self._catalog = self._open_listed(manifest.catalog.file, expect)
+                records = self._catalog.arrays().get("records")
+                if records is not None and records.shape[:1] != (manifest.num_records,):
+                    raise expect.mismatch(self._catalog.path, "its records do not cover the pack")
             else:
                 self._open_v1(manifest)
         self.fields = list(self._catalog.fields)
@@ -119,18 +123,6 @@ class PackReader:
         #: the shard that is the catalog itself: a single file's, or a v1 pack's last one
         v2 = self.manifest is not None and self.manifest.version >= 2
         self._catalog_shard = -1 if v2 else len(self.entries) - 1
-
-    def _open_catalog(self, manifest: Manifest) -> None:
-        """Manifest version 2: the catalog holds the metadata, arrays and every record's columns."""
-        assert manifest.catalog is not None and manifest.pack_id is not None
-        expect = manifest.expect_catalog(self._manifest_name())
-        catalog = self._open_listed(manifest.catalog.file, expect)
-        for name, array in catalog.arrays().items():
-            if catalog.is_per_record(name):
-                raise expect.mismatch(catalog.path, f"the catalog holds per-record array {name!r}")
-            if name == "records" and array.shape[:1] != (manifest.num_records,):
-                raise expect.mismatch(catalog.path, "its record columns do not cover every record")
-        self._catalog = catalog
 
     def _check_files(self, manifest: Manifest) -> None:
         """Every file the manifest lists is here at its size (non-regular ones fail at open)."""
@@ -324,32 +316,24 @@ class PackReader:
         """The error for a cached copy of ``url`` damaged locally after its download was checked."""
         assert self.remote is not None
         return CorruptFileError(
-            f"{path}: this cached copy of {url} was damaged on the local disk after its "
-            "download was checked (the copy at the URL is not to blame): delete it, or clear "
-            f"the pack from the cache (`torch-serialized cache clear --url {self.name} "
-            f"--cache-dir {self.remote.cache.directory}`), and open the pack again to download "
-            "it again"
+            f"{path}: this cached copy of {url} was damaged on the local disk: delete it (or run "
+            f"`torch-serialized cache clear --url {self.name} --cache-dir "
+            f"{self.remote.cache.directory}`) and open the pack again to download it again"
         )
 
     def _check_columns(self, s: int, shard: ContainerReader) -> None:
-        """A shard's per-record arrays are its rows of the catalog's ``records``."""
-        catalog = self._catalog.arrays()
-        first, count = self.entries[s].first_record, self.entries[s].num_records
-        expect = self._expected[s]
+        """A shard's per-record arrays are its rows of the catalog's ``records``: the copy read
+        is then the one ``check_records`` checked."""
+        entry, expect, catalog = self.entries[s], self._expected[s], self._catalog.arrays()
         assert expect is not None
-        names = {name for name in shard.arrays() if shard.is_per_record(name)}
-        wanted = {"records"} & set(catalog)
+        names = sorted(n for n in shard.arrays() if shard.is_per_record(n))
+        wanted = ["records"] if "records" in catalog else []
         if names != wanted:
-            raise expect.mismatch(
-                shard.path,
-                f"it holds per-record arrays {sorted(names)}, the catalog {sorted(wanted)}",
-            )
+            raise expect.mismatch(shard.path, f"it holds per-record arrays {names}, not {wanted}")
         for name in names:
-            rows, copy = shard.arrays()[name], catalog[name]
-            if copy.dtype != rows.dtype or copy[first : first + count].tobytes() != rows.tobytes():
-                raise expect.mismatch(
-                    shard.path, f"its array {name!r} differs from the catalog's copy"
-                )
+            rows, copy = shard.arrays()[name], catalog[name][entry.first_record :]
+            if copy.dtype != rows.dtype or copy[: entry.num_records].tobytes() != rows.tobytes():
+                raise expect.mismatch(shard.path, f"its {name!r} differ from the catalog's copy")
 
     def _manifest_changed(self) -> bool:
         """Whether the manifest on disk (or at the URL) is no longer the one opened."""
@@ -430,8 +414,7 @@ class PackReader:
     @property
     def binding(self) -> dict[str, Any] | None:
         """The catalog's binding to its pack (``spec.binding``); None in 0.1.0 packs."""
-        value = self._catalog.meta.get("pack")
-        return value if isinstance(value, dict) else None
+        return self._catalog.meta.get("pack")
 
     @property
     def nbytes(self) -> int:

@@ -379,20 +379,9 @@ PLACE_KEYS = {
 }
 
 
-def binding(
-    role: str,
-    pack_id: str,
-    *,
-    index: int = 0,
-    first_record: int = 0,
-    num_records: int = 0,
-    num_shards: int = 0,
-) -> dict[str, Any]:
+def binding(role: str, pack_id: str, **place: int) -> dict[str, Any]:
     """A container's ``pack`` metadata: its pack and its place in it (``PLACE_KEYS[role]``:
     a shard's ``index`` and global records, a catalog's records and shards)."""
-    place = dict(
-        index=index, first_record=first_record, num_records=num_records, num_shards=num_shards
-    )
     return {"pack_id": pack_id, "role": role, **{key: place[key] for key in PLACE_KEYS[role]}}
 
 

@@ -88,8 +88,6 @@ class ContainerWriter:
 
     def entries(self, i: int) -> np.ndarray:
         """Record ``i``'s index row (``INDEX_DTYPE``, one entry per field) in this file."""
-        if not 0 <= i < self.num_records:
-            raise IndexError(f"record {i} is not written (0..{self.num_records - 1})")
         return self._index[i].copy()
 
     def reserve(self, entries: np.ndarray, row: tuple[Any, ...] | None = None) -> tuple[int, int]:

@@ -73,10 +73,7 @@ def append_voc(
         retire_all=retire_all,
     )
     if os.fspath(pack) == "":  # Path("") is the current folder: never append to that by accident
-        raise ValueError(
-            "the pack path is empty: pass the .tser file (or shard folder) to append to, e.g. "
-            "'voc.tser', or its URL"
-        )
+        raise ValueError("the pack path is empty: pass the .tser file (or shard folder) or URL")
     if is_url(pack):
         from .append_remote import append_to_url
 

@@ -206,17 +206,12 @@ def _changed_message(
     another dataset overlapping a few ids looks like a few changed ids."""
     named = "; ".join(f"{job.id!r} ({', '.join(v)})" for _, job, v in changed[:_NAMED])
     more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
-    retiring = ""
-    if unlisted:
-        check = (
-            ": check that this is the folder the pack was made from" if 2 * unlisted > live else ""
-        )
-        retiring = (
-            f" The same append would also retire {unlisted} of the pack's {live} ids, which "
-            f"this folder's lists no longer name{check}."
-        )
+    check = ": check that this is the folder the pack was made from" if 2 * unlisted > live else ""
+    retiring = (
+        f" It would also retire {unlisted} of the pack's {live} ids{check}." if unlisted else ""
+    )
     return (
-        f"{pack}: {len(changed)} packed ids changed in the source since they were packed: "
-        f"{named}{more}. Pass replace_changed=True (--replace-changed) to store their new "
-        f"versions (the old records are retired), or re-pack the dataset.{retiring}"
+        f"{pack}: {len(changed)} packed ids changed since they were packed: {named}{more}. "
+        "Pass replace_changed=True (--replace-changed) to store their new versions, or re-pack."
+        f"{retiring}"
     )

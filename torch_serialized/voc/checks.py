@@ -218,7 +218,9 @@ def _check_records(
             r = int(np.flatnonzero(wrong)[0])
             found = f"flags {int(flags[r])}, {int(counted[r])} objects in record {r}"
             raise _bad(path, "records", expected, found)
-    retired = arrays.get(schema.RETIRED_ARRAY, np.empty(0, "<i8"))
+    retired = np.empty(0, "<i8")
+    if schema.RETIRED_ARRAY in arrays:  # ascending record numbers
+        retired = _array(arrays, schema.RETIRED_ARRAY, "<i8", (-1,), path)
     marks = (
         (untyped.any(), schema.UNTYPED_SCHEMA_VERSION, "objects without rows"),
         (unparsed.any(), schema.UNPARSED_SCHEMA_VERSION, "unparsed annotations"),
@@ -227,11 +229,8 @@ def _check_records(
     for present, version, what in marks:
         if present and meta["schema_version"] < version:
             raise _bad(path, "schema_version", f"{version} with {what}", meta["schema_version"])
-    if (
-        retired.dtype != np.dtype("<i8")
-        or retired.ndim != 1
-        or (len(retired) and (int(retired[0]) < 0 or int(retired[-1]) >= len(columns)))
-        or bool((retired[1:] <= retired[:-1]).any())
+    if len(retired) and (
+        int(retired[0]) < 0 or int(retired[-1]) >= len(columns) or (np.diff(retired) <= 0).any()
     ):
         raise _bad(path, "retired", f"ascending record numbers below {len(columns)}", "others")
     return retired

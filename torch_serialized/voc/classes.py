@@ -35,18 +35,11 @@ def voc_colormap(n: int = 256) -> tuple[tuple[int, int, int], ...]:
     """The first ``n`` colours of the VOC devkit's ``labelcolormap`` (bit-interleaved)."""
     if not 0 <= n <= 256:
         raise ValueError(f"voc_colormap: n must be in 0..256, got {n}")
-    colors = []
-    for i in range(n):
-        r = g = b = 0
-        c = i
-        for j in range(8):
-            shift = 7 - j
-            r |= (c & 1) << shift
-            g |= ((c >> 1) & 1) << shift
-            b |= ((c >> 2) & 1) << shift
-            c >>= 3
-        colors.append((r, g, b))
-    return tuple(colors)
+
+    def channel(i: int, c: int) -> int:  # bit j of channel c is bit 3j + c of i, high bits first
+        return sum(((i >> (3 * j + c)) & 1) << (7 - j) for j in range(8))
+
+    return tuple((channel(i, 0), channel(i, 1), channel(i, 2)) for i in range(n))
 
 
 #: The 256-entry VOC palette (0 black, ..., 255 the void colour ``(224, 224, 192)``).

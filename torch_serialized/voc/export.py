@@ -62,68 +62,43 @@ def export_voc(
     final = out_root.joinpath(*base)
     plan = list(_plan(pack, pack.files()))
     with _Tree(out_root, out_root) as existing:
-        depth = existing.existing_depth(base)  # refuses a link below out_root
-    if depth < len(base):
-        top = out_root.joinpath(*base[: depth + 1])
-        _stage_and_rename(pack, plan, top, base[depth + 1 :], final, progress)
-    else:
-        _stage_and_merge(pack, plan, final, overwrite, progress)
+        depth = len(base)  # how many folders of base exist (-1: not even out_root)
+        while depth >= 0 and existing.lookup(base[:depth], create=False) is None:
+            depth -= 1  # a link below out_root is refused here
+        for folder, name, *_ in plan if depth == len(base) else []:
+            if existing.exists((*base, *folder), name) and not overwrite:  # refuses links too
+                raise WriteError(
+                    errno.EEXIST,
+                    f"{final.joinpath(*folder, name)} already exists; export into an empty "
+                    "folder or pass overwrite=True (--overwrite) to replace the files",
+                )
+    # staged beside the first missing folder (renamed in whole) or beside an existing ``final``
+    top = out_root.joinpath(*base[: depth + 1])
+    top.parent.mkdir(parents=True, exist_ok=True)  # out_root's parents: never removed
+    output = AtomicOutput(top, folder=True)
+    try:
+        with _Tree(output.path.joinpath(*base[depth + 1 :]), final) as staged:
+            for folder, name, record, field, stored in tqdm(
+                plan, desc="exporting", unit="file", disable=not progress
+            ):
+                try:
+                    data = pack.field(record, field) if stored is None else stored
+                except ChecksumError as exc:  # name the sample, not only the file's record
+                    raise pack.named(exc) from None
+                staged.write(folder, name, data)
+            if depth < len(base):
+                output.commit()
+            else:
+                with _Tree(final, final) as target, _Tree(output.scratch(), final) as aside:
+                    _merge(plan, staged, target, aside, overwrite)
+    finally:
+        output.abort()  # after a commit or merge: nothing left to remove
     return final
 
 
 _Folder = tuple[str, ...]
 #: One planned file: (folder relative to out_root/<base_dir>, name, record, field, list bytes).
 _Plan = list[tuple[_Folder, str, int, int, bytes | None]]
-
-
-def _stage(pack: VOCPackReader, plan: _Plan, tree: _Tree, progress: bool) -> None:
-    for folder, name, record, field, stored in tqdm(
-        plan, desc="exporting", unit="file", disable=not progress
-    ):
-        try:
-            data = pack.field(record, field) if stored is None else stored
-        except ChecksumError as exc:  # name the sample, not only the file's record
-            raise pack.named(exc) from None
-        tree.write(folder, name, data)
-
-
-def _stage_and_rename(
-    pack: VOCPackReader, plan: _Plan, top: Path, below: _Folder, final: Path, progress: bool
-) -> None:
-    """``top`` does not exist: write it complete under a temporary name, then rename it."""
-    top.parent.mkdir(parents=True, exist_ok=True)  # out_root's parents: never removed
-    output = AtomicOutput(top, folder=True)
-    try:
-        with _Tree(output.path.joinpath(*below), final) as tree:
-            _stage(pack, plan, tree, progress)
-        output.commit()
-    except BaseException:
-        output.abort()
-        raise
-
-
-def _stage_and_merge(
-    pack: VOCPackReader, plan: _Plan, final: Path, overwrite: bool, progress: bool
-) -> None:
-    """``final`` exists: stage files beside it, rename each in; all undone if one rename fails."""
-    with _Tree(final, final) as target:
-        for folder in sorted({folder for folder, *_ in plan}):
-            target.lookup(folder, create=False)  # a link at any planned folder: refused now
-        if not overwrite:
-            for folder, name, *_ in plan:
-                if target.exists(folder, name):
-                    raise WriteError(
-                        errno.EEXIST,
-                        f"{final.joinpath(*folder, name)} already exists; export into an "
-                        "empty folder or pass overwrite=True (--overwrite) to replace the files",
-                    )
-        output = AtomicOutput(final, folder=True)
-        try:
-            with _Tree(output.path, final) as staged, _Tree(output.scratch(), final) as aside:
-                _stage(pack, plan, staged, progress)
-                _merge(plan, staged, target, aside, overwrite)
-        finally:
-            output.abort()  # the staging folder is empty now, or the export failed
 
 
 def _merge(plan: _Plan, staged: _Tree, target: _Tree, aside: _Tree, overwrite: bool) -> None:
@@ -222,13 +197,6 @@ class _Tree:
         assert fd is not None
         return fd
 
-    def existing_depth(self, folder: _Folder) -> int:
-        """How many leading components of ``folder`` exist (-1: not ``root``)."""
-        for depth in range(len(folder), -1, -1):
-            if self.lookup(folder[:depth], create=False) is not None:
-                return depth
-        return -1
-
     def remove_created(self) -> None:
         """Remove the folders this tree created (empty after a rollback), deepest first."""
         for folder in reversed(self._created):
@@ -248,11 +216,10 @@ class _Tree:
 
     def write(self, folder: _Folder, name: str, data: bytes | memoryview) -> None:
         """Write one file atomically (``WriteError`` on failure)."""
+        fd = self.open(folder)
         try:
-            replace_file_at(self.open(folder), name, data)
+            replace_file_at(fd, name, data)
         except OSError as exc:
-            if isinstance(exc, WriteError):
-                raise
             target = self.shown.joinpath(*folder, name)
             raise WriteError(
                 exc.errno or errno.EIO,

@@ -174,12 +174,10 @@ def scale_target(
 ) -> None:
     """Rescale a target's size and coordinates (boxes, part boxes, points) for a resized image."""
     annotation = target.get("annotation")
-    if not isinstance(annotation, dict):
-        return
-    size = annotation.get("size")
-    if isinstance(size, dict):
-        size["width"], size["height"] = str(width), str(height)
-    _scale_coordinates(annotation.get("object", []), scale)
+    if isinstance(annotation, dict):
+        if isinstance(size := annotation.get("size"), dict):
+            size["width"], size["height"] = str(width), str(height)
+        _scale_coordinates(annotation.get("object", []), scale)
 
 
 _COORDINATE_AXES = {  #: Coordinate elements of a VOC annotation -> the axis of each child.
@@ -193,23 +191,17 @@ def _scale_coordinates(node: Any, scale: tuple[float, float]) -> None:
     if isinstance(node, list):
         for item in node:
             _scale_coordinates(item, scale)
-        return
-    if not isinstance(node, dict):
-        return
-    for key, value in node.items():
-        axes = _COORDINATE_AXES.get(key)
-        if axes is None:
-            _scale_coordinates(value, scale)
-            continue
-        for element in value if isinstance(value, list) else [value]:
-            if not isinstance(element, dict):
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            axes = _COORDINATE_AXES.get(key)
+            if axes is None:
+                _scale_coordinates(value, scale)
                 continue
-            for name, axis in axes.items():
-                try:
-                    scaled = float(element[name]) * scale[axis]
-                except (KeyError, TypeError, ValueError):
-                    continue
-                element[name] = f"{scaled:.2f}".rstrip("0").rstrip(".")
+            for element in value if isinstance(value, list) else [value]:
+                for name, axis in axes.items():
+                    with contextlib.suppress(KeyError, TypeError, ValueError):
+                        scaled = f"{float(element[name]) * scale[axis]:.2f}"
+                        element[name] = scaled.rstrip("0").rstrip(".")
 
 
 def resize_mask(data: bytes, path: str, scale: tuple[float, float]) -> bytes:

@@ -86,9 +86,8 @@ def find_source(root: str | os.PathLike[str], year: str | None) -> tuple[Path, s
         if path.suffix == FILE_SUFFIX or (path / MANIFEST_NAME).is_file():
             what = "a shard folder" if path.is_dir() else f"a {FILE_SUFFIX} file"
             raise type(exc)(
-                f"{root} is a pack ({what}), not a VOC root: it is read with "
-                "VOCSerializedDataset / VOCSerializedIterableDataset (`torch-serialized info` "
-                "describes it); pack the folder holding VOCdevkit/ instead"
+                f"{root} is a pack ({what}), not a VOC root: read it with VOCSerializedDataset, "
+                "or pack the folder holding VOCdevkit/"
             ) from None
         raise
 
@@ -103,8 +102,7 @@ def _check_year(year: object) -> None:
     text = text.removesuffix(".0")
     hint = f": pass year={text!r}" if _YEAR.fullmatch(text) else ""
     raise SourceDataError(
-        f"year must be a string such as '2007', as for torchvision's VOCDetection, got "
-        f"{type(year).__name__} {year!r}{hint}."
+        f"year must be a string such as '2007', got {type(year).__name__} {year!r}{hint}."
     )
 
 
@@ -122,19 +120,17 @@ def _candidates(root: Path, year: str) -> list[Path]:
 def _found(root: Path) -> list[Path]:
     """Sorted ``VOC<year>`` folders under ``root/VOCdevkit``, ``root/TrainVal/VOCdevkit``,
     else ``root`` as a ``VOCdevkit``, else ``root`` itself if one."""
-    parents = (root / "VOCdevkit", root / "TrainVal" / "VOCdevkit")
-    found = sorted(path for parent in parents for path in _voc_folders(parent))
+    found = _voc_folders(root / "VOCdevkit", root / "TrainVal" / "VOCdevkit")
     if not found and root.name == "VOCdevkit":
-        found = sorted(_voc_folders(root))
+        found = _voc_folders(root)
     if not found and _VOC_FOLDER.fullmatch(root.name):  # the caller checked it is a folder
         found = [root]
     return found
 
 
-def _voc_folders(parent: Path) -> list[Path]:
-    if not parent.is_dir():
-        return []
-    return [p for p in parent.iterdir() if _VOC_FOLDER.fullmatch(p.name) and p.is_dir()]
+def _voc_folders(*parents: Path) -> list[Path]:
+    found = (p for parent in parents for p in parent.glob("VOC*"))
+    return sorted(p for p in found if _VOC_FOLDER.fullmatch(p.name) and p.is_dir())
 
 
 def read_image_sets(

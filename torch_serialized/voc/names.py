@@ -66,14 +66,7 @@ class RecordNames(Sequence[str]):
             yield prefix + str(blob[offsets[r] : offsets[r + 1]], "utf-8") + suffix
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, RecordNames):
-            if (
-                other._pack is self._pack
-                and (other._prefix, other._suffix) == (self._prefix, self._suffix)
-                and np.array_equal(other._records, self._records)
-            ):
-                return True
-        elif not isinstance(other, list):
+        if not isinstance(other, (RecordNames, list)):
             return NotImplemented
         return len(self) == len(other) and all(a == b for a, b in zip(self, other))
 

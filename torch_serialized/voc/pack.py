@@ -29,6 +29,8 @@ from .source import survey
 
 __all__ = ["pack_voc", "PackResult", "SkippedSample", "REPORT_SUFFIX"]
 
+_OVERWRITE = "pass overwrite=True (torch-serialized pack --overwrite) to replace it"
+
 
 def pack_voc(
     root: str | os.PathLike[str],
@@ -78,9 +80,8 @@ def pack_voc(
     # a file that no pack may replace (a shard of a folder...): the writer's refusal says more
     if as_file and not (os.path.isfile(output) and replace_refusal(Path(output))):
         raise ValueError(
-            f"{output}: a shard limit makes a shard folder, and this name ends with "
-            f"{FILE_SUFFIX}: drop the {FILE_SUFFIX} suffix to name the folder, or pass no shard "
-            "limit (no --shards, --shard-size or --samples-per-shard) for one file"
+            f"{output}: a shard limit makes a shard folder: drop the {FILE_SUFFIX} suffix, or "
+            "pass no shard limit for one file"
         )
     local = functools.partial(_pack_local, root, opts=opts)
     if is_url(output):
@@ -93,11 +94,7 @@ def pack_voc(
         result = dataclasses.replace(result, url=str(output))
     else:
         if not overwrite and os.path.lexists(output) and replace_refusal(Path(output)) is None:
-            raise FileExistsError(
-                errno.EEXIST,
-                f"{output} already holds a pack; pass overwrite=True (torch-serialized pack "
-                "--overwrite) to replace it",
-            )
+            raise FileExistsError(errno.EEXIST, f"{output} already holds a pack; {_OVERWRITE}")
         result = local(output)
     records.warn_untyped(result)
     return result
@@ -110,12 +107,7 @@ def _refuse_remote_pack(url: str, storage_options: Mapping[str, Any] | None) -> 
         RemoteStore(url, storage_options).info(key)
     except RemoteNotFoundError:
         return
-    raise FileExistsError(
-        errno.EEXIST,
-        f"{url} already holds a pack; pass overwrite=True (torch-serialized pack --overwrite) "
-        "to upload a new one (readers of the old one keep working; `prune` removes its files "
-        "later)",
-    )
+    raise FileExistsError(errno.EEXIST, f"{url} already holds a pack; {_OVERWRITE}")
 
 
 def _pack_local(

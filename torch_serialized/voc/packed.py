@@ -78,9 +78,8 @@ class VOCPackReader:
         name = schema.split_array_name(task, image_set)
         arrays = self.reader.arrays()
         if name not in arrays:
-            folder = "Main" if task == "Main" else "Segmentation"
             raise ValueError(
-                f"image_set {image_set!r} is not in {self.name} (ImageSets/{folder} had "
+                f"image_set {image_set!r} is not in {self.name} (ImageSets/{task} had "
                 f"{self.image_sets(task) or 'no lists'}); pick one of those or re-pack"
             )
         return arrays[name]

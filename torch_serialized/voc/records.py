@@ -235,11 +235,9 @@ def warn_untyped(result: PackResult) -> None:
     ids = list(result.untyped)
     named = ", ".join(repr(i) for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
     warnings.warn(
-        f"{result.url or result.path}: {len(ids)} sample(s) ({named}) have annotations whose "
-        f"objects do not fit a tv_tensors target; the first: {result.untyped[ids[0]]} They "
-        "are packed as torchvision reads them (target_format='dict'); target_format="
-        "'tv_tensors' raises for them. Fix the XML and append with replace_changed=True to "
-        "give them boxes.",
+        f"{result.url or result.path}: {len(ids)} sample(s) ({named}) read only with "
+        f"target_format='dict' (first: {result.untyped[ids[0]]}); fix the XML and append "
+        "with replace_changed=True to give them boxes.",
         UntypedObjectsWarning,
         stacklevel=3,
     )

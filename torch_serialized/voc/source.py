@@ -287,14 +287,12 @@ def _read(
             f"{path}: {what} of id {job.id!r} (listed in {job.listed_in}) is missing; "
             f"{advice} {SKIP_HINT}"
         ) from None
-    except FileKindError as exc:
+    except (FileKindError, FileSizeError) as exc:
+        fix = "replace it with the file"
+        if isinstance(exc, FileSizeError):
+            fix = "pass a larger max_file_bytes (--max-file-size) if the file is genuine"
         raise SourceDataError(
-            f"{exc} (id {job.id!r}); replace it with the file or remove the id from the lists"
-        ) from None
-    except FileSizeError as exc:
-        raise SourceDataError(
-            f"{exc} (id {job.id!r}); pass a larger max_file_bytes (--max-file-size) if the file "
-            "is genuine, or remove the id from the lists"
+            f"{exc} (id {job.id!r}); {fix}, or remove the id from the lists"
         ) from None
     except OSError as exc:
         raise SourceDataError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pyexpat
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -52,23 +53,19 @@ def _check_safe(data: bytes, source: str) -> None:
     expansion) and external DTDs or entities (never fetched)."""
     parser = pyexpat.ParserCreate(None, _NAMESPACE_SEPARATOR)
 
-    def refuse_entity(name: str, *_args: object) -> NoReturn:
-        raise _Unsafe(f"declares the entity {name!r}")
+    def refuse(what: str) -> Callable[..., NoReturn]:
+        def handler(name: object = None, *_args: object) -> NoReturn:
+            raise _Unsafe(what.format(name))
 
-    def refuse_external(*_args: object) -> NoReturn:
-        raise _Unsafe("references an external entity")
-
-    def refuse_skipped(name: str, _is_parameter: bool) -> NoReturn:
-        raise _Unsafe(f"references the undeclared entity {name!r}")
+        return handler
 
     def check_doctype(_name: str, system_id: str | None, public_id: str | None, _: bool) -> None:
         if system_id or public_id:
             raise _Unsafe(f"references the external DTD {system_id or public_id!r}")
 
-    parser.EntityDeclHandler = refuse_entity
-    parser.UnparsedEntityDeclHandler = refuse_entity
-    parser.ExternalEntityRefHandler = refuse_external
-    parser.SkippedEntityHandler = refuse_skipped
+    parser.EntityDeclHandler = parser.UnparsedEntityDeclHandler = refuse("declares the entity {!r}")
+    parser.ExternalEntityRefHandler = refuse("references an external entity")
+    parser.SkippedEntityHandler = refuse("references the undeclared entity {!r}")
     parser.StartDoctypeDeclHandler = check_doctype
     try:
         parser.Parse(data, True)

@@ -103,7 +103,7 @@ def test_jpeg_sizes_are_voc_like(voc40: Path) -> None:
 
 
 def test_annotations_follow_voc_schema(voc40: Path) -> None:
-    counts, difficult = [], 0
+    counts, difficult, truncated, parts = [], 0, 0, 0
     for path in sorted((voc40 / "Annotations").glob("*.xml")):
         root = ET.parse(path).getroot()
         assert [c.tag for c in root][:6] == ["folder", "filename", "source", "size", "segmented",
@@ -123,15 +123,17 @@ def test_annotations_follow_voc_schema(voc40: Path) -> None:
             assert obj.findtext("truncated") in {"0", "1"}
             assert obj.findtext("occluded") in {None, "0", "1"}
             difficult += obj.findtext("difficult") == "1"
+            truncated += obj.findtext("truncated") == "1"
             box = _box(obj)
             assert 1 <= box[0] < box[2] <= width and 1 <= box[1] < box[3] <= height
+            parts += len(obj.findall("part"))
             for part in obj.findall("part"):
                 assert obj.findtext("name") == "person"
                 assert part.findtext("name") in {"head", "hand", "foot"}
                 p = _box(part)
                 assert box[0] <= p[0] < p[2] <= box[2] and box[1] <= p[1] < p[3] <= box[3]
     assert min(counts) >= 1 and max(counts) <= 6 and len(set(counts)) > 2
-    assert difficult > 0
+    assert difficult > 0 and truncated > 0 and parts > 0  # what the readers' tests need
 
 
 def test_masks_use_voc_palette(voc40: Path) -> None:
@@ -156,9 +158,9 @@ def test_masks_use_voc_palette(voc40: Path) -> None:
     ("kwargs", "message"),
     [
         ({"year": "2013"}, "year"),
-        ({"num_images": 0}, "num_images"),
-        ({"seed": -1}, "seed"),
-        ({"segmentation_every": -1}, "segmentation_every"),
+        ({"num_images": 0}, "num_images=0"),
+        ({"seed": -1}, "seed=-1"),
+        ({"segmentation_every": -1}, "segmentation_every=-1"),
     ],
 )
 def test_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, object], message: str) -> None:

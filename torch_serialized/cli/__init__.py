@@ -59,10 +59,7 @@ _positive_int = functools.partial(_int_at_least, 1)
 def _output(text: str) -> str:
     """``-`` is no pipe here: a pack is written to disk, mapped and renamed into place."""
     if text == "-":
-        raise argparse.ArgumentTypeError(
-            "'-' is not standard output here: a pack cannot be written to a pipe. Pass the "
-            ".tser file (or shard folder) to write; for a file named '-' in this folder, ./-"
-        )
+        raise argparse.ArgumentTypeError("'-' is not standard output here: name the pack, e.g. ./-")
     return text
 
 
@@ -127,17 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     limit.add_argument("--samples-per-shard", **_N, help="at most N samples a shard")
     pack.add_argument("--workers", **_N, default=1, help="processes reading the source (default 1)")
-    pack.add_argument(
-        "--image-storage",
-        choices=("original", "raw"),
-        help="original: the JPEG bytes, byte-exact (default); raw: decoded RGB pixels",
-    )
-    pack.add_argument(
-        "--max-size",
-        type=_positive_int,
-        metavar="PX",
-        help="shrink images whose longer side exceeds PX (boxes scaled; not byte-exact)",
-    )
+    storage = "original: the JPEG bytes, byte-exact (default); raw: decoded RGB pixels"
+    pack.add_argument("--image-storage", choices=("original", "raw"), help=storage)
+    shrink = "shrink images whose longer side exceeds PX (boxes scaled; not byte-exact)"
+    pack.add_argument("--max-size", type=_positive_int, metavar="PX", help=shrink)
     _flags(
         pack,
         check_images="decode every image while packing",
@@ -173,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
         "--scenarios",
         metavar="A,B",
         help=f"comma-separated subset of: {', '.join(SCENARIOS)} (default: all); "
-        f"{', '.join(FULL_ONLY)} are accepted but only the full benchmark runs them",
+        f"{', '.join(FULL_ONLY)} are accepted, run only by python benchmarks/run.py",
     )
 
     cache = sub["cache"]
@@ -199,9 +189,8 @@ _CACHE_DIR = "the cache folder (default: $TORCH_SERIALIZED_CACHE, else ~/.cache/
 _COMMANDS: dict[str, tuple[str, str | None]] = {
     "pack": (
         "pack a VOCdevkit into a .tser file or a shard folder",
-        "Pack every id ImageSets lists into OUTPUT (a shard folder with a shard option); an "
-        "existing pack is replaced only with --overwrite. --append brings it up to date with "
-        "ROOT, keeping its options. A URL OUTPUT is written locally, then uploaded.",
+        "Pack every id ImageSets lists into OUTPUT; an existing pack is replaced only with "
+        "--overwrite, or brought up to date with ROOT by --append.",
     ),
     "info": ("describe a pack: format, options, samples, classes, image sizes, shards", None),
     "verify": (
@@ -216,15 +205,11 @@ _COMMANDS: dict[str, tuple[str, str | None]] = {
     ),
     "bench": (
         "time your own VOC data against torchvision's VOCDetection",
-        "Pack ROOT (default: generated data), check it against torchvision's VOCDetection and "
-        "time both. The full benchmark is `python benchmarks/run.py` in a checkout.",
+        "Pack ROOT (default: generated data), check it against VOCDetection and time both.",
     ),
     "cache": ("list or clear the local cache of remote packs (clear leaves files in use)", None),
     "prune": ("delete the files earlier packs left at a URL, once none of them is read", None),
-    "demo": (
-        "generate a sample, pack it, check it and time it against torchvision (start here)",
-        None,
-    ),
+    "demo": ("generate a sample, pack it, check it and time it against torchvision", None),
 }
 
 

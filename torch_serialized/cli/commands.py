@@ -21,17 +21,13 @@ PROG = "torch-serialized"
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 
 
-def printable(text: str, *, json_text: bool = False) -> str:
-    """``text`` with non-printables but newlines escaped (``\\x1b``; ``json_text``: ``\\u001b``):
-    a pack's metadata is untrusted and must not move the cursor or reorder text (``\\u202e``)."""
-    return "".join(c if c.isprintable() or c == "\n" else _escape(c, json_text) for c in text)
-
-
-def _escape(char: str, json_text: bool) -> str:
-    if ord(char) < 0x100 and not json_text:
-        return f"\\x{ord(char):02x}"
-    units = char.encode("utf-16-be", "surrogatepass")  # a surrogate pair above U+FFFF, as JSON
-    return "".join(f"\\u{units[i] << 8 | units[i + 1]:04x}" for i in range(0, len(units), 2))
+def printable(text: str) -> str:
+    """``text`` with non-printables but newlines escaped as Python writes them (``\\x1b``,
+    ``\\u202e``): a pack's metadata is untrusted and must not move the cursor or reorder text."""
+    escaped = (
+        c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode() for c in text
+    )
+    return "".join(escaped)
 
 
 def say(*lines: str) -> None:
@@ -205,14 +201,8 @@ def _print_outcome(result: Any) -> None:
             _rows(**{label: said})
 
 
-_UNTYPED = (
-    "whose objects do not fit a tv_tensors target: packed as torchvision reads them; "
-    "target_format='tv_tensors' raises for them (docs/guarantees.md)"
-)
-_UNPARSED = (
-    "whose annotation XML did not parse: packed with the files' bytes and no target "
-    "(VOCSegmentation never reads it)"
-)
+_UNTYPED = "whose objects fit no tv_tensors target (target_format='tv_tensors' raises for them)"
+_UNPARSED = "whose annotation XML did not parse: packed with no target (VOCSegmentation reads none)"
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -257,9 +247,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def _json(value: Any) -> int:
-    """Print ``value`` as JSON (paths as strings), escaped (``printable``)."""
-    text = json.dumps(value, indent=1, ensure_ascii=False, default=str)
-    print(printable(text, json_text=True))  # JSON escapes C0 controls itself; the rest here
+    """Print ``value`` as JSON (paths as strings), all but ASCII escaped: metadata is untrusted."""
+    print(json.dumps(value, indent=1, default=str))
     return EXIT_OK
 
 
@@ -305,25 +294,19 @@ def cmd_info(args: argparse.Namespace) -> int:
             for s in about.shards
         ]
     notes = [
-        ("retired", about.retired, "record", "replaced or dropped by appends (their bytes "
-         "stay until the next full pack)"),
+        ("retired", about.retired, "record", "replaced or dropped by appends (re-pack to free)"),
         ("skipped", len(about.skipped), "sample", "at pack time"),
-        ("untyped", untyped, "sample", "whose objects have no box rows "
-         "(target_format='tv_tensors' raises for them)"),
-        ("unparsed", about.with_unparsed_annotation, "segmentation-only sample", "whose "
-         "annotation XML did not parse (stored as the files' bytes, no target)"),
-    ]  # fmt: skip
+        ("untyped", untyped, "sample", _UNTYPED),
+        ("unparsed", about.with_unparsed_annotation, "segmentation-only sample", _UNPARSED),
+    ]
     lines += [f"  {k:<12} {plural(n, noun)} {what}" for k, n, noun, what in notes if n]
     if about.history:  # each pack and append: when, how many added/replaced/retired, by whom
         lines.append("  history")
         lines += ["    " + ", ".join(f"{k} {v}" for k, v in e.items()) for e in about.history]
     if about.classes:
+        width = max(map(len, about.classes))
         lines.append("  classes      (objects in all samples)")
-        top = max(about.classes.values())
-        width = max(len(name) for name in about.classes)
-        for name, count in about.classes.items():
-            bar = "#" * max(1, round(30 * count / top))
-            lines.append(f"    {name:<{width}} {count:>7}  {bar}")
+        lines += [f"    {name:<{width}} {count:>7}" for name, count in about.classes.items()]
     say(*lines)
     return EXIT_OK
 
@@ -400,9 +383,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     pack = VOCPackReader(args.path, **options)
     print(
         f"exported {plural(len(pack.live), 'sample')} and {plural(len(pack.files()), 'list file')} "
-        f"to {folder} in "
-        f"{seconds:.2f} s; torchvision reads it with root={str(args.out_root)!r}, "
-        f"year={pack.year!r}"
+        f"to {folder} in {seconds:.2f} s; torchvision reads it with "
+        f"root={str(args.out_root)!r}, year={pack.year!r}"
     )
     return EXIT_OK
 

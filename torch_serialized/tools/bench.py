@@ -1,4 +1,5 @@
-"""``torch-serialized bench``: the demo's measurements on your own data. The full benchmark is
+"""``torch-serialized bench`` and ``demo``: pack a VOC root (``demo``: generated images), check
+it against torchvision's ``VOCDetection`` and time both (``measure``). The full benchmark is
 ``python benchmarks/run.py`` in a checkout. Imports no torch until a run starts."""
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_benchmark", "SCENARIOS", "FULL_ONLY"]
+__all__ = ["run_benchmark", "run_demo", "SCENARIOS", "FULL_ONLY"]
 
 #: What ``bench`` measures (``--scenarios`` picks some), in the order measured.
-SCENARIOS = ("pack", "bytes", "cold", "decoded", "tensor", "dataloader")
+SCENARIOS = ("pack", "bytes", "decoded", "dataloader")
 #: Scenarios of the full benchmark (``python benchmarks/run.py``): accepted, not run here.
-FULL_ONLY = ("append", "attributes", "gpu", "memory", "remote")
-_FEW = 50  #: fewer samples timed: a note that per-epoch costs dominate the figures
+FULL_ONLY = ("append", "attributes", "cold", "gpu", "memory", "remote", "tensor")
 _IMAGE_SETS = ("trainval", "train", "val", "test")  #: ``bench`` reads the first one listed
 
 
@@ -46,15 +46,11 @@ def run_benchmark(
     chosen = [s.strip() for s in (SCENARIOS if scenarios is None else scenarios) if s.strip()]
     unknown = [s for s in chosen if s not in SCENARIOS + FULL_ONLY]
     if unknown:
-        raise ValueError(
-            f"unknown scenarios {', '.join(unknown)}; choose from {', '.join(SCENARIOS)} "
-            f"(or {', '.join(FULL_ONLY)}, which only the full benchmark runs)"
-        )
-    if workers < 0 or (repeats is not None and repeats < 1):
-        raise ValueError("workers must be at least 0 and repeats at least 1")
+        known = ", ".join(SCENARIOS + FULL_ONLY)
+        raise ValueError(f"unknown scenarios {', '.join(unknown)}; choose from {known}")
     from .. import pack_voc
     from ..voc.layout import find_source
-    from .demo import Measurements, check_against_torchvision
+    from .measure import Measurements, check_against_torchvision
     from .synthetic import make_synthetic_voc
 
     started = time.perf_counter()
@@ -80,9 +76,7 @@ def run_benchmark(
         packed = pack_voc(voc_root, work / "bench.tser", year=year, progress=progress)
         say(
             f"Packed {_samples(packed.num_samples)} of VOC{year} ({voc_root}): "
-            f"{packed.num_bytes / 1e6:,.1f} MB, {packed.num_bytes / packed.source_bytes:.0%} of "
-            f"the source, in {packed.seconds:.2f} s "
-            f"({packed.num_samples / max(packed.seconds, 1e-9):,.0f} samples/s)"
+            f"{packed.num_bytes / 1e6:,.1f} MB in {packed.seconds:.2f} s"
         )
         check_against_torchvision(packed.path, tv_root, year, image_set)
         demo = Measurements(
@@ -96,15 +90,13 @@ def run_benchmark(
             slow_runs=runs[1],
             limit=limit,
         )
+        how = f"median of {runs[0]} runs (warm reads) or {runs[1]} (the rest) with (min-max)"
         say(
             f"Checked against torchvision: identical. Timing {_samples(demo.n)} of "
-            f"{image_set!r}, samples/s, {demo.how}:"
+            f"{image_set!r}, samples/s, {'one run each' if runs == (1, 1) else how}:"
         )
-        if demo.n < _FEW:
-            demo.notes.append(
-                f"only {_samples(demo.n)}: costs paid once an epoch (opening files, starting a "
-                "stream) weigh on every figure; time more samples for figures that transfer"
-            )
+        if demo.n < 50:
+            demo.notes.append(f"Only {_samples(demo.n)}: per-epoch costs weigh on every figure.")
         rows = demo.table(say, chosen)
     skipped = [s for s in chosen if s in FULL_ONLY]
     if skipped:
@@ -125,10 +117,7 @@ def run_benchmark(
             "scenarios": [s for s in chosen if s in SCENARIOS],
         },
         "pack": {
-            "samples": packed.num_samples,
-            "bytes": packed.num_bytes,
-            "source_bytes": packed.source_bytes,
-            "seconds": packed.seconds,
+            k: getattr(packed, k) for k in ("num_samples", "num_bytes", "source_bytes", "seconds")
         },
         "rows": [
             {**dataclasses.asdict(r), "ratio": r.ratio, "within_noise": r.within_noise}
@@ -146,22 +135,42 @@ def run_benchmark(
     return result
 
 
+def run_demo(
+    *,
+    num_images: int = 200,
+    workers: int = 2,
+    directory: str | os.PathLike[str] | None = None,
+    batch_size: int = 16,
+    out: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """``run_benchmark`` on ``num_images`` generated VOC2012 images (kept in ``directory``)."""
+    started = time.perf_counter()
+    result = run_benchmark(
+        num_images=num_images, workers=workers, work_dir=directory, batch_size=batch_size, out=out
+    )
+    out(
+        f"Demo time {time.perf_counter() - started:.0f} s. Cold-cache, remote and GPU reads: "
+        "`python benchmarks/run.py` in a checkout; your own data: `torch-serialized bench ROOT`."
+    )
+    if directory is not None:
+        out(f"Data kept in {directory}; try: torch-serialized info {result['config']['pack']}")
+    return result
+
+
 def _samples(count: int) -> str:
     return f"{count} sample{'s' * (count != 1)}"
 
 
 def _torchvision_root(voc_root: Path, year: str) -> Path:
     """The root ``VOCDetection`` reads ``voc_root`` from (ROOT may be ``VOC20xx`` itself)."""
-    from torchvision.datasets.voc import DATASET_YEAR_DICT
+    from ..voc.layout import base_dir
 
-    if year not in DATASET_YEAR_DICT:
-        raise ValueError(f"torchvision's VOCDetection reads no VOC{year}: bench compares with it")
-    base = Path(DATASET_YEAR_DICT[year]["base_dir"])
+    base = Path(base_dir(year))  # torchvision's, 2011's TrainVal/ included
     tv_root = voc_root.parents[len(base.parts) - 1]
     if (tv_root / base).resolve() != voc_root.resolve():
         raise ValueError(
-            f"torchvision's VOCDetection reads VOC{year} from ROOT/{base.as_posix()}, and "
-            f"{voc_root} is not laid out so: move it there to compare"
+            f"torchvision's VOCDetection reads VOC{year} from ROOT/{base.as_posix()}: "
+            f"move {voc_root} there to compare"
         )
     return tv_root
 
@@ -171,7 +180,4 @@ def _image_set(voc_root: Path) -> str:
     for name in _IMAGE_SETS:
         if (lists / f"{name}.txt").is_file():
             return name
-    raise ValueError(
-        f"{lists} lists none of {', '.join(_IMAGE_SETS)}: bench reads detection samples of "
-        "one of these image sets"
-    )
+    raise ValueError(f"{lists} lists none of {', '.join(_IMAGE_SETS)}: bench reads one of these")

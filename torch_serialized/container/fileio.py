@@ -202,7 +202,11 @@ def _writers_lock(final: Path) -> Iterator[None]:
             return
         raise
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # say why we wait, not hang silently
+            log.warning("%s is being appended to; waiting for that to end to replace it", final)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -48,6 +48,16 @@ CASES = [
         ["--num-images", "32", "--steps", "2", "--batch-size", "2", "--crop", "128"],
         ["a VOCSegmentation: True", "step 2: loss", "trained 2 steps"],
     ),
+    (
+        "train_07_12.py",
+        ["--num-images", "16", "--steps", "2", "--batch-size", "2"],
+        [
+            "packed 16 samples of VOC2012",
+            "streaming 2 pack(s), VOC2007+2012 trainval: 24 samples",
+            "trained 2 steps",
+            "evaluated on 8 VOC2007 test images",
+        ],
+    ),
 ]
 
 # The same scripts on TWO train images of custom classes ("helmet", "head"), float boxes and
@@ -83,6 +93,16 @@ SMALL_CASES = [
         "segmentation.py",
         ["--steps", "3", "--crop", "64"],
         ["only 2 train masks: batch size 2", "step 3: loss", "trained 3 steps"],
+    ),
+    (
+        "train_07_12.py",
+        ["--steps", "2"],
+        [
+            "streaming 1 pack(s), VOC2007 trainval: 3 samples",
+            "2 classes after '__background__'",
+            "trained 2 steps",
+            "VOC2007 has no test image set here",
+        ],
     ),
 ]
 

@@ -4,9 +4,10 @@ index the same samples. They subclass torchvision's classes so ``isinstance`` an
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from operator import index as as_index
 from typing import Any
 
@@ -84,20 +85,31 @@ class PackedSamples:
             lines.append("Zero copy: True")
         return "\n".join(lines)
 
-    def _decoded(self, record: int, fields: Sequence[Buffer], view: bool = False) -> Any:
-        """``record``'s sample, decoded (``view``: see ``SampleDecoder.image``) and transformed."""
-        image = self.decoder.image(record, fields[0], view=view)
-        target = self.decoder.target(record, fields[1])
+    def _decoded(
+        self,
+        record: int,
+        fields: Sequence[Buffer],
+        view: bool = False,
+        decoder: SampleDecoder | None = None,
+    ) -> Any:
+        """``record``'s sample, decoded (``view``: see ``SampleDecoder.image``; ``decoder``: of
+        the record's pack, default this dataset's) and transformed."""
+        decoder = self.decoder if decoder is None else decoder
+        image = decoder.image(record, fields[0], view=view)
+        target = decoder.target(record, fields[1])
         return (image, target) if self.transforms is None else self.transforms(image, target)
 
-    def _shared(self, items: Iterable[tuple[int, Sequence[Buffer]]]) -> list[Any]:
-        """The samples of ``(record, fields)`` items, their tensors in one shared-memory block
-        (``share_batch``): map views copied once, into it; decoded images sized up front."""
+    def _shared(self, items: Iterable[tuple[SampleDecoder, int, Sequence[Buffer]]]) -> list[Any]:
+        """The samples of ``(decoder, record, fields)`` items, their tensors in one shared-memory
+        block (``share_batch``): map views copied once, into it; decoded images sized up front."""
         items = list(items)
         plain = self.transforms is None
-        view = plain and self.decoder.stored_bytes
-        sizes = self.decoder.decoded_nbytes([record for record, _ in items]) if plain else None
-        made = (self._decoded(record, fields, view) for record, fields in items)
+        view = plain and self.decoder.stored_bytes  # the same decode in every pack
+        sizes: list[int] | None = [] if plain else None
+        for decoder, run in itertools.groupby(items, key=itemgetter(0)):  # one run per pack
+            more = decoder.decoded_nbytes([record for _, record, _ in run])
+            sizes = None if sizes is None or more is None else sizes + more
+        made = (self._decoded(record, fields, view, decoder) for decoder, record, fields in items)
         return share_batch(made, sizes, borrowed=0 if view else None)
 
 
@@ -200,7 +212,7 @@ class _PackedVOCBase(PackedSamples):
         records = [self._record(i) for i in indices]
         if not in_worker():
             return [self._decoded(*self._read(record)) for record in records]
-        return self._shared(self._read(record) for record in records)
+        return self._shared((self.decoder, *self._read(record)) for record in records)
 
 
 class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from multiprocessing.context import get_spawning_popen
 from typing import Any
@@ -18,12 +18,12 @@ from torchvision.datasets.vision import VisionDataset
 from ..errors import ChecksumError
 from ..voc.layout import TASKS
 from .datasets import PackedSamples
-from .decode import Classes, Decode, TargetFormat
+from .decode import Classes, Decode, SampleDecoder, TargetFormat
 from .pipeline import (
     AHEAD,
     BUFFER,
+    Fields,
     Gate,
-    Item,
     block_bounds,
     epoch_order,
     rank_share,
@@ -40,13 +40,40 @@ from .workers import SHARED_RUN, in_worker
 
 __all__ = ["VOCSerializedIterableDataset"]
 
+#: A pack (path or URL), or a ``(pack, image_set)`` pair.
+Source = str | os.PathLike[str] | tuple[str | os.PathLike[str], str]
+
+
+def _sources(path: Source | Sequence[Source], image_set: str) -> list[tuple[Any, str]]:
+    """``(pack, image_set)`` of each source ``path`` names."""
+    if isinstance(path, (str, os.PathLike)):
+        return [(path, image_set)]
+    sources = []
+    for source in path:
+        if isinstance(source, (str, os.PathLike)):
+            sources.append((source, image_set))
+        elif isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], str):
+            sources.append((source[0], source[1]))
+        else:
+            raise TypeError(
+                f"a source is a path or URL, or a (path, image_set) pair; got {source!r}"
+            )
+    if not sources:
+        raise ValueError("no sources: pass a pack's path or URL, or a list of them")
+    return sources
+
 
 class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
     """The samples of ``VOCSerializedDataset`` (or ``VOCSerializedSegmentation`` with
     ``task="Segmentation"``) streamed in blocks, split across ranks and DataLoader workers.
 
     Args:
-        path, image_set, transform, target_transform, transforms, decode, target_format,
+        path: a pack (path or URL), or a sequence of sources, each a pack or a ``(pack,
+            image_set)`` pair: an epoch is then every sample of every source once, as
+            ``ConcatDataset`` of their ``VOCDetection``s, blocks of all sources mixed when
+            ``shuffle``; labels (``"tv_tensors"``) mean the same class in every source
+            (``label_names``: the sources' classes, the first source's first, or ``classes``).
+        image_set, transform, target_transform, transforms, decode, target_format,
             classes, checked: as ``VOCSerializedDataset``; a sample is exactly what it returns
             for the same record (``target_format``/``classes`` apply to task "Main" only).
         shuffle, seed: shuffle blocks and mix samples; see *Randomness* below.
@@ -77,7 +104,7 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: Source | Sequence[Source],
         image_set: str = "train",
         *,
         shuffle: bool = False,
@@ -110,32 +137,64 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         ):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
+        sources = _sources(path, image_set)
         # root and the transforms as torchvision sets them (``transforms`` or the two, not both)
-        VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
+        root = ", ".join(str(source) for source, _ in sources)
+        VisionDataset.__init__(self, root, transforms, transform, target_transform)
         distributed_info(rank, world_size)  # validates them now
         self.task = task
-        self._open_split(
-            path,
-            task,
-            image_set,
-            decode=decode,
-            target_format=target_format,
-            classes=classes,
-            checked=checked,
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit_bytes=cache_limit_bytes,
+        self._parts: list[PackedSamples] = []
+        for source, split in sources:
+            part = PackedSamples()
+            part._open_split(
+                source,
+                task,
+                split,
+                decode=decode,
+                target_format=target_format,
+                classes=classes,
+                checked=checked,
+                storage_options=storage_options,
+                cache_dir=cache_dir,
+                cache_limit_bytes=cache_limit_bytes,
+            )
+            part.records = np.array(part.records, dtype=np.int64)
+            self._parts.append(part)
+        if len(self._parts) > 1 and (classes is None or isinstance(classes, str)):
+            names = list(dict.fromkeys(n for part in self._parts for n in part.label_names))
+            for part in self._parts:  # one label space: the union, the first source's first
+                part.decoder = SampleDecoder(
+                    part.pack,
+                    task=task,
+                    image_set=part.image_set,
+                    decode=decode,
+                    target_format=target_format,
+                    classes=names,
+                )
+        first = self._parts[0]
+        self.pack, self.decoder, self._fields = first.pack, first.decoder, first._fields
+        self.year = "+".join(dict.fromkeys(part.year for part in self._parts))
+        self.image_set = "+".join(dict.fromkeys(part.image_set for part in self._parts))
+        self.records = np.concatenate([part.records for part in self._parts])
+        #: where each source's positions start (and the last ends)
+        self._offsets = np.cumsum([0, *(len(part.records) for part in self._parts)])
+        self._bounds = np.unique(
+            np.concatenate(
+                [
+                    block_bounds(part.records, part.pack.reader.starts, block_size) + start
+                    for part, start in zip(self._parts, self._offsets)
+                ]
+            )
         )
         self.prefetch = prefetch
-        self.records = np.array(self.records, dtype=np.int64)
-        self._bounds = block_bounds(self.records, self.pack.reader.starts, block_size)
         self.shuffle, self.seed = shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.block_size, self.shuffle_buffer = block_size, shuffle_buffer
         self._epoch = 0
         #: the epoch in shared memory that DataLoader workers inherit (see __getstate__)
         self._shared_epoch: Any = multiprocessing.RawValue("q", 0)
-        self._identity = samples_identity(self)
+        identities = [samples_identity(part) for part in self._parts]
+        self._identity = None if None in identities else "+".join(map(str, identities))
 
     def _topology(self) -> Topology:
         return Topology.current(self.rank, self.world_size)
@@ -163,6 +222,11 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         if self._shared_epoch is not None:
             self._shared_epoch.value = self._epoch
 
+    def reopen(self) -> None:
+        """Map the packed file(s) of every source again in this process (``worker_init_fn``)."""
+        for part in self._parts:
+            part.reopen()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if get_spawning_popen() is None:  # not a worker being started: keep the number only
@@ -179,38 +243,55 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         self, blocks: list[np.ndarray], here: Topology, skip: int
     ) -> Iterator[tuple[Any, Any]]:
         gate = Gate(open=skip == 0)
-        reader = self.pack.reader
+        parts = self._parts
         # views held at once: the shuffle buffer, the blocks read ahead, a worker's run
         in_flight = self.shuffle_buffer + (AHEAD + 1) * self.block_size + SHARED_RUN
-        items: Iterator[Item] = read_blocks(
-            blocks,
-            self.records,
-            reader,
-            self._fields,
-            gate,
-            copy=not views_fit(reader, in_flight),
-            shards_ahead=self.prefetch,
-        )
+        source = [int(np.searchsorted(self._offsets, b[0], side="right")) - 1 for b in blocks]
+        streams = [  # each source's blocks, read in order, as from a single pack
+            read_blocks(
+                [b - self._offsets[k] for b, s in zip(blocks, source) if s == k],
+                part.records,
+                part.pack.reader,
+                part._fields,
+                gate,
+                copy=not views_fit(part.pack.reader, in_flight),
+                shards_ahead=self.prefetch,
+            )
+            for k, part in enumerate(parts)
+        ]
+        reading = [0]  # the source of the block being read, for errors
+
+        def merged() -> Iterator[tuple[int, int, Fields | None]]:
+            for block, k in zip(blocks, source):
+                reading[0] = k
+                for record, data in itertools.islice(streams[k], len(block)):
+                    yield k, record, data
+
+        items: Iterator[tuple[int, int, Fields | None]] = merged()
         if self.shuffle:
             rng = seeded_rng(self.seed, BUFFER, self.epoch, here.rank, here.worker)
             items = shuffle_buffer(items, self.shuffle_buffer, rng)
         for _ in itertools.islice(items, skip):
             pass
         gate.open = True
-        # an item planned during a resume replay (no fields) is read now
-        read = (
-            (r, read_block(reader, np.array([r]), self._fields)[r] if d is None else d)
-            for r, d in items
-        )
+
+        def read() -> Iterator[tuple[SampleDecoder, int, Fields]]:
+            for k, record, data in items:
+                reading[0] = k
+                if data is None:  # planned during a resume replay: read now
+                    reader, fields = parts[k].pack.reader, parts[k]._fields
+                    data = read_block(reader, np.array([record]), fields)[record]
+                yield parts[k].decoder, record, data
+
         if in_worker():  # each run of SHARED_RUN samples travels in one shared block
-            runs = iter(lambda: self._shared(itertools.islice(read, SHARED_RUN)), [])
+            runs = iter(lambda: self._shared(itertools.islice(read(), SHARED_RUN)), [])
             samples: Iterator[Any] = itertools.chain.from_iterable(runs)
         else:
-            samples = (self._decoded(record, data) for record, data in read)
+            samples = (self._decoded(r, data, decoder=decoder) for decoder, r, data in read())
         try:
             yield from self._counted(samples)
         except ChecksumError as exc:  # checked=True: name the sample, not only the file
-            raise self.pack.named(exc) from None
+            raise parts[reading[0]].pack.named(exc) from None
 
     # -- resumption (``state.Resumable``) ------------------------------------------------------
     _HINT = "dataset arguments, world size and num_workers"

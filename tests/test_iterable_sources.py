@@ -1,0 +1,129 @@
+"""VOCSerializedIterableDataset over several packs (issue #35): one epoch is every sample of
+every source once, as ConcatDataset of torchvision's VOCDetection, split exactly across ranks and
+workers, shuffled across sources; one label space for all sources."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from typing import Any
+
+import pytest
+from torch.utils.data import ConcatDataset, DataLoader
+from torchvision.datasets import VOCDetection
+
+from torch_serialized import VOCSerializedIterableDataset, pack_voc
+from torch_serialized.tools import make_synthetic_voc
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def two_years(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A VOC2007 devkit of 24 images and a VOC2012 one of 30 whose "dog" is renamed "helmet"
+    (a class VOC lacks), each packed: 07 as one file, 12 as shards of 7."""
+    tmp = tmp_path_factory.mktemp("sources")
+    root07 = make_synthetic_voc(tmp / "v07", 24, year="2007", seed=1)
+    root12 = make_synthetic_voc(tmp / "v12", 30, year="2012", seed=2)
+    for xml in (root12 / "VOCdevkit" / "VOC2012" / "Annotations").glob("*.xml"):
+        xml.write_text(xml.read_text().replace("<name>dog</name>", "<name>helmet</name>"))
+    return {
+        "roots": {"2007": root07, "2012": root12},
+        "2007": pack_voc(root07, tmp / "voc07.tser", year="2007").path,
+        "2012": pack_voc(root12, tmp / "voc12", year="2012", max_samples_per_shard=7).path,
+    }
+
+
+def key(image: Any, target: dict[str, Any]) -> tuple[str, str]:
+    """A sample's identity: its pixels' hash and its target's text."""
+    return hashlib.blake2b(image.tobytes(), digest_size=8).hexdigest(), repr(target)
+
+
+def stream(packs: dict[str, Any], **kwargs: Any) -> VOCSerializedIterableDataset:
+    kwargs.setdefault("block_size", 4)
+    return VOCSerializedIterableDataset([packs["2007"], packs["2012"]], "trainval", **kwargs)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_epoch_is_concat_of_torchvisions_datasets(two_years: dict[str, Any], shuffle: bool):
+    roots = two_years["roots"]
+    oracle = ConcatDataset(
+        [VOCDetection(roots[year], year, "trainval") for year in ("2007", "2012")]
+    )
+    expected = Counter(key(*oracle[i]) for i in range(len(oracle)))
+    ds = stream(two_years, shuffle=shuffle, seed=3)
+    got = [key(image, target) for image, target in ds]
+    assert len(ds) == len(oracle) == len(got)
+    assert Counter(got) == expected
+    if not shuffle:  # source after source, each in its list-file order, as ConcatDataset
+        assert got == [key(*oracle[i]) for i in range(len(oracle))]
+    else:  # mixed across sources, not one source after the other
+        years = [target["annotation"]["folder"] for _, target in stream(two_years, shuffle=True)]
+        first = years[: len(years) // 2]
+        assert "VOC2007" in first and "VOC2012" in first
+
+
+@pytest.mark.parametrize("world, workers", [(2, 2), (3, 1)])
+def test_ranks_and_workers_split_several_sources_exactly(
+    two_years: dict[str, Any], world: int, workers: int
+) -> None:
+    everything = Counter(key(*s) for s in stream(two_years))
+    per_rank = []
+    for rank in range(world):
+        ds = stream(two_years, shuffle=True, seed=5, rank=rank, world_size=world, drop_last=True)
+        loader = DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=lambda s: s)
+        per_rank.append([key(*s) for s in loader])
+        assert len(per_rank[-1]) == len(ds)
+    assert len({len(keys) for keys in per_rank}) == 1  # equal counts per rank
+    seen = Counter(k for keys in per_rank for k in keys)
+    assert max(seen.values()) == 1 and seen.keys() <= everything.keys()
+    assert sum(seen.values()) == sum(everything.values()) // world * world  # drop_last's cut
+
+
+def test_one_label_space_across_sources(two_years: dict[str, Any]) -> None:
+    """Labels mean the same class in every source: the union of the sources' classes, the
+    first source's first; a class one source lacks ("helmet" in VOC2007) is fine."""
+    ds = stream(two_years, decode="none", target_format="tv_tensors")
+    names = ds.label_names
+    assert names[0] == "__background__" and "helmet" in names and "dog" in names
+    assert names.index("helmet") > names.index("dog")  # VOC2007's classes come first
+    dicts = stream(two_years, decode="none")
+    for (_, tensors), (_, target) in zip(ds, dicts):
+        objects = target["annotation"].get("object", [])
+        assert [names[int(label)] for label in tensors["labels"]] == [o["name"] for o in objects]
+    given = ["__background__", "helmet", *[n for n in names[1:] if n != "helmet"]]
+    relabelled = stream(two_years, decode="none", target_format="tv_tensors", classes=given)
+    assert relabelled.label_names == given
+
+
+def test_sources_may_name_their_image_set(two_years: dict[str, Any]) -> None:
+    ds = VOCSerializedIterableDataset(
+        [(two_years["2007"], "train"), (two_years["2012"], "val")], "trainval"
+    )
+    roots = two_years["roots"]
+    sizes = [len(VOCDetection(roots["2007"], "2007", "train"))]
+    sizes.append(len(VOCDetection(roots["2012"], "2012", "val")))
+    assert len(ds) == sum(sizes) == len(list(ds))
+    assert "2007+2012" in repr(ds)
+
+
+def test_a_resumed_epoch_over_several_sources_yields_the_rest(two_years: dict[str, Any]):
+    full = [key(*s) for s in stream(two_years, shuffle=True, seed=9)]
+    ds = stream(two_years, shuffle=True, seed=9)
+    it = iter(ds)
+    head = [key(*next(it)) for _ in range(11)]
+    state = ds.state_dict()
+    resumed = stream(two_years, shuffle=True, seed=9)
+    resumed.load_state_dict(state)
+    assert head + [key(*s) for s in resumed] == full
+    other = VOCSerializedIterableDataset([two_years["2012"], two_years["2007"]], "trainval")
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="cannot resume"):
+        next(iter(other))  # the sources in another order: other samples
+
+
+def test_a_single_pair_or_nothing_is_refused_by_name(two_years: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="no sources"):
+        VOCSerializedIterableDataset([], "trainval")
+    with pytest.raises(TypeError, match="a path or URL, or a"):
+        VOCSerializedIterableDataset([(two_years["2007"], "train", "x")], "trainval")

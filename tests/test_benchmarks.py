@@ -319,6 +319,15 @@ def test_the_remote_scenario_runs_only_when_asked_and_measures_every_row(tmp_pat
     assert all(n == details["pack_bytes"] for n in details["bytes_per_epoch"]["cap_none"])
 
 
+@pytest.mark.slow
+def test_the_sources_scenario_compares_two_packs_with_one(tmp_path: Path) -> None:
+    result = run_benchmark(quick=True, scenarios=["sources"], progress=False, work_dir=tmp_path)
+    rows = {row["key"]: row for row in result["scenarios"]["sources"]["rows"]}
+    assert set(rows) == {"sources_warm", "sources_cold", "sources_loader"}
+    for row in rows.values():
+        assert row["ours"]["median"] > 0 and row["ratio"] > 0, row["key"]
+
+
 @pytest.mark.parametrize("method", sorted(SEQUENTIAL_READERS))
 def test_each_sequential_reader_reads_every_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str

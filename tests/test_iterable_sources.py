@@ -12,7 +12,7 @@ import pytest
 from torch.utils.data import ConcatDataset, DataLoader
 from torchvision.datasets import VOCDetection
 
-from torch_serialized import VOCSerializedIterableDataset, pack_voc
+from torch_serialized import VOCSerializedDataset, VOCSerializedIterableDataset, pack_voc
 from torch_serialized.tools import make_synthetic_voc
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -127,3 +127,8 @@ def test_a_single_pair_or_nothing_is_refused_by_name(two_years: dict[str, Any]) 
         VOCSerializedIterableDataset([], "trainval")
     with pytest.raises(TypeError, match="a path or URL, or a"):
         VOCSerializedIterableDataset([(two_years["2007"], "train", "x")], "trainval")
+
+
+def test_the_map_style_dataset_says_how_to_read_several_packs(two_years: dict[str, Any]):
+    with pytest.raises(TypeError, match=r"reads one pack.*VOCSerializedIterableDataset.*Concat"):
+        VOCSerializedDataset([two_years["2007"], two_years["2012"]], image_set="trainval")

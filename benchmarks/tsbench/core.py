@@ -22,8 +22,9 @@ SCENARIOS: tuple[str, ...] = (
     "gpu",
     "memory",
 )
-#: Scenarios run only when asked for (``--scenarios remote``): they need extra packages.
-OPTIONAL_SCENARIOS: tuple[str, ...] = ("remote",)
+#: Scenarios run only when asked for (``--scenarios remote,sources``): ``remote`` needs extra
+#: packages, ``sources`` compares our own streams (one pack against two).
+OPTIONAL_SCENARIOS: tuple[str, ...] = ("remote", "sources")
 
 
 #: The second reference beside torchvision, measured in the same run (``lmdb_store``).

@@ -29,6 +29,7 @@ from tsbench.memory import scenario_memory
 from tsbench.packing import scenario_pack
 from tsbench.remote import scenario_remote
 from tsbench.report import json_default, miss_text, plot_chart, render_markdown, row_from_dict
+from tsbench.sources import scenario_sources
 from tsbench.system import environment, files_under, read_all
 
 _RUNNERS: dict[str, Callable[[Bench], list[Row]]] = {
@@ -43,6 +44,7 @@ _RUNNERS: dict[str, Callable[[Bench], list[Row]]] = {
     "gpu": scenario_gpu,
     "memory": scenario_memory,
     "remote": scenario_remote,
+    "sources": scenario_sources,
 }
 
 

@@ -139,6 +139,12 @@ class _PackedVOCBase(PackedSamples):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,
     ) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"{type(self).__name__} reads one pack, got {type(path).__name__}: for several, "
+                "stream them with VOCSerializedIterableDataset([...]) (one label space), or "
+                "ConcatDataset one dataset per pack (same classes=... for tv_tensors labels)"
+            )
         VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
         if download:
             raise ValueError(

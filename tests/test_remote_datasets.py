@@ -73,7 +73,7 @@ def drop(target: object) -> int:
 
 
 def stream(
-    path: str | Path, loader_workers: int = 2, **kwargs: Any
+    path: Any, loader_workers: int = 2, **kwargs: Any
 ) -> tuple[ts.VOCSerializedIterableDataset, Iterator[Any]]:
     ds = ts.VOCSerializedIterableDataset(
         path,
@@ -160,6 +160,18 @@ def test_iterable_from_a_url_equals_the_local_pack(
     _, it = stream(stream_packs["shards"])
     want = [d for d, _ in it]
     _, it = stream(served.url, storage_options=served.storage_options, cache_dir=tmp_path)
+    assert [d for d, _ in it] == want
+
+
+def test_a_stream_of_a_local_pack_and_a_url_equals_the_two_local_packs(
+    served: Remote, stream_packs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Sources mixed: a pack at a URL beside a local one reads as the two local packs."""
+    local = [(stream_packs["single"], "train"), (stream_packs["shards"], "val")]
+    _, it = stream(local)
+    want = [d for d, _ in it]
+    mixed = [(stream_packs["single"], "train"), (served.url, "val")]
+    _, it = stream(mixed, storage_options=served.storage_options, cache_dir=tmp_path)
     assert [d for d, _ in it] == want
 
 

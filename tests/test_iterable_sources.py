@@ -132,3 +132,91 @@ def test_a_single_pair_or_nothing_is_refused_by_name(two_years: dict[str, Any]) 
 def test_the_map_style_dataset_says_how_to_read_several_packs(two_years: dict[str, Any]):
     with pytest.raises(TypeError, match=r"reads one pack.*VOCSerializedIterableDataset.*Concat"):
         VOCSerializedDataset([two_years["2007"], two_years["2012"]], image_set="trainval")
+
+
+# -- weights and epoch_size ---------------------------------------------------------------------
+
+
+def plan_of(ds: VOCSerializedIterableDataset, epoch: int = 0) -> list[int]:
+    """The positions of one epoch, every rank and worker of one process: no I/O."""
+    ds.set_epoch(epoch)
+    return [int(p) for block in ds.blocks(0, 1) for p in block]
+
+
+def test_weights_draw_each_source_in_proportion(two_years: dict[str, Any]) -> None:
+    """Shares within 1% of the weights over 10,000 samples; a source whose share exceeds its
+    size repeats each sample as evenly as possible; a smaller share is a seeded subset that
+    changes with the epoch; the same (seed, epoch) draws the same."""
+    ds = stream(two_years, shuffle=True, seed=4, weights=[3, 1], epoch_size=10_000)
+    n07 = int(ds._offsets[1])  # VOC2007's positions come first
+    assert len(ds) == 10_000
+    plan = plan_of(ds)
+    assert len(plan) == 10_000
+    from07 = sum(p < n07 for p in plan)
+    assert abs(from07 / 10_000 - 0.75) <= 0.01
+    counts = Counter(p for p in plan if p < n07)
+    assert max(counts.values()) - min(counts.values()) <= 1 and len(counts) == n07  # even
+    small = stream(two_years, shuffle=True, seed=4, weights=[1, 1], epoch_size=10)
+    first, second = plan_of(small, 0), plan_of(small, 1)
+    assert sum(p < n07 for p in first) == 5 and len(set(first)) == 10  # a subset, no repeats
+    assert first != second and plan_of(small, 0) == first  # changes with the epoch only
+    again = stream(two_years, shuffle=True, seed=4, weights=[1, 1], epoch_size=10)
+    assert plan_of(again, 1) == second
+
+
+def test_a_weighted_epoch_is_split_exactly_and_reads_what_it_plans(two_years: dict[str, Any]):
+    def ids(ds: VOCSerializedIterableDataset) -> Counter[tuple[str, str]]:
+        return Counter(key(*s) for s in ds)
+
+    everything = {key(*s) for s in stream(two_years)}
+    whole = stream(two_years, shuffle=True, seed=2, weights=[1, 3], epoch_size=100)
+    read = ids(whole)
+    assert sum(read.values()) == 100 and set(read) <= everything
+    parts = Counter[tuple[str, str]]()
+    for rank in range(2):
+        ds = stream(two_years, shuffle=True, seed=2, weights=[1, 3], epoch_size=100)
+        ds.rank, ds.world_size = rank, 2
+        loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=lambda s: s)
+        got = [key(*s) for s in loader]
+        assert len(got) == len(ds) == 50
+        parts.update(got)
+    assert parts == read  # the same draw, each drawn sample once across ranks and workers
+
+
+def test_epoch_size_alone_keeps_the_sources_proportions(two_years: dict[str, Any]) -> None:
+    ds = stream(two_years, epoch_size=9)
+    n07, total = int(ds._offsets[1]), int(ds._offsets[-1])
+    plan = plan_of(ds)
+    assert len(plan) == 9 and sum(p < n07 for p in plan) == round(9 * n07 / total)
+
+
+@pytest.mark.parametrize(
+    "weights, epoch_size, match",
+    [
+        ([1], None, "1 values for 2 sources"),
+        ([1, -1], None, "finite, >= 0"),
+        ([0, 0], None, "not all 0"),
+        ([1, float("nan")], None, "finite"),
+        (None, 0, "epoch_size must be an int >= 1"),
+        ([1, 1], 2.5, "epoch_size must be an int"),
+    ],
+)
+def test_bad_weights_are_refused_by_name(two_years, weights, epoch_size, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        stream(two_years, weights=weights, epoch_size=epoch_size)
+
+
+def test_a_weighted_state_resumes_only_with_the_same_shares(two_years: dict[str, Any]) -> None:
+    ds = stream(two_years, shuffle=True, seed=1, weights=[1, 2], epoch_size=30)
+    full = [key(*s) for s in ds]
+    it = iter(ds)
+    head = [key(*next(it)) for _ in range(7)]
+    state = ds.state_dict()
+    assert state["shares"] == [10, 20]
+    resumed = stream(two_years, shuffle=True, seed=1, weights=[1, 2], epoch_size=30)
+    resumed.load_state_dict(state)
+    assert head + [key(*s) for s in resumed] == full
+    other = stream(two_years, shuffle=True, seed=1, weights=[2, 1], epoch_size=30)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="shares"):
+        next(iter(other))

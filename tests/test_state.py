@@ -36,7 +36,8 @@ def test_state_keys_are_the_named_ones(stream_packs: dict[str, Any]) -> None:
     it = iter(ds)
     next(it)
     state = ds.state_dict()
-    expected = ["version", "epoch", "yielded", *TOPOLOGY, *ORDER, "shuffle_buffer", "pack"]
+    expected = ["version", "epoch", "yielded", *TOPOLOGY, *ORDER, "shuffle_buffer", "shares"]
+    expected.append("pack")
     assert list(state) == expected
     assert state["version"] == STATE_VERSION and state["yielded"] == 1
     assert json.loads(json.dumps(state)) == state  # JSON-compatible

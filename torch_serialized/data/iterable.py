@@ -4,6 +4,7 @@ decoding as ``VOCSerializedDataset`` does; torchdata-``Stateful`` (``state``).""
 from __future__ import annotations
 
 import itertools
+import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,8 +31,10 @@ from .pipeline import (
     read_block,
     read_blocks,
     shuffle_buffer,
+    source_shares,
     split_blocks,
     views_fit,
+    weighted_order,
     worker_share,
 )
 from .state import Resumable, samples_identity
@@ -63,6 +66,27 @@ def _sources(path: Source | Sequence[Source], image_set: str) -> list[tuple[Any,
     return sources
 
 
+def _shares(
+    parts: Sequence[PackedSamples], weights: Sequence[float] | None, epoch_size: int | None
+) -> list[int] | None:
+    """Samples of each source an epoch (``weights``, ``epoch_size``), or None: all, once."""
+    if weights is None and epoch_size is None:
+        return None
+    sizes = [len(part.records) for part in parts]
+    weights = sizes if weights is None else [float(w) for w in weights]
+    if len(weights) != len(parts):
+        raise ValueError(f"weights has {len(weights)} values for {len(parts)} sources")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be finite, >= 0 and not all 0, got {list(weights)}")
+    empty = [str(part.pack.name) for part, w, n in zip(parts, weights, sizes) if w and not n]
+    if empty:
+        raise ValueError(f"sources with a weight but no samples in their image set: {empty}")
+    total = sum(sizes) if epoch_size is None else epoch_size
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"epoch_size must be an int >= 1, got {epoch_size!r}")
+    return source_shares(weights, total)
+
+
 class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
     """The samples of ``VOCSerializedDataset`` (or ``VOCSerializedSegmentation`` with
     ``task="Segmentation"``) streamed in blocks, split across ranks and DataLoader workers.
@@ -73,6 +97,10 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
             ``ConcatDataset`` of their ``VOCDetection``s, blocks of all sources mixed when
             ``shuffle``; labels (``"tv_tensors"``) mean the same class in every source
             (``label_names``: the sources' classes, the first source's first, or ``classes``).
+        weights, epoch_size: draw ``epoch_size`` samples an epoch (default: all the sources
+            hold) in proportion to ``weights`` (one per source; default: their sizes): a source
+            whose share exceeds its size repeats its samples as evenly as possible, a smaller
+            share is a subset seeded by ``(seed, epoch)``. Without either, every sample once.
         image_set, transform, target_transform, transforms, decode, target_format,
             classes, checked: as ``VOCSerializedDataset``; a sample is exactly what it returns
             for the same record (``target_format``/``classes`` apply to task "Main" only).
@@ -126,6 +154,8 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,
         prefetch: int = 2,
+        weights: Sequence[float] | None = None,
+        epoch_size: int | None = None,
     ) -> None:
         super().__init__()
         if task not in TASKS:
@@ -187,6 +217,8 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
             )
         )
         self.prefetch = prefetch
+        self._shares = _shares(self._parts, weights, epoch_size)
+        self._epoch_samples = len(self.records) if self._shares is None else sum(self._shares)
         self.shuffle, self.seed = shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.block_size, self.shuffle_buffer = block_size, shuffle_buffer
@@ -200,14 +232,21 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         return Topology.current(self.rank, self.world_size)
 
     def __len__(self) -> int:
-        return self._topology().samples_per_rank(len(self.records), self.drop_last)
+        return self._topology().samples_per_rank(self._epoch_samples, self.drop_last)
 
     def blocks(self, worker: int | None = None, num_workers: int | None = None) -> list[np.ndarray]:
         """Positions this rank's ``worker`` (default: the caller's) reads this epoch, by block."""
         here = self._topology()
         worker = here.worker if worker is None else worker
         num_workers = here.num_workers if num_workers is None else num_workers
-        plan = epoch_order(self._bounds, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
+        shuffle, seed, epoch = self.shuffle, self.seed, self.epoch
+        if self._shares is None:
+            plan = epoch_order(self._bounds, shuffle=shuffle, seed=seed, epoch=epoch)
+        else:
+            shares, size = self._shares, self.block_size
+            plan = weighted_order(
+                self._offsets, shares, size, shuffle=shuffle, seed=seed, epoch=epoch
+            )
         plan = rank_share(*plan, here.rank, here.world_size, drop_last=self.drop_last)
         return split_blocks(*worker_share(*plan, worker, num_workers))
 
@@ -299,12 +338,13 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
     def _settings(self) -> dict[str, Any]:
         return {
             **asdict(self._topology()),  # rank, world_size, worker, num_workers
-            "num_samples": len(self.records),
+            "num_samples": self._epoch_samples,
             "shuffle": self.shuffle,
             "seed": self.seed,
             "drop_last": self.drop_last,
             "block_size": self.block_size,
             "shuffle_buffer": self.shuffle_buffer,
+            "shares": self._shares,  # samples of each source an epoch if weighted (else None)
         }
 
     _repr_indent = 4

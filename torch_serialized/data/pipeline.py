@@ -14,7 +14,7 @@ import numpy as np
 from ..container.shards import PackReader
 from .topology import Topology, epoch_total, seeded_rng
 
-BLOCK_ORDER, BUFFER = 0, 1  #: independent random streams under one seed
+BLOCK_ORDER, BUFFER, SUBSET = 0, 1, 2  #: independent random streams under one seed
 
 
 def block_bounds(records: np.ndarray, shard_starts: np.ndarray, block_size: int) -> np.ndarray:
@@ -43,6 +43,46 @@ def epoch_order(
     blocks = [np.arange(bounds[b], bounds[b + 1], dtype=np.int64) for b in order]
     positions = np.concatenate([np.zeros(0, np.int64), *blocks])
     return positions, np.repeat(np.arange(num_blocks, dtype=np.int64), np.diff(bounds)[order])
+
+
+def source_shares(weights: Sequence[float], total: int) -> list[int]:
+    """``total`` samples split in proportion to ``weights``: largest remainders, so the shares
+    sum to ``total`` and each is within 1 of its exact proportion."""
+    exact = total * np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+    shares = np.floor(exact).astype(np.int64)
+    extra = np.argsort(shares - exact, kind="stable")[: total - int(shares.sum())]
+    shares[extra] += 1
+    return [int(share) for share in shares]
+
+
+def weighted_order(
+    offsets: np.ndarray,
+    shares: Sequence[int],
+    block_size: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions, block_ids)`` of an epoch taking ``shares[k]`` samples of source ``k``
+    (positions ``offsets[k]`` to ``offsets[k + 1]``): each of its samples ``shares[k] // n``
+    times, then a subset seeded by ``(seed, epoch, k)`` for the rest; each pass in position
+    order, cut into blocks, blocks shuffled as ``epoch_order`` shuffles them."""
+    blocks: list[np.ndarray] = []
+    for k, share in enumerate(shares):
+        start, n = int(offsets[k]), int(offsets[k + 1] - offsets[k])
+        passes, rest = divmod(share, n) if n else (0, 0)
+        runs = [np.arange(start, start + n, dtype=np.int64)] * passes
+        if rest:
+            pick = seeded_rng(seed, SUBSET, epoch, k).choice(n, rest, replace=False)
+            runs.append(start + np.sort(pick).astype(np.int64))
+        blocks += [run[i : i + block_size] for run in runs for i in range(0, len(run), block_size)]
+    order = np.arange(len(blocks))
+    if shuffle:
+        order = seeded_rng(seed, BLOCK_ORDER, epoch).permutation(len(blocks))
+    positions = np.concatenate([np.zeros(0, np.int64), *(blocks[b] for b in order)])
+    sizes = [len(blocks[b]) for b in order]
+    return positions, np.repeat(np.arange(len(blocks), dtype=np.int64), sizes)
 
 
 def rank_share(

@@ -268,6 +268,26 @@ def test_room_is_made_once_a_download_is_in_for_its_bytes(tmp_path: Path) -> Non
     assert sum(p.bytes for p in list_cache(tmp_path)) <= 3000
 
 
+def test_a_download_joins_the_cache_only_once_there_is_room_for_it(tmp_path: Path) -> None:
+    """Its bytes wait outside the counted objects until room is made, so the cached objects
+    never exceed the limit, even for a moment (a stream checking it between samples saw
+    one shard too many while a prefetch was renamed in before its eviction ran)."""
+    source = Source({f"s{i}.tser": blob(1000, i) for i in range(3)})
+    pc = Cache(tmp_path, limit_bytes=2500).pack(URL, "i")
+    for i in range(2):
+        age(fetch(pc, source, f"s{i}.tser"), 100 - i)
+        pc.release(f"s{i}.tser")
+    seen: list[int] = []
+
+    def watched(dest: Path) -> None:
+        source("s2.tser")(dest)
+        seen.append(sum(p.bytes for p in list_cache(tmp_path)))  # s2 whole, not yet counted
+
+    pc.fetch("s2.tser", 1000, watched)
+    assert seen == [2000]
+    assert sorted(p.name for p in pc.directory.glob("*.tser")) == ["s1.tser", "s2.tser"]
+
+
 def test_the_limit_spans_every_pack_in_the_folder(tmp_path: Path) -> None:
     cache = Cache(tmp_path, limit_bytes=2500)
     a, b = cache.pack(URL, "a"), cache.pack("s3://bucket/other", "b")

@@ -147,6 +147,7 @@ def test_a_cache_dir_that_is_a_link_works(tmp_path: Path) -> None:
         os.utime(pack.object_path(name), (1e9 + age, 1e9 + age))
     assert sorted(p.name for p in (real / LAYOUT / pack.directory.name).iterdir()) == [
         ".locks",
+        ".staging",
         "b.tser",
         "c.tser",
         "pack.json",

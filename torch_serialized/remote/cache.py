@@ -4,9 +4,9 @@ A pack folder (layout: ``locks``) is keyed by URL and identity (manifest sha256)
 pack never mixes with stale shards. All rules are ``flock``s: a fetcher takes the object's fetch
 lock, looks again, then downloads to a temporary renamed in when whole; readers hold objects with
 a shared lock until :meth:`PackCache.release`; ``clear`` never moves a folder a writer holds.
-With ``limit_bytes``, each finished download makes room under ``.evict.lock``: killed downloads
-go first, then unheld objects by LRU (mtime: last fetch). Downloads in flight are not counted,
-and if held objects exceed the limit the cache grows past it and warns once per :class:`Cache`."""
+With ``limit_bytes``, a download's bytes get room under ``.evict.lock`` before they join the
+cache: killed downloads go first, then unheld objects by LRU (mtime: last fetch). Downloads in
+flight are not counted; if held objects exceed the limit it grows past it, warning once."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from .locks import (
     PACK_INFO,
     PACK_LOCK,
     PARTIAL,
+    STAGING,
     close_inherited_locks,
     drop_links,
     flocked,
@@ -96,18 +97,25 @@ class Cache:
         """The cache of one pack, identified by its URL and identity (its manifest's sha256)."""
         return PackCache(self, url, identity)
 
-    def make_room(self, need: int = 0, fresh: int = 0) -> None:
+    def make_room(self, need: int = 0) -> None:
         """Evict unheld objects, LRU first, until the finished objects and ``need`` more bytes fit
-        in the limit (partial files of killed downloads go first). ``fresh``: the size of the
-        object just fetched; one larger than the limit evicts nothing, as nothing makes it fit."""
+        in the limit (partial files of killed downloads go first); an object larger than the
+        limit evicts nothing, as nothing makes it fit."""
+        with self.room(need):
+            pass
+
+    @contextmanager
+    def room(self, need: int) -> Iterator[None]:
+        """:meth:`make_room` for ``need`` bytes, kept (``.evict.lock`` held) while the block adds
+        them, so two downloads never count the same free bytes."""
         limit = self.limit_bytes
-        if limit is None:
-            return
-        if max(need, fresh) > limit:
-            self._warn(
-                f"{self.directory}: an object of {max(need, fresh)} bytes is larger than "
-                f"cache_limit_bytes={limit}; the cache grows past it while it is held (raise it)"
-            )
+        if limit is None or need > limit:
+            if limit is not None:
+                self._warn(
+                    f"{self.directory}: an object of {need} bytes is larger than cache_limit_bytes"
+                    f"={limit}; the cache grows past it while it is held (raise it)"
+                )
+            yield
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         with flocked(self.directory / EVICT_LOCK, fcntl.LOCK_EX):
@@ -128,6 +136,7 @@ class Cache:
                     f"cache_limit_bytes={limit}, in use or being downloaded now by the processes "
                     "sharing it; raise the limit or read fewer shards at once"
                 )
+            yield
 
     def _warn(self, message: str) -> None:
         if not self._warned:
@@ -232,9 +241,9 @@ class PackCache(PerProcess):
         self, name: str, expected_size: int | None, download: Callable[[Path], object]
     ) -> Path:
         """The local path of object ``name``, calling ``download(dest)`` (which writes ``dest``
-        atomically) first if needed, once for all processes; then room is made for it. Held
-        until :meth:`release`; a cached file whose size is not ``expected_size`` is downloaded
-        again."""
+        atomically) first if needed, once for all processes; room is made for its bytes before
+        it joins the cache. Held until :meth:`release`; a cached file whose size is not
+        ``expected_size`` is downloaded again."""
         self._check_fork()
         path = self.object_path(name)
         with self._mutex:
@@ -243,26 +252,33 @@ class PackCache(PerProcess):
                 return path
         drop_links(self.directory.parent, self.directory)
         for _ in range(3):
-            fd, fetched = self._open_held(path, expected_size), False
+            fd = self._open_held(path, expected_size)
             if fd is None:
                 fetch_lock = self.directory / LOCKS / f"{name}.lock"
                 with self._writing(), flocked(fetch_lock, fcntl.LOCK_EX):
                     fd = self._open_held(path, expected_size)
                     if fd is None:
-                        for stale in self.directory.glob(f".{name}.*{PARTIAL}"):
-                            stale.unlink(missing_ok=True)  # its writer died: we hold the lock
-                        download(path)
-                        fd, fetched = self._open_held(path, expected_size), True
+                        staging = self.directory / STAGING  # not counted until renamed in
+                        drop_links(staging)
+                        staging.mkdir(exist_ok=True)
+                        pattern = f".{name}.*{PARTIAL}"  # a tmp of name (or its staged copy)
+                        stale = [*self.directory.glob(pattern), *staging.glob(pattern)]
+                        for file in [*stale, staging / name]:
+                            file.unlink(missing_ok=True)  # its writer died: we hold the lock
+                        try:
+                            download(staging / name)
+                            with self.cache.room(os.stat(staging / name).st_size):
+                                os.replace(staging / name, path)
+                        finally:
+                            (staging / name).unlink(missing_ok=True)
+                        fd = self._open_held(path, expected_size)
             if fd is not None:
-                size = os.fstat(fd).st_size
                 with self._mutex:
                     if name in self._held:
                         os.close(fd)
                     else:
                         self._held[name] = fd
                 _touch(path)
-                if fetched:  # held: never evicted for itself
-                    self.cache.make_room(fresh=size)
                 return path
         raise OSError(
             f"{path}: the cached object kept disappearing or changing size right after its "

@@ -23,6 +23,7 @@ PACK_INFO = "pack.json"
 LOCKS = ".locks"
 PARTIAL = ".partial"
 PACK_LOCK = ".pack.lock"  # in .locks/; held shared while writing in the folder
+STAGING = ".staging"  # downloads, whole and checked, wait here for room in the cache
 EVICT_LOCK = ".evict.lock"  # in the cache folder; held while evicting or clearing
 OPEN = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _ODD = (errno.ELOOP, errno.ENXIO, errno.EISDIR)  # a link, a socket or reader-less FIFO, a folder

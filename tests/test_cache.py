@@ -288,6 +288,26 @@ def test_a_download_joins_the_cache_only_once_there_is_room_for_it(tmp_path: Pat
     assert sorted(p.name for p in pc.directory.glob("*.tser")) == ["s1.tser", "s2.tser"]
 
 
+def test_a_killed_downloads_staged_files_are_listed_and_evicted(tmp_path: Path) -> None:
+    """A download killed in ``.staging/`` (its bytes in a temporary, or whole and waiting for
+    room) is a partial file as any other: listed, and removed once its writer is gone."""
+    cache = Cache(tmp_path, limit_bytes=5000)
+    pc = cache.pack(URL, "i")
+    staging = pc.directory / ".staging"
+    staging.mkdir(parents=True)
+    (pc.directory / ".locks").mkdir()
+    (staging / ".a.tser.0123456789ab.partial").write_bytes(blob(300))
+    (staging / "b.tser").write_bytes(blob(200))
+    assert list_cache(tmp_path)[0].partial_bytes == 500
+    with open(pc.directory / ".locks" / "b.tser.lock", "w") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # b's download still runs
+        assert list_cache(tmp_path)[0].in_use == 1
+        cache.make_room()
+        assert sorted(p.name for p in staging.iterdir()) == ["b.tser"]
+    cache.make_room()
+    assert list(staging.iterdir()) == []
+
+
 def test_the_limit_spans_every_pack_in_the_folder(tmp_path: Path) -> None:
     cache = Cache(tmp_path, limit_bytes=2500)
     a, b = cache.pack(URL, "a"), cache.pack("s3://bucket/other", "b")

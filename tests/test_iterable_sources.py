@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 from torch.utils.data import ConcatDataset, DataLoader
 from torchvision.datasets import VOCDetection
+from vocfactory import real_voc_roots, real_voc_skip_reason
 
 from torch_serialized import VOCSerializedDataset, VOCSerializedIterableDataset, pack_voc
 from torch_serialized.tools import make_synthetic_voc
@@ -220,3 +222,25 @@ def test_a_weighted_state_resumes_only_with_the_same_shares(two_years: dict[str,
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="shares"):
         next(iter(other))
+
+
+@pytest.mark.skipif(not real_voc_roots(), reason=real_voc_skip_reason())
+def test_every_real_dataset_in_one_stream(tmp_path: Path) -> None:
+    """The real VOC-format datasets (custom classes, VOC2007 layouts, float boxes) streamed as
+    one: the multiset of ConcatDataset of their VOCDetections, and one label space in which
+    every object's label names its class."""
+    roots = real_voc_roots()
+    packs = [
+        pack_voc(root, tmp_path / f"{i}.tser", year=year).path
+        for i, (root, year) in enumerate(roots)
+    ]
+    image_set = "trainval"
+    oracle = ConcatDataset([VOCDetection(root, year, image_set) for root, year in roots])
+    ds = VOCSerializedIterableDataset(packs, image_set, shuffle=True, seed=7)
+    assert Counter(key(*s) for s in ds) == Counter(key(*oracle[i]) for i in range(len(oracle)))
+    tensors = VOCSerializedIterableDataset(packs, image_set, target_format="tv_tensors")
+    dicts = VOCSerializedIterableDataset(packs, image_set, decode="none")
+    names = tensors.label_names
+    for (_, t), (_, d) in zip(tensors, dicts):
+        objects = d["annotation"].get("object", [])
+        assert [names[int(label)] for label in t["labels"]] == [o["name"] for o in objects]

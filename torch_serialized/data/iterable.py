@@ -322,11 +322,12 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
                     data = read_block(reader, np.array([record]), fields)[record]
                 yield parts[k].decoder, record, data
 
+        reads = read()
         if in_worker():  # each run of SHARED_RUN samples travels in one shared block
-            runs = iter(lambda: self._shared(itertools.islice(read(), SHARED_RUN)), [])
+            runs = iter(lambda: self._shared(itertools.islice(reads, SHARED_RUN)), [])
             samples: Iterator[Any] = itertools.chain.from_iterable(runs)
         else:
-            samples = (self._decoded(r, data, decoder=decoder) for decoder, r, data in read())
+            samples = (self._decoded(r, data, decoder=decoder) for decoder, r, data in reads)
         try:
             yield from self._counted(samples)
         except ChecksumError as exc:  # checked=True: name the sample, not only the file

@@ -134,7 +134,8 @@ def close_inherited_locks(root: Path) -> None:
 
 @dataclass(frozen=True)
 class _Entry:
-    """An object of a pack folder, or a partial download (``.<name>.<random>.partial``)."""
+    """An object of a pack folder, or a partial download: ``.<name>.<random>.partial``, or a
+    whole one waiting in ``.staging/`` for room."""
 
     path: Path
     size: int
@@ -144,8 +145,11 @@ class _Entry:
     @property
     def lock(self) -> Path:
         """The lock its fetcher holds from before the download until it holds the object."""
-        name = self.path.name[1:].rsplit(".", 2)[0] if self.partial else self.path.name
-        return self.path.parent / LOCKS / f"{name}.lock"
+        name, folder = self.path.name, self.path.parent
+        if name.startswith(".") and name.endswith(PARTIAL):
+            name = name[1:].rsplit(".", 2)[0]
+        pack_dir = folder.parent if folder.name == STAGING else folder
+        return pack_dir / LOCKS / f"{name}.lock"
 
     def busy(self) -> bool:
         """Whether some process holds the object, or is writing the partial file."""
@@ -173,21 +177,23 @@ class _Entry:
 
 
 def objects(pack_dir: Path) -> list[_Entry]:
-    """The objects and partial downloads of one pack folder."""
-    drop_links(pack_dir / LOCKS)
-    try:
-        items = list(os.scandir(pack_dir))
-    except FileNotFoundError:
-        return []
+    """The objects and partial downloads (``.staging/``'s included) of one pack folder."""
+    drop_links(pack_dir / LOCKS, pack_dir / STAGING)
     out = []
-    for item in items:
-        partial = item.name.startswith(".") and item.name.endswith(PARTIAL)
-        if item.name == PACK_INFO or (item.name.startswith(".") and not partial):
+    for folder in (pack_dir, pack_dir / STAGING):
+        try:
+            items = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
             continue
-        with suppress(FileNotFoundError):
-            st = item.stat(follow_symlinks=False)
-            if item.is_file(follow_symlinks=False):
-                out.append(_Entry(Path(item.path), st.st_size, st.st_mtime, partial))
+        staged = folder != pack_dir
+        for item in items:
+            partial = staged or (item.name.startswith(".") and item.name.endswith(PARTIAL))
+            if (item.name == PACK_INFO and not staged) or (item.name[0] == "." and not partial):
+                continue
+            with suppress(FileNotFoundError):
+                st = item.stat(follow_symlinks=False)
+                if item.is_file(follow_symlinks=False):
+                    out.append(_Entry(Path(item.path), st.st_size, st.st_mtime, partial))
     return out
 
 

@@ -600,7 +600,7 @@ def test_zero_copy_bytes_view_the_mapped_file(corner_packs: Packed, task: str, l
         view, copy = views[i][0], copies[i][0]
         assert type(view) is torch.Tensor and view.dtype == torch.uint8 and view.dim() == 1
         assert view.numpy().tobytes() == Path(tv.images[i]).read_bytes()
-        mapped = views.pack.field(views._record(i), 0)
+        mapped = views.pack.field(views._record(i)[1], 0)
         if len(mapped):
             assert view.data_ptr() == _address(mapped)
             assert copy.data_ptr() != _address(mapped)

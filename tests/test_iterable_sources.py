@@ -11,10 +11,15 @@ from typing import Any
 
 import pytest
 from torch.utils.data import ConcatDataset, DataLoader
-from torchvision.datasets import VOCDetection
+from torchvision.datasets import VOCDetection, VOCSegmentation, wrap_dataset_for_transforms_v2
 from vocfactory import real_voc_roots, real_voc_skip_reason
 
-from torch_serialized import VOCSerializedDataset, VOCSerializedIterableDataset, pack_voc
+from torch_serialized import (
+    VOCSerializedDataset,
+    VOCSerializedIterableDataset,
+    VOCSerializedSegmentation,
+    pack_voc,
+)
 from torch_serialized.tools import make_synthetic_voc
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -124,16 +129,72 @@ def test_a_resumed_epoch_over_several_sources_yields_the_rest(two_years: dict[st
         next(iter(other))  # the sources in another order: other samples
 
 
-def test_a_single_pair_or_nothing_is_refused_by_name(two_years: dict[str, Any]) -> None:
+@pytest.mark.parametrize("cls", [VOCSerializedIterableDataset, VOCSerializedDataset])
+def test_a_bare_pair_or_nothing_is_refused_by_name(two_years: dict[str, Any], cls: type) -> None:
     with pytest.raises(ValueError, match="no sources"):
-        VOCSerializedIterableDataset([], "trainval")
+        cls([], image_set="trainval")
     with pytest.raises(TypeError, match="a path or URL, or a"):
-        VOCSerializedIterableDataset([(two_years["2007"], "train", "x")], "trainval")
+        cls([(two_years["2007"], "train", "x")], image_set="trainval")
+    with pytest.raises(TypeError, match=r"pass a list of it: \[\("):  # not two sources
+        cls((two_years["2007"], "train"), image_set="trainval")
 
 
-def test_the_map_style_dataset_says_how_to_read_several_packs(two_years: dict[str, Any]):
-    with pytest.raises(TypeError, match=r"reads one pack.*VOCSerializedIterableDataset.*Concat"):
-        VOCSerializedDataset([two_years["2007"], two_years["2012"]], image_set="trainval")
+# -- map-style: several packs as ConcatDataset ---------------------------------------------------
+
+
+def oracle_of(two_years: dict[str, Any], cls: type = VOCDetection, split: str = "trainval"):
+    roots = two_years["roots"]
+    return ConcatDataset([cls(roots[year], year, split) for year in ("2007", "2012")])
+
+
+def test_the_map_style_dataset_of_several_packs_is_torchvisions_concat(two_years: dict[str, Any]):
+    oracle = oracle_of(two_years)
+    ds = VOCSerializedDataset([two_years["2007"], two_years["2012"]], image_set="trainval")
+    assert len(ds) == len(oracle)
+    for i in [*range(len(oracle)), -1, -len(oracle)]:
+        (image, target), (want_image, want_target) = ds[i], oracle[i]
+        assert target == want_target, i
+        assert image.mode == want_image.mode and image.tobytes() == want_image.tobytes(), i
+    sets = oracle.datasets
+    want = [Path(path).name for path in [*sets[0].targets, *sets[1].targets]]
+    assert [Path(path).name for path in ds.targets] == want and ds.ids[-1] == want[-1][:-4]
+    assert [Path(path).name for path in ds.images[-2:]] == [
+        Path(p).name for p in sets[1].images[-2:]
+    ]
+    assert ds.year == "2007+2012" and ds.image_set == "trainval"
+    with pytest.raises(IndexError, match=rf"index {len(ds)} is out of range.*voc07.*voc12"):
+        ds[len(ds)]
+    # through worker processes (batches read with __getitems__) and the v2 wrapper
+    loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=lambda batch: batch)
+    got = [key(*sample) for batch in loader for sample in batch]
+    assert got == [key(*oracle[i]) for i in range(len(oracle))]
+    wrapped = wrap_dataset_for_transforms_v2(ds)
+    expected = wrap_dataset_for_transforms_v2(sets[1])[len(sets[1]) - 1]
+    assert str(wrapped[-1][1]) == str(expected[1])
+
+
+def test_map_style_labels_share_one_space_with_the_stream(two_years: dict[str, Any]) -> None:
+    packs = [two_years["2007"], two_years["2012"]]
+    options: dict[str, Any] = dict(decode="none", target_format="tv_tensors")
+    ds = VOCSerializedDataset(packs, image_set="trainval", **options)
+    assert ds.label_names == stream(two_years, **options).label_names
+    names, dicts = ds.label_names, oracle_of(two_years)
+    for i in range(len(ds)):
+        objects = dicts[i][1]["annotation"].get("object", [])
+        assert [names[int(label)] for label in ds[i][1]["labels"]] == [o["name"] for o in objects]
+
+
+def test_the_map_style_segmentation_of_several_packs_is_torchvisions_concat(
+    two_years: dict[str, Any],
+) -> None:
+    oracle = oracle_of(two_years, VOCSegmentation, "train")
+    packs = [two_years["2007"], two_years["2012"]]
+    ds = VOCSerializedSegmentation(packs, image_set="train")
+    assert len(ds) == len(oracle) > 0
+    for i in range(len(oracle)):
+        (image, mask), (want_image, want_mask) = ds[i], oracle[i]
+        assert image.tobytes() == want_image.tobytes()
+        assert mask.tobytes() == want_mask.tobytes() and mask.getpalette() == want_mask.getpalette()
 
 
 # -- weights and epoch_size ---------------------------------------------------------------------

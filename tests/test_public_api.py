@@ -32,6 +32,7 @@ PUBLIC = [
     "SerializedDataset",
     "VOCSerializedIterableDataset",
     "BlockShuffleSampler",
+    "merge_states",
     "worker_init_fn",
     "open_pack",
     "PackReader",

@@ -36,7 +36,16 @@ def test_state_keys_are_the_named_ones(stream_packs: dict[str, Any]) -> None:
     it = iter(ds)
     next(it)
     state = ds.state_dict()
-    expected = ["version", "epoch", "yielded", *TOPOLOGY, *ORDER, "shuffle_buffer", "shares"]
+    expected = [
+        "version",
+        "epoch",
+        "yielded",
+        *TOPOLOGY,
+        *ORDER,
+        "shuffle_buffer",
+        "shares",
+        "after",
+    ]
     expected.append("pack")
     assert list(state) == expected
     assert state["version"] == STATE_VERSION and state["yielded"] == 1

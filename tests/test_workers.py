@@ -350,7 +350,7 @@ def test_dataloader_workers_send_a_batch_in_one_block(synthetic_packs: Any, kw: 
 
 def _map_address(ds: Any, index: int) -> int:
     """Where the stored image of sample ``index`` lies in this process's map of the pack."""
-    return int(np.frombuffer(ds.pack.field(ds._record(index), 0), np.uint8).ctypes.data)
+    return int(np.frombuffer(ds.pack.field(ds._record(index)[1], 0), np.uint8).ctypes.data)
 
 
 @pytest.mark.parametrize("layout", ["single", "shards"])

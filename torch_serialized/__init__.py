@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .data.datasets import VOCSerializedDataset, VOCSerializedSegmentation
     from .data.iterable import VOCSerializedIterableDataset
     from .data.samplers import BlockShuffleSampler
+    from .data.state import merge_states
     from .data.workers import worker_init_fn
     from .legacy import SerializedDataset, Serializer
     from .remote.cache import clear_cache, list_cache
@@ -36,6 +37,7 @@ _LAZY = {
     ".data.datasets": ("VOCSerializedDataset", "VOCSerializedSegmentation"),
     ".data.iterable": ("VOCSerializedIterableDataset",),
     ".data.samplers": ("BlockShuffleSampler",),
+    ".data.state": ("merge_states",),
     ".data.workers": ("worker_init_fn",),
     ".container.shards": ("open_pack", "PackReader"),
     ".summary": ("info", "verify", "PackInfo", "VerifyReport"),
@@ -56,6 +58,7 @@ __all__ = [
     "SerializedDataset",
     "VOCSerializedIterableDataset",
     "BlockShuffleSampler",
+    "merge_states",
     "worker_init_fn",
     "open_pack",
     "PackReader",

@@ -1,27 +1,33 @@
 """Map-style drop-ins for torchvision's ``VOCDetection`` and ``VOCSegmentation``: index for
-index the same samples. They subclass torchvision's classes so ``isinstance`` and
-``wrap_dataset_for_transforms_v2`` keep working; ``PackedSamples`` is shared with the stream."""
+index the same samples (of several packs: as ``ConcatDataset``). They subclass torchvision's
+classes so ``isinstance`` and ``wrap_dataset_for_transforms_v2`` keep working; ``PackedSamples``
+and ``open_sources`` are shared with the stream."""
 
 from __future__ import annotations
 
 import itertools
 import os
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter, itemgetter
 from operator import index as as_index
 from typing import Any
 
+import numpy as np
 from torchvision.datasets import VOCDetection, VOCSegmentation
 from torchvision.datasets.vision import VisionDataset
 
 from ..errors import ChecksumError
 from ..voc import schema
-from ..voc.names import record_names
+from ..voc.names import ChainedNames, record_names
 from ..voc.packed import VOCPackReader
 from .decode import Buffer, Classes, Decode, SampleDecoder, TargetFormat
 from .workers import in_worker, share_batch
 
 __all__ = ["VOCSerializedDataset", "VOCSerializedSegmentation"]
+
+#: A pack (path or URL), or a ``(pack, image_set)`` pair.
+Source = str | os.PathLike[str] | tuple[str | os.PathLike[str], str]
 
 
 class PackedSamples:
@@ -113,6 +119,54 @@ class PackedSamples:
         return share_batch(made, sizes, borrowed=0 if view else None)
 
 
+def parse_sources(path: Source | Sequence[Source], image_set: str) -> list[tuple[Any, str]]:
+    """``(pack, image_set)`` of each source ``path`` names (one pack, or a sequence)."""
+    if isinstance(path, (str, os.PathLike)):
+        return [(path, image_set)]
+    if isinstance(path, tuple) and len(path) == 2 and isinstance(path[1], str):
+        raise TypeError(f"for one (pack, image_set) pair pass a list of it: [{path!r}]")
+    sources = []
+    for source in path:
+        if isinstance(source, (str, os.PathLike)):
+            sources.append((source, image_set))
+        elif isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], str):
+            sources.append((source[0], source[1]))
+        else:
+            raise TypeError(
+                f"a source is a path or URL, or a (path, image_set) pair; got {source!r}"
+            )
+    if not sources:
+        raise ValueError("no sources: pass a pack's path or URL, or a list of them")
+    return sources
+
+
+def open_sources(
+    sources: Sequence[tuple[Any, str]],
+    task: str,
+    *,
+    decode: Decode = "pil",
+    target_format: TargetFormat = "dict",
+    classes: Classes = None,
+    zero_copy: bool = False,
+    **pack_options: Any,
+) -> list[PackedSamples]:
+    """Each source's image set opened, decoded into one label space: ``classes`` if a list,
+    else the union of the sources' classes, the first source's first."""
+    options: dict[str, Any] = dict(decode=decode, target_format=target_format, zero_copy=zero_copy)
+    parts = []
+    for source, image_set in sources:
+        part = PackedSamples()
+        part._open_split(source, task, image_set, classes=classes, **options, **pack_options)
+        parts.append(part)
+    if len(parts) > 1 and (classes is None or isinstance(classes, str)):
+        names = list(dict.fromkeys(n for part in parts for n in part.label_names))
+        for part in parts:
+            part.decoder = SampleDecoder(
+                part.pack, task=task, image_set=part.image_set, classes=names, **options
+            )
+    return parts
+
+
 class _PackedVOCBase(PackedSamples):
     """Shared by both map-style datasets: torchvision's attributes, indexing, batch reads."""
 
@@ -122,7 +176,7 @@ class _PackedVOCBase(PackedSamples):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: Source | Sequence[Source],
         year: str | None = None,
         image_set: str = "train",
         download: bool = False,
@@ -139,22 +193,17 @@ class _PackedVOCBase(PackedSamples):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(
-                f"{type(self).__name__} reads one pack, got {type(path).__name__}: for several, "
-                "stream them with VOCSerializedIterableDataset([...]) (one label space), or "
-                "ConcatDataset one dataset per pack (same classes=... for tv_tensors labels)"
-            )
-        VisionDataset.__init__(self, str(path), transforms, transform, target_transform)
+        sources = parse_sources(path, image_set)
+        root = ", ".join(str(source) for source, _ in sources)
+        VisionDataset.__init__(self, root, transforms, transform, target_transform)
         if download:
             raise ValueError(
                 "a pack is not downloaded: get VOC with torchvision's VOCDetection(download=True), "
                 "pack it with torch_serialized.pack_voc, then pass the pack's path or URL"
             )
-        self._open_split(
-            path,
+        self._parts = open_sources(
+            sources,
             self._TASK,
-            image_set,
             decode=decode,
             target_format=target_format,
             classes=classes,
@@ -165,9 +214,22 @@ class _PackedVOCBase(PackedSamples):
             cache_dir=cache_dir,
             cache_limit_bytes=cache_limit_bytes,
         )
-        self._ids = record_names(self.pack, self.records)
-        self._images = record_names(self.pack, self.records, "JPEGImages", ".jpg")
-        self._targets = record_names(self.pack, self.records, self._TARGET_DIR, self._TARGET_EXT)
+        first = self._parts[0]
+        self.pack, self.decoder, self._fields = first.pack, first.decoder, first._fields
+        self.year = "+".join(dict.fromkeys(part.year for part in self._parts))
+        self.image_set = "+".join(dict.fromkeys(part.image_set for part in self._parts))
+        self.records = (
+            first.records
+            if len(self._parts) == 1
+            else np.concatenate([part.records for part in self._parts])
+        )
+        #: where each source's indices start
+        self._starts = list(itertools.accumulate(len(part.records) for part in self._parts[:-1]))
+        self._starts.insert(0, 0)
+        self._ids, self._images, self._targets = (
+            ChainedNames.of([record_names(part.pack, part.records, *where) for part in self._parts])
+            for where in ((None,), ("JPEGImages", ".jpg"), (self._TARGET_DIR, self._TARGET_EXT))
+        )
 
     # lazy sequences, read-only: setting one would not change what the dataset reads
     ids = property(attrgetter("_ids"), doc="the image ids, in list-file order")
@@ -177,8 +239,14 @@ class _PackedVOCBase(PackedSamples):
     def __len__(self) -> int:
         return len(self.records)
 
-    def _record(self, index: Any) -> int:
-        """The record at ``index`` (a read's one index check); errors name index and length."""
+    def reopen(self) -> None:
+        """Map the packed file(s) of every source again in this process (``worker_init_fn``)."""
+        for part in self._parts:
+            part.reopen()
+
+    def _record(self, index: Any) -> tuple[PackedSamples, int]:
+        """The source and record at ``index`` (a read's one index check); errors name index
+        and length."""
         name, n = type(self).__name__, len(self)
         try:
             i = as_index(index)
@@ -193,22 +261,26 @@ class _PackedVOCBase(PackedSamples):
                 f"{name} indices must be integers, not {type(index).__name__}{hint}"
             ) from None
         if not -n <= i < n:
+            packs = " + ".join(part.pack.name for part in self._parts)
             raise IndexError(
                 f"{name} index {i} is out of range: image set {self.image_set!r} of "
-                f"{self.pack.name} has {n} samples (0 to {n - 1}, or -{n} to -1)"
+                f"{packs} has {n} samples (0 to {n - 1}, or -{n} to -1)"
             )
-        return int(self.records[i])
+        i %= n
+        part = self._parts[bisect_right(self._starts, i) - 1]
+        return part, int(self.records[i])
 
-    def _read(self, record: int) -> tuple[int, Sequence[Buffer]]:
-        """``record`` and its image and target fields, as views of the map."""
-        shard, local = self.pack.reader.locate(record)
+    def _read(self, part: PackedSamples, record: int) -> tuple[int, Sequence[Buffer]]:
+        """``record`` of ``part`` and its image and target fields, as views of the map."""
+        shard, local = part.pack.reader.locate(record)
         try:
-            return record, shard.record(local, self._fields)
+            return record, shard.record(local, part._fields)
         except ChecksumError as exc:  # checked=True: name the sample, not only the file
-            raise self.pack.named(exc) from None
+            raise part.pack.named(exc) from None
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        return self._decoded(*self._read(self._record(index)))
+        part, record = self._record(index)
+        return self._decoded(*self._read(part, record), decoder=part.decoder)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """``[self[i] for i in indices]``, indices checked first; in a worker, tensors go in one
@@ -217,8 +289,8 @@ class _PackedVOCBase(PackedSamples):
             return [self[i] for i in indices]
         records = [self._record(i) for i in indices]
         if not in_worker():
-            return [self._decoded(*self._read(record)) for record in records]
-        return self._shared((self.decoder, *self._read(record)) for record in records)
+            return [self._decoded(*self._read(*at), decoder=at[0].decoder) for at in records]
+        return self._shared((at[0].decoder, *self._read(*at)) for at in records)
 
 
 class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
@@ -227,7 +299,10 @@ class VOCSerializedDataset(_PackedVOCBase, VOCDetection):  # type: ignore[misc]
     Positional arguments in ``VOCDetection``'s order, a pack in place of ``root``.
 
     Args:
-        path: a ``.tser`` file or shard folder written by ``pack_voc``, or its URL.
+        path: a ``.tser`` file or shard folder written by ``pack_voc``, or its URL; or a
+            sequence of them, or of ``(pack, image_set)`` pairs: their samples one after the
+            other, as ``ConcatDataset``, labels (``"tv_tensors"``) in one label space (see
+            ``VOCSerializedIterableDataset``).
         year: the pack's year, checked (default None: whatever the pack holds).
         image_set: ``"train"``, ``"val"``, ``"trainval"``, ``"test"`` (2007) or any Main list.
         download: must be False (a pack is made with ``pack_voc``, not downloaded).

@@ -7,6 +7,7 @@ import itertools
 import math
 import multiprocessing
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from multiprocessing.context import get_spawning_popen
@@ -18,7 +19,7 @@ from torchvision.datasets.vision import VisionDataset
 
 from ..errors import ChecksumError
 from ..voc.layout import TASKS
-from .datasets import PackedSamples
+from .datasets import PackedSamples, Source, open_sources, parse_sources
 from .decode import Classes, Decode, SampleDecoder, TargetFormat
 from .pipeline import (
     AHEAD,
@@ -38,32 +39,10 @@ from .pipeline import (
     worker_share,
 )
 from .state import Resumable, samples_identity
-from .topology import Topology, distributed_info, seeded_rng
+from .topology import Topology, distributed_info, epoch_total, seeded_rng
 from .workers import SHARED_RUN, in_worker
 
 __all__ = ["VOCSerializedIterableDataset"]
-
-#: A pack (path or URL), or a ``(pack, image_set)`` pair.
-Source = str | os.PathLike[str] | tuple[str | os.PathLike[str], str]
-
-
-def _sources(path: Source | Sequence[Source], image_set: str) -> list[tuple[Any, str]]:
-    """``(pack, image_set)`` of each source ``path`` names."""
-    if isinstance(path, (str, os.PathLike)):
-        return [(path, image_set)]
-    sources = []
-    for source in path:
-        if isinstance(source, (str, os.PathLike)):
-            sources.append((source, image_set))
-        elif isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], str):
-            sources.append((source[0], source[1]))
-        else:
-            raise TypeError(
-                f"a source is a path or URL, or a (path, image_set) pair; got {source!r}"
-            )
-    if not sources:
-        raise ValueError("no sources: pass a pack's path or URL, or a list of them")
-    return sources
 
 
 def _shares(
@@ -126,6 +105,9 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
     **Epochs and resumption.** Call ``set_epoch`` before each epoch (persistent workers see it).
     ``state_dict``/``load_state_dict`` follow torchdata's ``StatefulDataLoader``: a resumed
     iterator yields exactly the rest of the epoch, skips unread; one live iterator per dataset.
+    On another number of ranks or workers, load ``merge_states`` of every saved rank's state
+    into each new rank's dataset (before its loader is made): it hands out what the saved run
+    had not, each once (padded to equal rank counts, or cut, as an epoch).
     """
 
     root: str  # set by ``VisionDataset.__init__``, as for the map-style datasets
@@ -167,40 +149,25 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         ):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        sources = _sources(path, image_set)
+        sources = parse_sources(path, image_set)
         # root and the transforms as torchvision sets them (``transforms`` or the two, not both)
         root = ", ".join(str(source) for source, _ in sources)
         VisionDataset.__init__(self, root, transforms, transform, target_transform)
         distributed_info(rank, world_size)  # validates them now
         self.task = task
-        self._parts: list[PackedSamples] = []
-        for source, split in sources:
-            part = PackedSamples()
-            part._open_split(
-                source,
-                task,
-                split,
-                decode=decode,
-                target_format=target_format,
-                classes=classes,
-                checked=checked,
-                storage_options=storage_options,
-                cache_dir=cache_dir,
-                cache_limit_bytes=cache_limit_bytes,
-            )
+        self._parts = open_sources(
+            sources,
+            task,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            checked=checked,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )
+        for part in self._parts:
             part.records = np.array(part.records, dtype=np.int64)
-            self._parts.append(part)
-        if len(self._parts) > 1 and (classes is None or isinstance(classes, str)):
-            names = list(dict.fromkeys(n for part in self._parts for n in part.label_names))
-            for part in self._parts:  # one label space: the union, the first source's first
-                part.decoder = SampleDecoder(
-                    part.pack,
-                    task=task,
-                    image_set=part.image_set,
-                    decode=decode,
-                    target_format=target_format,
-                    classes=names,
-                )
         first = self._parts[0]
         self.pack, self.decoder, self._fields = first.pack, first.decoder, first._fields
         self.year = "+".join(dict.fromkeys(part.year for part in self._parts))
@@ -225,8 +192,7 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         self._epoch = 0
         #: the epoch in shared memory that DataLoader workers inherit (see __getstate__)
         self._shared_epoch: Any = multiprocessing.RawValue("q", 0)
-        identities = [samples_identity(part) for part in self._parts]
-        self._identity = None if None in identities else "+".join(map(str, identities))
+        self._identity = samples_identity(self)
 
     def _topology(self) -> Topology:
         return Topology.current(self.rank, self.world_size)
@@ -239,16 +205,42 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         here = self._topology()
         worker = here.worker if worker is None else worker
         num_workers = here.num_workers if num_workers is None else num_workers
-        shuffle, seed, epoch = self.shuffle, self.seed, self.epoch
-        if self._shares is None:
-            plan = epoch_order(self._bounds, shuffle=shuffle, seed=seed, epoch=epoch)
-        else:
-            shares, size = self._shares, self.block_size
-            plan = weighted_order(
-                self._offsets, shares, size, shuffle=shuffle, seed=seed, epoch=epoch
-            )
+        plan = self._plan(self._after)
         plan = rank_share(*plan, here.rank, here.world_size, drop_last=self.drop_last)
         return split_blocks(*worker_share(*plan, worker, num_workers))
+
+    def _plan(self, after: Mapping[str, Any] | None) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions, block_ids)`` of the epoch, all ranks'; resumed on another topology
+        (``after``: a merged state's ``progress``), only what that one had not handed out, in
+        the same order: each old worker's output replayed (no I/O), its positions struck out."""
+        shuffle, seed, epoch = self.shuffle, self.seed, self.epoch
+        if after is None:
+            if self._shares is None:
+                return epoch_order(self._bounds, shuffle=shuffle, seed=seed, epoch=epoch)
+            shares, size = self._shares, self.block_size
+            return weighted_order(
+                self._offsets, shares, size, shuffle=shuffle, seed=seed, epoch=epoch
+            )
+        positions, block_ids = self._plan(after["after"])
+        world, workers = after["world_size"], after["num_workers"]
+        total = epoch_total(len(positions), world, self.drop_last)  # a cut tail is not in it
+        positions, block_ids = positions[:total], block_ids[:total]
+        handed: Counter[int] = Counter()
+        for rank, counts in enumerate(after["yielded"]):
+            share = rank_share(positions, block_ids, rank, world, drop_last=self.drop_last)
+            for worker, count in enumerate(counts):
+                blocks = split_blocks(*worker_share(*share, worker, workers))
+                items: Iterator[int] = itertools.chain.from_iterable(blocks)
+                if shuffle:
+                    rng = seeded_rng(seed, BUFFER, epoch, rank, worker)
+                    items = shuffle_buffer(items, self.shuffle_buffer, rng)
+                handed.update(int(p) for p in itertools.islice(items, count))
+        keep = np.ones(len(positions), dtype=bool)
+        for i, p in enumerate(positions.tolist()):
+            if handed[p]:  # handed out (a padding repeat strikes out the first one)
+                handed[p] -= 1
+                keep[i] = False
+        return positions[keep], block_ids[keep]
 
     @property
     def epoch(self) -> int:
@@ -346,6 +338,7 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
             "block_size": self.block_size,
             "shuffle_buffer": self.shuffle_buffer,
             "shares": self._shares,  # samples of each source an epoch if weighted (else None)
+            "after": self._after,  # resumed on another topology: what it had handed out
         }
 
     _repr_indent = 4

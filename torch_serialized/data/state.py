@@ -1,13 +1,14 @@
 """Resume state for torchdata's ``StatefulDataLoader`` (its protocol redeclared, so torchdata
 stays optional). A state is a flat JSON-compatible dict: ``version``, ``epoch``, ``yielded``
 (where the epoch stopped), the topology and settings that fix the order, and ``pack`` (pack id,
-kept by appends, and record digest), all checked on resume."""
+kept by appends, and record digest), all checked on resume. ``merge_states`` makes one state of
+every rank's and worker's, which a stream resumes on another topology (``progress``)."""
 
 from __future__ import annotations
 
 import zlib
 from abc import abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -24,13 +25,22 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any], /) -> None: ...
 
 
+__all__ = ["Stateful", "merge_states"]
+
 STATE_VERSION = 1
+#: the keys of a state that say which rank and worker saved it
+TOPOLOGY = ("rank", "world_size", "worker", "num_workers")
 
 T = TypeVar("T")
 
 
 def samples_identity(dataset: Any) -> str | None:
-    """``pack`` of a torch_serialized dataset (pack id, CRC of its record numbers), else None."""
+    """``pack`` of a torch_serialized dataset (pack id, CRC of its record numbers; of each
+    source, joined by ``+``), else None."""
+    parts = getattr(dataset, "_parts", None)
+    if isinstance(parts, list) and len(parts) > 1:
+        identities = [samples_identity(part) for part in parts]
+        return None if None in identities else "+".join(map(str, identities))
     pack, records = getattr(dataset, "pack", None), getattr(dataset, "records", None)
     if not isinstance(pack, VOCPackReader) or not isinstance(records, np.ndarray):
         return None
@@ -47,6 +57,8 @@ class Resumable(Stateful):
     epoch: int
     _yielded = 0  # what the current iterator has handed out in this epoch
     _resume: dict[str, Any] | None = None  # a loaded state awaiting the next iteration
+    #: a merged state's ``progress``: what an epoch on another topology handed out before
+    _after: dict[str, Any] | None = None
     _identity: str | None  # ``pack`` of the samples, if known
 
     @abstractmethod
@@ -90,6 +102,7 @@ class Resumable(Stateful):
         """The items a loaded state says to skip (0 without one), once checked to be saved on
         these samples with these settings."""
         state, skip = self._resume, 0
+        self._after = None
         if state is not None:
             before, now = state.get("pack"), self._identity
             if before is not None and now is not None and before != now:
@@ -97,15 +110,30 @@ class Resumable(Stateful):
                     f"cannot resume {where}: the state was saved on other samples (pack "
                     f"{before!r}, now {now!r}: re-packed or appended to); start the epoch afresh"
                 )
+            merged = state.get("progress")
+            ignored: tuple[str, ...] = ()
+            if merged is not None:  # from merge_states: on any topology, after what was handed
+                if "after" not in self._settings():
+                    raise ValueError(
+                        f"cannot resume {where} from merged states: only a "
+                        "VOCSerializedIterableDataset resumes on another topology"
+                    )
+                ignored = (*TOPOLOGY, "after")
+            self._after = merged if merged is not None else state.get("after")
             settings = self._settings()
-            diff = [(k, state.get(k), v) for k, v in settings.items() if state.get(k) != v]
+            diff = [
+                (k, state.get(k), v)
+                for k, v in settings.items()
+                if k not in ignored and state.get(k) != v
+            ]
             if diff:
                 detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diff)
                 raise ValueError(
                     f"cannot resume {where}: the state was saved with other settings "
                     f"({detail}); resume with the same {self._HINT}"
                 )
-            skip, self._resume = int(state["yielded"]), None
+            skip = 0 if merged is not None else int(state["yielded"])
+            self._resume = None
         self._yielded = skip
         return skip
 
@@ -114,3 +142,68 @@ class Resumable(Stateful):
         for item in items:
             self._yielded += 1
             yield item
+
+
+def merge_states(states: Iterable[Any]) -> dict[str, Any]:
+    """One state of an epoch from every rank's and worker's: the ``state_dict()`` of each
+    rank's ``StatefulDataLoader`` (or of the datasets), gathered from all ranks, e.g. with
+    ``torch.distributed.all_gather_object``. ``VOCSerializedIterableDataset.load_state_dict``
+    resumes it on any number of ranks and workers: exactly what was not handed out yet."""
+    found: dict[tuple[int, int], dict[str, Any]] = {}
+    for state in _dataset_states(states):
+        place = (state["rank"], state["worker"])
+        if found.setdefault(place, state) != state:
+            raise ValueError(
+                f"two different states of rank {place[0]}, worker {place[1]}: pass the states "
+                "of one checkpoint, one per rank"
+            )
+    if not found:
+        raise ValueError(
+            "no VOCSerializedIterableDataset state in what was given: pass every rank's "
+            "loader.state_dict() (or dataset.state_dict()) of one checkpoint"
+        )
+    first = next(iter(found.values()))
+    own = ("rank", "worker", "yielded")  # what differs between the states of one checkpoint
+    shared = {k: v for k, v in first.items() if k not in own}
+    for (rank, worker), state in found.items():
+        other = {k: v for k, v in state.items() if k not in own}
+        if other != shared:
+            diff = sorted(k for k in shared.keys() | other.keys() if shared.get(k) != other.get(k))
+            raise ValueError(
+                f"the state of rank {rank}, worker {worker} differs in {diff} from the others: "
+                "pass the states of one checkpoint of one epoch"
+            )
+    world, workers = first["world_size"], first["num_workers"]
+    missing = [(r, w) for r in range(world) for w in range(workers) if (r, w) not in found]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} of the {world * workers} states of the saved topology ({world} "
+            f"ranks x {workers} workers) are missing, e.g. rank {missing[0][0]}, worker "
+            f"{missing[0][1]}: gather every rank's state_dict() (all_gather_object)"
+        )
+    progress = {
+        "world_size": world,
+        "num_workers": workers,
+        "yielded": [[found[r, w]["yielded"] for w in range(workers)] for r in range(world)],
+        "after": shared.get("after"),
+    }
+    kept = {k: v for k, v in shared.items() if k not in ("world_size", "num_workers", "after")}
+    return {**kept, "yielded": 0, "progress": progress}
+
+
+def _dataset_states(value: Any) -> Iterator[dict[str, Any]]:
+    """The stream states in ``value``: states, loader states, lists of them, nested."""
+    if isinstance(value, Mapping):
+        if {"version", "epoch", "yielded", *TOPOLOGY} <= value.keys():
+            yield dict(value)
+            return
+        if value.get("_steps_since_snapshot", 0):
+            raise ValueError(
+                "a StatefulDataLoader state taken between snapshots cannot be merged: save "
+                "with snapshot_every_n_steps=1 (the default)"
+            )
+        for item in value.values():
+            yield from _dataset_states(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _dataset_states(item)

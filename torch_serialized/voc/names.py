@@ -4,6 +4,8 @@ do not grow by touching N Python strings and nothing is copied per process."""
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
@@ -12,7 +14,7 @@ import numpy as np
 
 from .packed import VOCPackReader
 
-__all__ = ["RecordNames"]
+__all__ = ["ChainedNames", "RecordNames"]
 
 _SHOWN = 3  # items at each end of the repr
 
@@ -82,6 +84,54 @@ class RecordNames(Sequence[str]):
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled without the table, made again on use
         return RecordNames, (self._pack, self._records, self._prefix, self._suffix)
+
+
+class ChainedNames(Sequence[str]):
+    """Several ``RecordNames`` read as one list (a dataset of several packs); slices are lists."""
+
+    __slots__ = ("_parts", "_starts")
+
+    def __init__(self, parts: Sequence[RecordNames]) -> None:
+        self._parts = list(parts)
+        self._starts = np.cumsum([0, *map(len, parts)])
+
+    @classmethod
+    def of(cls, parts: Sequence[RecordNames]) -> Sequence[str]:
+        """``parts[0]`` if it is the only one, else the parts chained."""
+        return parts[0] if len(parts) == 1 else cls(parts)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        i = operator.index(index)
+        if not -n <= i < n:
+            raise IndexError("list index out of range")
+        i %= n
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._parts[k][i - int(self._starts[k])]
+
+    def __iter__(self) -> Iterator[str]:
+        return itertools.chain.from_iterable(self._parts)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (ChainedNames, RecordNames, list)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ChainedNames({self._parts!r})"
 
 
 def record_names(

@@ -173,6 +173,10 @@ def test_a_stream_of_a_local_pack_and_a_url_equals_the_two_local_packs(
     mixed = [(stream_packs["single"], "train"), (served.url, "val")]
     _, it = stream(mixed, storage_options=served.storage_options, cache_dir=tmp_path)
     assert [d for d, _ in it] == want
+    options = {"storage_options": served.storage_options, "cache_dir": tmp_path}
+    maps = [ts.VOCSerializedDataset(s, image_set="trainval", **options) for s in (local, mixed)]
+    assert len(maps[0]) == len(maps[1]) > 0
+    assert all(maps[0][i][1] == maps[1][i][1] for i in range(len(maps[0])))  # map-style too
 
 
 @pytest.mark.slow

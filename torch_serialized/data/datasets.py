@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter, itemgetter
 from operator import index as as_index
@@ -167,7 +166,31 @@ def open_sources(
     return parts
 
 
-class _PackedVOCBase(PackedSamples):
+class JoinedSamples(PackedSamples):
+    """A dataset of one or several sources (``PackedSamples`` each) read as one; the first
+    source's pack and decoder stand for all where a single one is expected."""
+
+    _parts: list[PackedSamples]
+
+    def _join(self, parts: list[PackedSamples]) -> None:
+        self._parts = parts
+        first = parts[0]
+        self.pack, self.decoder, self._fields = first.pack, first.decoder, first._fields
+        self.year = "+".join(dict.fromkeys(part.year for part in parts))
+        self.image_set = "+".join(dict.fromkeys(part.image_set for part in parts))
+        for part in parts:
+            part.records = np.asarray(part.records, dtype=np.int64)
+        self.records = np.concatenate([part.records for part in parts])
+        #: where each source's positions start (and the last ends)
+        self._offsets = np.cumsum([0, *(len(part.records) for part in parts)])
+
+    def reopen(self) -> None:
+        """Map the packed file(s) of every source again in this process (``worker_init_fn``)."""
+        for part in self._parts:
+            part.reopen()
+
+
+class _PackedVOCBase(JoinedSamples):
     """Shared by both map-style datasets: torchvision's attributes, indexing, batch reads."""
 
     _TASK: str
@@ -201,31 +224,21 @@ class _PackedVOCBase(PackedSamples):
                 "a pack is not downloaded: get VOC with torchvision's VOCDetection(download=True), "
                 "pack it with torch_serialized.pack_voc, then pass the pack's path or URL"
             )
-        self._parts = open_sources(
-            sources,
-            self._TASK,
-            decode=decode,
-            target_format=target_format,
-            classes=classes,
-            checked=checked,
-            zero_copy=zero_copy,
-            year=year,
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit_bytes=cache_limit_bytes,
+        self._join(
+            open_sources(
+                sources,
+                self._TASK,
+                decode=decode,
+                target_format=target_format,
+                classes=classes,
+                checked=checked,
+                zero_copy=zero_copy,
+                year=year,
+                storage_options=storage_options,
+                cache_dir=cache_dir,
+                cache_limit_bytes=cache_limit_bytes,
+            )
         )
-        first = self._parts[0]
-        self.pack, self.decoder, self._fields = first.pack, first.decoder, first._fields
-        self.year = "+".join(dict.fromkeys(part.year for part in self._parts))
-        self.image_set = "+".join(dict.fromkeys(part.image_set for part in self._parts))
-        self.records = (
-            first.records
-            if len(self._parts) == 1
-            else np.concatenate([part.records for part in self._parts])
-        )
-        #: where each source's indices start
-        self._starts = list(itertools.accumulate(len(part.records) for part in self._parts[:-1]))
-        self._starts.insert(0, 0)
         self._ids, self._images, self._targets = (
             ChainedNames.of([record_names(part.pack, part.records, *where) for part in self._parts])
             for where in ((None,), ("JPEGImages", ".jpg"), (self._TARGET_DIR, self._TARGET_EXT))
@@ -238,11 +251,6 @@ class _PackedVOCBase(PackedSamples):
 
     def __len__(self) -> int:
         return len(self.records)
-
-    def reopen(self) -> None:
-        """Map the packed file(s) of every source again in this process (``worker_init_fn``)."""
-        for part in self._parts:
-            part.reopen()
 
     def _record(self, index: Any) -> tuple[PackedSamples, int]:
         """The source and record at ``index`` (a read's one index check); errors name index
@@ -267,7 +275,7 @@ class _PackedVOCBase(PackedSamples):
                 f"{packs} has {n} samples (0 to {n - 1}, or -{n} to -1)"
             )
         i %= n
-        part = self._parts[bisect_right(self._starts, i) - 1]
+        part = self._parts[int(np.searchsorted(self._offsets, i, "right")) - 1]
         return part, int(self.records[i])
 
     def _read(self, part: PackedSamples, record: int) -> tuple[int, Sequence[Buffer]]:

@@ -19,7 +19,7 @@ from torchvision.datasets.vision import VisionDataset
 
 from ..errors import ChecksumError
 from ..voc.layout import TASKS
-from .datasets import PackedSamples, Source, open_sources, parse_sources
+from .datasets import JoinedSamples, PackedSamples, Source, open_sources, parse_sources
 from .decode import Classes, Decode, SampleDecoder, TargetFormat
 from .pipeline import (
     AHEAD,
@@ -66,7 +66,7 @@ def _shares(
     return source_shares(weights, total)
 
 
-class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
+class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
     """The samples of ``VOCSerializedDataset`` (or ``VOCSerializedSegmentation`` with
     ``task="Segmentation"``) streamed in blocks, split across ranks and DataLoader workers.
 
@@ -155,26 +155,19 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         VisionDataset.__init__(self, root, transforms, transform, target_transform)
         distributed_info(rank, world_size)  # validates them now
         self.task = task
-        self._parts = open_sources(
-            sources,
-            task,
-            decode=decode,
-            target_format=target_format,
-            classes=classes,
-            checked=checked,
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit_bytes=cache_limit_bytes,
+        self._join(
+            open_sources(
+                sources,
+                task,
+                decode=decode,
+                target_format=target_format,
+                classes=classes,
+                checked=checked,
+                storage_options=storage_options,
+                cache_dir=cache_dir,
+                cache_limit_bytes=cache_limit_bytes,
+            )
         )
-        for part in self._parts:
-            part.records = np.array(part.records, dtype=np.int64)
-        first = self._parts[0]
-        self.pack, self.decoder, self._fields = first.pack, first.decoder, first._fields
-        self.year = "+".join(dict.fromkeys(part.year for part in self._parts))
-        self.image_set = "+".join(dict.fromkeys(part.image_set for part in self._parts))
-        self.records = np.concatenate([part.records for part in self._parts])
-        #: where each source's positions start (and the last ends)
-        self._offsets = np.cumsum([0, *(len(part.records) for part in self._parts)])
         self._bounds = np.unique(
             np.concatenate(
                 [
@@ -252,11 +245,6 @@ class VOCSerializedIterableDataset(PackedSamples, IterableDataset, Resumable):
         self._epoch = int(value)
         if self._shared_epoch is not None:
             self._shared_epoch.value = self._epoch
-
-    def reopen(self) -> None:
-        """Map the packed file(s) of every source again in this process (``worker_init_fn``)."""
-        for part in self._parts:
-            part.reopen()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

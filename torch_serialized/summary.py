@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .container.manifest import member_of, read_binding
+from .container.manifest import Member, member_of, read_binding
 from .container.reader import ContainerReader
 from .container.shards import PackReader
 from .errors import ChecksumError, FormatError, TorchSerializedError
@@ -155,18 +155,9 @@ class PartInfo:
     """One shard or catalog file of a shard folder (``part_info``) and the pack it belongs to."""
 
     path: str
-    role: str  # "shard" or "catalog"
-    folder: str | None  #: the shard folder to pass instead; None if the file is not in it
-    shard: int | None  # a shard's number from 0 (None for a catalog)
-    num_shards: int | None  #: the manifest's shard count; None if it does not name the file
+    member: Member  #: as what, of which folder; ``str(member)`` says so, e.g. "shard 2 of 3 of ..."
     records: int
     bytes: int
-    description: str  #: what the file is, e.g. "shard 2 of 3 of the pack at data/voc"
-
-    @property
-    def current(self) -> bool:
-        """Named by its folder's manifest (else an earlier version's, or outside a folder)."""
-        return self.num_shards is not None
 
 
 def part_info(path: str | os.PathLike[str]) -> PartInfo | None:
@@ -177,17 +168,7 @@ def part_info(path: str | os.PathLike[str]) -> PartInfo | None:
     if member is None:
         return None
     with closing(ContainerReader(path)) as reader:
-        records = len(reader)
-    return PartInfo(
-        path=os.fspath(path),
-        role=member.role,
-        folder=member.folder,
-        shard=member.index,
-        num_shards=member.num_shards,
-        records=records,
-        bytes=os.path.getsize(path),
-        description=str(member),
-    )
+        return PartInfo(os.fspath(path), member, len(reader), os.path.getsize(path))
 
 
 @dataclass(frozen=True)

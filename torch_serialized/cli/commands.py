@@ -313,17 +313,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _part(part: Any, as_json: bool) -> int:
     """``info`` of one shard or catalog file of a shard folder (``summary.PartInfo``)."""
+    member = part.member
     if as_json:
-        if part.role == fmt.ROLE_SHARD:
-            where = {"shard_of": part.folder, "shard": part.shard, "num_shards": part.num_shards}
+        if member.role == fmt.ROLE_SHARD:
+            where = {"shard_of": member.folder, "shard": member.index}
+            where["num_shards"] = member.num_shards
         else:
-            where = {"catalog_of": part.folder}
-        fields = {"current": part.current, "records": part.records, "bytes": part.bytes}
+            where = {"catalog_of": member.folder}
+        current = member.num_shards is not None  # named by its folder's manifest
+        fields = {"current": current, "records": part.records, "bytes": part.bytes}
         return _json({"path": part.path, **where, **fields})
-    whole = f"{PROG} info {part.folder}" if part.folder else "the folder with its manifest.json"
+    whole = f"{PROG} info {member.folder}" if member.folder else "the folder with its manifest.json"
     say(
         part.path,
-        f"  is {part.description}; holds {plural(part.records, 'record')}, {mb(part.bytes)}",
+        f"  is {member}; holds {plural(part.records, 'record')}, {mb(part.bytes)}",
         f"The dataset is the whole folder: {whole}",
     )
     return EXIT_OK

@@ -128,17 +128,14 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("--image-storage", choices=("original", "raw"), help=storage)
     shrink = "shrink images whose longer side exceeds PX (boxes scaled; not byte-exact)"
     pack.add_argument("--max-size", type=_positive_int, metavar="PX", help=shrink)
-    _flags(
-        pack,
-        check_images="decode every image while packing",
-        skip_bad="leave out unreadable samples (listed in OUTPUT.skipped.json)",
-        overwrite="replace OUTPUT if it exists (a pack only)",
-    )
     pack.add_argument(
         "--max-file-size", type=parse_size, metavar="SIZE", help="refuse larger sources (1GiB)"
     )
     _flags(
         pack,
+        check_images="decode every image while packing",
+        skip_bad="leave out unreadable samples (listed in OUTPUT.skipped.json)",
+        overwrite="replace OUTPUT if it exists (a pack only)",
         append="bring the existing pack OUTPUT up to date with ROOT (docs/updating.md)",
         replace_changed="with --append: store new versions of packed ids whose files changed",
         checksum="with --append: compare packed files by content, not only sizes and times",

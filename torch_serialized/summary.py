@@ -89,8 +89,7 @@ def info(
     columns = pack.columns[live]
     flags = columns["flags"].astype(np.int64)
     classes, counts = pack.object_classes()  # the catalog's class id of every object
-    alive = np.zeros(len(pack), dtype=bool)
-    alive[live] = True
+    alive = np.isin(np.arange(len(pack)), pack.retired, invert=True)
     per_class = np.bincount(classes[np.repeat(alive, counts)], minlength=len(pack.classes))
     histogram = Counter({pack.classes[c]: int(n) for c, n in enumerate(per_class.tolist()) if n})
     sizes = Counter(zip(columns["width"].tolist(), columns["height"].tolist()))

@@ -22,7 +22,7 @@ from torchvision.transforms.functional import pil_to_tensor
 
 from .. import VOCSerializedDataset
 
-__all__ = ["Comparison", "Measurements", "check_against_torchvision", "spread"]
+__all__ = ["Comparison", "Measurements", "spread"]
 
 ROW = "      {:<28} {:>24} {:>24}   {}"
 
@@ -171,33 +171,31 @@ class Measurements:
             collate_fn=list_collate,
         )
 
-
-def check_against_torchvision(
-    pack: Path, root: Path, year: str, image_set: str, count: int = 5
-) -> None:
-    """Check ``count`` evenly spaced samples against torchvision's: pixels (PIL and
-    ``decode="tensor"``), target dicts, and ``target_format="tv_tensors"`` boxes and labels."""
-    ours = VOCSerializedDataset(pack, image_set=image_set)
-    theirs = VOCDetection(str(root), year=year, image_set=image_set)
-    ours_tv = VOCSerializedDataset(pack, image_set=image_set, target_format="tv_tensors")
-    theirs_tv = wrap_dataset_for_transforms_v2(theirs, target_keys={"boxes", "labels"})
-    tensors = VOCSerializedDataset(pack, image_set=image_set, decode="tensor")
-    problems = [] if len(ours) == len(theirs) else [f"length {len(ours)}, not {len(theirs)}"]
-    indices = np.linspace(0, min(len(ours), len(theirs)) - 1, num=count).round().astype(int)
-    for i in sorted(set(indices.tolist())):
-        (img, target), (ref_img, ref_target) = ours[i], theirs[i]
-        if img.size != ref_img.size or not np.array_equal(np.asarray(img), np.asarray(ref_img)):
-            problems.append(f"sample {i}: image pixels differ")
-        if target != ref_target:
-            problems.append(f"sample {i}: target dict differs")
-        if not torch.equal(tensors[i][0], pil_to_tensor(ref_img)):
-            problems.append(f"sample {i}: decode='tensor' pixels differ")
-        try:
-            ref_tv = theirs_tv[i][1]
-        except ValueError:  # torchvision's v2 wrapper reads no float coordinates: no reference
-            continue
-        tv_target = ours_tv[i][1]
-        if not all(torch.equal(tv_target[k].as_subclass(torch.Tensor), ref_tv[k]) for k in ref_tv):
-            problems.append(f"sample {i}: tv_tensors boxes or labels differ")
-    if problems:
-        raise RuntimeError(f"{pack} differs from torchvision's VOCDetection: {'; '.join(problems)}")
+    def check(self, count: int = 5) -> None:
+        """Check ``count`` evenly spaced samples against torchvision's: pixels (PIL and
+        ``decode="tensor"``), target dicts, and ``target_format="tv_tensors"`` boxes and labels."""
+        ours, theirs = self.ours(), self.tv
+        ours_tv, tensors = self.ours(target_format="tv_tensors"), self.ours(decode="tensor")
+        theirs_tv = wrap_dataset_for_transforms_v2(theirs, target_keys={"boxes", "labels"})
+        problems = [] if len(ours) == len(theirs) else [f"length {len(ours)}, not {len(theirs)}"]
+        indices = np.linspace(0, min(len(ours), len(theirs)) - 1, num=count).round().astype(int)
+        for i in sorted(set(indices.tolist())):
+            (img, target), (ref_img, ref_target) = ours[i], theirs[i]
+            if img.size != ref_img.size or not np.array_equal(np.asarray(img), np.asarray(ref_img)):
+                problems.append(f"sample {i}: image pixels differ")
+            if target != ref_target:
+                problems.append(f"sample {i}: target dict differs")
+            if not torch.equal(tensors[i][0], pil_to_tensor(ref_img)):
+                problems.append(f"sample {i}: decode='tensor' pixels differ")
+            try:
+                ref_tv = theirs_tv[i][1]
+            except ValueError:  # torchvision's v2 wrapper reads no float coordinates: no reference
+                continue
+            tv_target = ours_tv[i][1]
+            if not all(
+                torch.equal(tv_target[k].as_subclass(torch.Tensor), ref_tv[k]) for k in ref_tv
+            ):
+                problems.append(f"sample {i}: tv_tensors boxes or labels differ")
+        if problems:
+            why = "; ".join(problems)
+            raise RuntimeError(f"{self.pack} differs from torchvision's VOCDetection: {why}")

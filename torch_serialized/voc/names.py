@@ -5,7 +5,6 @@ do not grow by touching N Python strings and nothing is copied per process."""
 from __future__ import annotations
 
 import itertools
-import operator
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
@@ -19,7 +18,20 @@ __all__ = ["ChainedNames", "RecordNames"]
 _SHOWN = 3  # items at each end of the repr
 
 
-class RecordNames(Sequence[str]):
+class _Names(Sequence[str]):
+    """Equal to a list of the same strings; unhashable, as a list."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (_Names, list)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class RecordNames(_Names):
     """``prefix + id + suffix`` for each record of ``records``, in order, made on access.
 
     A read-only ``list`` of ``str``: ``len``, indexing, slicing (O(1), again a ``RecordNames``),
@@ -67,13 +79,6 @@ class RecordNames(Sequence[str]):
         for r in records:
             yield prefix + str(blob[offsets[r] : offsets[r + 1]], "utf-8") + suffix
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, (RecordNames, list)):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
-    __hash__ = None  # type: ignore[assignment]  # mutable-looking sequence, as list
-
     def __repr__(self) -> str:
         n = len(self)
         if n <= 2 * _SHOWN:
@@ -86,7 +91,7 @@ class RecordNames(Sequence[str]):
         return RecordNames, (self._pack, self._records, self._prefix, self._suffix)
 
 
-class ChainedNames(Sequence[str]):
+class ChainedNames(_Names):
     """Several ``RecordNames`` read as one list (a dataset of several packs); slices are lists."""
 
     __slots__ = ("_parts", "_starts")
@@ -112,23 +117,12 @@ class ChainedNames(Sequence[str]):
     def __getitem__(self, index: int | slice) -> str | list[str]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        n = len(self)
-        i = operator.index(index)
-        if not -n <= i < n:
-            raise IndexError("list index out of range")
-        i %= n
+        i = range(len(self))[index]  # IndexError, negative indices and TypeError as a list's
         k = int(np.searchsorted(self._starts, i, side="right")) - 1
         return self._parts[k][i - int(self._starts[k])]
 
     def __iter__(self) -> Iterator[str]:
         return itertools.chain.from_iterable(self._parts)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, (ChainedNames, RecordNames, list)):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"ChainedNames({self._parts!r})"

@@ -108,11 +108,7 @@ def _convert(node: ET.Element) -> dict[str, Any]:
             if not text:
                 continue
             value = text.strip()
-        values = grouped.get(child.tag)
-        if values is None:
-            grouped[child.tag] = [value]
-        else:
-            values.append(value)
+        grouped.setdefault(child.tag, []).append(value)
     if node.tag == "annotation":
         grouped["object"] = [grouped.get("object", [])]
     return {tag: values[0] if len(values) == 1 else values for tag, values in grouped.items()}

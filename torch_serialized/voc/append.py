@@ -178,12 +178,13 @@ def _sort_source(
 ) -> tuple[Path, dict[str, dict[str, list[str]]], Plan]:
     """VOC root, image sets and ids sorted against ``old``; ``WriteError`` for pre-append packs."""
     arrays, meta = old.reader.arrays(), old.meta
-    transformed = len(old) and (old.image_storage != "original" or meta.get("max_size"))
+    checks = bool(meta.get("options", {}).get("check_images"))
+    options = ImageOptions(old.image_storage, meta.get("max_size"), checks)
     if (
         "history" not in meta
         or meta.get("source_stats") != schema.SOURCE_STATS_VERSION
         or schema.OBJECT_CLASSES_ARRAY not in arrays
-        or (transformed and schema.DIGEST_ARRAY not in arrays)
+        or (len(old) and options.transformed and schema.DIGEST_ARRAY not in arrays)
     ):
         raise WriteError(
             errno.EINVAL,
@@ -205,8 +206,6 @@ def _sort_source(
             f"{voc_root} is VOC{found_year} but {old.name} holds VOC{old.year}; append the "
             "same year's devkit (or pack it into another pack)"
         )
-    checks = bool(old.meta.get("options", {}).get("check_images"))
-    options = ImageOptions(old.image_storage, old.meta.get("max_size"), checks)
     image_sets = read_image_sets(voc_root, opts.max_file_bytes)
     planned = survey(voc_root, image_sets, options, opts.max_file_bytes)
     plan = classify(old, planned, opts.replace_changed, opts.checksum, opts.retire_all)

@@ -17,7 +17,7 @@ from ..errors import SourceDataError
 from . import schema
 from .images import image_scale, resize_mask, same_mask
 from .packed import VOCPackReader
-from .source import Job, Planned, source_paths, stores_digest
+from .source import Job, Planned, source_paths
 
 __all__ = ["Plan", "classify", "compare"]
 
@@ -157,7 +157,7 @@ def _same_content(
         scale = image_scale(image, paths[0], job.options)  # its header: nothing decoded
         stored = old.field(record, k)
         return same_mask(stored, data if scale is None else resize_mask(data, paths[k], scale))
-    if k == schema.IMAGE and stores_digest(job.options):
+    if k == schema.IMAGE and job.options.transformed:
         return digest == hashlib.sha256(data).digest()  # the digest kept at pack time
     return old.field(record, k) == data  # stored as the file's own bytes
 

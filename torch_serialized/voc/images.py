@@ -35,6 +35,11 @@ class ImageOptions:
     def decodes(self) -> bool:
         return self.check_images or self.image_storage == "raw" or bool(self.max_size)
 
+    @property
+    def transformed(self) -> bool:
+        """Whether stored images may differ from their files (so a pack keeps their SHA-256)."""
+        return self.image_storage != "original" or self.max_size is not None
+
 
 def store_image(
     data: bytes, path: str, options: ImageOptions
@@ -85,10 +90,9 @@ def check_mask(data: bytes, path: str, options: ImageOptions) -> None:
         check_pixels(size, path, SourceDataError)
     if not options.check_images:
         return
-    with _opened(data, path, "PNG mask") as img:
+    with _opened(data, path, "PNG mask") as img:  # a PNG's size was checked above
         if img.format != "PNG":
             raise ValueError(f"a {img.format} image, not a PNG")
-        check_pixels(img.size, path, SourceDataError)
         img.load()
 
 

@@ -5,7 +5,6 @@ processes use them."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -72,7 +71,7 @@ class Planned:
     main: frozenset[str]  # ids listed in ImageSets/Main
     segmentation: frozenset[str]  # ids listed in ImageSets/Segmentation
     names: tuple[frozenset[str], ...]
-    first: Mapping[str, int]  # id -> where first listed: ``lists`` number << 32 | line
+    first: Mapping[str, tuple[int, int]]  # id -> where first listed: ``lists`` number, line
     lists: tuple[str, ...]  # "ImageSets/Main/train.txt", in layout order
 
     def __len__(self) -> int:
@@ -81,12 +80,12 @@ class Planned:
     def job(self, i: int) -> Job:
         """The job of ``ids[i]``, as a full pack makes it."""
         image_id = self.ids[i]
-        where = self.first[image_id]
+        number, line = self.first[image_id]
         folded = image_id.casefold()
         return Job(
             self.voc_root,
             image_id,
-            f"{self.lists[where >> 32]} line {where & 0xFFFFFFFF}",
+            f"{self.lists[number]} line {line}",
             image_id in self.main,
             image_id in self.segmentation,
             self.options,
@@ -133,13 +132,10 @@ def survey(
         for task in TASKS
         for name in sorted(image_sets.get(task, {}), key=lambda n: (_LAYOUT_ORDER.get(n, 4), n))
     ]
-    ids = list(dict.fromkeys(itertools.chain.from_iterable(listed for *_, listed in ordered)))
-    # where each id is first listed (list << 32 | line): walked backwards, the first one stays
-    first: dict[str, int] = {}
-    for number in range(len(ordered) - 1, -1, -1):
-        listed = ordered[number][2]
-        base = number << 32
-        first.update(zip(reversed(listed), range(base + len(listed), base, -1)))
+    first: dict[str, tuple[int, int]] = {}  # in first-listed order: the ids
+    for number, (*_, listed) in enumerate(ordered):
+        for line, image_id in enumerate(listed, start=1):
+            first.setdefault(image_id, (number, line))
     main, segmentation = (
         frozenset(i for t, _, listed in ordered if t == task for i in listed) for task in TASKS
     )
@@ -148,7 +144,7 @@ def survey(
         str(voc_root),
         options,
         max_file_bytes,
-        ids,
+        list(first),
         main,
         segmentation,
         names,
@@ -163,11 +159,6 @@ def _listing(folder: Path) -> frozenset[str]:
         return frozenset(map(str.casefold, os.listdir(folder)))
     except (FileNotFoundError, NotADirectoryError):
         return frozenset()
-
-
-def stores_digest(options: ImageOptions) -> bool:
-    """Whether stored images may differ from their files, so a pack keeps their SHA-256."""
-    return options.image_storage != "original" or options.max_size is not None
 
 
 def source_paths(job: Job) -> tuple[str, ...]:
@@ -242,7 +233,7 @@ def load(job: Job) -> LoadedSample:
     if unparsed:
         flags |= schema.UNPARSED_ANNOTATION
     payloads = [stored, annotation or b"", mask or b"", object_mask or b"", target_json, b""]
-    digest = hashlib.sha256(image).digest() if stores_digest(job.options) else b""
+    digest = hashlib.sha256(image).digest() if job.options.transformed else b""
     return LoadedSample(
         job.id,
         payloads,

@@ -12,7 +12,6 @@ import functools
 import hashlib
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -106,16 +105,12 @@ def _staging(cache_dir: Path) -> Iterator[Path]:
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
-    """Make ``target`` a hard link to ``source``, else an atomic copy (a ``PackCache`` download)."""
+    """Make ``target`` a hard link to ``source``, else a copy. Both targets are private until
+    renamed in (the staging folder, the cache's staging file), so a partial copy is never read."""
     try:
         os.link(source, target)
     except OSError:
-        temp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.partial")
-        try:
-            shutil.copyfile(source, temp)
-            os.replace(temp, target)
-        finally:
-            temp.unlink(missing_ok=True)
+        shutil.copyfile(source, target)
 
 
 @contextlib.contextmanager

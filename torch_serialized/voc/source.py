@@ -105,12 +105,11 @@ class Planned:
         each needs its annotation and mask (bool ``[n, 2]``)."""
         ids = [self.ids[i] for i in positions]
         folded = [i.casefold() for i in ids]
-        main = [i in self.main for i in ids]
-        seg = [i in self.segmentation for i in ids]
+        needs = np.array([(i in self.main, i in self.segmentation) for i in ids], dtype=bool)
+        needs = needs.reshape(len(ids), 2)
         files = np.ones((len(ids), len(_FOLDERS) + 1), dtype=bool)
         for k, (ext, names) in enumerate(zip(_EXTENSIONS, self.names), start=1):
             files[:, k] = [f + ext in names for f in folded]
-        needs = np.array([main, seg], dtype=bool).T.reshape(len(ids), 2)
         files[:, 1] |= needs[:, 0]
         files[:, 2] |= needs[:, 1]
         return files, needs

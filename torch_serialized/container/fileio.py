@@ -87,7 +87,8 @@ def read_regular_file_stat(
 
 
 # -- atomic output --------------------------------------------------------------------------------
-_TEMPORARY = re.compile(r"\..+\.(?:tmp|old)-\d+-[0-9a-f]{8}", re.S)
+#: ``.{name}.{kind}-{pid}-{hex}``: a writer's temporary ``kind`` of ``name`` (``temp_sibling``).
+_TEMPORARY = re.compile(r"\.(.+)\.(tmp|old)-(\d+)-[0-9a-f]{8}", re.S)
 
 
 def temp_sibling(final: Path, kind: str = "tmp") -> Path:
@@ -100,11 +101,10 @@ def is_temporary(name: str) -> bool:
 
 def temporaries(final: Path) -> list[tuple[str, int, Path]]:
     """The temporaries of ``final`` there are now: ``(kind, pid, path)``."""
-    ours = re.compile(re.escape(f".{final.name}.") + r"(tmp|old)-(\d+)-[0-9a-f]{8}", re.S)
     return [
-        (match[1], int(match[2]), entry)
+        (match[2], int(match[3]), entry)
         for entry in final.parent.glob(f".{glob.escape(final.name)}.*-*-*")
-        if (match := ours.fullmatch(entry.name))
+        if (match := _TEMPORARY.fullmatch(entry.name)) and match[1] == final.name
     ]
 
 

@@ -45,14 +45,8 @@ Readers MUST reject a newer ``major`` and major 0 (never written), and a footer 
 ``format_version`` whose version differs from the header's; they MAY read a newer ``minor``
 (additions only).
 
-A shard folder holds shards, a catalog (a 0-record container with the dataset-level arrays,
-every record's columns and ``user``) and ``MANIFEST_NAME`` (see ``manifest``); every member
-carries its ``binding``, so a file swapped, duplicated or taken from another pack is refused
-(docs/FORMAT.md, "Integrity rules").
-
-Each structure has its writing and reading function side by side (``pack_header`` /
-``unpack_header`` ...); ``read_head`` and ``read_metadata`` apply them to an open file in the
-order of docs/FORMAT.md ("Truncation and damage detection").
+A shard folder (shards, a 0-record catalog container, ``MANIFEST_NAME``) is specified in
+``manifest`` and docs/FORMAT.md ("Shard folders", "Integrity rules").
 """
 
 from __future__ import annotations

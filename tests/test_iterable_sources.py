@@ -195,6 +195,11 @@ def test_the_map_style_segmentation_of_several_packs_is_torchvisions_concat(
         (image, mask), (want_image, want_mask) = ds[i], oracle[i]
         assert image.tobytes() == want_image.tobytes()
         assert mask.tobytes() == want_mask.tobytes() and mask.getpalette() == want_mask.getpalette()
+    # and streamed: every pair once an epoch, shuffled across the sources
+    mask_key = [(key(image, None), key(mask, None)) for image, mask in oracle]
+    streamed = VOCSerializedIterableDataset(packs, "train", task="Segmentation", shuffle=True)
+    got = [(key(image, None), key(mask, None)) for image, mask in streamed]
+    assert Counter(got) == Counter(mask_key) and got != mask_key
 
 
 # -- weights and epoch_size ---------------------------------------------------------------------

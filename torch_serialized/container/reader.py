@@ -185,16 +185,23 @@ class ContainerReader:
 
     def field(self, i: int, k: int) -> memoryview:
         """Bytes of field ``k`` of record ``i`` (a read-only view into the map)."""
-        return self.views((i,), (k,))[0][0]
+        return self.record(i, (k,))[0]
 
     def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
         """Views of ``fields`` of record ``i``; no read hint: the fault's read-around suffices."""
-        return self.views((i,), fields)[0]
+        if not 0 <= i < self.num_records:  # numpy would wrap a negative one
+            raise IndexError(f"record {i} out of range for {self.num_records} records")
+        local = self._mapped()
+        offsets, lengths, view = local.offsets[i].tolist(), local.lengths[i].tolist(), local.view
+        out = [view[offsets[k] : offsets[k] + lengths[k]] for k in fields]
+        if self.checked:
+            self._check_crcs(local, [i], [out], fields)
+        return out
 
     def views(
         self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
     ) -> list[list[memoryview]]:
-        """Views of ``fields`` of each of ``records`` (any order; else ``IndexError``)."""
+        """Views of ``fields`` of each of ``records`` (any order): ``record`` for a batch."""
         local = self._mapped()
         rows = self._rows(records)
         cols = np.asarray(fields, dtype=np.intp)
@@ -205,18 +212,8 @@ class ContainerReader:
             [view[o : o + n] for o, n in zip(row_starts, row_lengths)]
             for row_starts, row_lengths in zip(starts, lengths)
         ]
-        if self.checked:  # ChecksumError naming the pack's record
-            for r, row in zip(rows.tolist(), out):
-                for k, value in zip(fields, row):
-                    if fmt.crc32(value) != int(local.crcs[r, k]):
-                        record, field = self.first_record + r, self.fields[k]
-                        raise ChecksumError(
-                            f"{self.path}: record {record} field {field!r} fails its checksum; "
-                            "the file is damaged: run `torch-serialized verify` and re-pack it",
-                            path=self.path,
-                            record=record,
-                            field=field,
-                        )
+        if self.checked:
+            self._check_crcs(local, rows.tolist(), out, fields)
         return out
 
     def _rows(self, records: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -225,6 +222,22 @@ class ContainerReader:
         if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self.num_records):
             raise IndexError(f"records must lie within 0..{self.num_records - 1}")
         return rows
+
+    def _check_crcs(
+        self, local: _Mapped, rows: Sequence[int], data: Sequence[Sequence[Any]], fields: Any
+    ) -> None:
+        """``ChecksumError`` naming the pack's record unless each ``data`` view matches its CRC."""
+        for r, row in zip(rows, data):
+            for k, value in zip(fields, row):
+                if fmt.crc32(memoryview(value)) != int(local.crcs[r, k]):
+                    record, field = self.first_record + r, self.fields[k]
+                    raise ChecksumError(
+                        f"{self.path}: record {record} field {field!r} fails its checksum; "
+                        "the file is damaged: run `torch-serialized verify` and re-pack it",
+                        path=self.path,
+                        record=record,
+                        field=field,
+                    )
 
     def index_rows(self, records: Sequence[int] | np.ndarray) -> np.ndarray:
         """A copy of the index rows (``spec.INDEX_DTYPE``) of ``records``."""

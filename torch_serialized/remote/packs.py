@@ -8,24 +8,30 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..container.spec import FILE_SUFFIX, MANIFEST_NAME
+import numpy as np
+
+from ..container.locate import intact
+from ..container.manifest import Expected
+from ..container.reader import ContainerReader
+from ..container.spec import FILE_SUFFIX, HEADER_SIZE, MANIFEST_NAME
 from ..errors import (
     ChecksumError,
     CorruptFileError,
     FileChangedError,
+    FormatError,
     RemoteError,
     RemoteNotFoundError,
 )
 from .cache import Cache, PackCache
 from .locks import LOCKS
-from .store import RemoteStore, RetryPolicy
+from .store import Arrival, RemoteStore, RetryPolicy
 
 __all__ = ["RemotePack", "ShardRequest", "file_identity", "resolve"]
 
@@ -34,11 +40,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShardRequest:
-    """A shard to download: its name in the pack, its size and checksum test from the manifest."""
+    """A shard to download: its name in the pack, its size and checksum test from the manifest,
+    and how many bytes at its end hold its index and metadata at most (0: unknown)."""
 
     name: str
     size: int | None = None
     verify: Callable[[Path], bool] | None = None
+    tail: int = 0
 
 
 def resolve(
@@ -151,12 +159,13 @@ class RemotePack(PackCache):
         super().__init__(cache, store.url, identity)
         self.path = self.directory
 
-    _PER_PROCESS = (*PackCache._PER_PROCESS, "_pool", "_pending")
+    _PER_PROCESS = (*PackCache._PER_PROCESS, "_pool", "_pending", "_arrivals")
 
     def _reset(self) -> None:  # also in a forked child: the parent's threads do not exist there
         super()._reset()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[Path]] = {}
+        self._arrivals: dict[str, Arrival] = {}
 
     def __repr__(self) -> str:
         return f"RemotePack({self.store.url_of()!r}, cache={str(self.directory)!r})"
@@ -172,11 +181,15 @@ class RemotePack(PackCache):
         name: str,
         expected_size: int | None = None,
         verify: Callable[[Path], bool] | None = None,
+        future: Future[Path] | None = None,
     ) -> Path:
-        """Shard ``name``'s local path: cached, prefetched or downloaded now (a failed one too)."""
+        """Shard ``name``'s local path: cached, prefetched (``future``: its prefetch, taken by
+        ``early``) or downloaded now (a failed one too)."""
         self._check_fork()
-        with self._mutex:
-            future = self._pending.pop(name, None)
+        if future is None:
+            with self._mutex:
+                future = self._pending.pop(name, None)
+                self._arrivals.pop(name, None)
         if future is not None and not future.cancel():  # not started: fetched first, now
             try:
                 return future.result()
@@ -184,14 +197,41 @@ class RemotePack(PackCache):
                 log.info("%s: prefetch failed (%s); fetching it again", name, exc)
         return self._fetch(ShardRequest(name, expected_size, verify))
 
-    def _fetch(self, shard: ShardRequest, key: str | None = None) -> Path:
+    def early(self, name: str, expect: Expected, checked: bool) -> ContainerReader | None:
+        """Shard ``name`` read from its prefetch in flight, once its head and tail are in
+        (:class:`ArrivingShard`); None when there is none, it is done, or it cannot be."""
+        self._check_fork()
+        with self._mutex:
+            arrival = self._arrivals.get(name)
+        if arrival is None or not arrival.wait(HEADER_SIZE) or arrival.ok:
+            return None
+        with self._mutex:
+            future = self._pending.pop(name, None)
+            self._arrivals.pop(name, None)
+        if future is None:
+            return None
+
+        def whole() -> ContainerReader:
+            path = self.fetch_shard(name, expect.bytes, intact(expect), future)
+            return ContainerReader(path, checked=checked, expect=expect)
+
+        try:
+            return ArrivingShard(arrival, expect, checked, whole)
+        except (FormatError, FileNotFoundError):  # its tail is not the manifest's, or the
+            return whole()  # download just ended: the whole file decides
+
+    def _fetch(
+        self, shard: ShardRequest, key: str | None = None, arrival: Arrival | None = None
+    ) -> Path:
         """``fetch`` of ``shard`` (at ``key``, default its name). Downloads are not fsynced, so a
         copy older than the last boot is verified (a crash may leave holes), refetched if bad."""
         whole = self.directory / LOCKS / f"{shard.name}.lock"  # mtime: when last known whole
 
         def download(dest: Path) -> Path:
             name = shard.name if key is None else key
-            path = self.store.download(name, dest, expected_size=shard.size, verify=shard.verify)
+            path = self.store.download(
+                name, dest, expected_size=shard.size, verify=shard.verify, arrival=arrival
+            )
             _touch(whole)
             return path
 
@@ -215,7 +255,10 @@ class RemotePack(PackCache):
             for shard in shards:
                 request = ShardRequest(shard) if isinstance(shard, str) else shard
                 if request.name not in self._pending:
-                    self._pending[request.name] = self._pool.submit(self._fetch, request)
+                    arrival = Arrival(request.tail)
+                    future = self._pool.submit(self._fetch, request, None, arrival)
+                    future.add_done_callback(arrival.end)
+                    self._pending[request.name], self._arrivals[request.name] = future, arrival
 
     def close(self, keep: Iterable[str] = ()) -> None:
         """Cancel pending prefetches, wait for running ones, release held objects but ``keep``."""
@@ -223,7 +266,76 @@ class RemotePack(PackCache):
         with self._mutex:
             pool, self._pool = self._pool, None
             self._pending.clear()
+            self._arrivals.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         for name in set(self.held()) - set(keep):
             self.release(name)
+
+
+class ArrivingShard(ContainerReader):
+    """A shard opened from its partial download once its header and tail (index, metadata) are
+    in and pass the checks of any opening (``meta_crc32`` from the manifest vouches for the
+    index). Until the download is whole and checked, each read waits for its records' bytes and
+    checks their CRC32s; should the download fail, or a CRC32 not match, reads go to the copy
+    ``whole()`` opens, downloaded again."""
+
+    def __init__(
+        self,
+        arrival: Arrival,
+        expect: Expected,
+        checked: bool,
+        whole: Callable[[], ContainerReader],
+    ) -> None:
+        super().__init__(arrival.path, checked=True, expect=expect)
+        self._arrival, self._checked, self._whole = arrival, checked, whole
+        self._copy: ContainerReader | None = None
+
+    def _source(self, rows: np.ndarray) -> ContainerReader:
+        """Where ``rows`` are read: here once their bytes are in, else the whole copy."""
+        if self._copy is None and not self._arrival.ok:
+            local = self._mapped()
+            end = int((local.offsets[rows] + local.lengths[rows]).max(initial=0))
+            if not self._arrival.wait(end):
+                self._copy = self._whole()
+        if self._arrival.ok:
+            self.checked = self._checked  # the file is whole and was checked
+        return self if self._copy is None else self._copy
+
+    def _damaged(self) -> ContainerReader:
+        log.info("%s: a record read early fails its CRC32; reading the whole copy", self.path)
+        self._copy = self._whole()
+        return self._copy
+
+    def views(
+        self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
+    ) -> list[list[memoryview]]:
+        rows = self._rows(records)
+        if (source := self._source(rows)) is not self:
+            return source.views(rows, fields)
+        try:
+            return super().views(rows, fields)
+        except ChecksumError:
+            if self._arrival.ok:  # the whole file's own check: its error stands
+                raise
+            return self._damaged().views(rows, fields)
+
+    def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
+        if (source := self._source(self._rows([i]))) is not self:
+            return source.record(i, fields)
+        try:
+            return super().record(i, fields)
+        except ChecksumError:
+            if self._arrival.ok:  # the whole file's own check: its error stands
+                raise
+            return self._damaged().record(i, fields)
+
+    def verify(self) -> list[int]:
+        source = self._source(np.arange(self.num_records))
+        return super().verify() if source is self else source.verify()
+
+    def prefetch(self, records: Sequence[int] | np.ndarray) -> None:
+        if self._copy is not None:
+            self._copy.prefetch(records)
+        elif self._arrival.ok:
+            super().prefetch(records)

@@ -7,6 +7,8 @@ over HTTP every transient fault. Messages hide passwords and query strings."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import logging
 import multiprocessing.util
 import os
@@ -17,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -136,6 +139,61 @@ class _Stated(Callback):
             on_size(self.size)
 
 
+class Arrival:
+    """A download in flight, for readers that start before it ends: ``path`` (the partial file, at
+    its full size) holds its last ``tail`` bytes once ``tail_in`` (None: not yet known) and the
+    first ``have`` bytes of the current attempt. ``ended``: the download returned (``ok``) or
+    failed; an ``ok`` file is whole and checked."""
+
+    def __init__(self, tail: int = 0) -> None:
+        self.tail, self.path, self.have = tail, "", 0
+        self.tail_in: bool | None = None
+        self.ended = self.ok = False
+        self._cond = threading.Condition()
+
+    def update(self, **state: Any) -> None:
+        with self._cond:
+            self.__dict__.update(state)
+            self._cond.notify_all()
+
+    def end(self, *_: object) -> None:
+        """The download is over (or will never start): waiters stop waiting."""
+        self.update(ended=True)
+
+    def wait(self, end: int) -> bool:
+        """Wait until the tail and bytes ``0..end`` are in (True), or they never will be."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.ended or self.tail_in is False or self._has(end))
+            return self.ok or self._has(end)
+
+    def _has(self, end: int) -> bool:
+        return bool(self.tail_in) and self.have >= end
+
+
+class _Writer:
+    """The file-like a GET's body goes into: in place from offset 0, reported to ``arrival``."""
+
+    def __init__(self, fd: int, size: int, arrival: Arrival, refute: Callable[[int], None]):
+        self.fd, self.size, self.arrival, self.refute, self.at = fd, size, arrival, refute, 0
+        arrival.update(have=0)
+
+    def write(self, data: bytes) -> int:
+        if self.at + len(data) > self.size:
+            self.refute(self.at + len(data))
+        self.at += os.pwrite(self.fd, data, self.at)
+        self.arrival.update(have=self.at)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.at
+
+    def read(self, *_: Any) -> bytes:  # fsspec's test of a file-like
+        raise io.UnsupportedOperation("read")
+
+    def close(self) -> None:
+        pass
+
+
 class RemoteStore(PerProcess):
     """A pack location at a URL: reads, downloads and uploads objects below it, with retries.
     ``key``s are relative to ``url`` (``""``: ``url`` itself); ``storage_options`` go to fsspec.
@@ -156,7 +214,7 @@ class RemoteStore(PerProcess):
         self.retry = retry or RetryPolicy.from_env()
         self._start()
 
-    _PER_PROCESS = ("_pid", "_lock", "_fs", "_root", "_rng")
+    _PER_PROCESS = ("_pid", "_lock", "_fs", "_root", "_rng", "_no_ranges")
 
     def _reset(self) -> None:
         _orphan_loop(getattr(self, "_fs", None))
@@ -165,6 +223,7 @@ class RemoteStore(PerProcess):
         self._fs: Any = None
         self._root = ""
         self._rng = random.Random()  # never the global RNG: the user's seeds stay untouched
+        self._no_ranges = False  # the server answered a ranged GET with the whole object
 
     def __repr__(self) -> str:
         return f"RemoteStore({redact_url(self.url)!r})"
@@ -334,13 +393,18 @@ class RemoteStore(PerProcess):
         *,
         expected_size: int | None = None,
         verify: Callable[[Path], bool] | None = None,
+        arrival: Arrival | None = None,
     ) -> Path:
         """Download ``key`` atomically to ``dest``: the GET must state ``expected_size`` (a false
         one is refuted at the first chunk) and ``verify(path)`` pass. Short bodies are retried
-        (one end twice is the size); a second ``verify`` failure raises ``ChecksumError``."""
+        (one end twice is the size); a second ``verify`` failure raises ``ChecksumError``.
+        ``arrival`` (HTTP; elsewhere it only ends) is told of the bytes as they are written in
+        place into the partial file, with its tail fetched beside them by a ranged GET."""
         dest = Path(dest)
         size = self.info(key)["size"] if expected_size is None else expected_size
         path, deadline = self.fs_path(key), self._deadline(size)
+        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.partial"
+        in_place = arrival is not None and self.protocol in HTTP_PROTOCOLS
         ends: set[int] = set()
         damaged = 0
 
@@ -351,33 +415,85 @@ class RemoteStore(PerProcess):
                     "The manifest and the object disagree: re-upload the pack (or pack it again)"
                 )
 
+        def get() -> int:
+            if not in_place:
+                self.fs.get_file(path, str(tmp), callback=_Stated(refute), **deadline)
+                return tmp.stat().st_size
+            assert arrival is not None
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)  # never shrunk: readers map it
+            try:
+                os.ftruncate(fd, size)
+                arrival.update(path=str(tmp))
+                tail = self._get_tail(path, size, fd, arrival)
+                writer = _Writer(fd, size, arrival, refute)
+                try:
+                    self.fs.get_file(path, writer, callback=_Stated(refute), **deadline)
+                finally:
+                    if tail is not None:
+                        with suppress(Exception):
+                            tail.result()
+                return writer.at
+            finally:
+                os.close(fd)
+
         def attempt() -> Path:
             nonlocal damaged
-            tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.partial"
-            try:
-                self.fs.get_file(path, str(tmp), callback=_Stated(refute), **deadline)
-                got = tmp.stat().st_size
-                if got in ends or got > size:
-                    refute(got)
-                if got < size:
-                    ends.update([got] if got else [])  # an empty body shows no size
-                    raise ShortReadError(f"the body ended after {got} of {size} bytes")
-                if verify is not None and not verify(tmp):
-                    damaged += 1
-                    if damaged == 2:
-                        raise ChecksumError(
-                            f"{self.url_of(key)}: object {key or dest.name!r} does not match "
-                            "its checksum in the manifest, twice. The object on the server is "
-                            "damaged or was replaced without its manifest: re-upload the pack "
-                            "(or pack it again)"
-                        )
-                    raise ShortReadError("the download does not match its checksum")
-                os.replace(tmp, dest)  # not fsynced: a crash's damage is caught at open
-                return dest
-            finally:
-                tmp.unlink(missing_ok=True)
+            got = get()
+            if got in ends or got > size:
+                refute(got)
+            if got < size:
+                ends.update([got] if got else [])  # an empty body shows no size
+                raise ShortReadError(f"the body ended after {got} of {size} bytes")
+            if verify is not None and not verify(tmp):
+                damaged += 1
+                if damaged == 2:
+                    raise ChecksumError(
+                        f"{self.url_of(key)}: object {key or dest.name!r} does not match "
+                        "its checksum in the manifest, twice. The object on the server is "
+                        "damaged or was replaced without its manifest: re-upload the pack "
+                        "(or pack it again)"
+                    )
+                raise ShortReadError("the download does not match its checksum")
+            os.replace(tmp, dest)  # not fsynced: a crash's damage is caught at open
+            return dest
 
-        return self.call("download", key, attempt)
+        ok = False
+        try:
+            ok = self.call("download", key, attempt) == dest
+            return dest
+        finally:
+            tmp.unlink(missing_ok=True)
+            if arrival is not None:
+                arrival.update(ended=True, ok=ok)
+
+    def _get_tail(self, path: str, size: int, fd: int, arrival: Arrival) -> Any:
+        """Start a ranged GET of the last ``arrival.tail`` bytes into ``fd`` beside the body's
+        GET (a concurrent future); None, and ``tail_in`` False, where ranges are not served."""
+        n = min(arrival.tail, size)
+        if arrival.tail_in or not n or self._no_ranges:
+            arrival.update(tail_in=arrival.tail_in or False)
+            return None
+        fs = self.fs
+
+        async def get() -> None:
+            got = False
+            try:
+                session = await fs.set_session()
+                kw = dict(fs.kwargs)
+                headers = {**kw.pop("headers", {}), "Range": f"bytes={size - n}-{size - 1}"}
+                async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+                    if r.status != 206:  # 200: the whole object; left unread, closed
+                        self._no_ranges = r.status == 200
+                        return
+                    body = await r.read()
+                if len(body) == n:
+                    got = os.pwrite(fd, body, size - n) == n
+            except Exception as exc:  # the body's GET still brings every byte
+                log.debug("%s: its tail could not be read first (%s)", self.url_of(path), exc)
+            finally:
+                arrival.update(tail_in=got)
+
+        return asyncio.run_coroutine_threadsafe(get(), fs.loop)
 
     def upload_file(self, local: str | os.PathLike[str], key: str = "") -> None:
         """Upload ``local`` as ``key`` atomically (object stores do; ``file://`` renames a temp)."""

@@ -1,0 +1,162 @@
+"""A shard being downloaded is read before its download ends: its tail (index, metadata) comes
+by a ranged GET beside the body, and each record once its own bytes are in and match their
+CRC32s. A server that holds back the rest of the body shows it; faults still end whole."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from _container_helpers import FIELDS, check_pack, payload, size_of, write_pack
+
+from torch_serialized.container.reader import ContainerReader
+from torch_serialized.container.shards import open_pack
+from torch_serialized.remote.packs import ArrivingShard
+
+if TYPE_CHECKING:
+    from remote_fixtures import Remote
+
+pytest_plugins = ["remote_fixtures"]
+
+N, PER_SHARD = 40, 20
+FIRST = "shard-00000"
+ONE_SERVER = pytest.mark.parametrize("remote", ["http"], indirect=True)
+
+
+class HoldingServer(ThreadingHTTPServer):
+    """Serves ``root`` on 127.0.0.1 with ranges; a whole GET of the first shard sends its first
+    ``hold`` bytes, then the rest only once ``release`` is set. ``ranges=False``: Range ignored."""
+
+    daemon_threads = True
+
+    def __init__(self, root: Path, hold: int, ranges: bool = True) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.root, self.hold, self.ranges = root, hold, ranges
+        self.release = threading.Event()
+        self.requests: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: HoldingServer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        path = self.server.root / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        self.server.requests.append(f"{'range' if wanted else 'whole'} {path.name}")
+        if wanted and self.server.ranges:
+            start, end = int(wanted[1]), min(int(wanted[2]), len(data) - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+            data = data[start : end + 1]
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        hold = self.server.hold if not wanted and path.name.startswith(FIRST) else len(data)
+        self.wfile.write(data[:hold])
+        self.wfile.flush()
+        if hold < len(data):
+            self.server.release.wait(30)
+            self.wfile.write(data[hold:])
+
+
+@pytest.fixture
+def pack(tmp_path: Path) -> Path:
+    return write_pack(tmp_path / "pack", N, max_records_per_shard=PER_SHARD)
+
+
+def first_record_end(pack: Path) -> int:
+    """Where record 0's last field ends in the first shard."""
+    row = ContainerReader(next(pack.glob(f"{FIRST}*"))).index_rows([0])[0]
+    return int((row["offset"] + row["length"]).max())
+
+
+@pytest.fixture
+def holding(pack: Path) -> Iterator[HoldingServer]:
+    server = HoldingServer(pack.parent, hold=first_record_end(pack))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def record_0(reader: object) -> list[bytes]:
+    return [bytes(reader.field(0, k)) for k in range(len(FIELDS))]  # type: ignore[attr-defined]
+
+
+def test_a_record_is_read_before_the_rest_of_its_shard_arrives(
+    holding: HoldingServer, tmp_path: Path
+) -> None:
+    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
+    reader.prefetch_shards([0])
+    start = time.monotonic()
+    assert record_0(reader) == [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
+    assert time.monotonic() - start < 10 and not holding.release.is_set()
+    assert isinstance(reader.shard(0), ArrivingShard)
+    assert f"range {FIRST}" in " ".join(holding.requests)  # its tail came beside the body
+
+    later = threading.Thread(target=lambda: (time.sleep(0.3), holding.release.set()))
+    later.start()
+    check_pack(reader, N)  # record 19 waits for its bytes, then all of them are right
+    later.join()
+    reader.close()
+    cached = next((tmp_path / "cache").rglob(f"{FIRST}*.tser"))
+    assert cached.read_bytes() == next((holding.root / "pack").glob(f"{FIRST}*")).read_bytes()
+    assert not list((tmp_path / "cache").rglob("*.partial"))
+    whole = [r for r in holding.requests if r.startswith("whole shard")]
+    assert len(whole) == 2  # one GET per shard
+
+
+def test_a_server_ignoring_range_is_read_whole(pack: Path, tmp_path: Path) -> None:
+    server = HoldingServer(pack.parent, hold=first_record_end(pack), ranges=False)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
+        reader.prefetch_shards([0])
+        threading.Timer(0.5, server.release.set).start()
+        start = time.monotonic()
+        assert record_0(reader) == [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
+        assert time.monotonic() - start >= 0.4  # no tail: it waited for the whole shard
+        assert not isinstance(reader.shard(0), ArrivingShard)
+        check_pack(reader, N)
+        reader.close()
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("fault", ["truncate", "status", "drop"])
+def test_an_early_read_survives_a_fault_of_its_download(
+    remote: Remote, pack: Path, tmp_path: Path, fault: str
+) -> None:
+    for f in sorted(pack.iterdir(), key=lambda f: f.name == "manifest.json"):
+        remote.put(f.name, f.read_bytes())
+    remote.proxy.add_fault(fault, path=FIRST, method="GET", count=2, after_bytes=5000)
+    reader = open_pack(remote.url, cache_dir=tmp_path / "cache")
+    reader.prefetch_shards([0, 1])
+    check_pack(reader, N)
+    reader.close()
+    sent = remote.proxy.stats()["bytes_sent"]
+    assert sent < 2.2 * sum(f.stat().st_size for f in pack.iterdir())

@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -424,14 +423,13 @@ class RemoteStore(PerProcess):
             try:
                 os.ftruncate(fd, size)
                 arrival.update(path=str(tmp))
-                tail = self._get_tail(path, size, fd, arrival)
+                tail = self._get_tail(path, size, tmp, arrival)
                 writer = _Writer(fd, size, arrival, refute)
                 try:
                     self.fs.get_file(path, writer, callback=_Stated(refute), **deadline)
                 finally:
                     if tail is not None:
-                        with suppress(Exception):
-                            tail.result()
+                        tail.cancel()  # done by now, unless a stall holds it
                 return writer.at
             finally:
                 os.close(fd)
@@ -466,8 +464,8 @@ class RemoteStore(PerProcess):
             if arrival is not None:
                 arrival.update(ended=True, ok=ok)
 
-    def _get_tail(self, path: str, size: int, fd: int, arrival: Arrival) -> Any:
-        """Start a ranged GET of the last ``arrival.tail`` bytes into ``fd`` beside the body's
+    def _get_tail(self, path: str, size: int, tmp: Path, arrival: Arrival) -> Any:
+        """Start a ranged GET of the last ``arrival.tail`` bytes into ``tmp`` beside the body's
         GET (a concurrent future); None, and ``tail_in`` False, where ranges are not served."""
         n = min(arrival.tail, size)
         if arrival.tail_in or not n or self._no_ranges:
@@ -486,10 +484,14 @@ class RemoteStore(PerProcess):
                         self._no_ranges = r.status == 200
                         return
                     body = await r.read()
-                if len(body) == n:
-                    got = os.pwrite(fd, body, size - n) == n
+                if len(body) == n:  # through a descriptor of its own: the download's may close
+                    fd = os.open(tmp, os.O_WRONLY)
+                    try:
+                        got = os.pwrite(fd, body, size - n) == n
+                    finally:
+                        os.close(fd)
             except Exception as exc:  # the body's GET still brings every byte
-                log.debug("%s: its tail could not be read first (%s)", self.url_of(path), exc)
+                log.debug("%s: its tail could not be read first (%s)", redact_url(path), exc)
             finally:
                 arrival.update(tail_in=got)
 

@@ -249,7 +249,8 @@ class PackReader:
             expect = self._expected[s]
             if expect is not None and s not in here.open:
                 entry = self.entries[s]  # its tail: index rows, per-record columns, metadata
-                tail = _TAIL + entry.num_records * (32 * len(self.fields) + 64)
+                per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
+                tail = _TAIL + entry.num_records * per_record
                 requests.append(ShardRequest(entry.file, expect.bytes, intact(expect), tail))
         self.remote.prefetch(requests)
 

@@ -17,6 +17,7 @@ from _container_helpers import FIELDS, check_pack, payload, size_of, write_pack
 
 from torch_serialized.container.reader import ContainerReader
 from torch_serialized.container.shards import open_pack
+from torch_serialized.errors import ChecksumError
 from torch_serialized.remote.packs import ArrivingShard
 
 if TYPE_CHECKING:
@@ -160,3 +161,22 @@ def test_an_early_read_survives_a_fault_of_its_download(
     reader.close()
     sent = remote.proxy.stats()["bytes_sent"]
     assert sent < 2.2 * sum(f.stat().st_size for f in pack.iterdir())
+
+
+def test_a_damaged_record_read_early_raises_checksum_error(pack: Path, tmp_path: Path) -> None:
+    shard = next(pack.glob(f"{FIRST}*"))
+    data = bytearray(shard.read_bytes())
+    data[first_record_end(pack) - 1] ^= 0xFF  # record 0's last byte; its index is intact
+    shard.write_bytes(bytes(data))
+    server = HoldingServer(pack.parent, hold=len(data))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
+        reader.prefetch_shards([0])
+        with pytest.raises(ChecksumError, match="does not match its checksum"):
+            reader.field(0, len(FIELDS) - 1)
+        assert not list((tmp_path / "cache").rglob(f"{FIRST}*.tser"))  # never cached
+        reader.close()
+    finally:
+        server.shutdown()
+        server.server_close()

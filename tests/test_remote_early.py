@@ -18,7 +18,7 @@ from _container_helpers import FIELDS, check_pack, payload, size_of, write_pack
 from torch_serialized.container.reader import ContainerReader
 from torch_serialized.container.shards import open_pack
 from torch_serialized.errors import ChecksumError
-from torch_serialized.remote.packs import ArrivingShard
+from torch_serialized.remote.arrival import ArrivingShard
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote

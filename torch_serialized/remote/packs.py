@@ -8,14 +8,12 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from ..container.locate import intact
 from ..container.manifest import Expected
@@ -29,9 +27,10 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
+from .arrival import Arrival, ArrivingShard
 from .cache import Cache, PackCache
 from .locks import LOCKS
-from .store import Arrival, RemoteStore, RetryPolicy
+from .store import RemoteStore, RetryPolicy
 
 __all__ = ["RemotePack", "ShardRequest", "file_identity", "resolve"]
 
@@ -271,71 +270,3 @@ class RemotePack(PackCache):
             pool.shutdown(wait=True, cancel_futures=True)
         for name in set(self.held()) - set(keep):
             self.release(name)
-
-
-class ArrivingShard(ContainerReader):
-    """A shard opened from its partial download once its header and tail (index, metadata) are
-    in and pass the checks of any opening (``meta_crc32`` from the manifest vouches for the
-    index). Until the download is whole and checked, each read waits for its records' bytes and
-    checks their CRC32s; should the download fail, or a CRC32 not match, reads go to the copy
-    ``whole()`` opens, downloaded again."""
-
-    def __init__(
-        self,
-        arrival: Arrival,
-        expect: Expected,
-        checked: bool,
-        whole: Callable[[], ContainerReader],
-    ) -> None:
-        super().__init__(arrival.path, checked=True, expect=expect)
-        self._arrival, self._checked, self._whole = arrival, checked, whole
-        self._copy: ContainerReader | None = None
-
-    def _source(self, rows: np.ndarray) -> ContainerReader:
-        """Where ``rows`` are read: here once their bytes are in, else the whole copy."""
-        if self._copy is None and not self._arrival.ok:
-            local = self._mapped()
-            end = int((local.offsets[rows] + local.lengths[rows]).max(initial=0))
-            if not self._arrival.wait(end):
-                self._copy = self._whole()
-        if self._arrival.ok:
-            self.checked = self._checked  # the file is whole and was checked
-        return self if self._copy is None else self._copy
-
-    def _damaged(self) -> ContainerReader:
-        log.info("%s: a record read early fails its CRC32; reading the whole copy", self.path)
-        self._copy = self._whole()
-        return self._copy
-
-    def views(
-        self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
-    ) -> list[list[memoryview]]:
-        rows = self._rows(records)
-        if (source := self._source(rows)) is not self:
-            return source.views(rows, fields)
-        try:
-            return super().views(rows, fields)
-        except ChecksumError:
-            if self._arrival.ok:  # the whole file's own check: its error stands
-                raise
-            return self._damaged().views(rows, fields)
-
-    def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
-        if (source := self._source(self._rows([i]))) is not self:
-            return source.record(i, fields)
-        try:
-            return super().record(i, fields)
-        except ChecksumError:
-            if self._arrival.ok:  # the whole file's own check: its error stands
-                raise
-            return self._damaged().record(i, fields)
-
-    def verify(self) -> list[int]:
-        source = self._source(np.arange(self.num_records))
-        return super().verify() if source is self else source.verify()
-
-    def prefetch(self, records: Sequence[int] | np.ndarray) -> None:
-        if self._copy is not None:
-            self._copy.prefetch(records)
-        elif self._arrival.ok:
-            super().prefetch(records)

@@ -8,7 +8,6 @@ over HTTP every transient fault. Messages hide passwords and query strings."""
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import multiprocessing.util
 import os
@@ -33,6 +32,7 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
+from .arrival import Arrival, Writer
 from .retry import (
     BUGS,
     MIN_RATE_ENV,
@@ -136,61 +136,6 @@ class _Stated(Callback):
         if self.size is not None and self._on_size is not None:
             on_size, self._on_size = self._on_size, None
             on_size(self.size)
-
-
-class Arrival:
-    """A download in flight, for readers that start before it ends: ``path`` (the partial file, at
-    its full size) holds its last ``tail`` bytes once ``tail_in`` (None: not yet known) and the
-    first ``have`` bytes of the current attempt. ``ended``: the download returned (``ok``) or
-    failed; an ``ok`` file is whole and checked."""
-
-    def __init__(self, tail: int = 0) -> None:
-        self.tail, self.path, self.have = tail, "", 0
-        self.tail_in: bool | None = None
-        self.ended = self.ok = False
-        self._cond = threading.Condition()
-
-    def update(self, **state: Any) -> None:
-        with self._cond:
-            self.__dict__.update(state)
-            self._cond.notify_all()
-
-    def end(self, *_: object) -> None:
-        """The download is over (or will never start): waiters stop waiting."""
-        self.update(ended=True)
-
-    def wait(self, end: int) -> bool:
-        """Wait until the tail and bytes ``0..end`` are in (True), or they never will be."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.ended or self.tail_in is False or self._has(end))
-            return self.ok or self._has(end)
-
-    def _has(self, end: int) -> bool:
-        return bool(self.tail_in) and self.have >= end
-
-
-class _Writer:
-    """The file-like a GET's body goes into: in place from offset 0, reported to ``arrival``."""
-
-    def __init__(self, fd: int, size: int, arrival: Arrival, refute: Callable[[int], None]):
-        self.fd, self.size, self.arrival, self.refute, self.at = fd, size, arrival, refute, 0
-        arrival.update(have=0)
-
-    def write(self, data: bytes) -> int:
-        if self.at + len(data) > self.size:
-            self.refute(self.at + len(data))
-        self.at += os.pwrite(self.fd, data, self.at)
-        self.arrival.update(have=self.at)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.at
-
-    def read(self, *_: Any) -> bytes:  # fsspec's test of a file-like
-        raise io.UnsupportedOperation("read")
-
-    def close(self) -> None:
-        pass
 
 
 class RemoteStore(PerProcess):
@@ -424,7 +369,7 @@ class RemoteStore(PerProcess):
                 os.ftruncate(fd, size)
                 arrival.update(path=str(tmp))
                 tail = self._get_tail(path, size, tmp, arrival)
-                writer = _Writer(fd, size, arrival, refute)
+                writer = Writer(fd, size, arrival, refute)
                 try:
                     self.fs.get_file(path, writer, callback=_Stated(refute), **deadline)
                 finally:

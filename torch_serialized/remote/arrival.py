@@ -1,0 +1,143 @@
+"""A shard read while it downloads: :class:`Arrival`, what a download in flight tells its
+readers; :class:`Writer`, the file-like its body goes into; :class:`ArrivingShard`, the reader
+over the partial file, whose records are served once their bytes are in and match their CRC32s."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..container.manifest import Expected
+from ..container.reader import ContainerReader
+from ..errors import ChecksumError
+
+log = logging.getLogger(__name__)
+
+
+class Arrival:
+    """A download in flight, for readers that start before it ends: ``path`` (the partial file, at
+    its full size) holds its last ``tail`` bytes once ``tail_in`` (None: not yet known) and the
+    first ``have`` bytes of the current attempt. ``ended``: the download returned (``ok``) or
+    failed; an ``ok`` file is whole and checked."""
+
+    def __init__(self, tail: int = 0) -> None:
+        self.tail, self.path, self.have = tail, "", 0
+        self.tail_in: bool | None = None
+        self.ended = self.ok = False
+        self._cond = threading.Condition()
+
+    def update(self, **state: Any) -> None:
+        with self._cond:
+            self.__dict__.update(state)
+            self._cond.notify_all()
+
+    def end(self, *_: object) -> None:
+        """The download is over (or will never start): waiters stop waiting."""
+        self.update(ended=True)
+
+    def wait(self, end: int) -> bool:
+        """Wait until the tail and bytes ``0..end`` are in (True), or they never will be."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.ended or self.tail_in is False or self._has(end))
+            return self.ok or self._has(end)
+
+    def _has(self, end: int) -> bool:
+        return bool(self.tail_in) and self.have >= end
+
+
+class Writer:
+    """The file-like a GET's body goes into: in place from offset 0, reported to ``arrival``."""
+
+    def __init__(self, fd: int, size: int, arrival: Arrival, refute: Callable[[int], None]):
+        self.fd, self.size, self.arrival, self.refute, self.at = fd, size, arrival, refute, 0
+        arrival.update(have=0)
+
+    def write(self, data: bytes) -> int:
+        if self.at + len(data) > self.size:
+            self.refute(self.at + len(data))
+        self.at += os.pwrite(self.fd, data, self.at)
+        self.arrival.update(have=self.at)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.at
+
+    def read(self, *_: Any) -> bytes:  # fsspec's test of a file-like
+        raise io.UnsupportedOperation("read")
+
+    def close(self) -> None:
+        pass
+
+
+class ArrivingShard(ContainerReader):
+    """A shard opened from its partial download once its header and tail (index, metadata) are
+    in and pass the checks of any opening (``meta_crc32`` from the manifest vouches for the
+    index). Until the download is whole and checked, each read waits for its records' bytes and
+    checks their CRC32s; should the download fail, or a CRC32 not match, reads go to the copy
+    ``whole()`` opens, downloaded again."""
+
+    def __init__(
+        self,
+        arrival: Arrival,
+        expect: Expected,
+        checked: bool,
+        whole: Callable[[], ContainerReader],
+    ) -> None:
+        super().__init__(arrival.path, checked=True, expect=expect)
+        self._arrival, self._checked, self._whole = arrival, checked, whole
+        self._copy: ContainerReader | None = None
+
+    def _source(self, rows: np.ndarray) -> ContainerReader:
+        """Where ``rows`` are read: here once their bytes are in, else the whole copy."""
+        if self._copy is None and not self._arrival.ok:
+            local = self._mapped()
+            end = int((local.offsets[rows] + local.lengths[rows]).max(initial=0))
+            if not self._arrival.wait(end):
+                self._copy = self._whole()
+        if self._arrival.ok:
+            self.checked = self._checked  # the file is whole and was checked
+        return self if self._copy is None else self._copy
+
+    def _damaged(self) -> ContainerReader:
+        log.info("%s: a record read early fails its CRC32; reading the whole copy", self.path)
+        self._copy = self._whole()
+        return self._copy
+
+    def views(
+        self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
+    ) -> list[list[memoryview]]:
+        rows = self._rows(records)
+        if (source := self._source(rows)) is not self:
+            return source.views(rows, fields)
+        try:
+            return super().views(rows, fields)
+        except ChecksumError:
+            if self._arrival.ok:  # the whole file's own check: its error stands
+                raise
+            return self._damaged().views(rows, fields)
+
+    def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
+        if (source := self._source(self._rows([i]))) is not self:
+            return source.record(i, fields)
+        try:
+            return super().record(i, fields)
+        except ChecksumError:
+            if self._arrival.ok:  # the whole file's own check: its error stands
+                raise
+            return self._damaged().record(i, fields)
+
+    def verify(self) -> list[int]:
+        source = self._source(np.arange(self.num_records))
+        return super().verify() if source is self else source.verify()
+
+    def prefetch(self, records: Sequence[int] | np.ndarray) -> None:
+        if self._copy is not None:
+            self._copy.prefetch(records)
+        elif self._arrival.ok:
+            super().prefetch(records)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ class Arrival:
         self.tail_in: bool | None = None
         self.ended = self.ok = False
         self._cond = threading.Condition()
+        self._want = math.inf  # the fewest bytes a waiter waits for: ``arrived`` wakes it then
 
     def update(self, **state: Any) -> None:
         with self._cond:
@@ -41,11 +43,21 @@ class Arrival:
         """The download is over (or will never start): waiters stop waiting."""
         self.update(ended=True)
 
+    def arrived(self, have: int) -> None:
+        """The first ``have`` bytes are in; waiters wake only once what they wait for is, not
+        at every chunk."""
+        self.have = have
+        if have >= self._want:
+            self.update(_want=math.inf)
+
     def wait(self, end: int) -> bool:
         """Wait until the tail and bytes ``0..end`` are in (True), or they never will be."""
         with self._cond:
-            self._cond.wait_for(lambda: self.ended or self.tail_in is False or self._has(end))
-            return self.ok or self._has(end)
+            while True:
+                self._want = min(self._want, end)  # set before ``have`` is read: none is missed
+                if self.ended or self.tail_in is False or self._has(end):
+                    return self.ok or self._has(end)
+                self._cond.wait()
 
     def _has(self, end: int) -> bool:
         return bool(self.tail_in) and self.have >= end
@@ -56,13 +68,13 @@ class Writer:
 
     def __init__(self, fd: int, size: int, arrival: Arrival, refute: Callable[[int], None]):
         self.fd, self.size, self.arrival, self.refute, self.at = fd, size, arrival, refute, 0
-        arrival.update(have=0)
+        arrival.arrived(0)
 
     def write(self, data: bytes) -> int:
         if self.at + len(data) > self.size:
             self.refute(self.at + len(data))
         self.at += os.pwrite(self.fd, data, self.at)
-        self.arrival.update(have=self.at)
+        self.arrival.arrived(self.at)
         return len(data)
 
     def tell(self) -> int:

@@ -18,7 +18,7 @@ from _container_helpers import FIELDS, check_pack, payload, size_of, write_pack
 from torch_serialized.container.reader import ContainerReader
 from torch_serialized.container.shards import open_pack
 from torch_serialized.errors import ChecksumError
-from torch_serialized.remote.arrival import ArrivingShard
+from torch_serialized.remote.arrival import Arrival, ArrivingShard
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote
@@ -180,3 +180,20 @@ def test_a_damaged_record_read_early_raises_checksum_error(pack: Path, tmp_path:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_reader_waiting_on_an_arrival_wakes_once_its_bytes_are_in() -> None:
+    arrival = Arrival()
+    arrival.update(tail_in=True)
+    woke: list[float] = []
+    waiter = threading.Thread(target=lambda: woke.append(arrival.wait(100) and time.monotonic()))
+    waiter.start()
+    for have in range(0, 100, 10):  # below what it waits for: no wake-up, no return
+        arrival.arrived(have)
+        time.sleep(0.01)
+    assert not woke
+    done = time.monotonic()
+    arrival.arrived(100)
+    waiter.join(5)
+    assert woke and woke[0] >= done
+    assert arrival.wait(100) and not Arrival().ok

@@ -1,5 +1,5 @@
 """A shard being downloaded is read before its download ends: its tail (index, metadata) comes
-by a ranged GET beside the body, and each record once its own bytes are in and match their
+by a ranged GET just before the body, and each record once its own bytes are in and match their
 CRC32s. A server that holds back the rest of the body shows it; faults still end whole."""
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class HoldingServer(ThreadingHTTPServer):
         self.root, self.hold, self.ranges = root, hold, ranges
         self.release = threading.Event()
         self.requests: list[str] = []
+        self.range_delay = 0.0  # seconds before a ranged answer (a slow or stalled tail)
 
     @property
     def url(self) -> str:
@@ -63,6 +64,7 @@ class _Handler(BaseHTTPRequestHandler):
         wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
         self.server.requests.append(f"{'range' if wanted else 'whole'} {path.name}")
         if wanted and self.server.ranges:
+            time.sleep(self.server.range_delay)
             start, end = int(wanted[1]), min(int(wanted[2]), len(data) - 1)
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
@@ -77,6 +79,8 @@ class _Handler(BaseHTTPRequestHandler):
         if hold < len(data):
             self.server.release.wait(30)
             self.wfile.write(data[hold:])
+        if wanted:
+            self.server.requests.append(f"range sent {path.name}")
 
 
 @pytest.fixture
@@ -114,7 +118,7 @@ def test_a_record_is_read_before_the_rest_of_its_shard_arrives(
     assert record_0(reader) == [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
     assert time.monotonic() - start < 10 and not holding.release.is_set()
     assert isinstance(reader.shard(0), ArrivingShard)
-    assert f"range {FIRST}" in " ".join(holding.requests)  # its tail came beside the body
+    assert f"range {FIRST}" in " ".join(holding.requests)  # its tail came with the body
 
     later = threading.Thread(target=lambda: (time.sleep(0.3), holding.release.set()))
     later.start()
@@ -126,6 +130,35 @@ def test_a_record_is_read_before_the_rest_of_its_shard_arrives(
     assert not list((tmp_path / "cache").rglob("*.partial"))
     whole = [r for r in holding.requests if r.startswith("whole shard")]
     assert len(whole) == 2  # one GET per shard
+
+
+@pytest.mark.parametrize("delay, wait", [(0.2, 5.0), (30.0, 0.3)], ids=["slow", "stalled"])
+def test_a_shards_body_is_asked_for_once_its_tail_is_in_or_late(
+    holding: HoldingServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    delay: float,
+    wait: float,
+) -> None:
+    """The tail's GET goes alone, then the body's: side by side they slowed a fast link (a
+    second connection ramping up beside the body's: 20 ms, no cap, 232 -> 208 MB/s). A stalled
+    tail holds the body no longer than ``_TAIL_WAIT``; its shard is then read whole."""
+    monkeypatch.setattr("torch_serialized.remote.store._TAIL_WAIT", wait)
+    holding.range_delay, holding.hold = delay, 1 << 40  # the body is not held back here
+    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
+    reader.prefetch_shards([0])
+    start = time.monotonic()
+    assert record_0(reader) == [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
+    assert time.monotonic() - start < min(delay, wait) + 3
+    log = holding.requests
+    name = next(r.split(" ", 1)[1] for r in log if r.startswith(f"range {FIRST}"))
+    asked = log.index(f"whole {name}")
+    if delay < wait:  # the tail came first, then the body was asked for
+        assert log.index(f"range sent {name}") < asked
+    else:  # the tail stalled: the body went ahead after the wait, the shard read whole
+        assert f"range sent {name}" not in log
+        assert not isinstance(reader.shard(0), ArrivingShard)
+    reader.close()
 
 
 def test_a_server_ignoring_range_is_read_whole(pack: Path, tmp_path: Path) -> None:

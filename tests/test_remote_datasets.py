@@ -401,8 +401,9 @@ def test_two_ranks_with_two_workers_share_one_cache_and_download_each_shard_once
     )
     local = ts.VOCSerializedDataset(stream_packs["shards"], image_set="trainval", decode="none")
     assert set(seen) == {digest(local[i][0]) for i in range(len(local))}
+    per_shard = 2 if served.kind == "http" else 1  # over HTTP its tail's ranged GET, then its body
     for name in shard_names(stream_packs["shards"]):
-        assert served.proxy.count("GET", served.path(name)) <= 1, name
+        assert served.proxy.count("GET", served.path(name)) <= per_shard, name
     assert served.proxy.count("GET", "catalog-") == 1
 
 

@@ -4,6 +4,8 @@ CRC32s. A server that holds back the rest of the body shows it; faults still end
 
 from __future__ import annotations
 
+import io
+import os
 import re
 import threading
 import time
@@ -230,3 +232,68 @@ def test_a_reader_waiting_on_an_arrival_wakes_once_its_bytes_are_in() -> None:
     waiter.join(5)
     assert woke and woke[0] >= done
     assert arrival.wait(100) and not Arrival().ok
+
+
+def test_an_arriving_shard_falls_back_to_the_whole_copy(tmp_path: Path) -> None:
+    """Reads of a shard in flight: from the partial file while it holds their bytes and they
+    match; from the copy downloaded again once a record fails its CRC32 or the download ends
+    without the bytes; ``verify`` and ``prefetch`` follow the same source."""
+    original = write_pack(tmp_path / "one.tser", 6)
+    data = bytearray(original.read_bytes())
+    end_1 = int(max(ContainerReader(original).index_rows([1])[0]["offset"]))
+    data[end_1] ^= 0xFF  # record 1's last field damaged in the partial copy only
+    partial = tmp_path / "partial.tser"
+    partial.write_bytes(bytes(data))
+    opened: list[ContainerReader] = []
+
+    def whole() -> ContainerReader:
+        opened.append(ContainerReader(original))
+        return opened[-1]
+
+    arrival = Arrival()
+    arrival.update(path=str(partial), tail_in=True, have=len(data))
+    shard = ArrivingShard(arrival, None, False, whole)  # type: ignore[arg-type]
+    shard.prefetch([0])  # in flight: no read hint
+    assert record_0(shard) == [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
+    assert not opened and shard.verify() == [1]  # verify reads the partial file: record 1
+    got = shard.record(1, range(len(FIELDS)))  # fails its CRC32 here: read from the copy
+    assert [bytes(v) for v in got] == [payload(1, k, size_of(1, k)) for k in range(len(FIELDS))]
+    assert len(opened) == 1 and shard.verify() == []  # now the copy's
+    shard.prefetch([0, 1])
+    assert [bytes(v) for v in shard.views([1], [0])[0]] == [payload(1, 0, size_of(1, 0))]
+    fresh = ArrivingShard(arrival, None, False, whole)  # type: ignore[arg-type]
+    assert bytes(fresh.views([0, 1], [1])[1][0]) == payload(1, 1, size_of(1, 1))  # the copy's
+    assert len(opened) == 2
+    arrival.update(ended=True, ok=True)  # whole and checked, yet damaged: the error stands
+    checked = ArrivingShard(arrival, None, True, whole)  # type: ignore[arg-type]
+    for read in (lambda: checked.record(1, [1]), lambda: checked.views([1], [1])):
+        with pytest.raises(ChecksumError):
+            read()
+
+    waiting = Arrival()
+    waiting.update(path=str(original), tail_in=True, have=100)  # the header and tail only
+    late = ArrivingShard(waiting, None, False, whole)  # type: ignore[arg-type]
+    waiting.end()  # the download failed: its bytes never come
+    assert bytes(late.field(5, 1)) == payload(5, 1, size_of(5, 1)) and len(opened) == 3
+    done = Arrival()
+    done.update(path=str(original), tail_in=True, have=len(data), ended=True, ok=True)
+    ArrivingShard(done, None, False, whole).prefetch([0])  # whole and checked: hinted
+
+
+def test_a_download_writer_refuses_more_than_the_manifests_size(tmp_path: Path) -> None:
+    from torch_serialized.remote.arrival import Writer
+
+    def refute(got: int) -> None:
+        raise ValueError(f"{got} bytes")
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        writer = Writer(fd, 4, Arrival(), refute)
+        assert writer.write(b"abc") == 3 and writer.tell() == 3
+        with pytest.raises(ValueError, match="5 bytes"):
+            writer.write(b"de")
+        with pytest.raises(io.UnsupportedOperation):
+            writer.read()
+        writer.close()
+    finally:
+        os.close(fd)

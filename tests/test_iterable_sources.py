@@ -304,6 +304,9 @@ def test_every_real_dataset_in_one_stream(tmp_path: Path) -> None:
     oracle = ConcatDataset([VOCDetection(root, year, image_set) for root, year in roots])
     ds = VOCSerializedIterableDataset(packs, image_set, shuffle=True, seed=7)
     assert Counter(key(*s) for s in ds) == Counter(key(*oracle[i]) for i in range(len(oracle)))
+    concat = VOCSerializedDataset(packs, image_set=image_set)  # map-style: index for index
+    assert len(concat) == len(oracle)
+    assert all(key(*concat[i]) == key(*oracle[i]) for i in range(len(oracle)))
     tensors = VOCSerializedIterableDataset(packs, image_set, target_format="tv_tensors")
     dicts = VOCSerializedIterableDataset(packs, image_set, decode="none")
     names = tensors.label_names

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from multiprocessing.context import get_spawning_popen
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from torch.utils.data import IterableDataset
@@ -43,6 +43,8 @@ from .topology import Topology, distributed_info, epoch_total, seeded_rng
 from .workers import SHARED_RUN, in_worker
 
 __all__ = ["VOCSerializedIterableDataset"]
+
+T = TypeVar("T")
 
 
 def _shares(
@@ -223,10 +225,7 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
             share = rank_share(positions, block_ids, rank, world, drop_last=self.drop_last)
             for worker, count in enumerate(counts):
                 blocks = split_blocks(*worker_share(*share, worker, workers))
-                items: Iterator[int] = itertools.chain.from_iterable(blocks)
-                if shuffle:
-                    rng = seeded_rng(seed, BUFFER, epoch, rank, worker)
-                    items = shuffle_buffer(items, self.shuffle_buffer, rng)
+                items = self._mixed(itertools.chain.from_iterable(blocks), rank, worker)
                 handed.update(int(p) for p in itertools.islice(items, count))
         keep = np.ones(len(positions), dtype=bool)
         for i, p in enumerate(positions.tolist()):
@@ -234,6 +233,14 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
                 handed[p] -= 1
                 keep[i] = False
         return positions[keep], block_ids[keep]
+
+    def _mixed(self, items: Iterator[T], rank: int, worker: int) -> Iterator[T]:
+        """``items`` in the order ``worker`` of ``rank`` hands them out (the shuffle buffer's):
+        one place, so a resume's replay is the order read."""
+        if not self.shuffle:
+            return items
+        rng = seeded_rng(self.seed, BUFFER, self.epoch, rank, worker)
+        return shuffle_buffer(items, self.shuffle_buffer, rng)
 
     @property
     def epoch(self) -> int:
@@ -286,10 +293,7 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
                 for record, data in itertools.islice(streams[k], len(block)):
                     yield k, record, data
 
-        items: Iterator[tuple[int, int, Fields | None]] = merged()
-        if self.shuffle:
-            rng = seeded_rng(self.seed, BUFFER, self.epoch, here.rank, here.worker)
-            items = shuffle_buffer(items, self.shuffle_buffer, rng)
+        items = self._mixed(merged(), here.rank, here.worker)
         for _ in itertools.islice(items, skip):
             pass
         gate.open = True

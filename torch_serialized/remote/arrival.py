@@ -1,9 +1,11 @@
 """A shard read while it downloads: :class:`Arrival`, what a download in flight tells its
-readers; :class:`Writer`, the file-like its body goes into; :class:`ArrivingShard`, the reader
-over the partial file, whose records are served once their bytes are in and match their CRC32s."""
+readers; :class:`Writer`, the file-like an HTTP body goes into; :func:`fill_parts`, an object
+store's ranged GETs; :class:`ArrivingShard`, the reader over the partial file, whose records are
+served once their bytes are in and match their CRC32s."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import math
@@ -17,6 +19,7 @@ import numpy as np
 from ..container.manifest import Expected
 from ..container.reader import ContainerReader
 from ..errors import ChecksumError
+from .retry import causes, http_status
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,68 @@ class Writer:
 
     def close(self) -> None:
         pass
+
+
+PART = 4 << 20  #: bytes per ranged GET of an object store's download in place
+IN_FLIGHT = 4  #: its ranged GETs at once
+
+
+def fill_parts(
+    fs: Any,
+    path: str,
+    size: int,
+    fd: int,
+    arrival: Arrival,
+    refute: Callable[[int], None],
+    deadline: Callable[[int], float | None],
+) -> int:
+    """Object ``path`` (``size`` bytes, an async fsspec filesystem: S3, GCS) into ``fd`` by
+    ranged GETs, ``IN_FLIGHT`` at once: its tail first, then parts of ``PART`` bytes in order,
+    each reported to ``arrival`` once its prefix is whole. The backend retries each GET; a part
+    past ``deadline(bytes)`` seconds stalls. Returns how many bytes lead up to the first gap
+    (``size``: all of them); a larger object is ``refute``d by its last byte."""
+    tail = min(arrival.tail, size)
+    body = size - tail
+    spans = [(body, size)] if tail else []
+    spans += [(a, min(a + PART, body)) for a in range(0, body, PART)]
+    done: set[int] = set()
+
+    async def part(a: int, b: int, gate: asyncio.Semaphore) -> int:
+        async with gate:
+            wanted = fs._cat_file(path, start=a, end=b + (b == size))  # + 1: a larger object
+            try:
+                data = await asyncio.wait_for(wanted, deadline(b - a))
+            except Exception as exc:  # 416: the object ends before ``a``; say where
+                if not any(http_status(e) == 416 for e in causes(exc)):
+                    raise
+                refute(int((await fs._info(path))["size"]))
+                raise
+        if a + len(data) > size:
+            refute(a + len(data))
+        os.pwrite(fd, data[: b - a], a)
+        if len(data) < b - a:
+            return a + len(data)  # the object ends here
+        done.add(a)
+        if tail and a == body:
+            arrival.update(tail_in=True)
+        have = 0
+        while have < body and have in done:
+            have = min(have + PART, body)
+        arrival.arrived(size if have == body and (not tail or body in done) else have)
+        return size
+
+    async def run() -> int:
+        gate = asyncio.Semaphore(IN_FLIGHT)
+        tasks = [asyncio.ensure_future(part(a, b, gate)) for a, b in spans]
+        try:
+            return min([size, *[await task for task in tasks]])
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    arrival.arrived(0)
+    return int(asyncio.run_coroutine_threadsafe(run(), fs.loop).result())
 
 
 class ArrivingShard(ContainerReader):

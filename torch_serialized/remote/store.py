@@ -33,7 +33,7 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from .arrival import Arrival, Writer
+from .arrival import Arrival, Writer, fill_parts
 from .retry import (
     BUGS,
     MIN_RATE_ENV,
@@ -292,6 +292,10 @@ class RemoteStore(PerProcess):
             return {}
         return {"timeout": _DEADLINE_GRACE + nbytes / rate} if self.fs.async_impl else {}
 
+    def _part_limit(self, nbytes: int) -> float | None:
+        """Seconds a ranged GET of ``nbytes`` may take (None: no deadline), as ``_deadline``."""
+        return self._deadline(nbytes).get("timeout")
+
     def info(self, key: str = "") -> dict[str, Any]:
         """What the server says of object ``key`` (fsspec's ``info``); it must state the size."""
         path = self.fs_path(key)
@@ -344,13 +348,14 @@ class RemoteStore(PerProcess):
         """Download ``key`` atomically to ``dest``: the GET must state ``expected_size`` (a false
         one is refuted at the first chunk) and ``verify(path)`` pass. Short bodies are retried
         (one end twice is the size); a second ``verify`` failure raises ``ChecksumError``.
-        ``arrival`` (HTTP; elsewhere it only ends) is told of the bytes as they are written in
-        place into the partial file, its tail fetched first by a ranged GET."""
+        ``arrival`` is told of the bytes as they are written in place into the partial file, its
+        tail fetched first: over HTTP by a ranged GET before the body's, from an object store
+        by ``fill_parts``."""
         dest = Path(dest)
         size = self.info(key)["size"] if expected_size is None else expected_size
         path, deadline = self.fs_path(key), self._deadline(size)
         tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.partial"
-        in_place = arrival is not None and self.protocol in HTTP_PROTOCOLS
+        in_place = arrival is not None and (self.protocol in HTTP_PROTOCOLS or self.fs.async_impl)
         ends: set[int] = set()
         damaged = 0
 
@@ -370,6 +375,8 @@ class RemoteStore(PerProcess):
             try:
                 os.ftruncate(fd, size)
                 arrival.update(path=str(tmp))
+                if self.protocol not in HTTP_PROTOCOLS:  # an object store: ranged GETs
+                    return fill_parts(self.fs, path, size, fd, arrival, refute, self._part_limit)
                 tail = self._get_tail(path, size, tmp, arrival)
                 if tail is not None:  # alone, first: beside the body's GET it slowed a fast
                     with suppress(Exception):  # link (20 ms, no cap: 232 -> 208 MB/s); a

@@ -605,6 +605,29 @@ def test_a_whole_body_shorter_than_claimed_fails_at_its_stated_size(
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("remote", ["s3", "gcs"], indirect=True)
+@pytest.mark.parametrize("claimed", [-100, 100, 3 * PART], ids=["larger", "shorter", "far"])
+def test_an_object_read_in_place_by_parts_refutes_a_false_size(
+    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, claimed: int
+) -> None:
+    """A shard downloaded in place by ranged GETs (read while it arrives) shows its true size:
+    larger by one byte past the claim, shorter by a short part, far shorter by its 416."""
+    from torch_serialized.remote.arrival import Arrival
+
+    monkeypatch.setattr("torch_serialized.remote.arrival.PART", PART // 4)
+    size = 2 * PART + 50
+    remote.put("obj.bin", payload(size))
+    s = store(remote, PATIENT)
+    with pytest.raises(RemoteError) as failed:
+        s.download("obj.bin", tmp_path / "o", expected_size=size + claimed, arrival=Arrival(500))
+    first = str(failed.value).splitlines()[0]
+    if claimed < 0:  # the one byte past the claim is all it knows
+        assert f"has {size + claimed + 1} bytes, the manifest says {size + claimed}" in first
+    else:
+        _says_the_object_is_shorter(failed.value, s.url_of("obj.bin"), size, size + claimed)
+    assert leftovers(tmp_path) == []
+
+
 def cut_bodies(s: RemoteStore, monkeypatch: pytest.MonkeyPatch, lengths: list[int]) -> list[int]:
     """Make the downloads of ``s`` end cleanly after ``lengths[k]`` bytes (whole once the
     lengths run out), as a proxy that re-framed the bodies would; the lengths written."""

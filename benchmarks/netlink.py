@@ -11,6 +11,8 @@ path, interleaved: curl fetching the same files over one connection and 4 in par
 epoch of ``VOCSerializedIterableDataset(url, "trainval", decode="none")`` in a DataLoader, each
 in a fresh process with an empty cache. It prints medians (min-max): MB/s over the epoch, the
 first batch after ``iter(loader)``, and the bytes the server sent against the pack's size.
+``--protocols http,s3`` also reads the pack as ``s3://tsbench-remote`` (netlink's path-style S3,
+through s3fs: ``pip install s3fs``).
 """
 
 from __future__ import annotations
@@ -67,10 +69,15 @@ def curl(urls: list[str], parallel: int) -> float:
     return time.perf_counter() - start
 
 
-def epoch(url: str, workers: int, shuffle: bool) -> dict[str, float]:
+def epoch(url: str, workers: int, shuffle: bool, host: str) -> dict[str, float]:
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL_S3": f"http://{host}",  # netlink's S3: any credentials work
+        **{"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "x"},
+    }
     with tempfile.TemporaryDirectory(prefix="tsbench-cache-") as cache:
         argv = [sys.executable, "-c", EPOCH, url, str(workers), "1" if shuffle else "0", cache]
-        out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -87,6 +94,7 @@ def main() -> None:
     parser.add_argument("--paths", default="wan,lat,cap")
     parser.add_argument("--workers", default="2,0", help="DataLoader workers, comma-separated")
     parser.add_argument("--shuffle", action="store_true", help="shuffle=True epochs")
+    parser.add_argument("--protocols", default="http", help="http, s3 or both, comma-separated")
     parser.add_argument(
         "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "tsbench-netlink"
     )
@@ -118,16 +126,18 @@ def main() -> None:
                 rows.setdefault((path, f"curl, {parallel} at once"), []).append(
                     size / curl(urls, parallel) / 1e6
                 )
-            for workers in map(int, args.workers.split(",")):
-                offset = log_size()
-                got = epoch(base, workers, args.shuffle)
-                time.sleep(0.2)  # nginx writes its log line after the response
-                name = f"ours, {workers} workers"
-                rows.setdefault((path, name), []).append(size / got["epoch"] / 1e6)
-                rows.setdefault((path, name + ": first batch s"), []).append(got["first"])
-                rows.setdefault((path, name + ": bytes sent / pack"), []).append(
-                    sent_since(offset) / size
-                )
+            for protocol in args.protocols.split(","):
+                for workers in map(int, args.workers.split(",")):
+                    offset = log_size()
+                    url = base if protocol == "http" else "s3://tsbench-remote"
+                    got = epoch(url, workers, args.shuffle, PATHS[path])
+                    time.sleep(0.2)  # nginx writes its log line after the response
+                    name = f"ours{'' if protocol == 'http' else ' ' + protocol}, {workers} workers"
+                    rows.setdefault((path, name), []).append(size / got["epoch"] / 1e6)
+                    rows.setdefault((path, name + ": first batch s"), []).append(got["first"])
+                    rows.setdefault((path, name + ": bytes sent / pack"), []).append(
+                        sent_since(offset) / size
+                    )
     print("\n| path | what | median (min-max) |\n|---|---|---|")
     for (path, what), values in rows.items():
         unit = "" if ":" in what else " MB/s"

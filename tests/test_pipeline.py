@@ -184,11 +184,11 @@ def test_a_shuffle_buffer_starts_before_it_is_full() -> None:
 def test_shard_window_downloads_ahead_and_releases_behind() -> None:
     """A remote stream holds the shards of the block in use and the next ``ahead`` distinct
     shards later blocks read, and releases each one once no near block needs it. A block's own
-    shards are asked for alone, the ones ahead once it is read: an awaited shard gets the link."""
+    shards are asked for ``now`` (they start even if queued), the ones ahead once it is read."""
     calls: list[tuple[str, object]] = []
     reader = SimpleNamespace(
         starts=np.array([0, 10, 20, 30, 40]),
-        prefetch_shards=lambda shards: calls.append(("get", list(shards))),
+        prefetch_shards=lambda shards, now=False: calls.append(("get", list(shards), now)),
         release_shard=lambda shard: calls.append(("drop", shard)),
     )
     blocks = [np.array([0, 5]), np.array([12]), np.array([25, 35]), np.array([3])]
@@ -198,13 +198,16 @@ def test_shard_window_downloads_ahead_and_releases_behind() -> None:
         window.before(b)
         window.after(b)
     assert calls == [
-        ("get", [0]),
+        ("get", [0], True),
         ("drop", 0),
-        ("get", [1, 2]),  # once block 0 is read
+        ("get", [1, 2], False),  # once block 0 is read
+        ("get", [1], True),
         ("drop", 1),
-        ("get", [3, 0]),
+        ("get", [3, 0], False),
+        ("get", [2, 3], True),
         ("drop", 2),
         ("drop", 3),
+        ("get", [0], True),
         ("drop", 0),
     ]
     assert ShardWindow(reader, blocks, ahead=0).window(0) == [0]  # type: ignore[arg-type]

@@ -134,6 +134,67 @@ def test_a_record_is_read_before_the_rest_of_its_shard_arrives(
     assert len(whole) == 2  # one GET per shard
 
 
+def test_a_record_far_ahead_of_the_body_is_read_by_a_range_of_its_own(
+    holding: HoldingServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block at the end of a shard in flight does not wait for the body to reach it: its
+    bytes come by a ranged GET of their own (a first batch needing the end of a shard)."""
+    monkeypatch.setattr("torch_serialized.remote.arrival.FAR", 0)  # the shards here are small
+    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
+    reader.prefetch_shards([0])
+    last = PER_SHARD - 1
+    start = time.monotonic()
+    got = [bytes(reader.field(last, k)) for k in range(len(FIELDS))]
+    assert got == [payload(last, k, size_of(last, k)) for k in range(len(FIELDS))]
+    assert time.monotonic() - start < 10 and not holding.release.is_set()
+    assert sum(r.startswith(f"range sent {FIRST}") for r in holding.requests) == 2  # tail, it
+    holding.release.set()
+    check_pack(reader, N)
+    reader.close()
+
+
+def test_a_shard_awaited_behind_other_downloads_starts_at_once(
+    holding: HoldingServer, tmp_path: Path
+) -> None:
+    """Prefetches run ``prefetch_threads`` at a time; a shard a reader waits for (or that a
+    stream asks for ``now``) does not queue behind them."""
+    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
+    assert reader.remote is not None
+    reader.remote.prefetch_threads = 1
+    reader.prefetch_shards([0, 1])  # shard 0's body is held: shard 1 waits for the thread
+    time.sleep(0.3)
+    assert not any("shard-00001" in r for r in holding.requests)
+    reader.prefetch_shards([1], now=True)
+    deadline = time.monotonic() + 10
+    while not any(r.startswith("whole shard-00001") for r in holding.requests):
+        assert time.monotonic() < deadline, holding.requests
+        time.sleep(0.05)
+    assert record_0(reader) == [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
+    later = PER_SHARD  # shard 1's first record: read while shard 0 is still held
+    got = [bytes(reader.field(later, k)) for k in range(len(FIELDS))]
+    assert got == [payload(later, k, size_of(later, k)) for k in range(len(FIELDS))]
+    assert not holding.release.is_set()
+    holding.release.set()
+    reader.close()
+
+
+def test_a_queued_shard_a_reader_opens_is_started_for_it(
+    holding: HoldingServer, tmp_path: Path
+) -> None:
+    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
+    assert reader.remote is not None
+    reader.remote.prefetch_threads = 1
+    reader.prefetch_shards([0, 1])
+    start = time.monotonic()
+    later = PER_SHARD
+    got = [bytes(reader.field(later, k)) for k in range(len(FIELDS))]
+    assert got == [payload(later, k, size_of(later, k)) for k in range(len(FIELDS))]
+    assert time.monotonic() - start < 10 and not holding.release.is_set()
+    holding.release.set()
+    check_pack(reader, N)
+    reader.close()
+
+
 @pytest.mark.parametrize("delay, wait", [(0.2, 5.0), (30.0, 0.3)], ids=["slow", "stalled"])
 def test_a_shards_body_is_asked_for_once_its_tail_is_in_or_late(
     holding: HoldingServer,

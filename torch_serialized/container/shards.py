@@ -237,8 +237,9 @@ class PackReader:
             while len(here.closed) > _MAX_CLOSED_SHARDS:
                 here.closed.popitem(last=False)
 
-    def prefetch_shards(self, shards: Iterable[int]) -> None:
-        """Start downloading ``shards`` of a remote pack in the background (else a no-op)."""
+    def prefetch_shards(self, shards: Iterable[int], *, now: bool = False) -> None:
+        """Start downloading ``shards`` of a remote pack in the background (else a no-op);
+        ``now``: they are awaited, so they go before the others (``RemotePack.prefetch``)."""
         if self.remote is None or self.manifest_path is None:
             return
         from ..remote.packs import ShardRequest
@@ -252,7 +253,7 @@ class PackReader:
                 per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
                 tail = _TAIL + entry.num_records * per_record
                 requests.append(ShardRequest(entry.file, expect.bytes, intact(expect), tail))
-        self.remote.prefetch(requests)
+        self.remote.prefetch(requests, now=now)
 
     def release_shard(self, s: int) -> None:
         """Done with shard ``s`` of a remote pack for now: close it and let the cache evict it."""

@@ -208,8 +208,11 @@ def read_blocks(
             continue
         if window is not None:
             window.before(b)
+            for shard, local in runs.setdefault(b, record_runs(reader, recs)):
+                reader.shard(shard).prefetch(local)  # in flight: bytes far ahead asked for now
         while hinted <= min(b + AHEAD, len(blocks) - 1):
-            runs[hinted] = record_runs(reader, records[blocks[hinted]])
+            if hinted not in runs:
+                runs[hinted] = record_runs(reader, records[blocks[hinted]])
             if window is None:
                 for shard, local in runs[hinted]:
                     reader.shard(shard).prefetch(local)
@@ -248,8 +251,10 @@ class ShardWindow:
         return own + ahead
 
     def before(self, b: int) -> None:
-        """Download block ``b``'s own shards: alone, so they get the link while awaited."""
-        self._get(self.shards[b] if b < len(self.shards) else [])
+        """Download block ``b``'s own shards now, those queued too: they are awaited."""
+        own = self.shards[b] if b < len(self.shards) else []
+        self.reader.prefetch_shards(own, now=True)
+        self.held.update(own)
 
     def after(self, b: int) -> None:
         """Block ``b`` is read: release what the next window leaves out, download the rest."""

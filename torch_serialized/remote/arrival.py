@@ -12,6 +12,8 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,12 +30,16 @@ class Arrival:
     """A download in flight, for readers that start before it ends: ``path`` (the partial file, at
     its full size) holds its last ``tail`` bytes once ``tail_in`` (None: not yet known) and the
     first ``have`` bytes of the current attempt. ``ended``: the download returned (``ok``) or
-    failed; an ``ok`` file is whole and checked."""
+    failed; an ``ok`` file is whole and checked. ``get(start, end)``, set by the download, starts
+    a ranged GET of the object: readers ask for bytes far ahead of the body (``want``)."""
 
     def __init__(self, tail: int = 0) -> None:
         self.tail, self.path, self.have = tail, "", 0
         self.tail_in: bool | None = None
         self.ended = self.ok = False
+        self.get: Callable[[int, int], Future[bytes]] | None = None
+        self._spans: list[tuple[int, int]] = []  # fetched for readers ahead of the body
+        self._asked: list[tuple[int, int]] = []  # being fetched
         self._cond = threading.Condition()
         self._want = math.inf  # the fewest bytes a waiter waits for: ``arrived`` wakes it then
 
@@ -53,17 +59,57 @@ class Arrival:
         if have >= self._want:
             self.update(_want=math.inf)
 
-    def wait(self, end: int) -> bool:
-        """Wait until the tail and bytes ``0..end`` are in (True), or they never will be."""
+    def wait(self, end: int, start: int = 0) -> bool:
+        """Wait until the tail and bytes ``start..end`` are in (True), or they never will be;
+        asks for them first if they are far ahead of the body (``want``)."""
+        self.want(start, end)
         with self._cond:
             while True:
                 self._want = min(self._want, end)  # set before ``have`` is read: none is missed
-                if self.ended or self.tail_in is False or self._has(end):
-                    return self.ok or self._has(end)
+                if self.ended or self.tail_in is False or self._has(start, end):
+                    return self.ok or self._has(start, end)
                 self._cond.wait()
 
-    def _has(self, end: int) -> bool:
-        return bool(self.tail_in) and self.have >= end
+    def want(self, start: int, end: int) -> None:
+        """Bytes ``start..end`` will be read: if more than ``FAR`` ahead of the body, GET them
+        now by a range of their own, in the background; any failure leaves them to the body.
+        A block at the end of a shard: first batch 0.96 -> 0.43 s (netlink wan; with ``FAR``
+        at 1 MB instead of 8 the rate fell 5%, its bytes read twice)."""
+        with self._cond:
+            get, asked = self.get, self._asked
+            if get is None or self.ended or not self.tail_in or start <= self.have + FAR:
+                return
+            if any(a <= start and end <= b for a, b in [*asked, *self._spans]):
+                return
+            asked.append((start, end))
+        get(start, end).add_done_callback(lambda done: self._got(start, end, done))
+
+    def _got(self, start: int, end: int, done: Future[bytes]) -> None:
+        spans = self._spans
+        try:
+            data = done.result()
+            if len(data) == end - start:
+                fd = os.open(self.path, os.O_WRONLY)  # gone if the download ended: it has them
+                try:
+                    os.pwrite(fd, data, start)
+                finally:
+                    os.close(fd)
+                spans = [*spans, (start, end)]
+        except Exception as exc:
+            log.debug("%s: bytes %d-%d not read ahead (%s)", self.path, start, end, exc)
+        with self._cond:
+            self._asked.remove((start, end))
+            self._spans = spans
+            self._cond.notify_all()
+
+    def _has(self, start: int, end: int) -> bool:
+        spans = self._spans
+        return bool(self.tail_in) and (
+            self.have >= end or any(a <= start and end <= b for a, b in spans)
+        )
+
+
+FAR = 8 << 20  #: bytes ahead of the body past which a reader GETs its own range
 
 
 class Writer:
@@ -88,6 +134,49 @@ class Writer:
 
     def close(self) -> None:
         pass
+
+
+def get_tail(
+    fs: Any,
+    path: str,
+    size: int,
+    tmp: Path,
+    arrival: Arrival,
+    skip: bool,
+    ignored: Callable[[], None],
+) -> Future[None] | None:
+    """Start a ranged GET of object ``path``'s last ``arrival.tail`` bytes into ``tmp`` (HTTP,
+    before the body's GET); None, and ``tail_in`` False, if ``skip`` or there is nothing to get.
+    A 200 answer calls ``ignored()``: the server ignores ``Range``."""
+    n = min(arrival.tail, size)
+    if arrival.tail_in or not n or skip:
+        arrival.update(tail_in=arrival.tail_in or False)
+        return None
+
+    async def get() -> None:
+        got = False
+        try:
+            session = await fs.set_session()
+            kw = dict(fs.kwargs)
+            headers = {**kw.pop("headers", {}), "Range": f"bytes={size - n}-{size - 1}"}
+            async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+                if r.status != 206:  # 200: the whole object; left unread, closed
+                    if r.status == 200:
+                        ignored()
+                    return
+                body = await r.read()
+            if len(body) == n:  # through a descriptor of its own: the download's may close
+                fd = os.open(tmp, os.O_WRONLY)
+                try:
+                    got = os.pwrite(fd, body, size - n) == n
+                finally:
+                    os.close(fd)
+        except Exception as exc:  # the body's GET still brings every byte
+            log.debug("%s: its tail could not be read first (%s)", tmp.name, exc)
+        finally:
+            arrival.update(tail_in=got)
+
+    return asyncio.run_coroutine_threadsafe(get(), fs.loop)
 
 
 PART = 4 << 20  #: bytes per ranged GET of an object store's download in place
@@ -175,7 +264,8 @@ class ArrivingShard(ContainerReader):
         if self._copy is None and not self._arrival.ok:
             local = self._mapped()
             end = int((local.offsets[rows] + local.lengths[rows]).max(initial=0))
-            if not self._arrival.wait(end):
+            start = int(local.offsets[rows].min(initial=end))
+            if not self._arrival.wait(end, start):
                 self._copy = self._whole()
         if self._arrival.ok:
             self.checked = self._checked  # the file is whole and was checked
@@ -211,3 +301,7 @@ class ArrivingShard(ContainerReader):
             self._copy.prefetch(records)
         elif self._arrival.ok:
             super().prefetch(records)
+        elif len(records):  # far ahead of the body: asked for now
+            local, rows = self._mapped(), self._rows(records)
+            end = int((local.offsets[rows] + local.lengths[rows]).max())
+            self._arrival.want(int(local.offsets[rows].min()), end)

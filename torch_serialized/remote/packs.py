@@ -158,13 +158,15 @@ class RemotePack(PackCache):
         super().__init__(cache, store.url, identity)
         self.path = self.directory
 
-    _PER_PROCESS = (*PackCache._PER_PROCESS, "_pool", "_pending", "_arrivals")
+    _PER_PROCESS = (*PackCache._PER_PROCESS, "_pool", "_rush", "_pending", "_arrivals", "_requests")
 
     def _reset(self) -> None:  # also in a forked child: the parent's threads do not exist there
         super()._reset()
         self._pool: ThreadPoolExecutor | None = None
+        self._rush: ThreadPoolExecutor | None = None  # prefetches a reader waits for
         self._pending: dict[str, Future[Path]] = {}
         self._arrivals: dict[str, Arrival] = {}
+        self._requests: dict[str, ShardRequest] = {}
 
     def __repr__(self) -> str:
         return f"RemotePack({self.store.url_of()!r}, cache={str(self.directory)!r})"
@@ -189,6 +191,7 @@ class RemotePack(PackCache):
             with self._mutex:
                 future = self._pending.pop(name, None)
                 self._arrivals.pop(name, None)
+                self._requests.pop(name, None)
         if future is not None and not future.cancel():  # not started: fetched first, now
             try:
                 return future.result()
@@ -202,11 +205,13 @@ class RemotePack(PackCache):
         self._check_fork()
         with self._mutex:
             arrival = self._arrivals.get(name)
+            self._hurry(name)
         if arrival is None or not arrival.wait(HEADER_SIZE) or arrival.ok:
             return None
         with self._mutex:
             future = self._pending.pop(name, None)
             self._arrivals.pop(name, None)
+            self._requests.pop(name, None)
         if future is None:
             return None
 
@@ -245,28 +250,50 @@ class RemotePack(PackCache):
         path.unlink(missing_ok=True)
         return self.fetch(shard.name, shard.size, download)
 
-    def prefetch(self, shards: Iterable[ShardRequest | str]) -> None:
-        """Start downloading ``shards`` in background threads; returns at once."""
+    def prefetch(self, shards: Iterable[ShardRequest | str], *, now: bool = False) -> None:
+        """Start downloading ``shards`` in background threads; returns at once. At most
+        ``prefetch_threads`` run at a time, in order, unless ``now``: awaited, they start now
+        (those queued too), as each shard a reader waits for does (a first batch needing three
+        shards: 0.95 -> 0.68 s, netlink wan)."""
         self._check_fork()
         with self._mutex:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.prefetch_threads, "torch_serialized-fetch")
             for shard in shards:
                 request = ShardRequest(shard) if isinstance(shard, str) else shard
-                if request.name not in self._pending:
-                    arrival = Arrival(request.tail)
-                    future = self._pool.submit(self._fetch, request, None, arrival)
-                    future.add_done_callback(arrival.end)
-                    self._pending[request.name], self._arrivals[request.name] = future, arrival
+                name = request.name
+                if name in self._pending:
+                    if now:
+                        self._hurry(name)
+                    continue
+                arrival = self._arrivals[name] = Arrival(request.tail)
+                self._requests[name] = request
+                self._pending[name] = self._submit(request, arrival, now)
+
+    def _hurry(self, name: str) -> None:
+        """Start ``name``'s prefetch now if it waits for a thread (``_mutex`` held)."""
+        future = self._pending.get(name)
+        if future is not None and future.cancel():  # cancelled: it had not started
+            arrival = self._arrivals[name]
+            arrival.update(ended=False)
+            self._pending[name] = self._submit(self._requests[name], arrival, True)
+
+    def _submit(self, request: ShardRequest, arrival: Arrival, now: bool) -> Future[Path]:
+        if self._pool is None or self._rush is None:
+            self._pool = ThreadPoolExecutor(self.prefetch_threads, "torch_serialized-fetch")
+            self._rush = ThreadPoolExecutor(8, "torch_serialized-now")
+        future = (self._rush if now else self._pool).submit(self._fetch, request, None, arrival)
+        future.add_done_callback(arrival.end)
+        return future
 
     def close(self, keep: Iterable[str] = ()) -> None:
         """Cancel pending prefetches, wait for running ones, release held objects but ``keep``."""
         self._check_fork()
         with self._mutex:
-            pool, self._pool = self._pool, None
+            pools, self._pool, self._rush = (self._pool, self._rush), None, None
             self._pending.clear()
             self._arrivals.clear()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            self._requests.clear()
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         for name in set(self.held()) - set(keep):
             self.release(name)

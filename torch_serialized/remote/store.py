@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -33,7 +33,7 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from .arrival import Arrival, Writer, fill_parts
+from .arrival import Arrival, Writer, fill_parts, get_tail
 from .retry import (
     BUGS,
     MIN_RATE_ENV,
@@ -292,6 +292,9 @@ class RemoteStore(PerProcess):
             return {}
         return {"timeout": _DEADLINE_GRACE + nbytes / rate} if self.fs.async_impl else {}
 
+    def _ranges_ignored(self) -> None:
+        self._no_ranges = True  # later shards are read whole at once
+
     def _part_limit(self, nbytes: int) -> float | None:
         """Seconds a ranged GET of ``nbytes`` may take (None: no deadline), as ``_deadline``."""
         return self._deadline(nbytes).get("timeout")
@@ -374,10 +377,16 @@ class RemoteStore(PerProcess):
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)  # never shrunk: readers map it
             try:
                 os.ftruncate(fd, size)
-                arrival.update(path=str(tmp))
+                fs = self.fs  # a reader's range, read ahead of the body
+
+                def read_range(a: int, b: int) -> Future[bytes]:
+                    wanted = fs._cat_file(path, start=a, end=b)
+                    return asyncio.run_coroutine_threadsafe(wanted, fs.loop)
+
+                arrival.update(path=str(tmp), get=read_range)
                 if self.protocol not in HTTP_PROTOCOLS:  # an object store: ranged GETs
                     return fill_parts(self.fs, path, size, fd, arrival, refute, self._part_limit)
-                tail = self._get_tail(path, size, tmp, arrival)
+                tail = get_tail(fs, path, size, tmp, arrival, self._no_ranges, self._ranges_ignored)
                 if tail is not None:  # alone, first: beside the body's GET it slowed a fast
                     with suppress(Exception):  # link (20 ms, no cap: 232 -> 208 MB/s); a
                         tail.result(timeout=_TAIL_WAIT)  # stalled one holds the body 2 s
@@ -420,39 +429,6 @@ class RemoteStore(PerProcess):
             tmp.unlink(missing_ok=True)
             if arrival is not None:
                 arrival.update(ended=True, ok=ok)
-
-    def _get_tail(self, path: str, size: int, tmp: Path, arrival: Arrival) -> Any:
-        """Start a ranged GET of the last ``arrival.tail`` bytes into ``tmp``, before the body's
-        (a concurrent future); None, and ``tail_in`` False, where ranges are not served."""
-        n = min(arrival.tail, size)
-        if arrival.tail_in or not n or self._no_ranges:
-            arrival.update(tail_in=arrival.tail_in or False)
-            return None
-        fs = self.fs
-
-        async def get() -> None:
-            got = False
-            try:
-                session = await fs.set_session()
-                kw = dict(fs.kwargs)
-                headers = {**kw.pop("headers", {}), "Range": f"bytes={size - n}-{size - 1}"}
-                async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
-                    if r.status != 206:  # 200: the whole object; left unread, closed
-                        self._no_ranges = r.status == 200
-                        return
-                    body = await r.read()
-                if len(body) == n:  # through a descriptor of its own: the download's may close
-                    fd = os.open(tmp, os.O_WRONLY)
-                    try:
-                        got = os.pwrite(fd, body, size - n) == n
-                    finally:
-                        os.close(fd)
-            except Exception as exc:  # the body's GET still brings every byte
-                log.debug("%s: its tail could not be read first (%s)", redact_url(path), exc)
-            finally:
-                arrival.update(tail_in=got)
-
-        return asyncio.run_coroutine_threadsafe(get(), fs.loop)
 
     def upload_file(self, local: str | os.PathLike[str], key: str = "") -> None:
         """Upload ``local`` as ``key`` atomically (object stores do; ``file://`` renames a temp)."""

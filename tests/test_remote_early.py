@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 from _container_helpers import FIELDS, check_pack, payload, size_of, write_pack
 
+from torch_serialized.container import shards as shards_module
 from torch_serialized.container.reader import ContainerReader
 from torch_serialized.container.shards import open_pack
 from torch_serialized.errors import ChecksumError
@@ -132,6 +133,36 @@ def test_a_record_is_read_before_the_rest_of_its_shard_arrives(
     assert not list((tmp_path / "cache").rglob("*.partial"))
     whole = [r for r in holding.requests if r.startswith("whole shard")]
     assert len(whole) == 2  # one GET per shard
+
+
+@pytest.mark.parametrize("remote", ["http", "s3"], indirect=True)
+def test_a_shard_is_checked_as_it_arrives_not_read_again(
+    remote: Remote, pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetched shard's fields are checked against their CRC32s as its bytes arrive: no
+    pass over the whole file after its download, and a record read early is not checked
+    again; a field that fails its CRC32 fails the download, retried (see the damaged test)."""
+    for f in sorted(pack.iterdir(), key=lambda f: f.name == "manifest.json"):
+        remote.put(f.name, f.read_bytes())
+    passes: list[str] = []
+    real = shards_module.intact
+
+    def counted(expect: object = None) -> object:
+        check = real(expect)  # type: ignore[arg-type]
+        return lambda path: passes.append(Path(path).name) or check(path)
+
+    monkeypatch.setattr(shards_module, "intact", counted)
+    monkeypatch.setattr("torch_serialized.container.shards._TAIL", 0)  # a body before its tail
+    reader = open_pack(
+        remote.url, storage_options=remote.storage_options, cache_dir=tmp_path / "cache"
+    )
+    reader.prefetch_shards([0, 1])
+    check_pack(reader, N)
+    assert not reader.shard(0).checked  # read as checked by its download
+    reader.close()
+    assert not [p for p in passes if "shard-" in p]  # neither shard was read whole again
+    for f in pack.glob("shard-*"):
+        assert next((tmp_path / "cache").rglob(f.name)).read_bytes() == f.read_bytes()
 
 
 def test_a_record_far_ahead_of_the_body_is_read_by_a_range_of_its_own(

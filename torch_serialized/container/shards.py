@@ -252,7 +252,9 @@ class PackReader:
                 entry = self.entries[s]  # its tail: index rows, per-record columns, metadata
                 per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
                 tail = _TAIL + entry.num_records * per_record
-                requests.append(ShardRequest(entry.file, expect.bytes, intact(expect), tail))
+                requests.append(
+                    ShardRequest(entry.file, expect.bytes, intact(expect), tail, expect)
+                )
         self.remote.prefetch(requests, now=now)
 
     def release_shard(self, s: int) -> None:

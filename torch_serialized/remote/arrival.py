@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from ..container import spec as fmt
 from ..container.manifest import Expected
 from ..container.reader import ContainerReader
-from ..errors import ChecksumError
-from .retry import causes, http_status
+from ..errors import ChecksumError, FormatError
+from .retry import ShortReadError, causes, http_status
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,13 @@ class Arrival:
     its full size) holds its last ``tail`` bytes once ``tail_in`` (None: not yet known) and the
     first ``have`` bytes of the current attempt. ``ended``: the download returned (``ok``) or
     failed; an ``ok`` file is whole and checked. ``get(start, end)``, set by the download, starts
-    a ranged GET of the object: readers ask for bytes far ahead of the body (``want``)."""
+    a ranged GET of the object: readers ask for bytes far ahead of the body (``want``). With
+    ``expect`` (its manifest entry), the fields among the first ``sound`` bytes match their
+    CRC32s: they are checked as they arrive, so the whole file needs no pass of its own."""
 
-    def __init__(self, tail: int = 0) -> None:
-        self.tail, self.path, self.have = tail, "", 0
+    def __init__(self, tail: int = 0, expect: Expected | None = None) -> None:
+        self.tail, self.path, self.have, self.expect, self.sound = tail, "", 0, expect, 0
+        self._checker: Checker | None = None
         self.tail_in: bool | None = None
         self.ended = self.ok = False
         self.get: Callable[[int, int], Future[bytes]] | None = None
@@ -53,11 +57,32 @@ class Arrival:
         self.update(ended=True)
 
     def arrived(self, have: int) -> None:
-        """The first ``have`` bytes are in; waiters wake only once what they wait for is, not
-        at every chunk."""
+        """The first ``have`` bytes are in (0: a new attempt): their fields are checked once the
+        head and tail are (``Damaged`` if one fails); waiters wake only once what they wait
+        for is, not at every chunk."""
+        if have == 0:
+            self._checker, self.sound = None, 0
+        elif self._checker is None and self.expect and self.tail_in and have >= fmt.HEADER_SIZE:
+            try:
+                self._checker = Checker(self.path, self.expect)
+            except (FormatError, OSError):  # not the manifest's tail: readers will not start,
+                self.expect = None  # the whole file's check decides
+        if self._checker is not None:
+            self.sound = self._checker.upto(have)
         self.have = have
         if have >= self._want:
             self.update(_want=math.inf)
+
+    def checked(self, size: int) -> bool:
+        """Whether every field was checked as it arrived and the whole file of ``size`` bytes
+        opens against its manifest entry (its tail may have come twice): no pass is needed."""
+        if self._checker is None or not self._checker.done or self.sound < size:
+            return False
+        try:
+            ContainerReader(self.path, expect=self.expect).close()
+        except (FormatError, OSError):
+            return False
+        return True
 
     def wait(self, end: int, start: int = 0) -> bool:
         """Wait until the tail and bytes ``start..end`` are in (True), or they never will be;
@@ -110,6 +135,38 @@ class Arrival:
 
 
 FAR = 8 << 20  #: bytes ahead of the body past which a reader GETs its own range
+
+
+class Damaged(ShortReadError):
+    """A download's bytes do not match their checksums (retried once, then ``ChecksumError``)."""
+
+
+class Checker:
+    """The CRC32s of a download's fields, checked in the order their bytes end: built once its
+    head and tail are in, by opening it against its manifest entry (as any opening checks)."""
+
+    def __init__(self, path: str, expect: Expected) -> None:
+        reader = ContainerReader(path, expect=expect)
+        local = reader._mapped()  # the map lives as long as its view
+        ends = (local.offsets + local.lengths).ravel()
+        order = np.argsort(ends, kind="stable")
+        self._starts = local.offsets.ravel()[order].tolist()
+        self._ends, self._crcs = ends[order].tolist(), local.crcs.ravel()[order].tolist()
+        self._view, self._next = local.view, 0
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self._ends)
+
+    def upto(self, have: int) -> int:
+        """Check the fields that lie in the first ``have`` bytes; ``have``."""
+        i, starts, ends, crcs, view = self._next, self._starts, self._ends, self._crcs, self._view
+        while i < len(ends) and ends[i] <= have:
+            if fmt.crc32(view[starts[i] : ends[i]]) != crcs[i]:
+                raise Damaged(f"the download does not match its checksum at byte {starts[i]}")
+            i += 1
+        self._next = i
+        return have
 
 
 class Writer:
@@ -245,8 +302,8 @@ class ArrivingShard(ContainerReader):
     """A shard opened from its partial download once its header and tail (index, metadata) are
     in and pass the checks of any opening (``meta_crc32`` from the manifest vouches for the
     index). Until the download is whole and checked, each read waits for its records' bytes and
-    checks their CRC32s; should the download fail, or a CRC32 not match, reads go to the copy
-    ``whole()`` opens, downloaded again."""
+    checks their CRC32s unless the download did (``Arrival.sound``); should the download fail,
+    or a CRC32 not match, reads go to the copy ``whole()`` opens, downloaded again."""
 
     def __init__(
         self,
@@ -255,7 +312,7 @@ class ArrivingShard(ContainerReader):
         checked: bool,
         whole: Callable[[], ContainerReader],
     ) -> None:
-        super().__init__(arrival.path, checked=True, expect=expect)
+        super().__init__(arrival.path, checked=True, expect=expect)  # until ``sound`` vouches
         self._arrival, self._checked, self._whole = arrival, checked, whole
         self._copy: ContainerReader | None = None
 
@@ -267,6 +324,7 @@ class ArrivingShard(ContainerReader):
             start = int(local.offsets[rows].min(initial=end))
             if not self._arrival.wait(end, start):
                 self._copy = self._whole()
+            self.checked = self._checked or end > self._arrival.sound  # not checked as it came
         if self._arrival.ok:
             self.checked = self._checked  # the file is whole and was checked
         return self if self._copy is None else self._copy

@@ -46,6 +46,7 @@ class ShardRequest:
     size: int | None = None
     verify: Callable[[Path], bool] | None = None
     tail: int = 0
+    expect: Expected | None = None  # its manifest entry: read early, checked as it arrives
 
 
 def resolve(
@@ -264,7 +265,7 @@ class RemotePack(PackCache):
                     if now:
                         self._hurry(name)
                     continue
-                arrival = self._arrivals[name] = Arrival(request.tail)
+                arrival = self._arrivals[name] = Arrival(request.tail, request.expect)
                 self._requests[name] = request
                 self._pending[name] = self._submit(request, arrival, now)
 

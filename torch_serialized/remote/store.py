@@ -33,7 +33,7 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from .arrival import Arrival, Writer, fill_parts, get_tail
+from .arrival import Arrival, Damaged, Writer, fill_parts, get_tail
 from .retry import (
     BUGS,
     MIN_RATE_ENV,
@@ -402,13 +402,17 @@ class RemoteStore(PerProcess):
 
         def attempt() -> Path:
             nonlocal damaged
-            got = get()
-            if got in ends or got > size:
-                refute(got)
-            if got < size:
-                ends.update([got] if got else [])  # an empty body shows no size
-                raise ShortReadError(f"the body ended after {got} of {size} bytes")
-            if verify is not None and not verify(tmp):
+            try:
+                got = get()
+                if got in ends or got > size:
+                    refute(got)
+                if got < size:
+                    ends.update([got] if got else [])  # an empty body shows no size
+                    raise ShortReadError(f"the body ended after {got} of {size} bytes")
+                sound = arrival is not None and arrival.checked(size)  # as it came in
+                if verify is not None and not sound and not verify(tmp):
+                    raise Damaged("the download does not match its checksum")
+            except Damaged:
                 damaged += 1
                 if damaged == 2:
                     raise ChecksumError(
@@ -416,8 +420,8 @@ class RemoteStore(PerProcess):
                         "its checksum in the manifest, twice. The object on the server is "
                         "damaged or was replaced without its manifest: re-upload the pack "
                         "(or pack it again)"
-                    )
-                raise ShortReadError("the download does not match its checksum")
+                    ) from None
+                raise
             os.replace(tmp, dest)  # not fsynced: a crash's damage is caught at open
             return dest
 

@@ -250,9 +250,9 @@ def fill_parts(
     deadline: Callable[[int], float | None],
 ) -> int:
     """Object ``path`` (``size`` bytes, an async fsspec filesystem: S3, GCS) into ``fd`` by
-    ranged GETs: its tail and first part alone, then parts of ``PART`` bytes in order,
-    ``IN_FLIGHT`` at once, each reported to ``arrival`` once its prefix is whole. The backend
-    retries each GET; a part past ``deadline(bytes)`` seconds stalls. Returns how many bytes lead up to the first gap
+    ranged GETs, ``IN_FLIGHT`` at once: its tail first, then parts of ``PART`` bytes in order,
+    each reported to ``arrival`` once its prefix is whole. The backend retries each GET; a part
+    past ``deadline(bytes)`` seconds stalls. Returns how many bytes lead up to the first gap
     (``size``: all of them); a larger object is ``refute``d by its last byte."""
     tail = min(arrival.tail, size)
     body = size - tail
@@ -260,16 +260,7 @@ def fill_parts(
     spans += [(a, min(a + PART, body)) for a in range(0, body, PART)]
     done: set[int] = set()
 
-    async def part(a: int, b: int, gate: asyncio.Semaphore, first: asyncio.Event) -> int:
-        if a not in (0, body):
-            await first.wait()  # the tail and the first part go alone: a first batch needs them
-        try:
-            return await read(a, b, gate)
-        finally:
-            if a == 0:
-                first.set()
-
-    async def read(a: int, b: int, gate: asyncio.Semaphore) -> int:
+    async def part(a: int, b: int, gate: asyncio.Semaphore) -> int:
         async with gate:
             wanted = fs._cat_file(path, start=a, end=b + (b == size))  # + 1: a larger object
             try:
@@ -294,8 +285,8 @@ def fill_parts(
         return size
 
     async def run() -> int:
-        gate, first = asyncio.Semaphore(IN_FLIGHT), asyncio.Event()
-        tasks = [asyncio.ensure_future(part(a, b, gate, first)) for a, b in spans]
+        gate = asyncio.Semaphore(IN_FLIGHT)
+        tasks = [asyncio.ensure_future(part(a, b, gate)) for a, b in spans]
         try:
             return min([size, *[await task for task in tasks]])
         finally:

@@ -21,9 +21,9 @@ from _remote_cases import NOT_GCS
 from torch.utils.data import DataLoader
 
 import torch_serialized as ts
-from torch_serialized.remote.arrival import PART
 from torch_serialized.container.shards import open_pack
 from torch_serialized.errors import ChecksumError, RemoteNotFoundError
+from torch_serialized.remote.arrival import PART
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote

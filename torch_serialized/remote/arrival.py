@@ -236,6 +236,74 @@ def get_tail(
     return asyncio.run_coroutine_threadsafe(get(), fs.loop)
 
 
+def stream_in(
+    fs: Any,
+    path: str,
+    size: int,
+    fd: int,
+    arrival: Arrival,
+    refute: Callable[[int], None],
+    deadline: float | None,
+) -> int:
+    """Object ``path`` into ``fd`` through fsspec's ``open_async`` (S3): its tail by a ranged
+    GET, then the body as one streamed GET, as over HTTP (from S3: 72 -> 79 MB/s and first batch
+    1.35 -> 0.5 s over 20 ms + 100 MB/s against ``fill_parts``). A body cut short raises
+    ``ShortReadError`` (retried: the backend retries only the request). Returns the bytes in."""
+    tail = min(arrival.tail, size)
+
+    async def run() -> int:
+        if tail:
+            data = await ranged(fs, path, size - tail, size, refute)
+            os.pwrite(fd, data, size - tail)
+            arrival.update(tail_in=len(data) == tail)
+        else:
+            arrival.update(tail_in=False)
+        body, at = await fs.open_async(path, "rb"), 0
+        try:
+            while True:
+                try:
+                    data = await body.read(1 << 20)
+                except Exception as exc:
+                    if any(http_status(e) for e in causes(exc)):
+                        raise  # an answer: the backend's own retries were spent on it
+                    raise ShortReadError(f"the body was cut after {at} bytes: {exc}") from exc
+                if getattr(body, "size", None) not in (None, size):
+                    refute(body.size)  # the GET's answer states another size
+                if not data:
+                    return at
+                if at + len(data) > size:
+                    refute(at + len(data))
+                at += os.pwrite(fd, data, at)
+                arrival.arrived(at)
+        finally:
+            response = getattr(body, "r", None)  # s3fs's botocore body: its connection
+            if response is not None:
+                response.close()
+            await body.close()
+
+    arrival.arrived(0)
+    wanted = asyncio.wait_for(run(), deadline)
+    return int(asyncio.run_coroutine_threadsafe(wanted, fs.loop).result())
+
+
+async def ranged(fs: Any, path: str, a: int, b: int, refute: Callable[[int], None]) -> bytes:
+    """Bytes ``a..b`` of object ``path``; a 416 (it ends before ``a``) ``refute``s its size."""
+    try:
+        return bytes(await fs._cat_file(path, start=a, end=b))
+    except Exception as exc:
+        if not any(http_status(e) == 416 for e in causes(exc)):
+            raise
+        refute(int((await fs._info(path))["size"]))
+        raise
+
+
+def streams(fs: Any) -> bool:
+    """Whether ``fs`` streams a GET's body (``open_async``: s3fs; not gcsfs)."""
+    from fsspec.asyn import AsyncFileSystem
+
+    return type(fs).open_async is not AsyncFileSystem.open_async
+
+
 PART = 4 << 20  #: bytes per ranged GET of an object store's download in place
 IN_FLIGHT = 4  #: its ranged GETs at once
 
@@ -262,14 +330,8 @@ def fill_parts(
 
     async def part(a: int, b: int, gate: asyncio.Semaphore) -> int:
         async with gate:
-            wanted = fs._cat_file(path, start=a, end=b + (b == size))  # + 1: a larger object
-            try:
-                data = await asyncio.wait_for(wanted, deadline(b - a))
-            except Exception as exc:  # 416: the object ends before ``a``; say where
-                if not any(http_status(e) == 416 for e in causes(exc)):
-                    raise
-                refute(int((await fs._info(path))["size"]))
-                raise
+            wanted = ranged(fs, path, a, b + (b == size), refute)  # + 1: a larger object shows
+            data = await asyncio.wait_for(wanted, deadline(b - a))
         if a + len(data) > size:
             refute(a + len(data))
         os.pwrite(fd, data[: b - a], a)

@@ -33,7 +33,7 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from .arrival import Arrival, Damaged, Writer, fill_parts, get_tail
+from .arrival import Arrival, Damaged, Writer, fill_parts, get_tail, stream_in, streams
 from .retry import (
     BUGS,
     MIN_RATE_ENV,
@@ -384,8 +384,11 @@ class RemoteStore(PerProcess):
                     return asyncio.run_coroutine_threadsafe(wanted, fs.loop)
 
                 arrival.update(path=str(tmp), get=read_range)
-                if self.protocol not in HTTP_PROTOCOLS:  # an object store: ranged GETs
-                    return fill_parts(self.fs, path, size, fd, arrival, refute, self._part_limit)
+                if self.protocol not in HTTP_PROTOCOLS and streams(fs):  # S3
+                    limit = self._part_limit(size)
+                    return stream_in(fs, path, size, fd, arrival, refute, limit)
+                if self.protocol not in HTTP_PROTOCOLS:  # GCS: ranged GETs
+                    return fill_parts(fs, path, size, fd, arrival, refute, self._part_limit)
                 tail = get_tail(fs, path, size, tmp, arrival, self._no_ranges, self._ranges_ignored)
                 if tail is not None:  # alone, first: beside the body's GET it slowed a fast
                     with suppress(Exception):  # link (20 ms, no cap: 232 -> 208 MB/s); a

@@ -208,7 +208,9 @@ def read_blocks(
             continue
         if window is not None:
             window.before(b)
-            for shard, local in runs.setdefault(b, record_runs(reader, recs)):
+            if b not in runs:
+                runs[b] = record_runs(reader, recs)
+            for shard, local in runs[b]:
                 reader.shard(shard).prefetch(local)  # in flight: bytes far ahead asked for now
         while hinted <= min(b + AHEAD, len(blocks) - 1):
             if hinted not in runs:

@@ -1,7 +1,7 @@
 """A shard read while it downloads: :class:`Arrival`, what a download in flight tells its
-readers; :class:`Writer`, the file-like an HTTP body goes into; :func:`fill_parts`, an object
-store's ranged GETs; :class:`ArrivingShard`, the reader over the partial file, whose records are
-served once their bytes are in and match their CRC32s."""
+readers; :class:`Writer`, the file-like an HTTP body goes into; :func:`stream_in`, an S3 body;
+:func:`fill_parts`, GCS's ranged GETs; :class:`ArrivingShard`, the reader over the partial
+file, whose records are served once their bytes are in and match their CRC32s."""
 
 from __future__ import annotations
 
@@ -114,11 +114,7 @@ class Arrival:
         try:
             data = done.result()
             if len(data) == end - start:
-                fd = os.open(self.path, os.O_WRONLY)  # gone if the download ended: it has them
-                try:
-                    os.pwrite(fd, data, start)
-                finally:
-                    os.close(fd)
+                write_at(self.path, data, start)  # gone if the download ended: it has them
                 spans = [*spans, (start, end)]
         except Exception as exc:
             log.debug("%s: bytes %d-%d not read ahead (%s)", self.path, start, end, exc)
@@ -135,6 +131,16 @@ class Arrival:
 
 
 FAR = 8 << 20  #: bytes ahead of the body past which a reader GETs its own range
+
+
+def write_at(path: str | Path, data: bytes, offset: int) -> int:
+    """Write ``data`` at ``offset`` of the partial file ``path`` through a descriptor of its own
+    (the download's may close meanwhile); the bytes written."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        return os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
 
 
 class Damaged(ShortReadError):
@@ -222,12 +228,8 @@ def get_tail(
                         ignored()
                     return
                 body = await r.read()
-            if len(body) == n:  # through a descriptor of its own: the download's may close
-                fd = os.open(tmp, os.O_WRONLY)
-                try:
-                    got = os.pwrite(fd, body, size - n) == n
-                finally:
-                    os.close(fd)
+            if len(body) == n:
+                got = write_at(tmp, body, size - n) == n
         except Exception as exc:  # the body's GET still brings every byte
             log.debug("%s: its tail could not be read first (%s)", tmp.name, exc)
         finally:
@@ -318,11 +320,11 @@ def fill_parts(
     refute: Callable[[int], None],
     deadline: Callable[[int], float | None],
 ) -> int:
-    """Object ``path`` (``size`` bytes, an async fsspec filesystem: S3, GCS) into ``fd`` by
-    ranged GETs, ``IN_FLIGHT`` at once: its tail first, then parts of ``PART`` bytes in order,
-    each reported to ``arrival`` once its prefix is whole. The backend retries each GET; a part
-    past ``deadline(bytes)`` seconds stalls. Returns how many bytes lead up to the first gap
-    (``size``: all of them); a larger object is ``refute``d by its last byte."""
+    """Object ``path`` (``size`` bytes, an async fsspec filesystem that streams no GET: gcsfs)
+    into ``fd`` by ranged GETs, ``IN_FLIGHT`` at once: its tail first, then parts of ``PART``
+    bytes in order, each reported to ``arrival`` once its prefix is whole. The backend retries
+    each GET; a part past ``deadline(bytes)`` seconds stalls. Returns how many bytes lead up to
+    the first gap (``size``: all of them); a larger object is ``refute``d by its last byte."""
     tail = min(arrival.tail, size)
     body = size - tail
     spans = [(body, size)] if tail else []
@@ -379,12 +381,16 @@ class ArrivingShard(ContainerReader):
         self._arrival, self._checked, self._whole = arrival, checked, whole
         self._copy: ContainerReader | None = None
 
+    def _span(self, rows: np.ndarray) -> tuple[int, int]:
+        """The bytes ``rows`` lie in: ``(start, end)``."""
+        local = self._mapped()
+        end = int((local.offsets[rows] + local.lengths[rows]).max(initial=0))
+        return int(local.offsets[rows].min(initial=end)), end
+
     def _source(self, rows: np.ndarray) -> ContainerReader:
         """Where ``rows`` are read: here once their bytes are in, else the whole copy."""
         if self._copy is None and not self._arrival.ok:
-            local = self._mapped()
-            end = int((local.offsets[rows] + local.lengths[rows]).max(initial=0))
-            start = int(local.offsets[rows].min(initial=end))
+            start, end = self._span(rows)
             if not self._arrival.wait(end, start):
                 self._copy = self._whole()
             self.checked = self._checked or end > self._arrival.sound  # not checked as it came
@@ -423,6 +429,4 @@ class ArrivingShard(ContainerReader):
         elif self._arrival.ok:
             super().prefetch(records)
         elif len(records):  # far ahead of the body: asked for now
-            local, rows = self._mapped(), self._rows(records)
-            end = int((local.offsets[rows] + local.lengths[rows]).max())
-            self._arrival.want(int(local.offsets[rows].min()), end)
+            self._arrival.want(*self._span(self._rows(records)))

@@ -352,8 +352,8 @@ class RemoteStore(PerProcess):
         one is refuted at the first chunk) and ``verify(path)`` pass. Short bodies are retried
         (one end twice is the size); a second ``verify`` failure raises ``ChecksumError``.
         ``arrival`` is told of the bytes as they are written in place into the partial file, its
-        tail fetched first: over HTTP by a ranged GET before the body's, from an object store
-        by ``fill_parts``."""
+        tail fetched first by a ranged GET: then over HTTP and from S3 the body's one GET, from
+        GCS ranged parts (``fill_parts``)."""
         dest = Path(dest)
         size = self.info(key)["size"] if expected_size is None else expected_size
         path, deadline = self.fs_path(key), self._deadline(size)

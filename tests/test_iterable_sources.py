@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.loopback import start_http_server
 from torch.utils.data import ConcatDataset, DataLoader
 from torchvision.datasets import VOCDetection, VOCSegmentation, wrap_dataset_for_transforms_v2
 from vocfactory import real_voc_roots, real_voc_skip_reason
@@ -288,6 +289,31 @@ def test_a_weighted_state_resumes_only_with_the_same_shares(two_years: dict[str,
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="shares"):
         next(iter(other))
+
+
+@pytest.mark.skipif(not real_voc_roots(), reason=real_voc_skip_reason())
+def test_real_datasets_streamed_from_a_url_while_they_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real datasets packed into small shards and streamed from a loopback HTTP server
+    through two DataLoader workers: prefetched shards checked as their bytes arrive and read
+    while in flight (in one process here, 8 of them), far records by a range of their own.
+    The multiset of their VOCDetections."""
+    monkeypatch.setattr("torch_serialized.remote.arrival.FAR", 0)  # the shards are small
+    roots = real_voc_roots()
+    (tmp_path / "www").mkdir()
+    for i, (root, year) in enumerate(roots):
+        pack_voc(root, tmp_path / "www" / str(i), year=year, max_shard_bytes=1 << 20)
+    image_set = "trainval"
+    oracle = ConcatDataset([VOCDetection(root, year, image_set) for root, year in roots])
+    with start_http_server(tmp_path / "www") as server:
+        urls = [f"{server.url}/{i}" for i in range(len(roots))]
+        ds = VOCSerializedIterableDataset(
+            urls, image_set, shuffle=True, seed=3, cache_dir=tmp_path / "cache"
+        )
+        got = Counter(key(*s) for s in DataLoader(ds, batch_size=None, num_workers=2))
+    assert got == Counter(key(*oracle[i]) for i in range(len(oracle)))
+    assert sum(1 for _ in (tmp_path / "www").rglob("shard-*")) > 2 * len(roots)  # several each
 
 
 @pytest.mark.skipif(not real_voc_roots(), reason=real_voc_skip_reason())

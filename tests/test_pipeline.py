@@ -188,7 +188,9 @@ def test_shard_window_downloads_ahead_and_releases_behind() -> None:
     calls: list[tuple[str, object]] = []
     reader = SimpleNamespace(
         starts=np.array([0, 10, 20, 30, 40]),
-        prefetch_shards=lambda shards, now=False: calls.append(("get", list(shards), now)),
+        prefetch_shards=lambda shards, now=False, rows=None: calls.append(
+            ("get", list(shards), now)
+        ),
         release_shard=lambda shard: calls.append(("drop", shard)),
     )
     blocks = [np.array([0, 5]), np.array([12]), np.array([25, 35]), np.array([3])]

@@ -10,16 +10,19 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
 from _container_helpers import FIELDS, check_pack, payload, size_of, write_pack
 
 from torch_serialized.container import shards as shards_module
 from torch_serialized.container.reader import ContainerReader
 from torch_serialized.container.shards import open_pack
+from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.errors import ChecksumError
 from torch_serialized.remote.arrival import Arrival, ArrivingShard
 
@@ -168,12 +171,13 @@ def test_a_shard_is_checked_as_it_arrives_not_read_again(
 def test_a_record_far_ahead_of_the_body_is_read_by_a_range_of_its_own(
     holding: HoldingServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A block at the end of a shard in flight does not wait for the body to reach it: its
-    bytes come by a ranged GET of their own (a first batch needing the end of a shard)."""
+    """A record far ahead of a shard's body in flight does not wait for the body to reach it:
+    its bytes come by a ranged GET of their own (a first batch needing a shard's far end)."""
     monkeypatch.setattr("torch_serialized.remote.arrival.FAR", 0)  # the shards here are small
+    monkeypatch.setattr("torch_serialized.container.shards._TAIL", 0)  # so not in the tail
     reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
     reader.prefetch_shards([0])
-    last = PER_SHARD - 1
+    last = PER_SHARD // 2
     start = time.monotonic()
     got = [bytes(reader.field(last, k)) for k in range(len(FIELDS))]
     assert got == [payload(last, k, size_of(last, k)) for k in range(len(FIELDS))]
@@ -182,6 +186,62 @@ def test_a_record_far_ahead_of_the_body_is_read_by_a_range_of_its_own(
     holding.release.set()
     check_pack(reader, N)
     reader.close()
+
+
+def test_a_block_that_ends_a_shard_comes_with_its_tail(tmp_path: Path) -> None:
+    """The records a stream needs first of a shard, where they end it, come in its tail's GET
+    (sized by their mean size, with a margin): no GET of their own, no wait for the body."""
+    root = tmp_path / "served"
+    root.mkdir()
+    with PackWriter(root / "pack", FIELDS, max_records_per_shard=PER_SHARD) as w:
+        for i in range(N):  # records of about the same size, as images are
+            w.add([payload(i, k, 20_000 + 100 * (i % 3)) for k in range(len(FIELDS))])
+        w.close()
+    server = HoldingServer(root, hold=first_record_end(root / "pack"))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
+        last = np.arange(PER_SHARD - 4, PER_SHARD)
+        reader.prefetch_shards([0], now=True, rows={0: last})
+        start = time.monotonic()
+        for i in last:
+            size = 20_000 + 100 * (i % 3)
+            assert [bytes(reader.field(i, k)) for k in range(2)] == [
+                payload(i, k, size) for k in range(2)
+            ]
+        assert time.monotonic() - start < 10 and not server.release.is_set()
+        assert sum(r.startswith("range sent") for r in server.requests) == 1  # the tail alone
+        server.release.set()
+        reader.close()
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_range_asked_for_leaves_out_what_the_tail_brings(tmp_path: Path) -> None:
+    """Bytes a reader wants that run into the tail are fetched up to the tail only, and are
+    then in: the ranged GET's bytes and the tail's together."""
+    path = tmp_path / "partial"
+    path.write_bytes(bytes(1000))
+    asked: list[tuple[int, int]] = []
+
+    def get(a: int, b: int) -> Future[bytes]:
+        asked.append((a, b))
+        done: Future[bytes] = Future()
+        done.set_result(b"x" * (b - a))
+        return done
+
+    arrival = Arrival(tail=100)
+    arrival.update(path=str(path), get=get)
+    arrival.tail_arrived(1000)
+    arrival.want(8 << 20, 8 << 20)  # nothing: not far ahead of the body
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("torch_serialized.remote.arrival.FAR", 0)
+        arrival.want(500, 950)
+    assert asked == [(500, 900)]
+    assert arrival.wait(950, 500) and not arrival.ended
+    assert path.read_bytes()[500:900] == b"x" * 400
 
 
 def test_a_shard_awaited_behind_other_downloads_starts_at_once(
@@ -238,6 +298,7 @@ def test_a_shards_body_is_asked_for_once_its_tail_is_in_or_late(
     second connection ramping up beside the body's: 20 ms, no cap, 232 -> 208 MB/s). A stalled
     tail holds the body no longer than ``_TAIL_WAIT``; its shard is then read whole."""
     monkeypatch.setattr("torch_serialized.remote.store._TAIL_WAIT", wait)
+    monkeypatch.setattr("torch_serialized.container.shards._TAIL", 0)  # record 0 not in it
     holding.range_delay, holding.hold = delay, 1 << 40  # the body is not held back here
     reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
     reader.prefetch_shards([0])

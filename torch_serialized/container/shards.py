@@ -237,9 +237,18 @@ class PackReader:
             while len(here.closed) > _MAX_CLOSED_SHARDS:
                 here.closed.popitem(last=False)
 
-    def prefetch_shards(self, shards: Iterable[int], *, now: bool = False) -> None:
+    def prefetch_shards(
+        self,
+        shards: Iterable[int],
+        *,
+        now: bool = False,
+        rows: Mapping[int, np.ndarray] | None = None,
+    ) -> None:
         """Start downloading ``shards`` of a remote pack in the background (else a no-op);
-        ``now``: they are awaited, so they go before the others (``RemotePack.prefetch``)."""
+        ``now``: they are awaited, so they go before the others (``RemotePack.prefetch``).
+        ``rows``: the local records a reader needs first of some; where they end their shard,
+        its tail's GET brings them too (by the records' mean size, with a margin): a stream that
+        starts at a shard's end waits for no GET of its own, on a cold connection."""
         if self.remote is None or self.manifest_path is None:
             return
         from ..remote.packs import ShardRequest
@@ -252,6 +261,11 @@ class PackReader:
                 entry = self.entries[s]  # its tail: index rows, per-record columns, metadata
                 per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
                 tail = _TAIL + entry.num_records * per_record
+                first = rows.get(s) if rows else None
+                if first is not None and len(first) and first[-1] == entry.num_records - 1:
+                    mean = (entry.bytes - tail) // entry.num_records
+                    ahead = (entry.num_records - int(first[0])) * mean * 3 // 2 + 2 * mean
+                    tail = tail + ahead if 2 * (tail + ahead) <= entry.bytes else tail
                 requests.append(
                     ShardRequest(entry.file, expect.bytes, intact(expect), tail, expect)
                 )

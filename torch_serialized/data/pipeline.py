@@ -207,9 +207,9 @@ def read_blocks(
             yield from zip(listed, itertools.repeat(None))
             continue
         if window is not None:
-            window.before(b)
             if b not in runs:
                 runs[b] = record_runs(reader, recs)
+            window.before(b, runs[b])
             for shard, local in runs[b]:
                 reader.shard(shard).prefetch(local)  # in flight: bytes far ahead asked for now
         while hinted <= min(b + AHEAD, len(blocks) - 1):
@@ -252,10 +252,11 @@ class ShardWindow:
                 ahead.append(s)
         return own + ahead
 
-    def before(self, b: int) -> None:
-        """Download block ``b``'s own shards now, those queued too: they are awaited."""
+    def before(self, b: int, runs: list[tuple[int, np.ndarray]] = []) -> None:  # noqa: B006
+        """Download block ``b``'s own shards now, those queued too: they are awaited. ``runs``:
+        the block's ``(shard, local records)``, so that a block ending a shard comes first."""
         own = self.shards[b] if b < len(self.shards) else []
-        self.reader.prefetch_shards(own, now=True)
+        self.reader.prefetch_shards(own, now=True, rows=dict(runs))
         self.held.update(own)
 
     def after(self, b: int) -> None:

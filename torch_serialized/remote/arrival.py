@@ -52,6 +52,15 @@ class Arrival:
             self.__dict__.update(state)
             self._cond.notify_all()
 
+    def tail_arrived(self, size: int | None) -> None:
+        """The last ``tail`` bytes of the ``size``-byte object are in (None: not before the
+        body); readers may read records among them."""
+        with self._cond:
+            self.tail_in = size is not None
+            if size is not None:
+                self._spans = [*self._spans, (size - min(self.tail, size), size)]
+            self._cond.notify_all()
+
     def end(self, *_: object) -> None:
         """The download is over (or will never start): waiters stop waiting."""
         self.update(ended=True)
@@ -104,8 +113,11 @@ class Arrival:
             get, asked = self.get, self._asked
             if get is None or self.ended or not self.tail_in or start <= self.have + FAR:
                 return
-            if any(a <= start and end <= b for a, b in [*asked, *self._spans]):
-                return
+            for a, b in [*asked, *self._spans]:
+                if a <= start and end <= b:
+                    return
+                if start < a < end <= b:  # its end is in or coming: GET the rest
+                    end = a
             asked.append((start, end))
         get(start, end).add_done_callback(lambda done: self._got(start, end, done))
 
@@ -124,10 +136,13 @@ class Arrival:
             self._cond.notify_all()
 
     def _has(self, start: int, end: int) -> bool:
-        spans = self._spans
-        return bool(self.tail_in) and (
-            self.have >= end or any(a <= start and end <= b for a, b in spans)
-        )
+        if not self.tail_in:
+            return False
+        at = self.have if start <= self.have else start
+        for a, b in sorted(self._spans):  # bytes fetched for readers, and the tail
+            if a <= at < b:
+                at = b
+        return at >= end
 
 
 FAR = 8 << 20  #: bytes ahead of the body past which a reader GETs its own range
@@ -213,7 +228,8 @@ def get_tail(
     A 200 answer calls ``ignored()``: the server ignores ``Range``."""
     n = min(arrival.tail, size)
     if arrival.tail_in or not n or skip:
-        arrival.update(tail_in=arrival.tail_in or False)
+        if not arrival.tail_in:
+            arrival.tail_arrived(None)
         return None
 
     async def get() -> None:
@@ -233,7 +249,7 @@ def get_tail(
         except Exception as exc:  # the body's GET still brings every byte
             log.debug("%s: its tail could not be read first (%s)", tmp.name, exc)
         finally:
-            arrival.update(tail_in=got)
+            arrival.tail_arrived(size if got else None)
 
     return asyncio.run_coroutine_threadsafe(get(), fs.loop)
 
@@ -258,9 +274,9 @@ def stream_in(
         if tail:
             data = await ranged(fs, path, size - tail, size, refute)
             os.pwrite(fd, data, size - tail)
-            arrival.update(tail_in=len(data) == tail)
+            arrival.tail_arrived(size if len(data) == tail else None)
         else:
-            arrival.update(tail_in=False)
+            arrival.tail_arrived(None)
         body, at = await fs.open_async(path, "rb"), 0
         try:
             while True:
@@ -342,7 +358,7 @@ def fill_parts(
             return a + len(data)  # the object ends here
         done.add(a)
         if tail and a == body:
-            arrival.update(tail_in=True)
+            arrival.tail_arrived(size)
         have = 0
         while have < body and have in done:
             have = min(have + PART, body)

@@ -5,6 +5,7 @@ CRC32s. A server that holds back the rest of the body shows it; faults still end
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import threading
@@ -23,6 +24,7 @@ from torch_serialized.container import shards as shards_module
 from torch_serialized.container.reader import ContainerReader
 from torch_serialized.container.shards import open_pack
 from torch_serialized.container.shardwriter import PackWriter
+from torch_serialized.data.pipeline import PIECE, read_blocks
 from torch_serialized.errors import ChecksumError
 from torch_serialized.remote.arrival import Arrival, ArrivingShard
 
@@ -188,16 +190,25 @@ def test_a_record_far_ahead_of_the_body_is_read_by_a_range_of_its_own(
     reader.close()
 
 
+def large_payloads(i: int) -> list[bytes]:
+    return [payload(i, k, 20_000 + 100 * (i % 3)) for k in range(len(FIELDS))]
+
+
+def large_records(out: Path, n: int, per_shard: int) -> Path:
+    """A pack of ``n`` records of about the same size, as images are, larger than tails."""
+    out.parent.mkdir()
+    with PackWriter(out, FIELDS, max_records_per_shard=per_shard) as w:
+        for i in range(n):
+            w.add(large_payloads(i))
+        w.close()
+    return out
+
+
 def test_a_block_that_ends_a_shard_comes_with_its_tail(tmp_path: Path) -> None:
     """The records a stream needs first of a shard, where they end it, come in its tail's GET
     (sized by their mean size, with a margin): no GET of their own, no wait for the body."""
     root = tmp_path / "served"
-    root.mkdir()
-    with PackWriter(root / "pack", FIELDS, max_records_per_shard=PER_SHARD) as w:
-        for i in range(N):  # records of about the same size, as images are
-            w.add([payload(i, k, 20_000 + 100 * (i % 3)) for k in range(len(FIELDS))])
-        w.close()
-    server = HoldingServer(root, hold=first_record_end(root / "pack"))
+    server = HoldingServer(root, hold=first_record_end(large_records(root / "pack", N, PER_SHARD)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
@@ -205,13 +216,40 @@ def test_a_block_that_ends_a_shard_comes_with_its_tail(tmp_path: Path) -> None:
         reader.prefetch_shards([0], now=True, rows={0: last})
         start = time.monotonic()
         for i in last:
-            size = 20_000 + 100 * (i % 3)
-            assert [bytes(reader.field(i, k)) for k in range(2)] == [
-                payload(i, k, size) for k in range(2)
-            ]
+            assert [bytes(reader.field(i, k)) for k in range(2)] == large_payloads(i)
         assert time.monotonic() - start < 10 and not server.release.is_set()
         assert sum(r.startswith("range sent") for r in server.requests) == 1  # the tail alone
         server.release.set()
+        reader.close()
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_remote_stream_yields_a_batch_before_its_block_is_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's block of 64 from a shard in flight yields its first ``PIECE`` records (a
+    worker's first batch) once their bytes are in, not once the whole block's are."""
+    pack = large_records(tmp_path / "served" / "pack", 80, 40)
+    row = ContainerReader(next(pack.glob(f"{FIRST}*"))).index_rows([PIECE - 1])[0]
+    server = HoldingServer(pack.parent, hold=int((row["offset"] + row["length"]).max()))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
+        items = read_blocks([np.arange(64)], np.arange(80), reader, [0, 1])
+        start = time.monotonic()
+        first = list(itertools.islice(items, PIECE))
+        assert time.monotonic() - start < 10 and not server.release.is_set()
+        assert [i for i, _ in first] == list(range(PIECE))
+        server.release.set()
+        rest = list(items)
+        assert [i for i, _ in rest] == list(range(PIECE, 64))
+        for i, fields in first + rest:
+            assert fields is not None
+            assert [bytes(f) for f in fields] == large_payloads(i)
+        del first, rest, fields
         reader.close()
     finally:
         server.release.set()

@@ -179,6 +179,9 @@ def views_fit(reader: PackReader, in_flight: int) -> bool:
 
 
 AHEAD = 2  #: blocks hinted to the kernel ahead of the one in use (see ``read_blocks``)
+#: records of a remote block read at once: a shard in flight yields a batch's worth (a
+#: worker's shared run) before the rest of the block is in
+PIECE = 32
 
 
 def read_blocks(
@@ -219,11 +222,16 @@ def read_blocks(
                 for shard, local in runs[hinted]:
                     reader.shard(shard).prefetch(local)
             hinted += 1
+        if window is not None:  # remote: the first batch's records go before the block's end
+            for piece in range(0, len(recs), PIECE):
+                data = read_block(reader, recs[piece : piece + PIECE], fields, copy=copy)
+                if piece + PIECE >= len(recs):
+                    window.after(b)
+                yield from ((r, data[r]) for r in listed[piece : piece + PIECE])
+            runs.pop(b, None)
+            continue
         data = read_block(reader, recs, fields, runs.pop(b, None), copy=copy)
-        rows = [data[record] for record in listed]
-        if window is not None:
-            window.after(b)
-        yield from zip(listed, rows)
+        yield from zip(listed, [data[record] for record in listed])
 
 
 class ShardWindow:

@@ -6,12 +6,12 @@ file, whose records are served once their bytes are in and match their CRC32s.""
 from __future__ import annotations
 
 import asyncio
-import io
+import errno
 import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -191,7 +191,7 @@ class Checker:
 
 
 class Writer:
-    """The file-like a GET's body goes into: in place from offset 0, reported to ``arrival``."""
+    """Where a GET's body goes: in place from offset 0, reported to ``arrival``."""
 
     def __init__(self, fd: int, size: int, arrival: Arrival, refute: Callable[[int], None]):
         self.fd, self.size, self.arrival, self.refute, self.at = fd, size, arrival, refute, 0
@@ -204,14 +204,40 @@ class Writer:
         self.arrival.arrived(self.at)
         return len(data)
 
-    def tell(self) -> int:
-        return self.at
 
-    def read(self, *_: Any) -> bytes:  # fsspec's test of a file-like
-        raise io.UnsupportedOperation("read")
+def get_body(
+    fs: Any,
+    path: str,
+    size: int,
+    writer: Writer,
+    options: Mapping[str, Any],
+) -> int:
+    """Object ``path``'s body into ``writer`` by one streamed GET (HTTP), up to its tail if that
+    is in (none of its bytes come twice; a server ignoring Range sends them all). Returns the
+    bytes in, ``size`` once whole; fsspec's ``options`` (a timeout) go to the GET."""
+    arrival = writer.arrival
+    end = size - min(arrival.tail, size) if arrival.tail_in else size
 
-    def close(self) -> None:
-        pass
+    async def get() -> int:
+        session = await fs.set_session()
+        kw = {**fs.kwargs, **options}
+        headers = {
+            **kw.pop("headers", {}),
+            **({"Range": f"bytes=0-{end - 1}"} if end < size else {}),
+        }
+        async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+            if r.status == 404:
+                raise FileNotFoundError(errno.ENOENT, "not found", path)
+            r.raise_for_status()
+            stated = r.headers.get("Content-Range", "").rpartition("/")[2]
+            writer.refute(int(stated) if stated.isdigit() else r.content_length or size)
+            while data := await r.content.read(1 << 20):
+                writer.write(data)
+        return _whole(arrival, size) if writer.at == end < size else writer.at
+
+    if end == 0:  # all of it is the tail
+        return _whole(arrival, size)
+    return int(asyncio.run_coroutine_threadsafe(get(), fs.loop).result())
 
 
 def get_tail(
@@ -263,21 +289,29 @@ def stream_in(
     refute: Callable[[int], None],
     deadline: float | None,
 ) -> int:
-    """Object ``path`` into ``fd`` through fsspec's ``open_async`` (S3): its tail by a ranged
-    GET, then the body as one streamed GET, as over HTTP (first batch from S3 over 20 ms +
-    100 MB/s: 1.14-1.44 s by ``fill_parts``, 0.76-0.81 s streamed, at the same rate). A body cut
-    short raises ``ShortReadError`` (retried: the backend retries only the request). Returns
-    the bytes in."""
+    """Object ``path`` into ``fd`` from S3 (s3fs): its tail by a ranged GET, then the body up to
+    the tail as one streamed GET, as over HTTP (first batch from S3 over 20 ms + 100 MB/s:
+    1.14-1.44 s by ``fill_parts``, 0.76-0.81 s streamed, at the same rate). A body cut short
+    raises ``ShortReadError`` (retried: the backend retries only the request). Returns the
+    bytes in, ``size`` once whole."""
     tail = min(arrival.tail, size)
 
     async def run() -> int:
-        if tail:
+        if tail and not arrival.tail_in:
             data = await ranged(fs, path, size - tail, size, refute)
             os.pwrite(fd, data, size - tail)
             arrival.tail_arrived(size if len(data) == tail else None)
-        else:
+        elif not tail:
             arrival.tail_arrived(None)
-        body, at = await fs.open_async(path, "rb"), 0
+        end = size - tail if arrival.tail_in else size
+        if end == 0:
+            return _whole(arrival, size)
+        bucket, key, _ = fs.split_path(path)
+        within = {"Range": f"bytes=0-{end - 1}"} if end < size else {}
+        answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, **within)
+        stated = answer.get("ContentRange", "").rpartition("/")[2]
+        refute(int(stated) if stated.isdigit() else int(answer["ContentLength"]))
+        body, writer = answer["Body"], Writer(fd, size, arrival, refute)
         try:
             while True:
                 try:
@@ -285,24 +319,23 @@ def stream_in(
                 except Exception as exc:
                     if any(http_status(e) for e in causes(exc)):
                         raise  # an answer: the backend's own retries were spent on it
-                    raise ShortReadError(f"the body was cut after {at} bytes: {exc}") from exc
-                if getattr(body, "size", None) not in (None, size):
-                    refute(body.size)  # the GET's answer states another size
+                    raise ShortReadError(f"the body was cut after {writer.at} bytes") from exc
                 if not data:
-                    return at
-                if at + len(data) > size:
-                    refute(at + len(data))
-                at += os.pwrite(fd, data, at)
-                arrival.arrived(at)
+                    break
+                writer.write(data)
         finally:
-            response = getattr(body, "r", None)  # s3fs's botocore body: its connection
-            if response is not None:
-                response.close()
-            await body.close()
+            body.close()  # its connection
+        return _whole(arrival, size) if writer.at == end < size else writer.at
 
     arrival.arrived(0)
     wanted = asyncio.wait_for(run(), deadline)
     return int(asyncio.run_coroutine_threadsafe(wanted, fs.loop).result())
+
+
+def _whole(arrival: Arrival, size: int) -> int:
+    """The body reached the tail, which is in: the fields among the tail are checked now."""
+    arrival.arrived(size)
+    return size
 
 
 async def ranged(fs: Any, path: str, a: int, b: int, refute: Callable[[int], None]) -> bytes:
@@ -317,10 +350,8 @@ async def ranged(fs: Any, path: str, a: int, b: int, refute: Callable[[int], Non
 
 
 def streams(fs: Any) -> bool:
-    """Whether ``fs`` streams a GET's body (``open_async``: s3fs; not gcsfs)."""
-    from fsspec.asyn import AsyncFileSystem
-
-    return type(fs).open_async is not AsyncFileSystem.open_async
+    """Whether ``fs`` streams a GET's body to us (s3fs; not gcsfs)."""
+    return hasattr(fs, "_call_s3")
 
 
 PART = 4 << 20  #: bytes per ranged GET of an object store's download in place

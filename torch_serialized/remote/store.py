@@ -33,7 +33,16 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from .arrival import Arrival, Damaged, Writer, fill_parts, get_tail, stream_in, streams
+from .arrival import (
+    Arrival,
+    Damaged,
+    Writer,
+    fill_parts,
+    get_body,
+    get_tail,
+    stream_in,
+    streams,
+)
 from .retry import (
     BUGS,
     MIN_RATE_ENV,
@@ -393,13 +402,11 @@ class RemoteStore(PerProcess):
                 if tail is not None:  # alone, first: beside the body's GET it slowed a fast
                     with suppress(Exception):  # link (20 ms, no cap: 232 -> 208 MB/s); a
                         tail.result(timeout=_TAIL_WAIT)  # stalled one holds the body 2 s
-                writer = Writer(fd, size, arrival, refute)
                 try:
-                    self.fs.get_file(path, writer, callback=_Stated(refute), **deadline)
+                    return get_body(fs, path, size, Writer(fd, size, arrival, refute), deadline)
                 finally:
                     if tail is not None:
                         tail.cancel()  # done by now, unless a stall holds it
-                return writer.at
             finally:
                 os.close(fd)
 

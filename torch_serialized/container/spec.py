@@ -1,12 +1,10 @@
-"""The torch_serialized container format, version 1.1: the one place it is specified.
+"""The torch_serialized container format, version 1.1, in code; docs/FORMAT.md is the same spec in
+prose (``tests/test_format.py`` checks that the two agree), down to each key and rule.
 
-docs/FORMAT.md says the same in prose; ``tests/test_format.py`` checks that the two agree.
-
-A container (``.tser`` file) holds ``N`` records of ``K`` named byte fields, named numpy
-arrays and a JSON metadata object. It is written front to back in one pass and read
-through ``mmap``. All integers are little-endian.
-
-Layout::
+A container (``.tser`` file) holds ``N`` records of ``K`` named byte fields, named numpy arrays
+of plain numbers (no object types: nothing in a file can execute code) and a strict-JSON
+metadata object (``build_metadata`` lists its keys). Written front to back in one pass, read
+through ``mmap``; all integers little-endian::
 
     offset 0            header (64 bytes)
     offset 64           record fields, each starting at a multiple of ``alignment``
@@ -14,39 +12,15 @@ Layout::
     meta_offset         metadata: UTF-8 JSON object, ``meta_length`` bytes
     file_size - 64      footer (64 bytes), ending with the magic again
 
-Header (``HEADER``): ``magic`` (8 bytes, ``MAGIC``), ``major`` u16, ``minor`` u16,
-``header_size`` u32 (64), ``alignment`` u32 (a power of two from 8 to ``MAX_ALIGNMENT``),
-``flags`` u32 (0), 36 reserved zero bytes, ``header_crc32`` u32 of the preceding 60 bytes.
-
-Footer (``FOOTER``): ``meta_offset`` u64, ``meta_length`` u64, ``file_size`` u64,
-``num_records`` u64, ``meta_crc32`` u32, ``major`` u16, ``minor`` u16, 12 reserved zero
-bytes, ``footer_crc32`` u32 of the preceding 52 bytes, ``magic`` (8 bytes). A file whose
-last 8 bytes are not the magic, or whose size differs from ``file_size``, is truncated.
-
-Metadata (strict JSON object, see ``loads_json``) keys:
-
-- ``format``: ``"torch_serialized"``; ``format_version``: ``[major, minor]``;
-- ``created_by``: the writing software (informative);
-- ``num_records``: ``N``; ``fields``: the ``K`` field names in index column order;
-- ``alignment``: as in the header;
-- ``index``: an array descriptor for the record index, shape ``(N, K)``, dtype
-  ``INDEX_DTYPE`` (offset u64, length u64, crc32 u32, reserved u32);
-- ``arrays``: name -> array descriptor, plus ``per_record`` (first axis is ``N``);
-- ``user``: the writer's own metadata object (schema, packing options, counts...);
-- ``pack`` (1.1): the container's ``binding`` to its pack (pack id, role, place).
-
-An array descriptor is ``{"dtype", "shape", "offset", "nbytes", "crc32"}``. ``dtype`` is a
-simple type code (exactly one of ``|b1 |i1 |u1 <i2 <i4 <i8 <u2 <u4 <u8 <f2 <f4 <f8``) or a
-list of ``[name, code]`` pairs for a packed structured dtype; no object or pointer types
-exist, so nothing in a file can execute code. Each record field's CRC32 is stored in the
-index; ``verify`` recomputes them.
+Header (``HEADER``): ``magic``, ``major`` u16, ``minor`` u16, ``header_size`` u32 (64),
+``alignment`` u32 (a power of two, 8 to ``MAX_ALIGNMENT``), ``flags`` u32 (0), 36 reserved zero
+bytes, ``header_crc32`` u32 of the preceding 60 bytes. Footer (``FOOTER``): ``meta_offset``,
+``meta_length``, ``file_size``, ``num_records`` (u64 each), ``meta_crc32`` u32, ``major`` u16,
+``minor`` u16, 12 reserved zero bytes, ``footer_crc32`` u32 of the preceding 52 bytes, ``magic``.
 
 Readers MUST reject a newer ``major`` and major 0 (never written), and a footer or
 ``format_version`` whose version differs from the header's; they MAY read a newer ``minor``
-(additions only).
-
-A shard folder (shards, a 0-record catalog container, ``MANIFEST_NAME``) is specified in
-``manifest`` and docs/FORMAT.md ("Shard folders", "Integrity rules").
+(additions only). Shard folders: ``manifest`` and docs/FORMAT.md ("Shard folders").
 """
 
 from __future__ import annotations

@@ -84,9 +84,6 @@ PACK_ID = re.compile(r"[0-9a-f]{32}")
 #: bool, signed and unsigned integers and IEEE floats.
 _SIMPLE_CODE = re.compile(r"\|[biu]1|<[iu][248]|<f[248]")  # use fullmatch: "$" allows "\n"
 MAX_FIELDS = 1024
-#: A run of digits long enough to be an integer beyond ``MAX_JSON_INT`` (16 digits): JSON text
-#: without one needs no integer check.
-_LONG_DIGITS = re.compile(r"[0-9]{16,}")
 #: Largest metadata a reader accepts.
 MAX_META_BYTES = 1 << 30
 
@@ -258,8 +255,7 @@ def dumps(value: Any, what: str, **options: Any) -> str:
     """``json.dumps`` refusing (``ValueError`` naming ``what``) what ``loads_json`` refuses."""
     try:
         text = json.dumps(value, allow_nan=False, **options)
-        if _LONG_DIGITS.search(text):
-            json.loads(text, parse_int=_exact_int)  # raises at the first integer out of range
+        json.loads(text, parse_int=_exact_int)  # raises at the first integer out of range
     except ValueError as exc:
         raise ValueError(f"{what} cannot be stored as strict JSON: {exc}") from None
     return text
@@ -281,7 +277,7 @@ def loads_json(data: bytes | memoryview, path: str, what: str) -> Any:
             object_pairs_hook=_unique_keys,
             parse_constant=_no_constant,
             parse_float=_finite_float,
-            parse_int=_exact_int if _LONG_DIGITS.search(text) else None,
+            parse_int=_exact_int,
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise damaged(path, f"{what} is not valid JSON ({clip(str(exc), 160)})") from None

@@ -104,7 +104,8 @@ class PackReader:
             self.manifest_sha256 = hashlib.sha256(data).hexdigest()
             manifest = self.manifest = parse_manifest(data, str(manifest_path))
             self.entries = manifest.shards
-            name = self._manifest_name()
+            remote = self.remote
+            name = str(manifest_path) if remote is None else remote.store.url_of(fmt.MANIFEST_NAME)
             self._expected = [manifest.expect_shard(k, name) for k in range(len(manifest.shards))]
             if check_files and self.remote is None:
                 self._check_files(manifest)
@@ -149,12 +150,6 @@ class PackReader:
             f"size: {'; '.join(list(wrong.values())[:5])}{more}. An incomplete or mixed copy: "
             "copy the pack again from where it came from, or re-pack it"
         )
-
-    def _manifest_name(self) -> str:
-        """The manifest as messages name it: its URL for a remote pack, else its path."""
-        if self.remote is not None:
-            return self.remote.store.url_of(fmt.MANIFEST_NAME)
-        return str(self.manifest_path)
 
     def _open_v1(self, manifest: Manifest) -> None:
         """Manifest version 1 (0.1.0): every shard is opened now to merge the per-record

@@ -35,16 +35,6 @@ def pays_off(num_jobs: int, processes: int) -> bool:
     return processes > 1 and num_jobs >= 2 * processes
 
 
-def check_spawnable(processes: int) -> None:
-    """Refuse what ``spawn`` cannot start: a main script read from standard input (``python -``)
-    has no file to run again in each child (which fails without a word)."""
-    if getattr(sys.modules.get("__main__"), "__file__", None) == "<stdin>":
-        raise ValueError(
-            f"workers={processes} starts pack processes that run the main script again, but it "
-            "was read from '<stdin>', not a file: run a script file or pass workers=1"
-        )
-
-
 @dataclass(frozen=True)
 class Record:
     """A loader's record: ``payloads`` (one to fill in later, zeros now) and ``info``."""
@@ -79,7 +69,13 @@ class SpillPool(Generic[_J]):
         fields: Sequence[str],
         processes: int,
     ) -> None:
-        check_spawnable(processes)
+        # ``spawn`` runs the main script again in each child: one read from standard input
+        # (``python -``) has no file to run, and the child fails without a word
+        if getattr(sys.modules.get("__main__"), "__file__", None) == "<stdin>":
+            raise ValueError(
+                f"workers={processes} starts pack processes that run the main script again, but "
+                "it was read from '<stdin>', not a file: run a script file or pass workers=1"
+            )
         size = max(1, min(_CHUNK, len(jobs) // (processes * 4)))
         self._chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
         self._load = load

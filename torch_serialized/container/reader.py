@@ -131,27 +131,23 @@ class ContainerReader:
 
     # -- one process, one map -----------------------------------------------------------------
     def _mapped(self) -> _Mapped:
-        """This process's map, made on first use in a process that has none."""
+        """This process's map, made on first use in a process that has none: of the path again,
+        once it still holds the file validated at creation (else ``FileChangedError``)."""
         local = self._local
-        if local is None or local.pid != os.getpid():
-            fd = self._open_same_file()
-            try:
-                local = self._local = self._read_arrays(fd, check=False)  # owns ``fd``
-            except BaseException:
-                os.close(fd)
-                raise
-        return local
-
-    def _open_same_file(self) -> int:
-        """Open the path again, checking it still holds the file validated at creation."""
+        if local is not None and local.pid == os.getpid():
+            return local
         try:
             fd = self._open_fd()
         except (FileNotFoundError, FormatError):  # a re-pack removed it: never read a mix
             raise FileChangedError(gone(self.path)) from None
-        if not self.holds(fd):
+        try:
+            if not self.holds(fd):
+                raise FileChangedError(gone(self.path, " (modified)"))
+            local = self._local = self._read_arrays(fd, check=False)  # owns ``fd``
+        except BaseException:
             os.close(fd)
-            raise FileChangedError(gone(self.path, " (modified)"))
-        return fd
+            raise
+        return local
 
     def holds(self, fd: int) -> bool:
         """Whether ``fd`` holds the file this reader validated (its size and ``meta_crc32``)."""
@@ -202,14 +198,11 @@ class ContainerReader:
         self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
     ) -> list[list[memoryview]]:
         """Views of ``fields`` of each of ``records`` (any order): ``record`` for a batch."""
-        local = self._mapped()
-        rows = self._rows(records)
-        cols = np.asarray(fields, dtype=np.intp)
-        starts = local.offsets[rows[:, None], cols].tolist()
-        lengths = local.lengths[rows[:, None], cols].tolist()
-        view = local.view
+        local, rows = self._mapped(), self._rows(records)
+        cells = rows[:, None], np.asarray(fields, dtype=np.intp)
+        starts, lengths = local.offsets[cells].tolist(), local.lengths[cells].tolist()
         out = [
-            [view[o : o + n] for o, n in zip(row_starts, row_lengths)]
+            [local.view[o : o + n] for o, n in zip(row_starts, row_lengths)]
             for row_starts, row_lengths in zip(starts, lengths)
         ]
         if self.checked:
@@ -263,13 +256,11 @@ class ContainerReader:
     def verify(self) -> list[int]:
         """Indices of records whose bytes fail their checksum (empty when all is well)."""
         local = self._mapped()
-        view, crcs = local.view, local.crcs.tolist()
-        spans = (local.offsets + local.lengths).tolist()
-        starts = local.offsets.tolist()
+        rows = zip(local.offsets.tolist(), local.lengths.tolist(), local.crcs.tolist())
         return [
             i
-            for i, (row, ends, crc) in enumerate(zip(starts, spans, crcs))
-            if any(fmt.crc32(view[o:e]) != c for o, e, c in zip(row, ends, crc))
+            for i, (starts, lengths, crcs) in enumerate(rows)
+            if any(fmt.crc32(local.view[o : o + n]) != c for o, n, c in zip(starts, lengths, crcs))
         ]
 
     # -- reads for batches and streams -------------------------------------------------------

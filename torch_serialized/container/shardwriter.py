@@ -107,18 +107,17 @@ class PackWriter:
         token: str | None = None,
         locked: bool = False,
     ) -> None:
-        for name, limit in (
-            ("max_records_per_shard", max_records_per_shard),
-            ("max_shard_bytes", max_shard_bytes),
-        ):
+        limits = {
+            "max_records_per_shard": max_records_per_shard,
+            "max_shard_bytes": max_shard_bytes,
+        }
+        for name, limit in limits.items():
             if limit is not None and limit < 1:
                 raise ValueError(f"{name} must be a positive integer, got {limit}")
         check_options(fields, alignment, columns)
         check_output_name(output)
         self.output = Path(output).absolute()
-        self.sharded = (
-            max_records_per_shard is not None or max_shard_bytes is not None or bool(shard_ends)
-        )
+        self.sharded = any(v is not None for v in limits.values()) or bool(shard_ends)
         self._ends = frozenset(shard_ends)
         self._fields = list(fields)
         self._columns = columns
@@ -238,8 +237,8 @@ class PackWriter:
         assert writer is not None and file is not None and path is not None
         if self._before_finish is not None:
             self._before_finish()  # records reserved in this file are copied in by now
+        first = self.num_records - writer.num_records  # 0 in a single file
         if self.sharded:
-            first = self.num_records - writer.num_records
             place = dict(
                 index=len(self._shards), first_record=first, num_records=writer.num_records
             )
@@ -247,7 +246,6 @@ class PackWriter:
             self._rows.append(writer.rows())
             size = writer.finish({}, pack=pack)
         else:
-            first = 0
             for name, array in self._arrays:
                 writer.add_array(name, array)
             size = writer.finish(user or {}, pack=fmt.binding(fmt.ROLE_SINGLE, self.pack_id))

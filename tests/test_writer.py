@@ -167,7 +167,7 @@ def test_record_of_many_mib(tmp_path, form):
     assert reader.verify() == []
 
 
-@pytest.mark.parametrize("alignment", [8, 4096])
+@pytest.mark.parametrize("alignment", [8, 4096, fmt.MAX_ALIGNMENT])
 def test_other_alignments(tmp_path, alignment):
     out = tmp_path / "a.tser"
     with PackWriter(out, ["a"], alignment=alignment) as w:

@@ -16,7 +16,6 @@ __all__ = ["ContainerWriter", "Payload", "CREATED_BY", "check_options"]
 CREATED_BY = f"torch_serialized {__version__}"
 
 Payload = bytes | bytearray | memoryview
-_PAD = bytes(1 << 16)
 
 
 def check_options(fields: Sequence[str], alignment: int, columns: np.dtype | None) -> None:
@@ -69,7 +68,7 @@ class ContainerWriter:
             self._hole += pad
             self.position += pad
         elif pad:
-            self._write(_PAD[:pad])
+            self._write(bytes(pad))
 
     def add(self, payloads: Sequence[Payload], row: tuple[Any, ...] | None = None) -> int:
         """Append one record (one payload per field); return its index in this file."""

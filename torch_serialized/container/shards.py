@@ -324,10 +324,19 @@ class PackReader:
             raise
 
     def _changed(self, name: str) -> FileChangedError | None:
-        """``FileChangedError`` if ``name`` is off because the pack was replaced, else None."""
-        if not self._manifest_changed():
-            return None
+        """``FileChangedError`` if ``name`` is off because the pack was replaced (the manifest here,
+        or at the URL: its cached copy never changes, is not the one opened), else None."""
         assert self.manifest_path is not None
+        try:
+            if self.remote is not None:
+                data = self.remote.store.read_bytes(fmt.MANIFEST_NAME)
+            else:
+                data = read_regular_file(self.manifest_path, fmt.MAX_MANIFEST_BYTES, "manifest")
+            if hashlib.sha256(data).hexdigest() == self.manifest_sha256:
+                return None
+        except OSError:  # gone here: changed; a URL that fails: the caller's own error stands
+            if self.remote is not None:
+                return None
         if self.remote is None and not os.path.lexists(self.manifest_path):
             return FileChangedError(gone(self.path, f" ({name} is gone)"))
         msg = f"{self.name} was replaced after it was opened ({name} changed)"
@@ -355,18 +364,6 @@ class PackReader:
             rows, copy = shard.arrays()[name], catalog[name][entry.first_record :]
             if copy.dtype != rows.dtype or copy[: entry.num_records].tobytes() != rows.tobytes():
                 raise expect.mismatch(shard.path, f"its {name!r} differ from the catalog's copy")
-
-    def _manifest_changed(self) -> bool:
-        """Whether the manifest on disk (or at the URL) is no longer the one opened."""
-        assert self.manifest_path is not None
-        try:
-            if self.remote is not None:  # the cached copy never changes: ask the URL
-                data = self.remote.store.read_bytes(fmt.MANIFEST_NAME)
-            else:
-                data = read_regular_file(self.manifest_path, fmt.MAX_MANIFEST_BYTES, "manifest")
-        except OSError:  # gone here: changed; a URL that fails: the caller's own error stands
-            return self.remote is None
-        return hashlib.sha256(data).hexdigest() != self.manifest_sha256
 
     def __len__(self) -> int:
         return self.num_records

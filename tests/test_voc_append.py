@@ -554,7 +554,7 @@ def test_the_quick_path_stats_each_packed_file_once_and_opens_only_new_and_touch
     from torch_serialized.voc import records as pack_module
     from torch_serialized.voc.images import ImageOptions
     from torch_serialized.voc.layout import read_image_sets
-    from torch_serialized.voc.source import Planned, reads, survey
+    from torch_serialized.voc.source import Planned, survey
 
     source.cut()
     path = pack(source, tmp_path / "pack", "shards")
@@ -566,7 +566,7 @@ def test_the_quick_path_stats_each_packed_file_once_and_opens_only_new_and_touch
     os.utime(xml, ns=(xml.stat().st_atime_ns, xml.stat().st_mtime_ns + 10**9))
     options = ImageOptions("original", None, False)
     jobs = survey(source.voc, read_image_sets(source.voc), options).jobs()
-    files = sum(sum(reads(job)) for job in jobs if job.id in packed)
+    files = sum(sum(job.reads) for job in jobs if job.id in packed)
 
     made, loaded, read, stats = [], [], [], []
     real_job, real_load, real_read = Planned.job, pack_module.load, changes.read_regular_file

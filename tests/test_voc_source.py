@@ -173,16 +173,20 @@ def test_missing_source_data_is_a_file_not_found_error(tmp_path: Path, missing: 
     no_pack_output(tmp_path)
 
 
+EXTS = (".xml", ".png", ".png")
+
+
 @pytest.mark.parametrize("devkit", ["corner_devkit", "synthetic_devkit", "gaps"])
 def test_the_survey_gives_the_jobs_and_reads_a_full_pack_plans(
     devkit: str, request, tmp_path: Path
 ) -> None:
-    # ``Planned.reads`` restates ``reads(job)`` as arrays for the append's quick check: the two
-    # must agree id for id, on odd devkits too (ids in both tasks; "gaps": a listed id whose
-    # annotation and one whose mask are missing, which load must still try to read).
+    # ``Planned.reads`` gives each job its ``reads`` and the append's quick check its files: an
+    # id's image, its annotation or mask if its lists need them or its folder lists the file
+    # (case-blind), on odd devkits too (ids in both tasks; "gaps": a listed id whose annotation
+    # and one whose mask are missing, which load must still try to read).
     from torch_serialized.voc.images import ImageOptions
     from torch_serialized.voc.layout import find_voc_root, read_image_sets
-    from torch_serialized.voc.source import reads, survey
+    from torch_serialized.voc.source import survey
 
     if devkit == "gaps":
         root = shutil.copytree(request.getfixturevalue("synthetic_devkit"), tmp_path / "gaps")
@@ -197,8 +201,21 @@ def test_the_survey_gives_the_jobs_and_reads_a_full_pack_plans(
     jobs = planned.jobs()
     assert [planned.job(i) for i in range(len(planned))] == jobs
     files, needs = planned.reads(range(len(planned)))
-    assert files.tolist() == [list(reads(job)) for job in jobs]
+    assert files.tolist() == [list(job.reads) for job in jobs]
     assert needs.tolist() == [[job.needs_annotation, job.needs_mask] for job in jobs]
+    main = {i for lists in sets.get("Main", {}).values() for i in lists}
+    segmentation = {i for lists in sets.get("Segmentation", {}).values() for i in lists}
+    folders = ("Annotations", "SegmentationClass", "SegmentationObject")
+    listing = [{n.casefold() for n in os.listdir(voc_root / f)} for f in folders]
+    for job in jobs:
+        assert (job.needs_annotation, job.needs_mask) == (job.id in main, job.id in segmentation)
+        there = [(job.id + ext).casefold() in names for ext, names in zip(EXTS, listing)]
+        assert job.reads == (
+            True,
+            job.needs_annotation or there[0],
+            job.needs_mask or there[1],
+            there[2],
+        )
 
 
 def test_a_prefix_read_returns_the_first_bytes_up_to_the_cap(tmp_path: Path) -> None:

@@ -98,10 +98,10 @@ def export_voc(
 
 _Folder = tuple[str, ...]
 #: One planned file: (folder relative to out_root/<base_dir>, name, record, field, list bytes).
-_Plan = list[tuple[_Folder, str, int, int, bytes | None]]
+_File = tuple[_Folder, str, int, int, bytes | None]
 
 
-def _merge(plan: _Plan, staged: _Tree, target: _Tree, aside: _Tree, overwrite: bool) -> None:
+def _merge(plan: list[_File], staged: _Tree, target: _Tree, aside: _Tree, overwrite: bool) -> None:
     """Rename staged files into ``target`` (replaced ones to ``aside``), all undone on failure."""
     done: list[tuple[_Folder, str, bool]] = []
     try:
@@ -228,9 +228,7 @@ class _Tree:
             ) from exc
 
 
-def _plan(
-    pack: VOCPackReader, files: dict[str, bytes]
-) -> Iterator[tuple[_Folder, str, int, int, bytes | None]]:
+def _plan(pack: VOCPackReader, files: dict[str, bytes]) -> Iterator[_File]:
     """``(folder, name, record, field, None)`` per record file and ``(folder, name, -1, -1,
     bytes)`` per list file (folders below ``out_root/<base_dir>``); raises on unsafe ids, paths."""
     flags = pack.columns["flags"]

@@ -37,7 +37,9 @@ class Job:
     needs_annotation: bool
     needs_mask: bool
     options: ImageOptions
-    listed_in_folders: frozenset[str]  # optional folders holding its file: only those opened
+    #: which ``source_paths`` ``load`` opens: the image; the others if needed or their folder
+    #: lists the file (listed once per folder: a failed open per absent file was ~5% of a pack)
+    reads: tuple[bool, ...]
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
@@ -79,29 +81,27 @@ class Planned:
 
     def job(self, i: int) -> Job:
         """The job of ``ids[i]``, as a full pack makes it."""
-        image_id = self.ids[i]
-        number, line = self.first[image_id]
-        folded = image_id.casefold()
-        return Job(
-            self.voc_root,
-            image_id,
-            f"{self.lists[number]} line {line}",
-            image_id in self.main,
-            image_id in self.segmentation,
-            self.options,
-            frozenset(
-                f
-                for f, ext, names in zip(_FOLDERS, _EXTENSIONS, self.names)
-                if folded + ext in names
-            ),
-            self.max_file_bytes,
-        )
+        return self._jobs([i])[0]
 
     def jobs(self) -> list[Job]:
-        return [self.job(i) for i in range(len(self.ids))]
+        return self._jobs(range(len(self.ids)))
+
+    def _jobs(self, positions: Sequence[int]) -> list[Job]:
+        files, needs = self.reads(positions)
+        jobs = []
+        for i, opens, (annotation, mask) in zip(positions, files.tolist(), needs.tolist()):
+            image_id = self.ids[i]
+            number, line = self.first[image_id]
+            where = f"{self.lists[number]} line {line}"
+            opened = tuple(opens)
+            limit = self.max_file_bytes
+            jobs.append(
+                Job(self.voc_root, image_id, where, annotation, mask, self.options, opened, limit)
+            )
+        return jobs
 
     def reads(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """``reads(job(i))`` for ``positions`` without making jobs (bool ``[n, 4]``), and whether
+        """``job(i).reads`` for ``positions`` without making jobs (bool ``[n, 4]``), and whether
         each needs its annotation and mask (bool ``[n, 2]``)."""
         ids = [self.ids[i] for i in positions]
         folded = [i.casefold() for i in ids]
@@ -168,17 +168,6 @@ def source_paths(job: Job) -> tuple[str, ...]:
     )
 
 
-def reads(job: Job) -> tuple[bool, bool, bool, bool]:
-    """Which ``source_paths`` ``load`` opens: the image, the others if needed or listed."""
-    listed = job.listed_in_folders
-    return (
-        True,
-        job.needs_annotation or "Annotations" in listed,
-        job.needs_mask or "SegmentationClass" in listed,
-        "SegmentationObject" in listed,
-    )
-
-
 _WHAT = ("the image", "the annotation", "the mask", "the object mask")
 
 
@@ -190,7 +179,7 @@ def load(job: Job) -> LoadedSample:
     stats = [(schema.ABSENT, 0)] * len(schema.SOURCE_FILES)
     files = [
         _read(paths[k], required[k], job, _WHAT[k], stats, k) if wanted else None
-        for k, wanted in enumerate(reads(job))
+        for k, wanted in enumerate(job.reads)
     ]
     image, annotation, mask, object_mask = files
     source_bytes = sum(len(b) for b in files if b)

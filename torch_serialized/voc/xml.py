@@ -124,9 +124,6 @@ class VOCObjects:
     difficult: np.ndarray
     truncated: np.ndarray
 
-    def __len__(self) -> int:
-        return len(self.names)
-
 
 def extract_objects(target: dict[str, Any], *, source: str) -> VOCObjects:
     """Boxes, names and flags of a target; ``SourceDataError`` for an object rows cannot hold."""

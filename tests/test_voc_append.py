@@ -569,12 +569,12 @@ def test_the_quick_path_stats_each_packed_file_once_and_opens_only_new_and_touch
     files = sum(sum(job.reads) for job in jobs if job.id in packed)
 
     made, loaded, read, stats = [], [], [], []
-    real_job, real_load, real_read = Planned.job, pack_module.load, changes.read_regular_file
+    real_jobs, real_load, real_read = Planned.jobs, pack_module.load, changes.read_regular_file
     real_stat = os.stat
 
-    def job(self: Planned, i: int) -> Any:
-        made.append(self.ids[i])
-        return real_job(self, i)
+    def jobs(self: Planned, positions: Any) -> Any:
+        made.extend(self.ids[i] for i in positions)
+        return real_jobs(self, positions)
 
     def load(job: Any) -> Any:
         loaded.append(job.id)
@@ -588,7 +588,7 @@ def test_the_quick_path_stats_each_packed_file_once_and_opens_only_new_and_touch
         stats.append((str(path), kwargs.get("dir_fd")))
         return real_stat(path, *args, **kwargs)
 
-    monkeypatch.setattr(Planned, "job", job)
+    monkeypatch.setattr(Planned, "jobs", jobs)
     monkeypatch.setattr(pack_module, "load", load)
     monkeypatch.setattr(changes, "read_regular_file", read_file)
     monkeypatch.setattr(changes.os, "stat", counted_stat)

@@ -77,10 +77,10 @@ def classify(
     kept = chosen[passed].tolist()
     new = [*np.flatnonzero(records < 0).tolist(), *packed[reload].tolist()]  # positions
     changed: list[tuple[int, Job, list[str]]] = []
-    made: dict[int, Job] = {}  # position -> the job made to compare it
-    for i in np.flatnonzero(~passed & ~reload).tolist():  # compared by content if need be
-        position, record = int(packed[i]), int(chosen[i])
-        job = made[position] = planned.job(position)
+    compared = np.flatnonzero(~passed & ~reload)  # compared by content if need be
+    made = dict(zip(packed[compared].tolist(), planned.jobs(packed[compared].tolist())))
+    for i, (position, job) in zip(compared.tolist(), made.items()):
+        record = int(chosen[i])
         digest = bytes(stored_digests[record]) if stored_digests is not None else b""
         changes = compare(old, record, job, now[i], None if checksum else before[i], digest)
         if changes is None:

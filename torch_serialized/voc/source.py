@@ -81,12 +81,11 @@ class Planned:
 
     def job(self, i: int) -> Job:
         """The job of ``ids[i]``, as a full pack makes it."""
-        return self._jobs([i])[0]
+        return self.jobs([i])[0]
 
-    def jobs(self) -> list[Job]:
-        return self._jobs(range(len(self.ids)))
-
-    def _jobs(self, positions: Sequence[int]) -> list[Job]:
+    def jobs(self, positions: Sequence[int] | None = None) -> list[Job]:
+        """The jobs of ``ids[i]`` for ``positions`` (default: every id)."""
+        positions = range(len(self.ids)) if positions is None else positions
         files, needs = self.reads(positions)
         jobs = []
         for i, opens, (annotation, mask) in zip(positions, files.tolist(), needs.tolist()):

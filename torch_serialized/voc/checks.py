@@ -12,6 +12,7 @@ import numpy as np
 from ..container.manifest import member_of
 from ..container.reader import ContainerReader
 from ..container.shards import PackReader
+from ..container.spec import clip
 from ..errors import FormatError, UnsupportedVersionError
 from . import schema
 from .classes import label_classes
@@ -50,8 +51,7 @@ def check_voc_pack(reader: PackReader) -> dict[str, Any]:
 
 
 def _bad(path: str, field: str, expected: str, found: Any) -> FormatError:
-    text = repr(found)
-    text = text if len(text) <= 60 else text[:57] + "..."
+    text = clip(repr(found), 60)
     return FormatError(
         f"{path}: VOC metadata field {field!r} is invalid: expected {expected}, found {text}; "
         "the pack is damaged or was not written by pack_voc: re-pack it"

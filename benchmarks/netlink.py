@@ -12,7 +12,9 @@ epoch of ``VOCSerializedIterableDataset(url, "trainval", decode="none")`` in a D
 in a fresh process with an empty cache. It prints medians (min-max): MB/s over the epoch, the
 first batch after ``iter(loader)``, and the bytes the server sent against the pack's size.
 ``--protocols http,s3`` also reads the pack as ``s3://tsbench-remote`` (netlink's path-style S3,
-through s3fs: ``pip install s3fs``).
+through s3fs: ``pip install s3fs``). ``--peers webdataset,mosaic,litdata`` writes the same images
+in those formats and times their epochs beside ours (``netlink_peers.py``; they run in a
+benchmark-only environment, never the package's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from netlink_peers import PEER_EPOCHS, peer_url, write_peers
+
+Rows = dict[tuple[str, str], list[float]]
 PATHS = {"wan": "10.213.78.2", "lat": "10.213.79.2", "cap": "10.213.77.2"}
 LOG = Path("/tmp/netlink/access.log")
 EPOCH = r"""
@@ -69,16 +74,31 @@ def curl(urls: list[str], parallel: int) -> float:
     return time.perf_counter() - start
 
 
-def epoch(url: str, workers: int, shuffle: bool, host: str) -> dict[str, float]:
+def epoch(
+    url: str, workers: int, shuffle: bool, host: str, script: str = EPOCH
+) -> dict[str, float]:
+    """Run ``script`` (argv: url, workers, shuffle, cache) in a fresh process, empty cache."""
+    endpoint = f"http://{host}"  # netlink's S3: any credentials work
     env = {
         **os.environ,
-        "AWS_ENDPOINT_URL_S3": f"http://{host}",  # netlink's S3: any credentials work
+        "AWS_ENDPOINT_URL_S3": endpoint,  # s3fs (ours) and boto3
+        "AWS_ENDPOINT_URL": endpoint,  # boto3 (LitData's S3Client)
+        "S3_ENDPOINT_URL": endpoint,  # Mosaic 0.13 (streaming/base/storage/download.py)
         **{"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "x"},
     }
     with tempfile.TemporaryDirectory(prefix="tsbench-cache-") as cache:
-        argv = [sys.executable, "-c", EPOCH, url, str(workers), "1" if shuffle else "0", cache]
+        argv = [sys.executable, "-c", script, url, str(workers), "1" if shuffle else "0", cache]
         out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.splitlines()[-1])
+
+
+def record(rows: Rows, path: str, name: str, got: dict[str, float], size: int, offset: int) -> None:
+    """Add one epoch's figures (MB/s of ``size`` bytes, first batch, open, samples, bytes sent)."""
+    time.sleep(0.2)  # nginx writes its log line after the response
+    rows.setdefault((path, name), []).append(size / got["epoch"] / 1e6)
+    for key, what in (("first", "first batch s"), ("open", "open s"), ("samples", "samples")):
+        rows.setdefault((path, f"{name}: {what}"), []).append(got[key])
+    rows.setdefault((path, name + ": bytes sent / pack"), []).append(sent_since(offset) / size)
 
 
 def spread(values: list[float], fmt: str = "{:.1f}") -> str:
@@ -95,6 +115,8 @@ def main() -> None:
     parser.add_argument("--workers", default="2,0", help="DataLoader workers, comma-separated")
     parser.add_argument("--shuffle", action="store_true", help="shuffle=True epochs")
     parser.add_argument("--protocols", default="http", help="http, s3 or both, comma-separated")
+    parser.add_argument("--peers", default="", help="webdataset,mosaic,litdata (netlink_peers.py)")
+    parser.add_argument("--pack-name", default="tsbench-remote", help="our pack's folder in --www")
     parser.add_argument(
         "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "tsbench-netlink"
     )
@@ -107,7 +129,7 @@ def main() -> None:
     root = args.work_dir / f"voc-{args.num_images}"
     if not (root / "VOCdevkit").is_dir():
         make_synthetic_voc(root, args.num_images, year="2012", segmentation_every=0)
-    pack = args.www / "tsbench-remote"
+    pack = args.www / args.pack_name
     pack_voc(root, pack, max_shard_bytes=16 << 20, overwrite=True)
     os.chmod(args.www, 0o755)
     for p in [pack, *pack.iterdir()]:
@@ -117,10 +139,14 @@ def main() -> None:
     print(
         f"pack: {len(files) - 2} shards, {size / 1e6:.1f} MB; {args.repeats} repeats, interleaved"
     )
-    rows: dict[tuple[str, str], list[float]] = {}
+    peers = [p for p in args.peers.split(",") if p]
+    peer_sizes = write_peers(root, args.www, peers) if peers else {}
+    for peer, peer_size in peer_sizes.items():
+        print(f"{peer}: {peer_size / 1e6:.1f} MB ({peer_size / size:.3f} of our pack)")
+    rows: Rows = {}
     for _ in range(args.repeats):
         for path in args.paths.split(","):
-            base = f"http://{PATHS[path]}/tsbench-remote"
+            base = f"http://{PATHS[path]}/{args.pack_name}"
             urls = [f"{base}/{name}" for name in files]
             for parallel in (1, 4):
                 rows.setdefault((path, f"curl, {parallel} at once"), []).append(
@@ -129,20 +155,26 @@ def main() -> None:
             for protocol in args.protocols.split(","):
                 for workers in map(int, args.workers.split(",")):
                     offset = log_size()
-                    url = base if protocol == "http" else "s3://tsbench-remote"
+                    url = base if protocol == "http" else f"s3://{args.pack_name}"
                     got = epoch(url, workers, args.shuffle, PATHS[path])
-                    time.sleep(0.2)  # nginx writes its log line after the response
                     name = f"ours{'' if protocol == 'http' else ' ' + protocol}, {workers} workers"
-                    rows.setdefault((path, name), []).append(size / got["epoch"] / 1e6)
-                    rows.setdefault((path, name + ": first batch s"), []).append(got["first"])
-                    rows.setdefault((path, name + ": bytes sent / pack"), []).append(
-                        sent_since(offset) / size
-                    )
+                    record(rows, path, name, got, size, offset)
+            for peer in peers:
+                for workers in map(int, args.workers.split(",")):
+                    offset = log_size()
+                    url = peer_url(peer, PATHS[path], args.www)
+                    got = epoch(url, workers, False, PATHS[path], PEER_EPOCHS[peer])
+                    record(rows, path, f"{peer}, {workers} workers", got, peer_sizes[peer], offset)
     print("\n| path | what | median (min-max) |\n|---|---|---|")
     for (path, what), values in rows.items():
         unit = "" if ":" in what else " MB/s"
-        fmt = "{:.2f}" if ":" in what else "{:.1f}"
+        fmt = "{:.0f}" if what.endswith("samples") else "{:.2f}" if ":" in what else "{:.1f}"
         print(f"| {path} | {what} | {spread(values, fmt)}{unit} |")
+    listed = root / "VOCdevkit/VOC2012/ImageSets/Main/trainval.txt"
+    expected = len(listed.read_text().split())
+    for (path, what), values in rows.items():
+        if what.endswith(": samples") and any(v != expected for v in values):
+            print(f"INVALID: {path}, {what[:-9]} counted {values} samples, not {expected}")
 
 
 if __name__ == "__main__":

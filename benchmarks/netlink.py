@@ -76,8 +76,9 @@ def curl(urls: list[str], parallel: int) -> float:
 
 def epoch(
     url: str, workers: int, shuffle: bool, host: str, script: str = EPOCH
-) -> dict[str, float]:
-    """Run ``script`` (argv: url, workers, shuffle, cache) in a fresh process, empty cache."""
+) -> dict[str, float] | None:
+    """Run ``script`` (argv: url, workers, shuffle, cache) in a fresh process, empty cache;
+    ``None``, with the error printed, when it fails (one failed system spoils no other row)."""
     endpoint = f"http://{host}"  # netlink's S3: any credentials work
     env = {
         **os.environ,
@@ -88,8 +89,11 @@ def epoch(
     }
     with tempfile.TemporaryDirectory(prefix="tsbench-cache-") as cache:
         argv = [sys.executable, "-c", script, url, str(workers), "1" if shuffle else "0", cache]
-        out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.splitlines()[-1])
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        print(f"FAILED: {url[:80]}, {workers} workers:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 def record(rows: Rows, path: str, name: str, got: dict[str, float], size: int, offset: int) -> None:
@@ -158,13 +162,16 @@ def main() -> None:
                     url = base if protocol == "http" else f"s3://{args.pack_name}"
                     got = epoch(url, workers, args.shuffle, PATHS[path])
                     name = f"ours{'' if protocol == 'http' else ' ' + protocol}, {workers} workers"
-                    record(rows, path, name, got, size, offset)
+                    if got:
+                        record(rows, path, name, got, size, offset)
             for peer in peers:
                 for workers in map(int, args.workers.split(",")):
                     offset = log_size()
                     url = peer_url(peer, PATHS[path], args.www)
                     got = epoch(url, workers, False, PATHS[path], PEER_EPOCHS[peer])
-                    record(rows, path, f"{peer}, {workers} workers", got, peer_sizes[peer], offset)
+                    if got:
+                        name = f"{peer}, {workers} workers"
+                        record(rows, path, name, got, peer_sizes[peer], offset)
     print("\n| path | what | median (min-max) |\n|---|---|---|")
     for (path, what), values in rows.items():
         unit = "" if ":" in what else " MB/s"

@@ -55,6 +55,10 @@ ds = wds.WebDataset(urls, shardshuffle=False).to_tuple("jpg", "json").map_tuple(
 from streaming import StreamingDataset
 start = time.perf_counter()
 ds = StreamingDataset(remote=sys.argv[1], local=sys.argv[4], batch_size=32, shuffle=False)
+# Mosaic 0.13 keeps the boto3 client that fetched index.json; forked workers would share its
+# keep-alive socket (stalls of download_timeout, 60 s, and corrupt samples): drop it first.
+for stream in ds.streams:
+    stream._downloader.clean_up()
 """
     + _LOOP,
     "litdata": _HEAD

@@ -56,10 +56,13 @@ def log_size() -> int:
     return LOG.stat().st_size if LOG.exists() else 0
 
 
-def sent_since(offset: int) -> int:
+def sent_since(offset: int, host: str, folder: str) -> int:
+    """Bytes sent for ``/folder/...`` on ``host`` since ``offset`` (others may share the log)."""
     with open(LOG, "rb") as f:
         f.seek(offset)
-        return sum(int(line.split()[4]) for line in f.read().splitlines() if len(line.split()) > 4)
+        lines = [line.split() for line in f.read().decode().splitlines()]
+    mine = [w for w in lines if len(w) > 4 and w[0] == host and w[2].startswith(f"/{folder}/")]
+    return sum(int(w[4]) for w in mine)
 
 
 def curl(urls: list[str], parallel: int) -> float:
@@ -96,13 +99,18 @@ def epoch(
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def record(rows: Rows, path: str, name: str, got: dict[str, float], size: int, offset: int) -> None:
-    """Add one epoch's figures (MB/s of ``size`` bytes, first batch, open, samples, bytes sent)."""
+def record(
+    rows: Rows, path: str, name: str, got: dict[str, float], size: int, offset: int, folder: str
+) -> None:
+    """Add one epoch's figures (MB/s of ``size`` bytes, first batch, open, samples, and the
+    bytes sent for ``folder`` in the log since ``offset``)."""
     time.sleep(0.2)  # nginx writes its log line after the response
     rows.setdefault((path, name), []).append(size / got["epoch"] / 1e6)
     for key, what in (("first", "first batch s"), ("open", "open s"), ("samples", "samples")):
         rows.setdefault((path, f"{name}: {what}"), []).append(got[key])
-    rows.setdefault((path, name + ": bytes sent / pack"), []).append(sent_since(offset) / size)
+    rows.setdefault((path, name + ": bytes sent / pack"), []).append(
+        sent_since(offset, PATHS[path], folder) / size
+    )
 
 
 def spread(values: list[float], fmt: str = "{:.1f}") -> str:
@@ -163,7 +171,7 @@ def main() -> None:
                     got = epoch(url, workers, args.shuffle, PATHS[path])
                     name = f"ours{'' if protocol == 'http' else ' ' + protocol}, {workers} workers"
                     if got:
-                        record(rows, path, name, got, size, offset)
+                        record(rows, path, name, got, size, offset, args.pack_name)
             for peer in peers:
                 for workers in map(int, args.workers.split(",")):
                     offset = log_size()
@@ -171,7 +179,7 @@ def main() -> None:
                     got = epoch(url, workers, False, PATHS[path], PEER_EPOCHS[peer])
                     if got:
                         name = f"{peer}, {workers} workers"
-                        record(rows, path, name, got, peer_sizes[peer], offset)
+                        record(rows, path, name, got, peer_sizes[peer], offset, f"peers-{peer}")
     print("\n| path | what | median (min-max) |\n|---|---|---|")
     for (path, what), values in rows.items():
         unit = "" if ":" in what else " MB/s"

@@ -10,8 +10,10 @@ empty cache, printing the same JSON line as ours (open, first batch, epoch, samp
 How each peer reads from netlink (``HOST`` is the path's address):
 
 - WebDataset: ``http://HOST/peers-webdataset/shard-NNNNNN.tar`` (its gopen pipes ``curl``).
-- Mosaic: ``StreamingDataset(remote="s3://peers-mosaic")``; boto3, ``S3_ENDPOINT_URL``.
-- LitData: ``StreamingDataset("s3://peers-litdata")``; boto3, ``AWS_ENDPOINT_URL``.
+- Mosaic: ``StreamingDataset(remote="s3://peers-mosaic")``; boto3, ``S3_ENDPOINT_URL``; the
+  parent's client is dropped before the workers fork (see the script).
+- LitData: ``StreamingDataset("s3://peers-litdata")``; boto3 (``AWS_ENDPOINT_URL``) for the
+  index, obstore for the chunks, told to accept plain http.
 
 The peers are never dependencies of the package: install them in a benchmark-only environment
 (``pip install webdataset==1.0.2 mosaicml-streaming==0.13.0 litdata==0.2.76 boto3``).

@@ -4,7 +4,6 @@ CRC32s. A server that holds back the rest of the body shows it; faults still end
 
 from __future__ import annotations
 
-import io
 import itertools
 import os
 import re

@@ -181,6 +181,20 @@ def test_a_shuffle_buffer_starts_before_it_is_full() -> None:
     assert sorted(first + rest) == list(range(1000))
 
 
+def test_shard_window_looks_past_shards_already_downloaded() -> None:
+    """Shards ahead that are already in the cache do not count towards ``ahead`` (up to as
+    many again), so the link goes on to the next ones before the readers move."""
+    done: set[int] = set()
+    reader = SimpleNamespace(starts=np.array([0, 10, 20, 30, 40]), downloaded=done.__contains__)
+    blocks = [np.array([0, 5]), np.array([12]), np.array([25]), np.array([35]), np.array([3])]
+    window = ShardWindow(reader, blocks, ahead=1)  # type: ignore[arg-type]
+    assert window.window(0) == [0, 1]
+    done.add(1)
+    assert window.window(0) == [0, 1, 2]
+    done.add(2)
+    assert window.window(0) == [0, 1, 2]  # two ahead at most: twice ``ahead``
+
+
 def test_shard_window_downloads_ahead_and_releases_behind() -> None:
     """A remote stream holds the shards of the block in use and the next ``ahead`` distinct
     shards later blocks read, and releases each one once no near block needs it. A block's own
@@ -192,6 +206,7 @@ def test_shard_window_downloads_ahead_and_releases_behind() -> None:
             ("get", list(shards), now)
         ),
         release_shard=lambda shard: calls.append(("drop", shard)),
+        downloaded=lambda shard: False,
     )
     blocks = [np.array([0, 5]), np.array([12]), np.array([25, 35]), np.array([3])]
     window = ShardWindow(reader, blocks, ahead=1)  # type: ignore[arg-type]

@@ -388,9 +388,11 @@ def test_a_shards_body_stops_where_its_tail_begins(
     reader = open_pack(
         remote.url, storage_options=remote.storage_options, cache_dir=tmp_path / "cache"
     )
+    assert not reader.downloaded(0)
     reader.prefetch_shards([0, 1])
     check_pack(reader, N)
     reader.close()
+    assert reader.downloaded(0) and reader.downloaded(1)  # whole in the cache
     assert remote.proxy.stats()["bytes_sent"] == sum(f.stat().st_size for f in pack.iterdir())
 
 

@@ -266,6 +266,10 @@ class PackReader:
                 )
         self.remote.prefetch(requests, now=now)
 
+    def downloaded(self, s: int) -> bool:
+        """Whether shard ``s`` of a remote pack is whole in the cache (local: always)."""
+        return self.remote is None or self.remote.object_path(self.entries[s].file).exists()
+
     def release_shard(self, s: int) -> None:
         """Done with shard ``s`` of a remote pack for now: close it and let the cache evict it."""
         if self.remote is None or s == self._catalog_shard:

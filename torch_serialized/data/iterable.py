@@ -92,7 +92,8 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
         block_size: positions per block (the unit of sequential reading).
         shuffle_buffer: samples held for mixing when ``shuffle`` (0 or 1: blocks only).
         storage_options, cache_dir, cache_limit_bytes: for a pack at a URL, as the map datasets.
-        prefetch: URL packs: shards a worker downloads ahead in threads (0: each when first read).
+        prefetch: URL packs: shards a worker downloads ahead in threads (0: each when first read);
+            shards ahead already downloaded do not count, up to as many again.
 
     **Work split** as ``DistributedSampler``: the epoch padded with its first samples to a
     multiple of the world size (or cut, ``drop_last``), rank ``r`` taking the ``r``-th

@@ -5,6 +5,7 @@ CRC32s. A server that holds back the rest of the body shows it; faults still end
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import re
 import threading
@@ -394,6 +395,44 @@ def test_a_shards_body_stops_where_its_tail_begins(
     reader.close()
     assert reader.downloaded(0) and reader.downloaded(1)  # whole in the cache
     assert remote.proxy.stats()["bytes_sent"] == sum(f.stat().st_size for f in pack.iterdir())
+
+
+@pytest.mark.parametrize("remote", ["http", "s3"], indirect=True)
+def test_a_tail_damaged_on_the_way_comes_again(
+    remote: Remote,
+    pack: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A record among a shard's tail that fails its CRC32 fails the download, and the retry
+    fetches the tail again (the body stops before it, so only the tail can mend it)."""
+    for f in sorted(pack.iterdir(), key=lambda f: f.name == "manifest.json"):
+        remote.put(f.name, f.read_bytes())
+    shard = next(pack.glob(f"{FIRST}*"))
+    row = ContainerReader(shard).index_rows([1])[0]
+    at = int(row["offset"][row["length"] > 0][0])  # a byte of record 1, in the tail here
+    writes = {"tail": 0}
+    real = os.pwrite
+
+    def flip_once(fd: int, data: bytes, offset: int) -> int:  # the first tail of FIRST
+        tail = len(data) + offset == shard.stat().st_size and offset <= at < len(data) + offset
+        if tail and not writes["tail"]:
+            writes["tail"] += 1
+            data = data[: at - offset] + bytes([data[at - offset] ^ 1]) + data[at - offset + 1 :]
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", flip_once)
+    reader = open_pack(
+        remote.url, storage_options=remote.storage_options, cache_dir=tmp_path / "cache"
+    )
+    reader.prefetch_shards([0])
+    with caplog.at_level(logging.INFO, logger="torch_serialized"):
+        path = reader.remote.fetch_shard(shard.name)  # type: ignore[union-attr]
+    assert writes["tail"] == 1 and path.read_bytes() == shard.read_bytes()
+    assert "prefetch failed" not in caplog.text  # its own retry mended it
+    check_pack(reader, N)
+    reader.close()
 
 
 @pytest.mark.parametrize("fault", ["truncate", "status", "drop"])

@@ -319,7 +319,7 @@ def stream_in(
                 except Exception as exc:
                     if any(http_status(e) for e in causes(exc)):
                         raise  # an answer: the backend's own retries were spent on it
-                    raise ShortReadError(f"the body was cut after {writer.at} bytes") from exc
+                    raise ShortReadError(f"the body was cut at byte {writer.at}: {exc}") from exc
                 if not data:
                     break
                 writer.write(data)

@@ -431,6 +431,8 @@ class RemoteStore(PerProcess):
                         "damaged or was replaced without its manifest: re-upload the pack "
                         "(or pack it again)"
                     ) from None
+                if arrival is not None:  # the tail too comes again: the body stops before it
+                    arrival.update(tail_in=None)
                 raise
             os.replace(tmp, dest)  # not fsynced: a crash's damage is caught at open
             return dest

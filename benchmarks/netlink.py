@@ -29,27 +29,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from netlink_peers import PEER_EPOCHS, peer_url, write_peers
+from netlink_peers import EPOCH_HEAD, EPOCH_LOOP, PEER_EPOCHS, peer_url, write_peers
 
 Rows = dict[tuple[str, str], list[float]]
 PATHS = {"wan": "10.213.78.2", "lat": "10.213.79.2", "cap": "10.213.77.2"}
 LOG = Path("/tmp/netlink/access.log")
-EPOCH = r"""
-import json, sys, time
-from torch.utils.data import DataLoader
+EPOCH = (
+    EPOCH_HEAD
+    + r"""
 from torch_serialized import VOCSerializedIterableDataset
-url, workers, shuffle, cache = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+url, shuffle, cache = sys.argv[1], sys.argv[3] == "1", sys.argv[4]
 start = time.perf_counter()
 ds = VOCSerializedIterableDataset(url, "trainval", decode="none", shuffle=shuffle, cache_dir=cache)
-opened = time.perf_counter()
-loader = DataLoader(ds, batch_size=32, num_workers=workers, collate_fn=len)
-first, samples = None, 0
-for n in loader:
-    first = time.perf_counter() - opened if first is None else first
-    samples += n
-print(json.dumps({"open": opened - start, "first": first, "epoch": time.perf_counter() - opened,
-                  "samples": samples}))
 """
+    + EPOCH_LOOP
+)
 
 
 def log_size() -> int:

@@ -3,7 +3,7 @@
 Issue #36: our remote streaming is only worth its numbers beside what users would use instead,
 measured in the same run, on the same path, from the same images. ``write_peers`` writes the
 synthetic VOC set that ``netlink.py`` packs into each peer's own format (about 16 MB shards,
-JPEG bytes + the VOC target as JSON, in ``trainval`` order) under ``WWW/peers-<name>``;
+JPEG bytes + the VOC target as JSON, in ``trainval`` order) under ``DIR/peers-<name>``;
 ``PEER_EPOCHS`` holds, per peer, the script that times one epoch in a fresh process with an
 empty cache, printing the same JSON line as ours (open, first batch, epoch, samples).
 
@@ -31,8 +31,9 @@ from pathlib import Path
 PEERS = ("webdataset", "mosaic", "litdata")
 SHARD_BYTES = 16_000_000
 
-# Each script: argv = url, workers, shuffle (unused), cache dir; prints ours' JSON line.
-_LOOP = r"""
+# An epoch script is EPOCH_HEAD, code making ``ds`` (and ``start``), then EPOCH_LOOP; argv:
+# url, workers, shuffle, cache dir. It prints one JSON line: open, first batch, epoch, samples.
+EPOCH_LOOP = r"""
 opened = time.perf_counter()
 loader = DataLoader(ds, batch_size=32, num_workers=int(sys.argv[2]), collate_fn=len)
 first, samples = None, 0
@@ -42,17 +43,17 @@ for n in loader:
 print(json.dumps({"open": opened - start, "first": first, "epoch": time.perf_counter() - opened,
                   "samples": samples}))
 """
-_HEAD = "import json, sys, time\nfrom torch.utils.data import DataLoader\n"
+EPOCH_HEAD = "import json, sys, time\nfrom torch.utils.data import DataLoader\n"
 PEER_EPOCHS = {
-    "webdataset": _HEAD
+    "webdataset": EPOCH_HEAD
     + r"""
 import webdataset as wds
 urls = json.loads(sys.argv[1])
 start = time.perf_counter()
 ds = wds.WebDataset(urls, shardshuffle=False).to_tuple("jpg", "json").map_tuple(bytes, json.loads)
 """
-    + _LOOP,
-    "mosaic": _HEAD
+    + EPOCH_LOOP,
+    "mosaic": EPOCH_HEAD
     + r"""
 from streaming import StreamingDataset
 start = time.perf_counter()
@@ -62,8 +63,8 @@ ds = StreamingDataset(remote=sys.argv[1], local=sys.argv[4], batch_size=32, shuf
 for stream in ds.streams:
     stream._downloader.clean_up()
 """
-    + _LOOP,
-    "litdata": _HEAD
+    + EPOCH_LOOP,
+    "litdata": EPOCH_HEAD
     + r"""
 from litdata import StreamingDataset
 from litdata.streaming import downloader
@@ -76,7 +77,7 @@ class Samples(StreamingDataset):
 start = time.perf_counter()
 ds = Samples(sys.argv[1], cache_dir=sys.argv[4])
 """
-    + _LOOP,
+    + EPOCH_LOOP,
 }
 
 

@@ -264,7 +264,7 @@ class ShardWindow:
                 coming += not self.reader.downloaded(s)
         return own + ahead
 
-    def before(self, b: int, runs: list[tuple[int, np.ndarray]] = []) -> None:  # noqa: B006
+    def before(self, b: int, runs: Sequence[tuple[int, np.ndarray]] = ()) -> None:
         """Download block ``b``'s own shards now, those queued too: they are awaited. ``runs``:
         the block's ``(shard, local records)``, so that a block ending a shard comes first."""
         own = self.shards[b] if b < len(self.shards) else []

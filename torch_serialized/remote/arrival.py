@@ -191,11 +191,25 @@ class Checker:
 
 
 class Writer:
-    """Where a GET's body goes: in place from offset 0, reported to ``arrival``."""
+    """Where a GET's body goes: in place from offset 0, reported to ``arrival``; the body ends at
+    ``end``, before the tail once that is in (``within``)."""
 
     def __init__(self, fd: int, size: int, arrival: Arrival, refute: Callable[[int], None]):
         self.fd, self.size, self.arrival, self.refute, self.at = fd, size, arrival, refute, 0
+        self.end = size
         arrival.arrived(0)
+
+    def within(self) -> dict[str, str]:
+        """The body's ``Range`` header: up to the tail if that is in, so none of its bytes come
+        twice (a server ignoring Range sends them all)."""
+        tail_in, tail = self.arrival.tail_in, min(self.arrival.tail, self.size)
+        self.end = self.size - tail if tail_in else self.size
+        return {"Range": f"bytes=0-{self.end - 1}"} if 0 < self.end < self.size else {}
+
+    def stated(self, content_range: str, length: int | None) -> None:
+        """Refute the object's size the GET's answer states if it is not the manifest's."""
+        total = content_range.rpartition("/")[2]
+        self.refute(int(total) if total.isdigit() else length or self.size)
 
     def write(self, data: bytes) -> int:
         if self.at + len(data) > self.size:
@@ -203,6 +217,13 @@ class Writer:
         self.at += os.pwrite(self.fd, data, self.at)
         self.arrival.arrived(self.at)
         return len(data)
+
+    def whole(self) -> int:
+        """The bytes in: ``size`` once the body reached the tail (whose fields are checked now)."""
+        if self.at == self.end < self.size:
+            self.arrival.arrived(self.size)
+            return self.size
+        return self.at
 
 
 def get_body(
@@ -215,28 +236,23 @@ def get_body(
     """Object ``path``'s body into ``writer`` by one streamed GET (HTTP), up to its tail if that
     is in (none of its bytes come twice; a server ignoring Range sends them all). Returns the
     bytes in, ``size`` once whole; fsspec's ``options`` (a timeout) go to the GET."""
-    arrival = writer.arrival
-    end = size - min(arrival.tail, size) if arrival.tail_in else size
+    within = writer.within()
 
     async def get() -> int:
         session = await fs.set_session()
         kw = {**fs.kwargs, **options}
-        headers = {
-            **kw.pop("headers", {}),
-            **({"Range": f"bytes=0-{end - 1}"} if end < size else {}),
-        }
+        headers = {**kw.pop("headers", {}), **within}
         async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
             if r.status == 404:
                 raise FileNotFoundError(errno.ENOENT, "not found", path)
             r.raise_for_status()
-            stated = r.headers.get("Content-Range", "").rpartition("/")[2]
-            writer.refute(int(stated) if stated.isdigit() else r.content_length or size)
+            writer.stated(r.headers.get("Content-Range", ""), r.content_length)
             while data := await r.content.read(1 << 20):
                 writer.write(data)
-        return _whole(arrival, size) if writer.at == end < size else writer.at
+        return writer.whole()
 
-    if end == 0:  # all of it is the tail
-        return _whole(arrival, size)
+    if writer.end == 0:  # all of it is the tail
+        return writer.whole()
     return int(asyncio.run_coroutine_threadsafe(get(), fs.loop).result())
 
 
@@ -303,15 +319,14 @@ def stream_in(
             arrival.tail_arrived(size if len(data) == tail else None)
         elif not tail:
             arrival.tail_arrived(None)
-        end = size - tail if arrival.tail_in else size
-        if end == 0:
-            return _whole(arrival, size)
+        writer = Writer(fd, size, arrival, refute)
+        within = writer.within()
+        if writer.end == 0:  # all of it is the tail
+            return writer.whole()
         bucket, key, _ = fs.split_path(path)
-        within = {"Range": f"bytes=0-{end - 1}"} if end < size else {}
         answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, **within)
-        stated = answer.get("ContentRange", "").rpartition("/")[2]
-        refute(int(stated) if stated.isdigit() else int(answer["ContentLength"]))
-        body, writer = answer["Body"], Writer(fd, size, arrival, refute)
+        writer.stated(answer.get("ContentRange", ""), answer.get("ContentLength"))
+        body = answer["Body"]
         try:
             while True:
                 try:
@@ -325,17 +340,11 @@ def stream_in(
                 writer.write(data)
         finally:
             body.close()  # its connection
-        return _whole(arrival, size) if writer.at == end < size else writer.at
+        return writer.whole()
 
     arrival.arrived(0)
     wanted = asyncio.wait_for(run(), deadline)
     return int(asyncio.run_coroutine_threadsafe(wanted, fs.loop).result())
-
-
-def _whole(arrival: Arrival, size: int) -> int:
-    """The body reached the tail, which is in: the fields among the tail are checked now."""
-    arrival.arrived(size)
-    return size
 
 
 async def ranged(fs: Any, path: str, a: int, b: int, refute: Callable[[int], None]) -> bytes:

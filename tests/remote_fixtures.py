@@ -158,7 +158,16 @@ def _aws_environment() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def s3_server(_aws_environment: None) -> Iterator[Served]:
-    with start_s3_server() as server, start_fault_proxy(server.url) as proxy:
+    from botocore.retries.standard import ExponentialBackoff
+
+    with (
+        start_s3_server() as server,
+        start_fault_proxy(server.url) as proxy,
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        # botocore's own retries wait a random 0-2**k s before retry k (~70 s of the default
+        # suite's 240 went to them): these tests count retries and their outcome, not seconds
+        mp.setattr(ExponentialBackoff, "delay_amount", lambda self, context: 0.01)
         direct_s3(server.url).mkdir(BUCKET)
         yield Served(server, proxy)
 

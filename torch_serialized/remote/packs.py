@@ -40,13 +40,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ShardRequest:
     """A shard to download: its name in the pack, its size and checksum test from the manifest,
-    and how many bytes at its end hold its index and metadata at most (0: unknown)."""
+    how many bytes at its end hold its index and metadata at most (0: unknown), and ``first``:
+    bytes ``(start, end)`` a reader needs first, fetched by a GET of their own at once."""
 
     name: str
     size: int | None = None
     verify: Callable[[Path], bool] | None = None
     tail: int = 0
     expect: Expected | None = None  # its manifest entry: read early, checked as it arrives
+    first: tuple[int, int] | None = None
 
 
 def resolve(
@@ -265,7 +267,9 @@ class RemotePack(PackCache):
                     if now:
                         self._hurry(name)
                     continue
-                arrival = self._arrivals[name] = Arrival(request.tail, request.expect)
+                arrival = self._arrivals[name] = Arrival(
+                    request.tail, request.expect, request.first
+                )
                 self._requests[name] = request
                 self._pending[name] = self._submit(request, arrival, now)
 

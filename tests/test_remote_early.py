@@ -98,13 +98,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         hold = self.server.hold if body and path.name.startswith(FIRST) else len(data)
+        if not body:  # logged before the client can hold the bytes: its next step sees it
+            self.server.requests.append(f"range sent {path.name}")
         self.wfile.write(data[:hold])
         self.wfile.flush()
         if hold < len(data):
             self.server.release.wait(30)
             self.wfile.write(data[hold:])
-        if not body:
-            self.server.requests.append(f"range sent {path.name}")
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ CRC32s. A server that holds back the rest of the body shows it; faults still end
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -58,19 +57,6 @@ class HoldingServer(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
-@contextlib.contextmanager
-def serving(root: Path, hold: int, ranges: bool = True) -> Iterator[HoldingServer]:
-    """A ``HoldingServer`` of ``root`` running for the block; released and closed after it."""
-    server = HoldingServer(root, hold, ranges)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server
-    finally:
-        server.release.set()
-        server.shutdown()
-        server.server_close()
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: HoldingServer
@@ -122,8 +108,13 @@ def first_record_end(pack: Path) -> int:
 def holding(pack: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HoldingServer]:
     # tails of the index alone: these shards are small, a default tail would be all of them
     monkeypatch.setattr("torch_serialized.container.shards._TAIL", 0)
-    with serving(pack.parent, first_record_end(pack)) as server:
-        yield server
+    server = HoldingServer(pack.parent, hold=first_record_end(pack))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()
 
 
 def record_0(reader: object) -> list[bytes]:
@@ -227,7 +218,9 @@ def test_a_block_that_ends_a_shard_comes_with_its_tail(tmp_path: Path) -> None:
     """The records a stream needs first of a shard, where they end it, come in its tail's GET
     (sized by their mean size, with a margin): no GET of their own, no wait for the body."""
     root = tmp_path / "served"
-    with serving(root, first_record_end(large_records(root / "pack", N, PER_SHARD))) as server:
+    server = HoldingServer(root, hold=first_record_end(large_records(root / "pack", N, PER_SHARD)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
         reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
         last = np.arange(PER_SHARD - 4, PER_SHARD)
         reader.prefetch_shards([0], now=True, rows={0: last})
@@ -238,6 +231,10 @@ def test_a_block_that_ends_a_shard_comes_with_its_tail(tmp_path: Path) -> None:
         assert sum(r.startswith("range sent") for r in server.requests) == 1  # the tail alone
         server.release.set()
         reader.close()
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
 
 
 def test_records_needed_first_inside_a_shard_come_before_its_body(
@@ -248,8 +245,10 @@ def test_records_needed_first_inside_a_shard_come_before_its_body(
     blocks start anywhere in their shards)."""
     monkeypatch.setattr("torch_serialized.container.shards._FIRST_FROM", 0)  # small shards
     root = tmp_path / "served"
-    with serving(root, first_record_end(large_records(root / "pack", N, PER_SHARD))) as server:
-        server.range_delay = 0.2  # the tail's answer too: the records' GET does not wait for it
+    server = HoldingServer(root, hold=first_record_end(large_records(root / "pack", N, PER_SHARD)))
+    server.range_delay = 0.2  # the tail's answer too: the records' GET does not wait for it
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
         reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
         middle = np.arange(PER_SHARD // 2, PER_SHARD // 2 + 4)
         reader.prefetch_shards([0], now=True, rows={0: middle})
@@ -262,6 +261,10 @@ def test_records_needed_first_inside_a_shard_come_before_its_body(
         server.release.set()
         check_large(reader, N)
         reader.close()
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("remote", ["http", "s3"], indirect=True)
@@ -294,7 +297,9 @@ def test_a_remote_stream_yields_a_batch_before_its_block_is_in(
     worker's first batch) once their bytes are in, not once the whole block's are."""
     pack = large_records(tmp_path / "served" / "pack", 80, 40)
     row = ContainerReader(next(pack.glob(f"{FIRST}*"))).index_rows([PIECE - 1])[0]
-    with serving(pack.parent, int((row["offset"] + row["length"]).max())) as server:
+    server = HoldingServer(pack.parent, hold=int((row["offset"] + row["length"]).max()))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
         reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
         items = read_blocks([np.arange(64)], np.arange(80), reader, [0, 1])
         start = time.monotonic()
@@ -309,6 +314,10 @@ def test_a_remote_stream_yields_a_batch_before_its_block_is_in(
             assert [bytes(f) for f in fields] == large_payloads(i)
         del first, rest, fields
         reader.close()
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_range_asked_for_leaves_out_what_the_tail_brings(tmp_path: Path) -> None:
@@ -409,7 +418,9 @@ def test_a_shards_body_is_asked_for_once_its_tail_is_in_or_late(
 
 
 def test_a_server_ignoring_range_is_read_whole(pack: Path, tmp_path: Path) -> None:
-    with serving(pack.parent, first_record_end(pack), ranges=False) as server:
+    server = HoldingServer(pack.parent, hold=first_record_end(pack), ranges=False)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
         reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
         reader.prefetch_shards([0])
         threading.Timer(0.5, server.release.set).start()
@@ -419,6 +430,10 @@ def test_a_server_ignoring_range_is_read_whole(pack: Path, tmp_path: Path) -> No
         assert not isinstance(reader.shard(0), ArrivingShard)
         check_pack(reader, N)
         reader.close()
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("remote", ["http", "s3"], indirect=True)
@@ -536,13 +551,18 @@ def test_a_damaged_record_read_early_raises_checksum_error(pack: Path, tmp_path:
     data = bytearray(shard.read_bytes())
     data[first_record_end(pack) - 1] ^= 0xFF  # record 0's last byte; its index is intact
     shard.write_bytes(bytes(data))
-    with serving(pack.parent, len(data)) as server:
+    server = HoldingServer(pack.parent, hold=len(data))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
         reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
         reader.prefetch_shards([0])
         with pytest.raises(ChecksumError, match="does not match its checksum"):
             reader.field(0, len(FIELDS) - 1)
         assert not list((tmp_path / "cache").rglob(f"{FIRST}*.tser"))  # never cached
         reader.close()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_reader_waiting_on_an_arrival_wakes_once_its_bytes_are_in() -> None:

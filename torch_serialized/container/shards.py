@@ -258,33 +258,22 @@ class PackReader:
         for s in shards:
             expect = self._expected[s]
             if expect is not None and s not in here.open:
-                entry = self.entries[s]
-                tail, first = self._located(entry, rows.get(s) if rows else None)
+                entry = self.entries[s]  # its tail: index rows, per-record columns, metadata
+                per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
+                tail = _TAIL + entry.num_records * per_record
+                local = rows.get(s) if rows else None
+                first, mean = None, (entry.bytes - tail) // entry.num_records
+                if local is not None and len(local) and local[-1] == entry.num_records - 1:
+                    ahead = (entry.num_records - int(local[0])) * mean * 3 // 2 + 2 * mean
+                    tail = tail + ahead if 2 * (tail + ahead) <= entry.bytes else tail
+                elif local is not None and len(local) and int(local[0]) * mean > _FIRST_FROM:
+                    start, end = int(local[0]) * mean, (int(local[-1]) + 1) * mean
+                    margin = 2 * mean + start // 16  # sizes vary: the offset's error grows
+                    first = (max(0, start - margin), min(entry.bytes - tail, end + margin))
                 requests.append(
                     ShardRequest(entry.file, expect.bytes, intact(expect), tail, expect, first)
                 )
         self.remote.prefetch(requests, now=now)
-
-    def _located(
-        self, entry: ShardEntry, local: np.ndarray | None
-    ) -> tuple[int, tuple[int, int] | None]:
-        """Shard ``entry``'s tail to GET first (index rows, per-record columns, metadata), and
-        the span of the records ``local`` a reader needs first, by their mean size (no index
-        yet): they widen the tail where they end the shard, else past its first MB make a span
-        of their own (None: the body brings them as soon)."""
-        per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
-        tail = _TAIL + entry.num_records * per_record
-        if local is None or not len(local):
-            return tail, None
-        mean = (entry.bytes - tail) // entry.num_records
-        start, end = int(local[0]) * mean, (int(local[-1]) + 1) * mean
-        if local[-1] == entry.num_records - 1:
-            ahead = (entry.num_records - int(local[0])) * mean * 3 // 2 + 2 * mean
-            return (tail + ahead if 2 * (tail + ahead) <= entry.bytes else tail), None
-        if start <= _FIRST_FROM:
-            return tail, None
-        margin = 2 * mean + start // 16  # sizes vary: the offset's error grows
-        return tail, (max(0, start - margin), min(entry.bytes - tail, end + margin))
 
     def downloaded(self, s: int) -> bool:
         """Whether shard ``s`` of a remote pack is whole in the cache (local: always)."""

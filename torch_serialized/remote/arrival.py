@@ -63,11 +63,6 @@ class Arrival:
                 self._spans = [*self._spans, (size - min(self.tail, size), size)]
             self._cond.notify_all()
 
-    def again(self) -> None:
-        """A damaged download is tried again: its tail and the bytes fetched for readers come
-        again too (the body stops before them, so only they can mend them)."""
-        self.update(tail_in=None, _spans=[])
-
     def end(self, *_: object) -> None:
         """The download is over (or will never start): waiters stop waiting."""
         self.update(ended=True)

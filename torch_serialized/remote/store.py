@@ -426,8 +426,8 @@ class RemoteStore(PerProcess):
                         "damaged or was replaced without its manifest: re-upload the pack "
                         "(or pack it again)"
                     ) from None
-                if arrival is not None:
-                    arrival.again()
+                if arrival is not None:  # the tail and spans come again: the body stops there
+                    arrival.update(tail_in=None, _spans=[])
                 raise
             os.replace(tmp, dest)  # not fsynced: a crash's damage is caught at open
             return dest

@@ -198,12 +198,6 @@ def large_payloads(i: int) -> list[bytes]:
     return [payload(i, k, 20_000 + 100 * (i % 3)) for k in range(len(FIELDS))]
 
 
-def check_large(reader: object, n: int) -> None:
-    for i in range(n):
-        got = [bytes(reader.field(i, k)) for k in range(len(FIELDS))]  # type: ignore[attr-defined]
-        assert got == large_payloads(i)
-
-
 def large_records(out: Path, n: int, per_shard: int) -> Path:
     """A pack of ``n`` records of about the same size, as images are, larger than tails."""
     out.parent.mkdir()
@@ -235,59 +229,6 @@ def test_a_block_that_ends_a_shard_comes_with_its_tail(tmp_path: Path) -> None:
         server.release.set()
         server.shutdown()
         server.server_close()
-
-
-def test_records_needed_first_inside_a_shard_come_before_its_body(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The records a stream needs first, inside a shard, come by a GET of their own that starts
-    beside the tail's: the body, held back here, is not awaited (a shuffled epoch's first
-    blocks start anywhere in their shards)."""
-    monkeypatch.setattr("torch_serialized.container.shards._FIRST_FROM", 0)  # small shards
-    root = tmp_path / "served"
-    server = HoldingServer(root, hold=first_record_end(large_records(root / "pack", N, PER_SHARD)))
-    server.range_delay = 0.2  # the tail's answer too: the records' GET does not wait for it
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        reader = open_pack(f"{server.url}/pack", cache_dir=tmp_path / "cache")
-        middle = np.arange(PER_SHARD // 2, PER_SHARD // 2 + 4)
-        reader.prefetch_shards([0], now=True, rows={0: middle})
-        start = time.monotonic()
-        for i in middle:
-            assert [bytes(reader.field(i, k)) for k in range(2)] == large_payloads(i)
-        assert time.monotonic() - start < 10 and not server.release.is_set()
-        asked = [r.split()[0] for r in server.requests if FIRST in r and "sent" not in r]
-        assert asked[:2] == ["range", "range"]  # the records and the tail, before the body
-        server.release.set()
-        check_large(reader, N)
-        reader.close()
-    finally:
-        server.release.set()
-        server.shutdown()
-        server.server_close()
-
-
-@pytest.mark.parametrize("remote", ["http", "s3"], indirect=True)
-def test_records_needed_first_inside_a_shard_are_sent_once(
-    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over HTTP and from S3, the body goes around the records a stream needs first, which
-    came by a GET of their own: the server sends each byte of the pack once."""
-    monkeypatch.setattr("torch_serialized.container.shards._FIRST_FROM", 0)
-    pack = large_records(tmp_path / "served" / "pack", N, PER_SHARD)
-    for f in sorted(pack.iterdir(), key=lambda f: f.name == "manifest.json"):
-        remote.put(f.name, f.read_bytes())
-    reader = open_pack(
-        remote.url, storage_options=remote.storage_options, cache_dir=tmp_path / "cache"
-    )
-    remote.proxy.reset()
-    reader.prefetch_shards([0, 1], now=True, rows={0: np.arange(8, 12), 1: np.arange(5, 7)})
-    check_large(reader, N)
-    reader.close()
-    assert reader.downloaded(0) and reader.downloaded(1)
-    shards = sum(f.stat().st_size for f in pack.glob("shard-*"))
-    assert remote.proxy.stats()["bytes_sent"] == shards
-    assert remote.proxy.count("GET", FIRST) == 4  # the tail, the records, the body around them
 
 
 def test_a_remote_stream_yields_a_batch_before_its_block_is_in(
@@ -522,8 +463,8 @@ def test_an_object_stores_shard_is_read_part_by_part(
         remote.put(f.name, f.read_bytes())
     part = 256
     monkeypatch.setattr("torch_serialized.container.shards._TAIL", 0)  # index, metadata: less
-    monkeypatch.setattr("torch_serialized.remote.transfer.PART", part)
-    monkeypatch.setattr("torch_serialized.remote.transfer.IN_FLIGHT", 1)  # in order: tail, 0, 1
+    monkeypatch.setattr("torch_serialized.remote.arrival.PART", part)
+    monkeypatch.setattr("torch_serialized.remote.arrival.IN_FLIGHT", 1)  # in order: tail, 0, 1
     held = 2.5
     remote.proxy.add_fault("delay", count=2, path=FIRST, method="GET")
     remote.proxy.add_fault("delay", count=1, path=FIRST, method="GET", delay=held)
@@ -629,7 +570,7 @@ def test_an_arriving_shard_falls_back_to_the_whole_copy(tmp_path: Path) -> None:
 
 
 def test_a_download_writer_refuses_more_than_the_manifests_size(tmp_path: Path) -> None:
-    from torch_serialized.remote.transfer import Writer
+    from torch_serialized.remote.arrival import Writer
 
     def refute(got: int) -> None:
         raise ValueError(f"{got} bytes")
@@ -642,32 +583,3 @@ def test_a_download_writer_refuses_more_than_the_manifests_size(tmp_path: Path) 
             writer.write(b"de")
     finally:
         os.close(fd)
-
-
-def test_a_body_goes_around_the_span_a_reader_needs_first(tmp_path: Path) -> None:
-    """The body's GETs: up to the reader's span, then from its end up to the tail; a span not
-    in by then is fetched by the body too."""
-    from torch_serialized.remote.transfer import Writer
-
-    def ranges(span_in: bool) -> list[str]:
-        arrival = Arrival(tail=100, first=(2000, 3000))
-        arrival.update(path=str(tmp_path / "f"))
-        arrival.tail_arrived(5000)
-        if span_in:
-            arrival.update(_spans=[*arrival._spans, (2000, 3000)])
-        fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-        got = []
-        try:
-            writer = Writer(fd, 5000, arrival, lambda n: None)
-            while (within := writer.within()) is not None:
-                got.append(within["Range"])
-                writer.write(b"x" * (writer.stop - writer.at))
-                if not writer.skip():
-                    break
-            assert writer.whole() == 5000
-        finally:
-            os.close(fd)
-        return got
-
-    assert ranges(True) == ["bytes=0-1999", "bytes=3000-4899"]
-    assert ranges(False) == ["bytes=0-1999", "bytes=2000-4899"]

@@ -29,9 +29,6 @@ __all__ = ["PackReader", "open_pack", "default_max_open_shards"]
 #: Bytes of a shard's tail fetched beside its download beyond its index rows and columns (its
 #: metadata, the arrays' alignment): reads start once the tail and their own bytes are in.
 _TAIL = 16 << 10
-#: Records a reader needs first this far into their shard get a GET of their own (nearer, the
-#: body brings them as soon)
-_FIRST_FROM = 1 << 20
 #: Checked shards kept unmapped: remapping costs a map, not a check (0.03 vs 0.2 ms; KBs each).
 _MAX_CLOSED_SHARDS = 4096
 
@@ -244,11 +241,9 @@ class PackReader:
     ) -> None:
         """Start downloading ``shards`` of a remote pack in the background (else a no-op);
         ``now``: they are awaited, so they go before the others (``RemotePack.prefetch``).
-        ``rows``: the local records a reader needs first of some, located by the records' mean
-        size with a margin. Where they end their shard, its tail's GET brings them too; past its
-        first MB, a GET of their own starts beside the tail's, the body skipping them: a stream
-        starting inside a shard waits neither for the tail to locate them nor for the body to
-        reach them (shuffled epochs over 20 ms + 100 MB/s: first batch 0.50 -> 0.44 s)."""
+        ``rows``: the local records a reader needs first of some; where they end their shard,
+        its tail's GET brings them too (by the records' mean size, with a margin): a stream that
+        starts at a shard's end waits for no GET of its own, on a cold connection."""
         if self.remote is None or self.manifest_path is None:
             return
         from ..remote.packs import ShardRequest
@@ -261,17 +256,13 @@ class PackReader:
                 entry = self.entries[s]  # its tail: index rows, per-record columns, metadata
                 per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
                 tail = _TAIL + entry.num_records * per_record
-                local = rows.get(s) if rows else None
-                first, mean = None, (entry.bytes - tail) // entry.num_records
-                if local is not None and len(local) and local[-1] == entry.num_records - 1:
-                    ahead = (entry.num_records - int(local[0])) * mean * 3 // 2 + 2 * mean
+                first = rows.get(s) if rows else None
+                if first is not None and len(first) and first[-1] == entry.num_records - 1:
+                    mean = (entry.bytes - tail) // entry.num_records
+                    ahead = (entry.num_records - int(first[0])) * mean * 3 // 2 + 2 * mean
                     tail = tail + ahead if 2 * (tail + ahead) <= entry.bytes else tail
-                elif local is not None and len(local) and int(local[0]) * mean > _FIRST_FROM:
-                    start, end = int(local[0]) * mean, (int(local[-1]) + 1) * mean
-                    margin = 2 * mean + start // 16  # sizes vary: the offset's error grows
-                    first = (max(0, start - margin), min(entry.bytes - tail, end + margin))
                 requests.append(
-                    ShardRequest(entry.file, expect.bytes, intact(expect), tail, expect, first)
+                    ShardRequest(entry.file, expect.bytes, intact(expect), tail, expect)
                 )
         self.remote.prefetch(requests, now=now)
 

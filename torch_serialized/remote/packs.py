@@ -40,15 +40,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ShardRequest:
     """A shard to download: its name in the pack, its size and checksum test from the manifest,
-    how many bytes at its end hold its index and metadata at most (0: unknown), and ``first``:
-    bytes ``(start, end)`` a reader needs first, fetched by a GET of their own at once."""
+    and how many bytes at its end hold its index and metadata at most (0: unknown)."""
 
     name: str
     size: int | None = None
     verify: Callable[[Path], bool] | None = None
     tail: int = 0
     expect: Expected | None = None  # its manifest entry: read early, checked as it arrives
-    first: tuple[int, int] | None = None
 
 
 def resolve(
@@ -267,9 +265,7 @@ class RemotePack(PackCache):
                     if now:
                         self._hurry(name)
                     continue
-                arrival = self._arrivals[name] = Arrival(
-                    request.tail, request.expect, request.first
-                )
+                arrival = self._arrivals[name] = Arrival(request.tail, request.expect)
                 self._requests[name] = request
                 self._pending[name] = self._submit(request, arrival, now)
 

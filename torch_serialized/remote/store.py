@@ -33,7 +33,16 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from .arrival import Arrival, Damaged
+from .arrival import (
+    Arrival,
+    Damaged,
+    Writer,
+    fill_parts,
+    get_body,
+    get_tail,
+    stream_in,
+    streams,
+)
 from .retry import (
     BUGS,
     MIN_RATE_ENV,
@@ -45,7 +54,6 @@ from .retry import (
     classify_error,
     http_status,
 )
-from .transfer import Writer, fill_parts, get_body, get_tail, http_range, stream_in, streams
 
 log = logging.getLogger(__name__)
 _TAIL_WAIT = 2.0  #: seconds a shard's body waits for its tail's GET (tens of KB)
@@ -381,18 +389,15 @@ class RemoteStore(PerProcess):
                 fs = self.fs  # a reader's range, read ahead of the body
 
                 def read_range(a: int, b: int) -> Future[bytes]:
-                    if self.protocol in HTTP_PROTOCOLS:
-                        wanted = http_range(fs, path, a, b, self._ranges_ignored)
-                    else:
-                        wanted = fs._cat_file(path, start=a, end=b)
+                    wanted = fs._cat_file(path, start=a, end=b)
                     return asyncio.run_coroutine_threadsafe(wanted, fs.loop)
 
                 arrival.update(path=str(tmp), get=read_range)
-                if self.protocol not in HTTP_PROTOCOLS and not streams(fs):  # GCS: ranged GETs
+                if self.protocol not in HTTP_PROTOCOLS and streams(fs):  # S3
+                    limit = self._part_limit(size)
+                    return stream_in(fs, path, size, fd, arrival, refute, limit)
+                if self.protocol not in HTTP_PROTOCOLS:  # GCS: ranged GETs
                     return fill_parts(fs, path, size, fd, arrival, refute, self._part_limit)
-                arrival.ask_first(not self._no_ranges)  # beside the tail's GET; the body skips it
-                if self.protocol not in HTTP_PROTOCOLS:  # S3
-                    return stream_in(fs, path, size, fd, arrival, refute, self._part_limit(size))
                 tail = get_tail(fs, path, size, tmp, arrival, self._no_ranges, self._ranges_ignored)
                 if tail is not None:  # alone, first: beside the body's GET it slowed a fast
                     with suppress(Exception):  # link (20 ms, no cap: 232 -> 208 MB/s); a
@@ -426,8 +431,8 @@ class RemoteStore(PerProcess):
                         "damaged or was replaced without its manifest: re-upload the pack "
                         "(or pack it again)"
                     ) from None
-                if arrival is not None:  # the tail and spans come again: the body stops there
-                    arrival.update(tail_in=None, _spans=[])
+                if arrival is not None:  # the tail too comes again: the body stops before it
+                    arrival.update(tail_in=None)
                 raise
             os.replace(tmp, dest)  # not fsynced: a crash's damage is caught at open
             return dest

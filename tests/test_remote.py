@@ -13,7 +13,9 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -766,6 +768,51 @@ def test_a_forked_child_drops_the_parents_filesystem_at_once(remote: Remote) -> 
     process.join(30)
     assert not running and data == b"hello"
     assert loop.is_running()  # in the parent, where its thread is
+
+
+class _KeepAlive(BaseHTTPRequestHandler):
+    """Any GET: ``hello`` on a connection kept alive (what S3 does; the fault proxy does not)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "5")
+        self.end_headers()
+        self.wfile.write(b"hello")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_forked_child_prints_nothing_about_the_parents_sessions() -> None:
+    """A DataLoader worker forked from a process that read from S3 printed "Unclosed client
+    session" and "Unclosed connector": s3fs's client, collected in the child, cannot close the
+    parent's sessions. The child keeps them."""
+    with ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        options = {
+            "key": "k",
+            "secret": "s",
+            "endpoint_url": f"http://127.0.0.1:{server.server_port}",
+        }
+        code = f"""
+import gc, multiprocessing, sys
+from torch_serialized.remote.store import RemoteStore
+store = RemoteStore("s3://bucket/pack", {options!r})
+store.read_bytes("obj.bin")
+def work():  # a worker's: its garbage is collected at some point
+    gc.collect()
+    store.read_bytes("obj.bin")
+child = multiprocessing.get_context("fork").Process(target=work)
+child.start()
+child.join()
+sys.exit(child.exitcode)
+"""
+        args = [sys.executable, "-c", code]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        server.shutdown()
+    assert out.returncode == 0 and "Unclosed" not in out.stderr, out.stderr
 
 
 # --------------------------------------------------------------------------- uploads

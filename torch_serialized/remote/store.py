@@ -169,10 +169,13 @@ class RemoteStore(PerProcess):
         self.retry = retry or RetryPolicy.from_env()
         self._start()
 
-    _PER_PROCESS = ("_pid", "_lock", "_fs", "_root", "_rng", "_no_ranges")
+    _PER_PROCESS = ("_pid", "_lock", "_fs", "_root", "_rng", "_no_ranges", "_inherited")
 
     def _reset(self) -> None:
-        _orphan_loop(getattr(self, "_fs", None))
+        inherited, self._inherited = getattr(self, "_fs", None), getattr(self, "_inherited", [])
+        if inherited is not None:  # forked: kept, never collected here, as collecting s3fs's
+            _orphan_loop(inherited)  # client printed "Unclosed client session" in each worker
+            self._inherited = [*self._inherited, inherited]
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._fs: Any = None

@@ -31,6 +31,7 @@ from torch_serialized.errors import (
 )
 from torch_serialized.remote.retry import Fault, RetryPolicy, classify_error
 from torch_serialized.remote.store import RemoteStore, is_url, redact_url
+from torch_serialized.remote.upload import upload_file, upload_folder
 
 if TYPE_CHECKING:
     from remote_fixtures import Remote, Served
@@ -858,7 +859,7 @@ def _pack_folder(root: Path) -> dict[str, bytes]:
 
 def test_upload_folder_to_s3_puts_the_manifest_last(s3_remote: Remote, tmp_path: Path) -> None:
     files = _pack_folder(tmp_path)
-    keys = store(s3_remote).upload_folder(tmp_path)
+    keys = upload_folder(store(s3_remote), tmp_path)
     assert keys[-1] == "manifest.json" and sorted(keys) == sorted(files)
     for name, data in files.items():
         assert s3_remote.get(name) == data
@@ -870,14 +871,14 @@ def test_upload_folder_to_s3_puts_the_manifest_last(s3_remote: Remote, tmp_path:
 def test_upload_is_retried(s3_remote: Remote, tmp_path: Path) -> None:
     (tmp_path / "one.tser").write_bytes(payload(PART))
     s3_remote.proxy.add_fault("status", status=503, count=1, method="PUT")
-    store(s3_remote).upload_file(tmp_path / "one.tser", "one.tser")
+    upload_file(store(s3_remote), tmp_path / "one.tser", "one.tser")
     assert s3_remote.get("one.tser") == payload(PART)
 
 
 def test_upload_to_a_file_url_never_shows_a_partial_file(tmp_path: Path) -> None:
     files = _pack_folder(tmp_path / "src")
     dest = tmp_path / "dest"
-    keys = RemoteStore(dest.as_uri()).upload_folder(tmp_path / "src")
+    keys = upload_folder(RemoteStore(dest.as_uri()), tmp_path / "src")
     assert keys[-1] == "manifest.json"
     for name, data in files.items():
         assert (dest / name).read_bytes() == data
@@ -887,7 +888,7 @@ def test_upload_to_a_file_url_never_shows_a_partial_file(tmp_path: Path) -> None
 def test_upload_folder_needs_its_manifest(tmp_path: Path) -> None:
     (tmp_path / "shard.tser").write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="manifest.json"):
-        RemoteStore((tmp_path / "out").as_uri()).upload_folder(tmp_path)
+        upload_folder(RemoteStore((tmp_path / "out").as_uri()), tmp_path)
 
 
 def test_an_unknown_size_says_what_a_user_can_do(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -570,20 +570,21 @@ def test_pack_voc_to_a_url_uploads_the_manifest_after_every_file_it_names(
     import time
 
     from torch_serialized.container import spec as fmt
+    from torch_serialized.remote import upload as uploads
     from torch_serialized.remote.store import RemoteStore
 
     dest = tmp_path / "dest"
-    real = RemoteStore.upload_file
+    real = uploads.upload_file
     there_at_manifest: list[set[str]] = []
 
-    def upload_file(self: RemoteStore, local: str | os.PathLike[str], key: str = "") -> None:
+    def upload_file(store: RemoteStore, local: str | os.PathLike[str], key: str = "") -> None:
         if key == fmt.MANIFEST_NAME:
             there_at_manifest.append({p.name for p in dest.glob("*.tser")})
         else:
             time.sleep(0.2)  # a slow shard or catalog upload
-        real(self, local, key)
+        real(store, local, key)
 
-    monkeypatch.setattr(RemoteStore, "upload_file", upload_file)
+    monkeypatch.setattr(uploads, "upload_file", upload_file)
     ts.pack_voc(voc8, dest.as_uri(), max_samples_per_shard=3)
     manifest = open_pack(dest).manifest
     assert manifest is not None and len(manifest.shards) == 3

@@ -34,6 +34,7 @@ from torch_serialized import (
 )
 from torch_serialized.cli import main
 from torch_serialized.errors import RemoteError, WriteError
+from torch_serialized.remote import upload as uploads
 from torch_serialized.remote.retry import RETRY_ATTEMPTS_ENV, RETRY_MAX_DELAY_ENV
 from torch_serialized.remote.store import RemoteStore
 from torch_serialized.remote.upload import prune_remote
@@ -356,15 +357,15 @@ def test_a_second_appender_that_finished_first_wins_and_this_one_is_refused(
         return grown
 
     if when == "uploading":
-        upload = RemoteStore.upload_file
+        upload = uploads.upload_file
 
-        def upload_then_race(self: RemoteStore, local: Any, key: str = "") -> None:
-            upload(self, local, key)
+        def upload_then_race(store: RemoteStore, local: Any, key: str = "") -> None:
+            upload(store, local, key)
             if key.startswith("shard-") and not getattr(racing, "raced", False):
                 racing.raced = True  # type: ignore[attr-defined]
                 other_append()
 
-        monkeypatch.setattr(RemoteStore, "upload_file", upload_then_race)
+        monkeypatch.setattr(uploads, "upload_file", upload_then_race)
 
     with pytest.raises(WriteError, match=rf"{url} changed since this append read it"):
         append_to_url(

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -71,7 +71,7 @@ _BACKENDS = {
     "http": ("aiohttp", "http"),
     "https": ("aiohttp", "http"),
 }
-_LOCAL = {"file", "local"}
+LOCAL_PROTOCOLS = frozenset({"file", "local"})  #: fsspec's local files: uploads rename a temp
 _RETRYING = {"s3", "s3a", "gs", "gcs"}  # backends that retry requests themselves
 #: URL schemes of fsspec's HTTP filesystem: reads only, servers that may ignore ``Range``.
 HTTP_PROTOCOLS = frozenset({"http", "https"})
@@ -463,50 +463,6 @@ class RemoteStore(PerProcess):
             tmp.unlink(missing_ok=True)
             if arrival is not None:
                 arrival.update(ended=True, ok=ok)
-
-    def upload_file(self, local: str | os.PathLike[str], key: str = "") -> None:
-        """Upload ``local`` as ``key`` atomically (object stores do; ``file://`` renames a temp)."""
-        local, path = os.fspath(local), self.fs_path(key)
-        if self.protocol not in _LOCAL:
-            self.call("upload", key, lambda: self.fs.put_file(local, path))
-            return
-        tmp = f"{path}.{uuid.uuid4().hex[:12]}.partial"
-
-        def put() -> None:
-            try:
-                self.fs.put_file(local, tmp)
-                self.fs.mv(tmp, path)
-            finally:
-                if self.fs.exists(tmp):
-                    self.fs.rm_file(tmp)
-
-        self.call("upload", key, put)
-
-    def upload_folder(
-        self,
-        folder: str | os.PathLike[str],
-        keys: list[str] | None = None,
-        check: Callable[[], object] = lambda: None,
-    ) -> list[str]:
-        """Upload ``folder``'s files (or those of ``keys``), ``manifest.json`` last: a reader
-        finding it finds every shard. ``check()`` runs before the files and before the manifest
-        (it raises to stop); the keys. Nothing is deleted at the destination."""
-        root = Path(folder)
-        if not (root / "manifest.json").is_file():
-            raise FileNotFoundError(f"{root / 'manifest.json'}: missing; it must be uploaded last")
-        if keys is None:
-            keys = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        keys = [k for k in keys if k != "manifest.json"]
-        if self.protocol in _LOCAL:
-            for key in {k.rpartition("/")[0] for k in keys}:
-                self.fs.makedirs(self.fs_path(key), exist_ok=True)
-        check()
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda k: self.upload_file(root / k, k), keys))
-        check()
-        self.upload_file(root / "manifest.json", "manifest.json")
-        self.fs.invalidate_cache()
-        return [*keys, "manifest.json"]
 
 
 def _describe(exc: BaseException) -> str:

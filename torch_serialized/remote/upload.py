@@ -8,16 +8,25 @@ import functools
 import os
 import re
 import tempfile
+import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ..container import spec as fmt
 from ..container.manifest import parse_manifest
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError
-from .store import HTTP_PROTOCOLS, RemoteStore, is_url, protocol_of, redact_url
+from .store import (
+    HTTP_PROTOCOLS,
+    LOCAL_PROTOCOLS,
+    RemoteStore,
+    is_url,
+    protocol_of,
+    redact_url,
+)
 
-__all__ = ["check_writable", "prune_remote", "write_then_upload"]
+__all__ = ["check_writable", "prune_remote", "upload_file", "upload_folder", "write_then_upload"]
 
 #: The only names ``prune_remote`` ever deletes: a pack's shards and catalogs.
 _PACK_FILE = re.compile(r"^(shard-\d+|catalog)(-[0-9a-f]+)?\.tser$")
@@ -52,13 +61,60 @@ def write_then_upload(
         result = write(Path(tmp) / (store.url.rsplit("/", 1)[-1] or "pack"))
         local = written(result)
         if local.is_dir():
-            store.upload_folder(local)
+            upload_folder(store, local)
         else:
-            store.upload_file(local)
+            upload_file(store, local)
         skipped = report(result)
         if skipped is not None:
-            RemoteStore(store.url + REPORT_SUFFIX, storage_options).upload_file(skipped)
+            upload_file(RemoteStore(store.url + REPORT_SUFFIX, storage_options), skipped)
     return result
+
+
+def upload_file(store: RemoteStore, local: str | os.PathLike[str], key: str = "") -> None:
+    """Upload ``local`` as ``key`` of ``store`` atomically (object stores do; ``file://``
+    renames a temp)."""
+    local, path = os.fspath(local), store.fs_path(key)
+    if store.protocol not in LOCAL_PROTOCOLS:
+        store.call("upload", key, lambda: store.fs.put_file(local, path))
+        return
+    tmp = f"{path}.{uuid.uuid4().hex[:12]}.partial"
+
+    def put() -> None:
+        try:
+            store.fs.put_file(local, tmp)
+            store.fs.mv(tmp, path)
+        finally:
+            if store.fs.exists(tmp):
+                store.fs.rm_file(tmp)
+
+    store.call("upload", key, put)
+
+
+def upload_folder(
+    store: RemoteStore,
+    folder: str | os.PathLike[str],
+    keys: list[str] | None = None,
+    check: Callable[[], object] = lambda: None,
+) -> list[str]:
+    """Upload ``folder``'s files (or those of ``keys``) to ``store``, ``manifest.json`` last: a
+    reader finding it finds every shard. ``check()`` runs before the files and before the
+    manifest (it raises to stop); the keys. Nothing is deleted at the destination."""
+    root = Path(folder)
+    if not (root / "manifest.json").is_file():
+        raise FileNotFoundError(f"{root / 'manifest.json'}: missing; it must be uploaded last")
+    if keys is None:
+        keys = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    keys = [k for k in keys if k != "manifest.json"]
+    if store.protocol in LOCAL_PROTOCOLS:
+        for key in {k.rpartition("/")[0] for k in keys}:
+            store.fs.makedirs(store.fs_path(key), exist_ok=True)
+    check()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda k: upload_file(store, root / k, k), keys))
+    check()
+    upload_file(store, root / "manifest.json", "manifest.json")
+    store.fs.invalidate_cache()
+    return [*keys, "manifest.json"]
 
 
 def prune_remote(

@@ -20,6 +20,7 @@ from ..container import spec as fmt
 from ..container.fileio import clean_stale, temp_sibling
 from ..container.manifest import read_manifest
 from ..errors import WriteError
+from ..remote import upload
 from ..remote.cache import Cache
 from ..remote.packs import file_identity
 from ..remote.store import RemoteStore, redact_url
@@ -81,12 +82,13 @@ def append_to_url(
             assert before.manifest is not None
             old = set(before.manifest.files())
             new = [n for n in read_manifest(local / fmt.MANIFEST_NAME).files() if n not in old]
-            store.upload_folder(local, new, lambda: _check_unchanged(store, started_from))
+            upload.upload_folder(store, local, new, lambda: _check_unchanged(store, started_from))
         else:
             _check_unchanged(store, started_from)
-            store.upload_file(local)
+            upload.upload_file(store, local)
         if result.report is not None:
-            RemoteStore(store.url + REPORT_SUFFIX, storage_options).upload_file(result.report)
+            report = RemoteStore(store.url + REPORT_SUFFIX, storage_options)
+            upload.upload_file(report, result.report)
         _seed_cache(cache, store, local)
     return result
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -142,6 +142,69 @@ def test_a_record_is_read_before_the_rest_of_its_shard_arrives(
     assert not list((tmp_path / "cache").rglob("*.partial"))
     whole = [r for r in holding.requests if r.startswith("whole shard")]
     assert len(whole) == 2  # one GET per shard
+
+
+@pytest.mark.parametrize("read_early", [True, False])
+def test_a_shard_released_while_it_downloads_is_not_held_after(
+    holding: HoldingServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_early: bool
+) -> None:
+    """A shard a stream left while its download still ran (read early to its last record, or
+    not read: out of the window) was held once the download ended, until the stream closed: a
+    bounded cache could not evict it and grew past its limit (a shard over, under load)."""
+    from torch_serialized.remote.cache import Cache, PackCache
+
+    in_room, gate, registered = threading.Event(), threading.Event(), threading.Event()
+    real_room, real_fetch = Cache.room, PackCache.fetch
+
+    def held_back(self: Cache, need: int) -> Any:
+        in_room.set()
+        gate.wait(30)  # the bytes are in, the download has not joined the cache yet
+        return real_room(self, need)
+
+    def fetch(self: PackCache, name: str, *args: Any) -> Path:
+        path = real_fetch(self, name, *args)
+        if name.startswith(FIRST):
+            registered.set()
+        return path
+
+    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(Cache, "room", held_back)
+    monkeypatch.setattr(PackCache, "fetch", fetch)
+    reader.prefetch_shards([0])
+    if read_early:
+        assert isinstance(reader.shard(0), ArrivingShard)
+    holding.release.set()
+    if read_early:
+        for i in range(PER_SHARD):  # every record of the shard, from the partial file
+            assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
+    assert in_room.wait(30)
+    reader.release_shard(0)
+    gate.set()
+    assert registered.wait(30)
+    name = reader.entries[0].file
+    deadline = time.monotonic() + 5
+    while name in reader.remote.held() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert name not in reader.remote.held()
+    check_pack(reader, N)  # asked for again: downloaded once, held while read
+    assert name in reader.remote.held()
+    reader.close()
+    assert sum(r.startswith(f"whole {FIRST}") for r in holding.requests) == 1
+
+
+def test_a_queued_prefetch_released_is_not_downloaded(
+    holding: HoldingServer, tmp_path: Path
+) -> None:
+    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
+    assert reader.remote is not None
+    reader.remote.prefetch_threads = 1
+    reader.prefetch_shards([0, 1])  # the one thread waits on shard 0's held body
+    reader.release_shard(1)
+    holding.release.set()
+    for i in range(PER_SHARD):  # shard 0's records
+        assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
+    reader.close()
+    assert not [r for r in holding.requests if "shard-00001" in r]
 
 
 @pytest.mark.parametrize("remote", ["http", "s3"], indirect=True)

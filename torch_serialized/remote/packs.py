@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -159,7 +160,10 @@ class RemotePack(PackCache):
         super().__init__(cache, store.url, identity)
         self.path = self.directory
 
-    _PER_PROCESS = (*PackCache._PER_PROCESS, "_pool", "_rush", "_pending", "_arrivals", "_requests")
+    _PER_PROCESS = (
+        *PackCache._PER_PROCESS,
+        *("_pool", "_rush", "_pending", "_arrivals", "_requests", "_early", "_asked"),
+    )
 
     def _reset(self) -> None:  # also in a forked child: the parent's threads do not exist there
         super()._reset()
@@ -168,6 +172,8 @@ class RemotePack(PackCache):
         self._pending: dict[str, Future[Path]] = {}
         self._arrivals: dict[str, Arrival] = {}
         self._requests: dict[str, ShardRequest] = {}
+        self._early: dict[str, Future[Path]] = {}  # downloads in flight a reader reads early
+        self._asked: Counter[str] = Counter()  # requests per object: a release is for the last
 
     def __repr__(self) -> str:
         return f"RemotePack({self.store.url_of()!r}, cache={str(self.directory)!r})"
@@ -188,11 +194,11 @@ class RemotePack(PackCache):
         """Shard ``name``'s local path: cached, prefetched (``future``: its prefetch, taken by
         ``early``) or downloaded now (a failed one too)."""
         self._check_fork()
-        if future is None:
-            with self._mutex:
-                future = self._pending.pop(name, None)
-                self._arrivals.pop(name, None)
-                self._requests.pop(name, None)
+        with self._mutex:
+            self._asked[name] += 1
+            self._early.pop(name, None)  # its reader holds it from here, as any fetch's
+            if future is None:
+                future = self._forget(name)
         if future is not None and not future.cancel():  # not started: fetched first, now
             try:
                 return future.result()
@@ -210,9 +216,9 @@ class RemotePack(PackCache):
         if arrival is None or not arrival.wait(HEADER_SIZE) or arrival.ok:
             return None
         with self._mutex:
-            future = self._pending.pop(name, None)
-            self._arrivals.pop(name, None)
-            self._requests.pop(name, None)
+            future = self._forget(name)
+            if future is not None:
+                self._early[name] = future
         if future is None:
             return None
 
@@ -261,6 +267,7 @@ class RemotePack(PackCache):
             for shard in shards:
                 request = ShardRequest(shard) if isinstance(shard, str) else shard
                 name = request.name
+                self._asked[name] += 1
                 if name in self._pending:
                     if now:
                         self._hurry(name)
@@ -285,6 +292,38 @@ class RemotePack(PackCache):
         future.add_done_callback(arrival.end)
         return future
 
+    def release(self, name: str) -> None:
+        """Stop holding object ``name``. Its prefetch is cancelled if queued; a download still
+        running (one read early too) is released when it ends, unless asked for again by then:
+        a stream moving on from a shard in flight held it until ``close`` (a bounded cache grew
+        past its limit)."""
+        with self._mutex:
+            running, asked = self._early.pop(name, None), self._asked[name]
+            queued = self._pending.get(name) if running is None else None
+            if queued is not None and queued.cancel():
+                self._forget(name)
+            elif queued is not None:
+                running = queued
+        if running is not None:
+            running.add_done_callback(lambda done: self._release_if(name, asked, done))
+        super().release(name)
+
+    def _release_if(self, name: str, asked: int, done: Future[Path]) -> None:
+        with self._mutex:
+            if self._asked[name] != asked:  # wanted again: whoever asked holds it now
+                return
+            if self._pending.get(name) is done:
+                self._forget(name)
+            fd = self._held.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _forget(self, name: str) -> Future[Path] | None:
+        """Drop ``name``'s prefetch, returned (``_mutex`` held)."""
+        self._arrivals.pop(name, None)
+        self._requests.pop(name, None)
+        return self._pending.pop(name, None)
+
     def close(self, keep: Iterable[str] = ()) -> None:
         """Cancel pending prefetches, wait for running ones, release held objects but ``keep``."""
         self._check_fork()
@@ -293,6 +332,7 @@ class RemotePack(PackCache):
             self._pending.clear()
             self._arrivals.clear()
             self._requests.clear()
+            self._early.clear()
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)

@@ -554,7 +554,19 @@ def test_an_object_stores_shard_is_read_part_by_part(
     assert cached.read_bytes() == next(pack.glob(f"{FIRST}*")).read_bytes()
 
 
-def test_a_damaged_record_read_early_raises_checksum_error(pack: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("gone", [False, True])
+def test_a_damaged_record_read_early_raises_checksum_error(
+    pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gone: bool
+) -> None:
+    """``gone``: the partial file vanished as the reader opened it (a failed attempt removed
+    it, as under CI's load): the shard is then downloaded whole, retried, and still raises
+    ``ChecksumError``, not a "not found" that the vanished file's error lent it."""
+    if gone:
+
+        def vanished(*args: object) -> None:
+            raise FileNotFoundError(2, "No such file or directory", "x.partial")
+
+        monkeypatch.setattr("torch_serialized.remote.packs.ArrivingShard", vanished)
     shard = next(pack.glob(f"{FIRST}*"))
     data = bytearray(shard.read_bytes())
     data[first_record_end(pack) - 1] ^= 0xFF  # record 0's last byte; its index is intact

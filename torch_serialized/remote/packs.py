@@ -229,7 +229,8 @@ class RemotePack(PackCache):
         try:
             return ArrivingShard(arrival, expect, checked, whole)
         except (FormatError, FileNotFoundError):  # its tail is not the manifest's, or the
-            return whole()  # download just ended: the whole file decides
+            pass  # download just ended: the whole file decides
+        return whole()  # not in the handler: its errors would carry this one as their cause
 
     def _fetch(
         self, shard: ShardRequest, key: str | None = None, arrival: Arrival | None = None

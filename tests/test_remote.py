@@ -29,6 +29,7 @@ from torch_serialized.errors import (
     RemoteError,
     RemoteNotFoundError,
 )
+from torch_serialized.remote.arrival import Damaged
 from torch_serialized.remote.retry import Fault, RetryPolicy, classify_error
 from torch_serialized.remote.store import RemoteStore, is_url, redact_url
 from torch_serialized.remote.upload import upload_file, upload_folder
@@ -275,6 +276,18 @@ def test_classify_error_follows_the_cause_chain() -> None:
         except Exception as inner:
             raise OSError(errno.EIO, "wrapped") from inner
     except OSError as exc:
+        assert classify_error(exc) is Fault.TRANSIENT
+
+
+def test_a_damaged_body_is_transient_whatever_was_being_handled() -> None:
+    """A download run inside another error's handler (a vanished partial file) raised its own
+    faults with that error as their context: "not found" was read from it, and not retried."""
+    try:
+        try:
+            raise FileNotFoundError(errno.ENOENT, "gone", "x.partial")
+        except FileNotFoundError:
+            raise Damaged("the download does not match its checksum")  # noqa: B904 - the case
+    except Damaged as exc:
         assert classify_error(exc) is Fault.TRANSIENT
 
 

@@ -62,6 +62,8 @@ def http_status(exc: BaseException) -> int | None:
 
 def classify_error(exc: BaseException) -> Fault:
     """What a remote call's exception means (fsspec's standard exceptions, any HTTP status)."""
+    if isinstance(exc, ShortReadError):  # ours: a body cut or damaged, whatever it happened in
+        return Fault.TRANSIENT
     for e in causes(exc):
         if isinstance(e, PermissionError) or (
             isinstance(e, OSError) and str(e).startswith("Forbidden")  # gcsfs's 403

@@ -22,7 +22,7 @@ from _container_helpers import FIELDS, check_pack, payload, size_of, write_pack
 
 from torch_serialized.container import shards as shards_module
 from torch_serialized.container.reader import ContainerReader
-from torch_serialized.container.shards import open_pack
+from torch_serialized.container.shards import PackReader, open_pack
 from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.data.pipeline import PIECE, read_blocks
 from torch_serialized.errors import ChecksumError
@@ -144,6 +144,14 @@ def test_a_record_is_read_before_the_rest_of_its_shard_arrives(
     assert len(whole) == 2  # one GET per shard
 
 
+def one_thread(holding: HoldingServer, tmp_path: Path) -> PackReader:
+    """A reader of ``holding``'s pack whose prefetches run one at a time."""
+    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
+    assert reader.remote is not None
+    reader.remote.prefetch_threads = 1
+    return reader
+
+
 @pytest.mark.parametrize("read_early", [True, False])
 def test_a_shard_released_while_it_downloads_is_not_held_after(
     holding: HoldingServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_early: bool
@@ -195,9 +203,7 @@ def test_a_shard_released_while_it_downloads_is_not_held_after(
 def test_a_queued_prefetch_released_is_not_downloaded(
     holding: HoldingServer, tmp_path: Path
 ) -> None:
-    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
-    assert reader.remote is not None
-    reader.remote.prefetch_threads = 1
+    reader = one_thread(holding, tmp_path)
     reader.prefetch_shards([0, 1])  # the one thread waits on shard 0's held body
     reader.release_shard(1)
     holding.release.set()
@@ -358,9 +364,7 @@ def test_a_shard_awaited_behind_other_downloads_starts_at_once(
 ) -> None:
     """Prefetches run ``prefetch_threads`` at a time; a shard a reader waits for (or that a
     stream asks for ``now``) does not queue behind them."""
-    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
-    assert reader.remote is not None
-    reader.remote.prefetch_threads = 1
+    reader = one_thread(holding, tmp_path)
     reader.prefetch_shards([0, 1])  # shard 0's body is held: shard 1 waits for the thread
     time.sleep(0.3)
     assert not any("shard-00001" in r for r in holding.requests)
@@ -381,9 +385,7 @@ def test_a_shard_awaited_behind_other_downloads_starts_at_once(
 def test_a_queued_shard_a_reader_opens_is_started_for_it(
     holding: HoldingServer, tmp_path: Path
 ) -> None:
-    reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")
-    assert reader.remote is not None
-    reader.remote.prefetch_threads = 1
+    reader = one_thread(holding, tmp_path)
     reader.prefetch_shards([0, 1])
     start = time.monotonic()
     later = PER_SHARD

@@ -140,7 +140,7 @@ def _share_models(fs: Any, inherited: list[Any]) -> None:
     parsed already, not from disk: its first request 40 ms sooner (S3's first batch)."""
     sessions = [getattr(f, "session", None) for f in inherited]  # s3fs's, once it was used
     parent = next((s for s in sessions if hasattr(s, "get_component")), None)
-    if parent is None or vars(fs).get("session", False) is not None:
+    if parent is None or fs.session is not None:
         return  # not forked from a user of s3fs, or the user's own session
     from aiobotocore.session import AioSession
 

@@ -24,7 +24,6 @@ from ..remote import upload
 from ..remote.cache import Cache
 from ..remote.packs import file_identity
 from ..remote.store import RemoteStore, redact_url
-from ..remote.upload import REPORT_SUFFIX, check_writable
 from .packed import VOCPackReader
 from .records import PackResult, size_on_disk
 
@@ -44,7 +43,7 @@ def append_to_url(
     ``num_bytes`` the size at the URL. ``compare(reader)`` sorts the source against the pack as
     ``append`` will: the shards it reads are the only ones downloaded."""
     url = url.rstrip("/").removesuffix("/" + fmt.MANIFEST_NAME)  # a manifest names its folder
-    check_writable(url, "append")
+    upload.check_writable(url, "append")
     store = RemoteStore(url, storage_options)
     cache = Cache(cache_dir, cache_limit_bytes)
     with _staging(cache.directory) as folder:
@@ -87,7 +86,7 @@ def append_to_url(
             _check_unchanged(store, started_from)
             upload.upload_file(store, local)
         if result.report is not None:
-            report = RemoteStore(store.url + REPORT_SUFFIX, storage_options)
+            report = RemoteStore(store.url + upload.REPORT_SUFFIX, storage_options)
             upload.upload_file(report, result.report)
         _seed_cache(cache, store, local)
     return result

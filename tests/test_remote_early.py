@@ -10,6 +10,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -164,10 +165,10 @@ def test_a_shard_released_while_it_downloads_is_not_held_after(
     in_room, gate, registered = threading.Event(), threading.Event(), threading.Event()
     real_room, real_fetch = Cache.room, PackCache.fetch
 
-    def held_back(self: Cache, need: int) -> Any:
+    def held_back(self: Cache, need: int, *args: Any) -> Any:
         in_room.set()
         gate.wait(30)  # the bytes are in, the download has not joined the cache yet
-        return real_room(self, need)
+        return real_room(self, need, *args)
 
     def fetch(self: PackCache, name: str, *args: Any) -> Path:
         path = real_fetch(self, name, *args)
@@ -198,6 +199,51 @@ def test_a_shard_released_while_it_downloads_is_not_held_after(
     assert name in reader.remote.held()
     reader.close()
     assert sum(r.startswith(f"whole {FIRST}") for r in holding.requests) == 1
+
+
+def test_a_download_left_while_it_runs_is_dropped_if_the_cache_is_full(
+    holding: HoldingServer, pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard a stream left while its download ran joined a bounded cache full of held shards
+    when it ended, past the limit until some later download evicted it (a shard over, in CI).
+    Nobody waits for it: it is dropped, and downloaded again if asked for."""
+    from torch_serialized.remote.cache import Cache
+
+    size = {f.name[: len(FIRST)]: f.stat().st_size for f in pack.iterdir()}
+    fixed = sum(n for name, n in size.items() if not name.startswith("shard-"))
+    in_room, gate, real_room = threading.Event(), threading.Event(), Cache.room
+
+    def held_back(self: Cache, need: int, *args: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():  # shard 0's prefetch
+            in_room.set()
+            gate.wait(30)
+        return real_room(self, need, *args)
+
+    reader = open_pack(
+        f"{holding.url}/pack",
+        cache_dir=tmp_path / "cache",
+        cache_limit_bytes=fixed + size["shard-00001"] + size[FIRST] // 2,
+    )
+    monkeypatch.setattr(Cache, "room", held_back)
+    reader.prefetch_shards([0])
+    assert bytes(reader.field(PER_SHARD, 0)) == payload(PER_SHARD, 0, size_of(PER_SHARD, 0))
+    holding.release.set()
+    assert in_room.wait(30)
+    reader.release_shard(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        gate.set()
+        assert reader.remote is not None
+        deadline = time.monotonic() + 10
+        while reader.remote._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert not seen and not reader.remote._pending
+    assert not list((tmp_path / "cache").rglob(f"{FIRST}*.tser"))
+    reader.release_shard(1)
+    for i in range(PER_SHARD):  # shard 0 asked for again: downloaded again
+        assert bytes(reader.field(i, 0)) == payload(i, 0, size_of(i, 0))
+    reader.close()
+    assert sum(r.startswith(f"whole {FIRST}") for r in holding.requests) == 2
 
 
 def test_a_queued_prefetch_released_is_not_downloaded(

@@ -105,9 +105,10 @@ class Cache:
             pass
 
     @contextmanager
-    def room(self, need: int) -> Iterator[None]:
+    def room(self, need: int, wanted: Callable[[], bool] = lambda: True) -> Iterator[None]:
         """:meth:`make_room` for ``need`` bytes, kept (``.evict.lock`` held) while the block adds
-        them, so two downloads never count the same free bytes."""
+        them, so two downloads never count the same free bytes. Past the limit, ``Unwanted`` if
+        ``wanted()`` is false: a prefetch its reader left is dropped, not kept over the limit."""
         limit = self.limit_bytes
         if limit is None or need > limit:
             if limit is not None:
@@ -131,6 +132,8 @@ class Cache:
                 if entry.remove():
                     total -= entry.size
             if total + need > limit:
+                if not wanted():
+                    raise Unwanted(f"{self.directory}: no room for a download no one waits for")
                 self._warn(
                     f"{self.directory}: the cache needs {total + need} bytes, more than "
                     f"cache_limit_bytes={limit}, in use or being downloaded now by the processes "
@@ -142,6 +145,10 @@ class Cache:
         if not self._warned:
             self._warned = True
             warnings.warn(CacheLimitWarning(message), stacklevel=5)
+
+
+class Unwanted(Exception):
+    """A finished download dropped: a bounded cache has no room for it, and no reader for it."""
 
 
 class PackCache(PerProcess):
@@ -238,12 +245,16 @@ class PackCache(PerProcess):
         return self.fetch(name, len(data), lambda dest: _write_atomic(dest, data))
 
     def fetch(
-        self, name: str, expected_size: int | None, download: Callable[[Path], object]
+        self,
+        name: str,
+        expected_size: int | None,
+        download: Callable[[Path], object],
+        wanted: Callable[[], bool] = lambda: True,
     ) -> Path:
         """The local path of object ``name``, calling ``download(dest)`` (which writes ``dest``
         atomically) first if needed, once for all processes; room is made for its bytes before
-        it joins the cache. Held until :meth:`release`; a cached file whose size is not
-        ``expected_size`` is downloaded again."""
+        it joins the cache (``wanted``: see :meth:`Cache.room`). Held until :meth:`release`; a
+        cached file whose size is not ``expected_size`` is downloaded again."""
         self._check_fork()
         path = self.object_path(name)
         with self._mutex:
@@ -267,7 +278,7 @@ class PackCache(PerProcess):
                             file.unlink(missing_ok=True)  # its writer died: we hold the lock
                         try:
                             download(staging / name)
-                            with self.cache.room(os.stat(staging / name).st_size):
+                            with self.cache.room(os.stat(staging / name).st_size, wanted):
                                 os.replace(staging / name, path)
                         finally:
                             (staging / name).unlink(missing_ok=True)

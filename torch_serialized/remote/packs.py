@@ -162,7 +162,7 @@ class RemotePack(PackCache):
 
     _PER_PROCESS = (
         *PackCache._PER_PROCESS,
-        *("_pool", "_rush", "_pending", "_arrivals", "_requests", "_early", "_asked"),
+        *("_pool", "_rush", "_pending", "_arrivals", "_requests", "_early", "_asked", "_left"),
     )
 
     def _reset(self) -> None:  # also in a forked child: the parent's threads do not exist there
@@ -174,6 +174,7 @@ class RemotePack(PackCache):
         self._requests: dict[str, ShardRequest] = {}
         self._early: dict[str, Future[Path]] = {}  # downloads in flight a reader reads early
         self._asked: Counter[str] = Counter()  # requests per object: a release is for the last
+        self._left: dict[str, int] = {}  # downloads released while running: requests by then
 
     def __repr__(self) -> str:
         return f"RemotePack({self.store.url_of()!r}, cache={str(self.directory)!r})"
@@ -247,7 +248,7 @@ class RemotePack(PackCache):
             _touch(whole)
             return path
 
-        path = self.fetch(shard.name, shard.size, download)
+        path = self.fetch(shard.name, shard.size, download, lambda: self._wanted(shard.name))
         if shard.verify is None or not _before_boot(whole):
             return path
         if shard.verify(path):
@@ -306,11 +307,20 @@ class RemotePack(PackCache):
             elif queued is not None:
                 running = queued
         if running is not None:
+            with self._mutex:
+                self._left[name] = asked
             running.add_done_callback(lambda done: self._release_if(name, asked, done))
         super().release(name)
 
+    def _wanted(self, name: str) -> bool:
+        """Whether a download of ``name`` has a reader: not released, or asked for since."""
+        with self._mutex:
+            return self._left.get(name) != self._asked[name]
+
     def _release_if(self, name: str, asked: int, done: Future[Path]) -> None:
         with self._mutex:
+            if self._left.get(name) == asked:
+                del self._left[name]
             if self._asked[name] != asked:  # wanted again: whoever asked holds it now
                 return
             if self._pending.get(name) is done:
@@ -334,6 +344,7 @@ class RemotePack(PackCache):
             self._arrivals.clear()
             self._requests.clear()
             self._early.clear()
+            self._left.clear()
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)

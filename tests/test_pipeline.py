@@ -195,6 +195,24 @@ def test_shard_window_looks_past_shards_already_downloaded() -> None:
     assert window.window(0) == [0, 1, 2]  # two ahead at most: twice ``ahead``
 
 
+def test_shard_window_holds_no_more_shards_ahead_than_its_budget() -> None:
+    """In a bounded cache the shards ahead fit beside the block's own: a block over three shards
+    plus two ahead held five, a shard past the limit the test of the stream allowed (in CI)."""
+    entries = [SimpleNamespace(bytes=n) for n in (100, 100, 100, 100, 50)]
+    reader = SimpleNamespace(
+        starts=np.array([0, 10, 20, 30, 40, 50]), entries=entries, downloaded=lambda s: True
+    )
+    blocks = [np.array([5, 15, 25]), np.array([35]), np.array([45])]
+    assert ShardWindow(reader, blocks, ahead=1).window(0) == [0, 1, 2, 3, 4]  # type: ignore[arg-type]
+    for budget, want in [
+        (450, [0, 1, 2, 3, 4]),
+        (449, [0, 1, 2, 3]),
+        (399, [0, 1, 2]),
+        (0, [0, 1, 2]),
+    ]:
+        assert ShardWindow(reader, blocks, 1, budget).window(0) == want  # type: ignore[arg-type]
+
+
 def test_shard_window_downloads_ahead_and_releases_behind() -> None:
     """A remote stream holds the shards of the block in use and the next ``ahead`` distinct
     shards later blocks read, and releases each one once no near block needs it. A block's own

@@ -201,7 +201,9 @@ def read_blocks(
     runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
     window = None
     if reader.remote is not None and reader.num_shards > 1:
-        window = ShardWindow(reader, [records[block] for block in blocks], shards_ahead)
+        window = ShardWindow(
+            reader, [records[block] for block in blocks], shards_ahead, reader.shard_budget()
+        )
     hinted = 0
     for b, block in enumerate(blocks):
         recs = records[block]
@@ -236,12 +238,19 @@ def read_blocks(
 
 class ShardWindow:
     """A remote pack's shards a stream holds at block ``b``: its own and the next ``ahead``,
-    downloaded by ``before(b)``; ``after(b)`` releases what leaves, so the cache may evict it."""
+    downloaded by ``before(b)``; ``after(b)`` releases what leaves, so the cache may evict it.
+    ``budget``: the bytes the window may hold (a bounded cache's room), shards ahead included."""
 
     SCAN = 4096  #: blocks looked ahead at most (bounds the work per block)
 
-    def __init__(self, reader: PackReader, block_records: Sequence[np.ndarray], ahead: int):
-        self.reader, self.ahead = reader, ahead
+    def __init__(
+        self,
+        reader: PackReader,
+        block_records: Sequence[np.ndarray],
+        ahead: int,
+        budget: int | None = None,
+    ):
+        self.reader, self.ahead, self.budget = reader, ahead, budget
         self.shards: list[list[int]] = [
             np.unique(np.searchsorted(reader.starts, recs, side="right") - 1).tolist()
             for recs in block_records
@@ -252,17 +261,23 @@ class ShardWindow:
         """Block ``b``'s shards, then the next distinct shards in order of use: ``ahead`` not yet
         downloaded, and up to ``ahead`` more that are, so the link does not wait for readers
         to move on (2 workers over 20 ms + 100 MB/s: the last shards were asked for 0.5 s
-        after the others were in)."""
+        after the others were in). None ahead beyond the ``budget``."""
         if b >= len(self.shards):
             return []
         own, ahead, coming = self.shards[b], list[int](), 0
+        room = None if self.budget is None else self.budget - self._bytes(own)
         for s in itertools.chain.from_iterable(self.shards[b + 1 : b + 1 + self.SCAN]):
             if coming == self.ahead or len(ahead) == 2 * self.ahead:
                 break
             if s not in own and s not in ahead:
+                if room is not None and (room := room - self._bytes([s])) < 0:
+                    break
                 ahead.append(s)
                 coming += not self.reader.downloaded(s)
         return own + ahead
+
+    def _bytes(self, shards: Iterable[int]) -> int:
+        return sum(self.reader.entries[s].bytes for s in shards)
 
     def before(self, b: int, runs: Sequence[tuple[int, np.ndarray]] = ()) -> None:
         """Download block ``b``'s own shards now, those queued too: they are awaited. ``runs``:

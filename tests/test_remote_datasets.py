@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -432,6 +433,8 @@ def test_a_spawned_worker_streams_a_pack_at_a_url(
 def test_a_bounded_cache_keeps_a_stream_within_its_limit(
     served: Remote, stream_packs: dict[str, Path], tmp_path: Path
 ) -> None:
+    """A block here spans up to three shards: with room for four, the stream holds its block's
+    and prefetches ahead only what fits."""
     pack = stream_packs["shards"]
     sizes = [(pack / n).stat().st_size for n in shard_names(pack)]
     fixed = sum(f.stat().st_size for f in pack.iterdir() if f.name not in shard_names(pack))
@@ -456,6 +459,35 @@ def test_a_bounded_cache_keeps_a_stream_within_its_limit(
     assert not seen  # no CacheLimitWarning: a block over three shards and two ahead needed 5
     assert got == want
     assert len(list(Path(ds.pack.path).glob("shard-*.tser"))) < len(sizes)
+
+
+@ONE_SERVER
+def test_the_workers_of_a_rank_share_the_cache_limit(
+    served: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each DataLoader worker prefetches ahead within its share of ``cache_limit_bytes``: with
+    the whole of it each, two workers held up to twice what it has room for."""
+    from torch_serialized.data import pipeline, topology
+
+    budgets: list[int | None] = []
+    real = pipeline.ShardWindow.__init__
+
+    def init(self: Any, reader: Any, blocks: Any, ahead: int, budget: int | None = None) -> None:
+        budgets.append(budget)
+        real(self, reader, blocks, ahead, budget)
+
+    monkeypatch.setattr(pipeline.ShardWindow, "__init__", init)
+    worker = types.SimpleNamespace(id=1, num_workers=2)
+    monkeypatch.setattr(topology, "get_worker_info", lambda: worker)
+    ds, _ = stream(
+        served.url,
+        storage_options=served.storage_options,
+        cache_dir=tmp_path,
+        cache_limit_bytes=10 << 20,
+    )
+    assert 0 < len(list(ds)) < len(ds)  # worker 1's part of the stream, read in this process
+    whole = ds.pack.reader.shard_budget()
+    assert whole is not None and budgets == [whole // 2]
 
 
 @pytest.mark.slow

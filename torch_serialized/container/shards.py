@@ -270,13 +270,14 @@ class PackReader:
         """Whether shard ``s`` of a remote pack is whole in the cache (local: always)."""
         return self.remote is None or self.remote.object_path(self.entries[s].file).exists()
 
-    def shard_budget(self) -> int | None:
-        """The bytes a bounded cache has for this pack's shards: its limit less the manifest and
-        the catalog, which stay held (None: unbounded, or not a remote shard folder)."""
+    def shard_budget(self, streams: int = 1) -> int | None:
+        """The bytes a bounded cache has for each of ``streams`` readers of this pack's shards:
+        its limit less the manifest and the catalog, which stay held, shared evenly (None:
+        unbounded, or not a remote pack)."""
         if self.remote is None or self.remote.cache.limit_bytes is None:
             return None
         held = self._catalog.size + (self.manifest_path.stat().st_size if self.manifest_path else 0)
-        return self.remote.cache.limit_bytes - held
+        return (self.remote.cache.limit_bytes - held) // streams
 
     def release_shard(self, s: int) -> None:
         """Done with shard ``s`` of a remote pack for now: close it and let the cache evict it."""

@@ -193,16 +193,18 @@ def read_blocks(
     *,
     copy: bool = False,
     shards_ahead: int = 0,
+    streams: int = 1,
 ) -> Iterator[Item]:
     """Items of each block in position order, fields as views (``copy``: private arrays), no
     data while ``gate`` is closed. The ``AHEAD`` next blocks are hinted to the kernel (cold
-    epoch: 6,160/s, 3,933/s without); remote shards come via ``ShardWindow``."""
+    epoch: 6,160/s, 3,933/s without); remote shards come via ``ShardWindow``, each of the
+    ``streams`` sharing the cache with a like share of its limit."""
     gate = gate or Gate()
     runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
     window = None
     if reader.remote is not None and reader.num_shards > 1:
         window = ShardWindow(
-            reader, [records[block] for block in blocks], shards_ahead, reader.shard_budget()
+            reader, [records[block] for block in blocks], shards_ahead, reader.shard_budget(streams)
         )
     hinted = 0
     for b, block in enumerate(blocks):

@@ -10,7 +10,8 @@ It packs a synthetic VOC set into ``DIR/tsbench-remote`` (16 MiB shards), then p
 path, interleaved: curl fetching the same files over one connection and 4 in parallel, and one
 epoch of ``VOCSerializedIterableDataset(url, "trainval", decode="none")`` in a DataLoader, each
 in a fresh process with an empty cache. It prints medians (min-max): MB/s over the epoch, the
-first batch after ``iter(loader)``, and the bytes the server sent against the pack's size.
+first and second batch after ``iter(loader)`` (with 2 workers the second is the second
+worker's first), and the bytes the server sent against the pack's size.
 ``--protocols http,s3`` also reads the pack as ``s3://tsbench-remote`` (netlink's path-style S3,
 through s3fs: ``pip install s3fs``). ``--peers webdataset,mosaic,litdata`` writes the same images
 in those formats and times their epochs beside ours (``netlink_peers.py``; they run in a
@@ -96,11 +97,16 @@ def epoch(
 def record(
     rows: Rows, path: str, name: str, got: dict[str, float], size: int, offset: int, folder: str
 ) -> None:
-    """Add one epoch's figures (MB/s of ``size`` bytes, first batch, open, samples, and the
+    """Add one epoch's figures (MB/s of ``size`` bytes, first two batches, open, samples, the
     bytes sent for ``folder`` in the log since ``offset``)."""
     time.sleep(0.2)  # nginx writes its log line after the response
     rows.setdefault((path, name), []).append(size / got["epoch"] / 1e6)
-    for key, what in (("first", "first batch s"), ("open", "open s"), ("samples", "samples")):
+    for key, what in (
+        ("first", "first batch s"),
+        ("second", "second batch s"),
+        ("open", "open s"),
+        ("samples", "samples"),
+    ):
         rows.setdefault((path, f"{name}: {what}"), []).append(got[key])
     rows.setdefault((path, name + ": bytes sent / pack"), []).append(
         sent_since(offset, PATHS[path], folder) / size

@@ -5,7 +5,7 @@ measured in the same run, on the same path, from the same images. ``write_peers`
 synthetic VOC set that ``netlink.py`` packs into each peer's own format (about 16 MB shards,
 JPEG bytes + the VOC target as JSON, in ``trainval`` order) under ``DIR/peers-<name>``;
 ``PEER_EPOCHS`` holds, per peer, the script that times one epoch in a fresh process with an
-empty cache, printing the same JSON line as ours (open, first batch, epoch, samples).
+empty cache, printing the same JSON line as ours (open, first and second batch, epoch, samples).
 
 How each peer reads from netlink (``HOST`` is the path's address):
 
@@ -32,16 +32,17 @@ PEERS = ("webdataset", "mosaic", "litdata")
 SHARD_BYTES = 16_000_000
 
 # An epoch script is EPOCH_HEAD, code making ``ds`` (and ``start``), then EPOCH_LOOP; argv:
-# url, workers, shuffle, cache dir. It prints one JSON line: open, first batch, epoch, samples.
+# url, workers, shuffle, cache dir. It prints one JSON line: open, first and second batch (the
+# second worker's first with 2 workers), epoch, samples.
 EPOCH_LOOP = r"""
 opened = time.perf_counter()
 loader = DataLoader(ds, batch_size=32, num_workers=int(sys.argv[2]), collate_fn=len)
-first, samples = None, 0
+arrived, samples = [], 0
 for n in loader:
-    first = time.perf_counter() - opened if first is None else first
+    arrived.append(time.perf_counter() - opened)
     samples += n
-print(json.dumps({"open": opened - start, "first": first, "epoch": time.perf_counter() - opened,
-                  "samples": samples}))
+print(json.dumps({"open": opened - start, "first": arrived[0], "second": arrived[1],
+                  "epoch": time.perf_counter() - opened, "samples": samples}))
 """
 EPOCH_HEAD = "import json, sys, time\nfrom torch.utils.data import DataLoader\n"
 PEER_EPOCHS = {

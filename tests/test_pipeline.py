@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from torch_serialized.data.pipeline import (
     MAX_GAP,
+    PIECE,
     ShardWindow,
     block_bounds,
     epoch_order,
@@ -195,6 +196,26 @@ def test_shard_window_looks_past_shards_already_downloaded() -> None:
     assert window.window(0) == [0, 1, 2]  # two ahead at most: twice ``ahead``
 
 
+def test_a_block_short_of_a_batch_asks_for_the_next_blocks_shards_too() -> None:
+    """A batch that starts in a short block (a worker's share starts mid-block) waits for the
+    next block too: its shards are awaited at once, not after the short block is read (second
+    batch of 2 workers, netlink wan: 1.02 -> 0.84 s)."""
+    calls: list[list[int]] = []
+    reader = SimpleNamespace(
+        starts=np.array([0, 100, 200, 300]),
+        entries=[SimpleNamespace(bytes=100)] * 3,
+        prefetch_shards=lambda shards, now=False, rows=None: calls.append(list(shards)),
+        downloaded=lambda shard: False,
+    )
+    blocks = [np.arange(PIECE - 8), np.r_[100:108, 200 : 200 + PIECE], np.arange(200, 204)]
+    for budget, first in [(None, [0, 1]), (200, [0, 1]), (199, [0])]:  # only if it fits
+        calls.clear()
+        window = ShardWindow(reader, blocks, 1, budget)  # type: ignore[arg-type]
+        window.before(0)  # the 8 records the batch needs of block 1 are all in shard 1
+        window.before(1)  # a batch's worth: the next block's shards are not needed now
+        assert calls == [first, [1, 2]]
+
+
 def test_shard_window_holds_no_more_shards_ahead_than_its_budget() -> None:
     """In a bounded cache the shards ahead fit beside the block's own: a block over three shards
     plus two ahead held five, a shard past the limit the test of the stream allowed (in CI)."""
@@ -226,7 +247,7 @@ def test_shard_window_downloads_ahead_and_releases_behind() -> None:
         release_shard=lambda shard: calls.append(("drop", shard)),
         downloaded=lambda shard: False,
     )
-    blocks = [np.array([0, 5]), np.array([12]), np.array([25, 35]), np.array([3])]
+    blocks = [np.repeat(b, PIECE) for b in ([0, 5], [12], [25, 35], [3])]  # a batch or more
     window = ShardWindow(reader, blocks, ahead=1)  # type: ignore[arg-type]
     assert [window.window(b) for b in range(5)] == [[0, 1], [1, 2], [2, 3, 0], [0], []]
     for b in range(len(blocks)):

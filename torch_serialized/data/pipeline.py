@@ -253,10 +253,8 @@ class ShardWindow:
         budget: int | None = None,
     ):
         self.reader, self.ahead, self.budget = reader, ahead, budget
-        self.shards: list[list[int]] = [
-            np.unique(np.searchsorted(reader.starts, recs, side="right") - 1).tolist()
-            for recs in block_records
-        ]
+        self.records = block_records
+        self.shards = [self._shards_of(recs) for recs in block_records]
         self.held: set[int] = set()
 
     def window(self, b: int) -> list[int]:
@@ -278,13 +276,23 @@ class ShardWindow:
                 coming += not self.reader.downloaded(s)
         return own + ahead
 
+    def _shards_of(self, records: np.ndarray) -> list[int]:
+        return np.unique(np.searchsorted(self.reader.starts, records, side="right") - 1).tolist()
+
     def _bytes(self, shards: Iterable[int]) -> int:
         return sum(self.reader.entries[s].bytes for s in shards)
 
     def before(self, b: int, runs: Sequence[tuple[int, np.ndarray]] = ()) -> None:
-        """Download block ``b``'s own shards now, those queued too: they are awaited. ``runs``:
-        the block's ``(shard, local records)``, so that a block ending a shard comes first."""
-        own = self.shards[b] if b < len(self.shards) else []
+        """Download block ``b``'s own shards now, those queued too: they are awaited, with those
+        of the next block's first records if ``b`` is short of a batch (``PIECE``), which waits
+        for both (within the budget). ``runs``: the block's ``(shard, local records)``, so that a
+        block ending a shard comes first."""
+        own = list(self.shards[b]) if b < len(self.shards) else []
+        if b + 1 < len(self.shards) and len(self.records[b]) < PIECE:
+            rest = self.records[b + 1][: PIECE - len(self.records[b])]
+            more = [s for s in self._shards_of(rest) if s not in own]
+            if self.budget is None or self._bytes(self.held | {*own, *more}) <= self.budget:
+                own += more
         self.reader.prefetch_shards(own, now=True, rows=dict(runs))
         self.held.update(own)
 

@@ -296,9 +296,9 @@ class RemotePack(PackCache):
 
     def release(self, name: str) -> None:
         """Stop holding object ``name``. Its prefetch is cancelled if queued; a download still
-        running (one read early too) is released when it ends, unless asked for again by then:
-        a stream moving on from a shard in flight held it until ``close`` (a bounded cache grew
-        past its limit)."""
+        running (one read early too) is released when it ends, unless asked for again by then
+        (and dropped if a bounded cache has no room for it): a stream moving on from a shard in
+        flight held it until ``close`` (a bounded cache grew past its limit)."""
         with self._mutex:
             running, asked = self._early.pop(name, None), self._asked[name]
             queued = self._pending.get(name) if running is None else None
@@ -306,9 +306,9 @@ class RemotePack(PackCache):
                 self._forget(name)
             elif queued is not None:
                 running = queued
-        if running is not None:
-            with self._mutex:
+            if running is not None:
                 self._left[name] = asked
+        if running is not None:
             running.add_done_callback(lambda done: self._release_if(name, asked, done))
         super().release(name)
 

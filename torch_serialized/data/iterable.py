@@ -283,7 +283,7 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
                 gate,
                 copy=not views_fit(part.pack.reader, in_flight),
                 shards_ahead=self.prefetch,
-                streams=here.num_workers * len(parts),  # a rank's, in one cache at most
+                streams=here.num_workers * len(parts),  # of a rank, that may share a cache
             )
             for k, part in enumerate(parts)
         ]

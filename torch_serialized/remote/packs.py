@@ -309,7 +309,7 @@ class RemotePack(PackCache):
             if running is not None:
                 self._left[name] = asked
         if running is not None:
-            running.add_done_callback(lambda done: self._release_if(name, asked, done))
+            running.add_done_callback(lambda done: self._release_if(name, done))
         super().release(name)
 
     def _wanted(self, name: str) -> bool:
@@ -317,11 +317,11 @@ class RemotePack(PackCache):
         with self._mutex:
             return self._left.get(name) != self._asked[name]
 
-    def _release_if(self, name: str, asked: int, done: Future[Path]) -> None:
+    def _release_if(self, name: str, done: Future[Path]) -> None:
+        """A download released while it ran has ended: release it too, unless asked for since
+        its last release (whoever asked holds it now)."""
         with self._mutex:
-            if self._left.get(name) == asked:
-                del self._left[name]
-            if self._asked[name] != asked:  # wanted again: whoever asked holds it now
+            if self._left.pop(name, None) != self._asked[name]:
                 return
             if self._pending.get(name) is done:
                 self._forget(name)

@@ -41,7 +41,7 @@ class Plan:
 
 
 def classify(
-    old: VOCPackReader, planned: Planned, replace: bool, checksum: bool, retire_all: bool = False
+    old: VOCPackReader, planned: Planned, replace: bool, checksum: bool, retire_all: bool
 ) -> Plan:
     """Sort the listed ids of ``planned`` against ``old``. ``SourceDataError`` for changed
     ids unless ``replace``, and for no listed id in the pack unless ``retire_all``."""

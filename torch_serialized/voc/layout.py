@@ -198,9 +198,7 @@ def _ids(path: Path, lines: list[str]) -> list[str]:
     return lines
 
 
-def image_set_files(
-    voc_root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-) -> Iterator[tuple[str, bytes]]:
+def image_set_files(voc_root: Path, max_file_bytes: int) -> Iterator[tuple[str, bytes]]:
     """Every ImageSets list file as ``(devkit-relative path, bytes)``, sorted, for export."""
     base = voc_root / "ImageSets"
     for path in sorted(base.rglob("*.txt")):

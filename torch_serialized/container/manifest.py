@@ -177,9 +177,8 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     else:
         pack_id = raw.get("pack_id")
         if not isinstance(pack_id, str) or not PACK_ID.fullmatch(pack_id):
-            raise damaged(
-                path, f"the manifest's pack_id is {clip(repr(pack_id))}, not 32 hex digits"
-            )
+            msg = f"the manifest's pack_id is {clip(repr(pack_id))}, not 32 hex digits"
+            raise damaged(path, msg)
         catalog = CatalogEntry(*_file_entry(raw.get("catalog"), "catalog entry", path))
     created_by = raw.get("created_by")
     created_by = created_by if isinstance(created_by, str) else ""

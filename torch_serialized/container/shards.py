@@ -23,7 +23,7 @@ from .locate import find, intact
 from .manifest import Expected, Manifest, ShardEntry, parse_manifest
 from .reader import ContainerReader, gone
 
-__all__ = ["PackReader", "open_pack", "default_max_open_shards"]
+__all__ = ["PackReader", "open_pack"]
 
 
 #: Bytes of a shard's tail fetched beside its download beyond its index rows and columns (its
@@ -66,8 +66,9 @@ class PackReader:
         check_records: Callable[[ContainerReader, int], None] | None = None,
         check_files: bool = False,
     ) -> None:
-        if max_open_shards is None:
-            max_open_shards = default_max_open_shards()
+        if max_open_shards is None:  # an eighth of the descriptor limit (2 each at most), 4 to 512
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            max_open_shards = 512 if soft == resource.RLIM_INFINITY else max(4, min(512, soft // 8))
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
         location, manifest_path, data, self.remote = find(
@@ -443,14 +444,6 @@ class PackReader:
             return sum(entry.bytes for entry in self.entries)
         assert self.manifest_path is not None
         return self.manifest.files_bytes() + self.manifest_path.stat().st_size
-
-
-def default_max_open_shards() -> int:
-    """Default ``max_open_shards``: an eighth of the descriptor limit (2 each at most), 4 to 512."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return 512
-    return max(4, min(512, soft // 8))
 
 
 def open_pack(

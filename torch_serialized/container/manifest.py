@@ -137,9 +137,8 @@ def build_manifest(
 
 
 def parse_manifest(data: bytes, path: str) -> Manifest:
-    """The valid manifest: ``UnsupportedVersionError`` if newer, else ``CorruptFileError``."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise damaged(path, f"{len(data)} bytes is larger than a manifest may be")
+    """The valid manifest: ``UnsupportedVersionError`` if newer, else ``CorruptFileError``.
+    ``data`` was read under the ``MAX_MANIFEST_BYTES`` cap (``read_manifest``, the remote store)."""
     raw = loads_json(data, path, "manifest")
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
         found = clip(repr(raw.get("format") if isinstance(raw, dict) else raw))

@@ -179,7 +179,12 @@ class ContainerReader:
         """Views of ``fields`` of record ``i``; no read hint: the fault's read-around suffices."""
         if not 0 <= i < self.num_records:  # numpy would wrap a negative one
             raise IndexError(f"record {i} out of range for {self.num_records} records")
-        return self.views([i], fields)[0]
+        local = self._mapped()  # not views(): a map-style sample's own path, ~5x cheaper
+        offsets, lengths, view = local.offsets[i].tolist(), local.lengths[i].tolist(), local.view
+        out = [view[offsets[k] : offsets[k] + lengths[k]] for k in fields]
+        if self.checked:
+            self._check_crcs(local, [i], [out], fields)
+        return out
 
     def views(
         self, records: Sequence[int] | np.ndarray, fields: Sequence[int]

@@ -1,7 +1,7 @@
 """Map-style drop-ins for torchvision's ``VOCDetection`` and ``VOCSegmentation``: index for
 index the same samples (of several packs: as ``ConcatDataset``). They subclass torchvision's
 classes so ``isinstance`` and ``wrap_dataset_for_transforms_v2`` keep working; ``PackedSamples``
-and ``open_sources`` are shared with the stream."""
+and ``JoinedSamples`` are shared with the stream."""
 
 from __future__ import annotations
 
@@ -140,40 +140,39 @@ def parse_sources(path: Source | Sequence[Source], image_set: str) -> list[tuple
     return sources
 
 
-def open_sources(
-    sources: Sequence[tuple[Any, str]],
-    task: str,
-    *,
-    decode: Decode = "pil",
-    target_format: TargetFormat = "dict",
-    classes: Classes = None,
-    zero_copy: bool = False,
-    **pack_options: Any,
-) -> list[PackedSamples]:
-    """Each source's image set opened, decoded into one label space: ``classes`` if a list,
-    else the union of the sources' classes, the first source's first."""
-    options: dict[str, Any] = dict(decode=decode, target_format=target_format, zero_copy=zero_copy)
-    parts = []
-    for source, image_set in sources:
-        part = PackedSamples()
-        part._open_split(source, task, image_set, classes=classes, **options, **pack_options)
-        parts.append(part)
-    if len(parts) > 1 and (classes is None or isinstance(classes, str)):
-        names = list(dict.fromkeys(n for part in parts for n in part.label_names))
-        for part in parts:
-            part.decoder = SampleDecoder(
-                part.pack, task=task, image_set=part.image_set, classes=names, **options
-            )
-    return parts
-
-
 class JoinedSamples(PackedSamples):
     """A dataset of one or several sources (``PackedSamples`` each) read as one; the first
     source's pack and decoder stand for all where a single one is expected."""
 
     _parts: list[PackedSamples]
 
-    def _join(self, parts: list[PackedSamples]) -> None:
+    def _join(
+        self,
+        sources: Sequence[tuple[Any, str]],
+        task: str,
+        *,
+        decode: Decode = "pil",
+        target_format: TargetFormat = "dict",
+        classes: Classes = None,
+        zero_copy: bool = False,
+        **pack_options: Any,
+    ) -> None:
+        """Open each source's image set, decoded into one label space: ``classes`` if a list,
+        else the union of the sources' classes, the first source's first."""
+        options: dict[str, Any] = dict(
+            decode=decode, target_format=target_format, zero_copy=zero_copy
+        )
+        parts = []
+        for source, image_set in sources:
+            part = PackedSamples()
+            part._open_split(source, task, image_set, classes=classes, **options, **pack_options)
+            parts.append(part)
+        if len(parts) > 1 and (classes is None or isinstance(classes, str)):
+            names = list(dict.fromkeys(n for part in parts for n in part.label_names))
+            for part in parts:
+                part.decoder = SampleDecoder(
+                    part.pack, task=task, image_set=part.image_set, classes=names, **options
+                )
         self._parts = parts
         first = parts[0]
         self.pack, self.decoder, self._fields = first.pack, first.decoder, first._fields
@@ -226,19 +225,17 @@ class _PackedVOCBase(JoinedSamples):
                 "pack it with torch_serialized.pack_voc, then pass the pack's path or URL"
             )
         self._join(
-            open_sources(
-                sources,
-                self._TASK,
-                decode=decode,
-                target_format=target_format,
-                classes=classes,
-                checked=checked,
-                zero_copy=zero_copy,
-                year=year,
-                storage_options=storage_options,
-                cache_dir=cache_dir,
-                cache_limit_bytes=cache_limit_bytes,
-            )
+            sources,
+            self._TASK,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            checked=checked,
+            zero_copy=zero_copy,
+            year=year,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
         self._starts = self._offsets.tolist()  # for bisect: a list, not an array (2 µs)
         self._ids, self._images, self._targets = (

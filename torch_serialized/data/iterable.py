@@ -19,7 +19,7 @@ from torchvision.datasets.vision import VisionDataset
 
 from ..errors import ChecksumError
 from ..voc.layout import TASKS
-from .datasets import JoinedSamples, PackedSamples, Source, open_sources, parse_sources
+from .datasets import JoinedSamples, PackedSamples, Source, parse_sources
 from .decode import Classes, Decode, SampleDecoder, TargetFormat
 from .pipeline import (
     AHEAD,
@@ -159,17 +159,15 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
         distributed_info(rank, world_size)  # validates them now
         self.task = task
         self._join(
-            open_sources(
-                sources,
-                task,
-                decode=decode,
-                target_format=target_format,
-                classes=classes,
-                checked=checked,
-                storage_options=storage_options,
-                cache_dir=cache_dir,
-                cache_limit_bytes=cache_limit_bytes,
-            )
+            sources,
+            task,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            checked=checked,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
         self._bounds = np.unique(
             np.concatenate(

@@ -19,11 +19,11 @@ def reopen_dataset(dataset: Any, _depth: int = 0) -> int:
     if callable(getattr(type(dataset), "reopen", None)) and hasattr(dataset, "pack"):
         dataset.reopen()
         return 1
+    if _depth >= 16:
+        return 0
     attributes = getattr(dataset, "__dict__", {})
     inner = [attributes.get("_dataset"), attributes.get("dataset")]
     inner += attributes.get("datasets") or ()
-    if _depth >= 16:
-        return 0
     return sum(reopen_dataset(d, _depth + 1) for d in inner if d is not None and d is not dataset)
 
 

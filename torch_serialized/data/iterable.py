@@ -311,7 +311,7 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
             runs = iter(lambda: self._shared(itertools.islice(reads, SHARED_RUN)), [])
             samples: Iterator[Any] = itertools.chain.from_iterable(runs)
         else:
-            samples = (self._decoded(r, data, decoder=decoder) for decoder, r, data in reads)
+            samples = (self._decoded(*item) for item in reads)
         try:
             yield from self._counted(samples)
         except ChecksumError as exc:  # checked=True: name the sample, not only the file

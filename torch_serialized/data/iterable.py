@@ -207,14 +207,11 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
         """``(positions, block_ids)`` of the epoch, all ranks'; resumed on another topology
         (``after``: a merged state's ``progress``), only what that one had not handed out, in
         the same order: each old worker's output replayed (no I/O), its positions struck out."""
-        shuffle, seed, epoch = self.shuffle, self.seed, self.epoch
+        order: dict[str, Any] = dict(shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
+        if after is None and self._shares is not None:
+            return weighted_order(self._offsets, self._shares, self.block_size, **order)
         if after is None:
-            if self._shares is None:
-                return epoch_order(self._bounds, shuffle=shuffle, seed=seed, epoch=epoch)
-            shares, size = self._shares, self.block_size
-            return weighted_order(
-                self._offsets, shares, size, shuffle=shuffle, seed=seed, epoch=epoch
-            )
+            return epoch_order(self._bounds, **order)
         positions, block_ids = self._plan(after["after"])
         world, workers = after["world_size"], after["num_workers"]
         total = epoch_total(len(positions), world, self.drop_last)  # a cut tail is not in it

@@ -175,9 +175,8 @@ def read_block(
 def views_fit(reader: PackReader, in_flight: int) -> bool:
     """Whether a stream holding ``in_flight`` records may hold views: a view keeps its shard
     mapped, so only if all shards can stay open or shards outnumber what is in flight."""
-    if reader.num_shards <= reader.max_open_shards:
-        return True
-    return reader.num_records >= in_flight * reader.num_shards
+    shards = reader.num_shards
+    return shards <= reader.max_open_shards or reader.num_records >= in_flight * shards
 
 
 AHEAD = 2  #: blocks hinted to the kernel ahead of the one in use (see ``read_blocks``)

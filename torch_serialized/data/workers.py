@@ -131,10 +131,9 @@ def share_batch(
 def _movable(item: Any) -> bool:
     """A plain CPU tensor (or metadata-free tv_tensor) whose elements fill its memory without
     gaps or overlap, not needing grad, not already shared."""
-    if type(item) not in _PLAIN:
-        return False
     if (
-        item.device.type != "cpu"
+        type(item) not in _PLAIN
+        or item.device.type != "cpu"
         or item.layout is not torch.strided
         or item.requires_grad
         or item.is_quantized

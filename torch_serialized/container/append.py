@@ -100,15 +100,12 @@ class GrowWriter(PackWriter):
             raise WriteError(errno.EBUSY, msg) from None
         self._lock = fd
         if self._manifest_sha256 is not None:  # another writer may have committed meanwhile
-            data = read_regular_file(
-                self.output / fmt.MANIFEST_NAME, fmt.MAX_MANIFEST_BYTES, "the manifest"
-            )
+            manifest = self.output / fmt.MANIFEST_NAME
+            data = read_regular_file(manifest, fmt.MAX_MANIFEST_BYTES, "the manifest")
             if hashlib.sha256(data).hexdigest() != self._manifest_sha256:
                 self._unlock()
-                msg = (
-                    f"{self.output} changed since it was opened; nothing was written: append again"
-                )
-                raise WriteError(errno.EBUSY, msg)
+                msg = "changed since it was opened; nothing was written: append again"
+                raise WriteError(errno.EBUSY, f"{self.output} {msg}")
         self._out = AtomicOutput(self.output, folder=False, locked=True)  # for scratch folders
         clean_stale(self.output / fmt.MANIFEST_NAME)  # manifest temporaries inside it
         for path in strays(self.output, self._keep):

@@ -137,9 +137,8 @@ def build_manifest(
 
 
 def parse_manifest(data: bytes, path: str) -> Manifest:
-    """The valid manifest: ``UnsupportedVersionError`` if newer, else ``CorruptFileError``."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise damaged(path, f"{len(data)} bytes is larger than a manifest may be")
+    """The valid manifest: ``UnsupportedVersionError`` if newer, else ``CorruptFileError``.
+    ``data`` was read under the ``MAX_MANIFEST_BYTES`` cap (``read_manifest``, the remote store)."""
     raw = loads_json(data, path, "manifest")
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
         found = clip(repr(raw.get("format") if isinstance(raw, dict) else raw))
@@ -177,9 +176,8 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     else:
         pack_id = raw.get("pack_id")
         if not isinstance(pack_id, str) or not PACK_ID.fullmatch(pack_id):
-            raise damaged(
-                path, f"the manifest's pack_id is {clip(repr(pack_id))}, not 32 hex digits"
-            )
+            msg = f"the manifest's pack_id is {clip(repr(pack_id))}, not 32 hex digits"
+            raise damaged(path, msg)
         catalog = CatalogEntry(*_file_entry(raw.get("catalog"), "catalog entry", path))
     created_by = raw.get("created_by")
     created_by = created_by if isinstance(created_by, str) else ""

@@ -14,12 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
-    ChecksumError,
-    CorruptFileError,
-    FileChangedError,
-    FormatError,
-)
+from ..errors import ChecksumError, CorruptFileError, FileChangedError, FormatError
 from . import spec as fmt
 from .fileio import FileKindError, open_regular
 from .manifest import Expected
@@ -66,9 +61,8 @@ class ContainerReader:
         try:
             self.size = os.fstat(fd).st_size
             if expect is not None and self.size != expect.bytes:
-                raise expect.mismatch(
-                    self.path, f"{self.size} bytes, the manifest says {expect.bytes}"
-                )
+                msg = f"{self.size} bytes, the manifest says {expect.bytes}"
+                raise expect.mismatch(self.path, msg)
             self.version, self.alignment, footer = fmt.read_head(fd, self.size, self.where)
             self.meta_crc32 = footer["meta_crc32"]
             if expect is not None and self.meta_crc32 != expect.meta_crc32:
@@ -108,13 +102,11 @@ class ContainerReader:
             if check and fmt.crc32(memoryview(mm)[offset : offset + nbytes]) != desc["crc32"]:
                 raise fmt.damaged(self.where, f"array {name!r} checksum mismatch (its crc32)")
             try:
-                views.append(
-                    np.frombuffer(mm, dtype, nbytes // dtype.itemsize, offset).reshape(shape)
-                )
+                array = np.frombuffer(mm, dtype, nbytes // dtype.itemsize, offset)
+                views.append(array.reshape(shape))
             except (ValueError, OverflowError) as exc:  # absurd shapes: > 64 axes, huge dims
-                raise fmt.damaged(
-                    self.where, f"array {name!r} has an unusable shape {shape}: {exc}"
-                ) from None
+                msg = f"array {name!r} has an unusable shape {shape}: {exc}"
+                raise fmt.damaged(self.where, msg) from None
         if check:
             self._check_index(views[0])
         return _Mapped(fd, mm, views[0], dict(zip(self.meta["arrays"], views[1:])))
@@ -187,7 +179,7 @@ class ContainerReader:
         """Views of ``fields`` of record ``i``; no read hint: the fault's read-around suffices."""
         if not 0 <= i < self.num_records:  # numpy would wrap a negative one
             raise IndexError(f"record {i} out of range for {self.num_records} records")
-        local = self._mapped()
+        local = self._mapped()  # not views(): a map-style sample's own path, ~5x cheaper
         offsets, lengths, view = local.offsets[i].tolist(), local.lengths[i].tolist(), local.view
         out = [view[offsets[k] : offsets[k] + lengths[k]] for k in fields]
         if self.checked:

@@ -23,7 +23,7 @@ from .locate import find, intact
 from .manifest import Expected, Manifest, ShardEntry, parse_manifest
 from .reader import ContainerReader, gone
 
-__all__ = ["PackReader", "open_pack", "default_max_open_shards"]
+__all__ = ["PackReader", "open_pack"]
 
 
 #: Bytes of a shard's tail fetched beside its download beyond its index rows and columns (its
@@ -48,12 +48,10 @@ class PackReader:
 
     Records are numbered across shards; arrays and ``user`` come from the catalog (manifest v1:
     the last shard, plus all shards' columns read at open). Shards open on use, checked against
-    the manifest; at most ``max_open_shards`` stay mapped. ``path`` may be an fsspec URL read
-    through the local cache: ``path`` is then the cache folder, ``url`` the URL.
-    ``check_records(shard, first_record)``, a schema's check, runs on each shard opened (a single
-    file's is the caller's). ``check_files``: a local shard folder missing listed files or sizes
-    (a ``stat`` each) raises ``IncompletePackError`` at open, not at the first read of one
-    (``open_pack`` asks it; an append's partial staged copy and ``verify`` must not).
+    the manifest; at most ``max_open_shards`` stay mapped. For an fsspec URL, ``path`` is the
+    cache folder and ``url`` the URL. ``check_records(shard, first_record)`` runs on each shard
+    opened (a single file's is the caller's). ``check_files``: a ``stat`` of every listed file
+    at open (``IncompletePackError``); an append's partial staged copy and ``verify`` skip it.
     """
 
     def __init__(
@@ -68,8 +66,9 @@ class PackReader:
         check_records: Callable[[ContainerReader, int], None] | None = None,
         check_files: bool = False,
     ) -> None:
-        if max_open_shards is None:
-            max_open_shards = default_max_open_shards()
+        if max_open_shards is None:  # an eighth of the descriptor limit (2 each at most), 4 to 512
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            max_open_shards = 512 if soft == resource.RLIM_INFINITY else max(4, min(512, soft // 8))
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
         location, manifest_path, data, self.remote = find(
@@ -85,7 +84,7 @@ class PackReader:
         self.manifest_sha256: str | None = None
         self._per_record: dict[str, np.ndarray] = {}  # manifest v1: columns merged at open
         self._check_records = check_records
-        self._expected: list[Expected | None] = []
+        self._expected: list[Expected] = []  # by shard; none for a single file
         self._local: _Shards | None = None
         if manifest_path is None:
             try:
@@ -98,7 +97,6 @@ class PackReader:
             self.entries: tuple[ShardEntry, ...] = (
                 ShardEntry(location.name, 0, c.num_records, c.size, c.meta_crc32),
             )
-            self._expected = [None]
         else:
             assert data is not None
             self.manifest_sha256 = hashlib.sha256(data).hexdigest()
@@ -123,7 +121,7 @@ class PackReader:
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.num_records = int(self.starts[-1])
         self._starts: list[int] = self.starts.tolist()  # for ``locate``
-        self._single = self._catalog if self._expected == [None] else None
+        self._single = self._catalog if manifest_path is None else None
         #: the shard that is the catalog itself: a single file's, or a v1 pack's last one
         v2 = self.manifest is not None and self.manifest.version >= 2
         self._catalog_shard = -1 if v2 else len(self.entries) - 1
@@ -240,30 +238,25 @@ class PackReader:
         rows: Mapping[int, np.ndarray] | None = None,
     ) -> None:
         """Start downloading ``shards`` of a remote pack in the background (else a no-op);
-        ``now``: they are awaited, so they go before the others (``RemotePack.prefetch``).
-        ``rows``: the local records a reader needs first of some; where they end their shard,
-        its tail's GET brings them too (by the records' mean size, with a margin): a stream that
-        starts at a shard's end waits for no GET of its own, on a cold connection."""
+        ``now``: awaited, so they go first. ``rows``: local records a reader needs first; where
+        they end their shard, its tail's GET brings them too (a stream starting at a shard's
+        end waits for no GET of its own)."""
         if self.remote is None or self.manifest_path is None:
             return
         from ..remote.packs import ShardRequest
 
         here = self._here()
         requests = []
-        for s in shards:
-            expect = self._expected[s]
-            if expect is not None and s not in here.open:
-                entry = self.entries[s]  # its tail: index rows, per-record columns, metadata
-                per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
-                tail = _TAIL + entry.num_records * per_record
-                first = rows.get(s) if rows else None
-                if first is not None and len(first) and first[-1] == entry.num_records - 1:
-                    mean = (entry.bytes - tail) // entry.num_records
-                    ahead = (entry.num_records - int(first[0])) * mean * 3 // 2 + 2 * mean
-                    tail = tail + ahead if 2 * (tail + ahead) <= entry.bytes else tail
-                requests.append(
-                    ShardRequest(entry.file, expect.bytes, intact(expect), tail, expect)
-                )
+        per_record = fmt.INDEX_DTYPE.itemsize * len(self.fields) + 64  # 64: columns
+        for s in (s for s in shards if s not in here.open):
+            expect, entry = self._expected[s], self.entries[s]
+            tail = _TAIL + entry.num_records * per_record  # index rows, columns, metadata
+            first = rows.get(s) if rows else None
+            if first is not None and len(first) and first[-1] == entry.num_records - 1:
+                mean = (entry.bytes - tail) // entry.num_records
+                ahead = (entry.num_records - int(first[0])) * mean * 3 // 2 + 2 * mean
+                tail = tail + ahead if 2 * (tail + ahead) <= entry.bytes else tail
+            requests.append(ShardRequest(entry.file, expect.bytes, intact(expect), tail, expect))
         self.remote.prefetch(requests, now=now)
 
     def downloaded(self, s: int) -> bool:
@@ -305,9 +298,7 @@ class PackReader:
             self.remote.close(keep=keep)
 
     def _open_shard(self, s: int) -> ContainerReader:
-        expect = self._expected[s]
-        assert expect is not None
-        shard = self._open_listed(self.entries[s].file, expect)
+        shard = self._open_listed(self.entries[s].file, self._expected[s])
         if self.manifest is not None and self.manifest.version >= 2:
             self._check_columns(s, shard)
         if self._check_records is not None:
@@ -368,7 +359,6 @@ class PackReader:
         """A shard's per-record arrays are its rows of the catalog's ``records``: the copy read
         is then the one ``check_records`` checked."""
         entry, expect, catalog = self.entries[s], self._expected[s], self._catalog.arrays()
-        assert expect is not None
         names = sorted(n for n in shard.arrays() if shard.is_per_record(n))
         wanted = ["records"] if "records" in catalog else []
         if names != wanted:
@@ -454,14 +444,6 @@ class PackReader:
             return sum(entry.bytes for entry in self.entries)
         assert self.manifest_path is not None
         return self.manifest.files_bytes() + self.manifest_path.stat().st_size
-
-
-def default_max_open_shards() -> int:
-    """Default ``max_open_shards``: an eighth of the descriptor limit (2 each at most), 4 to 512."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return 512
-    return max(4, min(512, soft // 8))
 
 
 def open_pack(

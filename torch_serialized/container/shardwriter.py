@@ -220,10 +220,9 @@ class PackWriter:
         if self._writer is not None:
             self._finish_shard(None)
         if self.sharded:
-            name = fmt.shard_file_name(len(self._shards), self._token)
-            path = self._member_path(name)
+            path = self._member_path(fmt.shard_file_name(len(self._shards), self._token))
         else:
-            name, path = self.output.name, self._out.path
+            path = self._out.path
         self._file = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in _finish
         self._path = path
         self._writer = ContainerWriter(

@@ -151,8 +151,8 @@ def unpack_footer(data: bytes, path: str) -> dict[str, int]:
     *values, _reserved, stored, magic = FOOTER.unpack(data)
     if magic != MAGIC or crc32(data[:52]) != stored:
         raise damaged(path, "footer checksum mismatch (footer_crc32 or the closing magic)")
-    names = ("meta_offset", "meta_length", "file_size", "num_records", "meta_crc32", "major")
-    return dict(zip((*names, "minor"), values))
+    names = ("meta_offset", "meta_length", "file_size", "num_records", "meta_crc32")
+    return dict(zip((*names, "major", "minor"), values))
 
 
 def dtype_to_json(dtype: np.dtype) -> str | list[list[str]]:
@@ -214,13 +214,10 @@ def check_descriptor(
         msg = "a shape, offset, nbytes or crc32 that is not a count"
         raise damaged(path, f"the descriptor of {what} holds {msg}")
     shape: tuple[int, ...] = tuple(dims)
-    if (
-        math.prod(shape) * dtype.itemsize != nbytes
-        or not HEADER_SIZE <= offset <= data_end - nbytes
-    ):
-        raise damaged(
-            path, f"{what} ({nbytes} bytes at {offset}) does not fit its shape or the file"
-        )
+    last = data_end - nbytes  # the last offset where the array still ends in the data
+    if math.prod(shape) * dtype.itemsize != nbytes or not HEADER_SIZE <= offset <= last:
+        msg = f"{what} ({nbytes} bytes at {offset}) does not fit its shape or the file"
+        raise damaged(path, msg)
     return dtype, shape, offset, nbytes, crc
 
 
@@ -357,13 +354,12 @@ def parse_binding(value: Any, path: str) -> dict[str, Any]:
     if role not in ROLES:
         raise damaged(path, f"the pack binding has role {clip(repr(role))}, not one of {ROLES}")
     if not isinstance(pack_id, str) or not PACK_ID.fullmatch(pack_id):
-        raise damaged(
-            path, f"the pack binding has pack_id {clip(repr(pack_id))}, not 32 hex digits"
-        )
+        msg = f"the pack binding has pack_id {clip(repr(pack_id))}, not 32 hex digits"
+        raise damaged(path, msg)
     for key in PLACE_KEYS[role]:
         if not is_count(value.get(key)):
             raise damaged(path, f"the pack binding ({role}) has {key} {clip(repr(value.get(key)))}")
-    return {"pack_id": pack_id, "role": role, **{key: value[key] for key in PLACE_KEYS[role]}}
+    return binding(**value)
 
 
 # -- metadata -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Map-style drop-ins for torchvision's ``VOCDetection`` and ``VOCSegmentation``: index for
 index the same samples (of several packs: as ``ConcatDataset``). They subclass torchvision's
 classes so ``isinstance`` and ``wrap_dataset_for_transforms_v2`` keep working; ``PackedSamples``
-and ``open_sources`` are shared with the stream."""
+and ``JoinedSamples`` are shared with the stream."""
 
 from __future__ import annotations
 
@@ -34,42 +34,12 @@ class PackedSamples:
     """What every dataset of a pack shares: decoding, worker batches, reopening, label names."""
 
     transforms: Callable | None
-
-    def _open_split(
-        self,
-        path: str | os.PathLike[str],
-        task: str,
-        image_set: str,
-        *,
-        decode: Decode = "pil",
-        target_format: TargetFormat = "dict",
-        classes: Classes = None,
-        zero_copy: bool = False,
-        year: str | None = None,
-        **pack_options: Any,
-    ) -> None:
-        """Open ``path``, the records of ``task``'s ``image_set`` (list-file order), a decoder."""
-        if task == "Segmentation" and (target_format != "dict" or classes is not None):
-            raise ValueError("target_format and classes apply to task='Main' (detection) only")
-        self.pack = VOCPackReader(path, **pack_options)
-        if year is not None and str(year) != self.pack.year:
-            hint = "pass that pack's year (or none: the pack knows it)"
-            if str(year) in self.pack.image_sets(task):  # the order before VOCDetection's
-                hint = f"{year!r} is an image set: the 2nd argument is the year, as in "
-                hint += f"VOCDetection; pass image_set={year!r}"
-            raise ValueError(f"{self.pack.name} holds VOC{self.pack.year}, not VOC{year}; {hint}")
-        self.decoder = SampleDecoder(
-            self.pack,
-            task=task,
-            image_set=image_set,
-            decode=decode,
-            target_format=target_format,
-            classes=classes,
-            zero_copy=zero_copy,
-        )
-        self.records = self.pack.split(task, image_set)
-        self.year, self.image_set = self.pack.year, image_set
-        self._fields = (schema.IMAGE, self.decoder.target_field)
+    pack: VOCPackReader
+    decoder: SampleDecoder
+    records: np.ndarray  #: of ``image_set``, in list-file order
+    year: str
+    image_set: str
+    _fields: tuple[int, int]  #: the fields a sample reads: image, target
 
     def reopen(self) -> None:
         """Map the packed file(s) again in this process (what ``worker_init_fn`` calls)."""
@@ -92,15 +62,10 @@ class PackedSamples:
         return "\n".join(lines)
 
     def _decoded(
-        self,
-        record: int,
-        fields: Sequence[Buffer],
-        view: bool = False,
-        decoder: SampleDecoder | None = None,
+        self, decoder: SampleDecoder, record: int, fields: Sequence[Buffer], view: bool = False
     ) -> Any:
-        """``record``'s sample, decoded (``view``: see ``SampleDecoder.image``; ``decoder``: of
-        the record's pack, default this dataset's) and transformed."""
-        decoder = self.decoder if decoder is None else decoder
+        """``record``'s sample, decoded by its pack's ``decoder`` (``view``: see
+        ``SampleDecoder.image``) and transformed."""
         image = decoder.image(record, fields[0], view=view)
         target = decoder.target(record, fields[1])
         return (image, target) if self.transforms is None else self.transforms(image, target)
@@ -115,7 +80,7 @@ class PackedSamples:
         for decoder, run in itertools.groupby(items, key=itemgetter(0)):  # one run per pack
             more = decoder.decoded_nbytes([record for _, record, _ in run])
             sizes = None if sizes is None or more is None else sizes + more
-        made = (self._decoded(record, fields, view, decoder) for decoder, record, fields in items)
+        made = (self._decoded(*item, view) for item in items)
         return share_batch(made, sizes, borrowed=0 if view else None)
 
 
@@ -140,47 +105,60 @@ def parse_sources(path: Source | Sequence[Source], image_set: str) -> list[tuple
     return sources
 
 
-def open_sources(
-    sources: Sequence[tuple[Any, str]],
-    task: str,
-    *,
-    decode: Decode = "pil",
-    target_format: TargetFormat = "dict",
-    classes: Classes = None,
-    zero_copy: bool = False,
-    **pack_options: Any,
-) -> list[PackedSamples]:
-    """Each source's image set opened, decoded into one label space: ``classes`` if a list,
-    else the union of the sources' classes, the first source's first."""
-    options: dict[str, Any] = dict(decode=decode, target_format=target_format, zero_copy=zero_copy)
-    parts = []
-    for source, image_set in sources:
-        part = PackedSamples()
-        part._open_split(source, task, image_set, classes=classes, **options, **pack_options)
-        parts.append(part)
-    if len(parts) > 1 and (classes is None or isinstance(classes, str)):
-        names = list(dict.fromkeys(n for part in parts for n in part.label_names))
-        for part in parts:
-            part.decoder = SampleDecoder(
-                part.pack, task=task, image_set=part.image_set, classes=names, **options
-            )
-    return parts
-
-
 class JoinedSamples(PackedSamples):
     """A dataset of one or several sources (``PackedSamples`` each) read as one; the first
     source's pack and decoder stand for all where a single one is expected."""
 
     _parts: list[PackedSamples]
 
-    def _join(self, parts: list[PackedSamples]) -> None:
+    def _join(
+        self,
+        sources: Sequence[tuple[Any, str]],
+        task: str,
+        *,
+        decode: Decode = "pil",
+        target_format: TargetFormat = "dict",
+        classes: Classes = None,
+        zero_copy: bool = False,
+        year: str | None = None,
+        **pack_options: Any,
+    ) -> None:
+        """Open the records of each source's image set of ``task`` (list-file order) and their
+        decoders, into one label space: ``classes`` if a list, else the union of the sources'
+        classes, the first source's first."""
+        if task == "Segmentation" and (target_format != "dict" or classes is not None):
+            raise ValueError("target_format and classes apply to task='Main' (detection) only")
+        options: dict[str, Any] = dict(
+            decode=decode, target_format=target_format, zero_copy=zero_copy
+        )
+        parts = []
+        for path, image_set in sources:
+            part = PackedSamples()
+            parts.append(part)
+            pack = part.pack = VOCPackReader(path, **pack_options)
+            if year is not None and str(year) != pack.year:
+                hint = "pass that pack's year (or none: the pack knows it)"
+                if str(year) in pack.image_sets(task):  # the order before VOCDetection's
+                    hint = f"{year!r} is an image set: the 2nd argument is the year, as in "
+                    hint += f"VOCDetection; pass image_set={year!r}"
+                raise ValueError(f"{pack.name} holds VOC{pack.year}, not VOC{year}; {hint}")
+            part.decoder = SampleDecoder(
+                pack, task=task, image_set=image_set, classes=classes, **options
+            )
+            part.records = np.asarray(pack.split(task, image_set), dtype=np.int64)
+            part.year, part.image_set = pack.year, image_set
+            part._fields = (schema.IMAGE, part.decoder.target_field)
+        if len(parts) > 1 and (classes is None or isinstance(classes, str)):
+            names = list(dict.fromkeys(n for part in parts for n in part.label_names))
+            for part in parts:
+                part.decoder = SampleDecoder(
+                    part.pack, task=task, image_set=part.image_set, classes=names, **options
+                )
         self._parts = parts
         first = parts[0]
         self.pack, self.decoder, self._fields = first.pack, first.decoder, first._fields
         self.year = "+".join(dict.fromkeys(part.year for part in parts))
         self.image_set = "+".join(dict.fromkeys(part.image_set for part in parts))
-        for part in parts:
-            part.records = np.asarray(part.records, dtype=np.int64)
         self.records = np.concatenate([part.records for part in parts])
         #: where each source's positions start (and the last ends)
         self._offsets = np.cumsum([0, *(len(part.records) for part in parts)])
@@ -226,19 +204,17 @@ class _PackedVOCBase(JoinedSamples):
                 "pack it with torch_serialized.pack_voc, then pass the pack's path or URL"
             )
         self._join(
-            open_sources(
-                sources,
-                self._TASK,
-                decode=decode,
-                target_format=target_format,
-                classes=classes,
-                checked=checked,
-                zero_copy=zero_copy,
-                year=year,
-                storage_options=storage_options,
-                cache_dir=cache_dir,
-                cache_limit_bytes=cache_limit_bytes,
-            )
+            sources,
+            self._TASK,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            checked=checked,
+            zero_copy=zero_copy,
+            year=year,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
         self._starts = self._offsets.tolist()  # for bisect: a list, not an array (2 µs)
         self._ids, self._images, self._targets = (
@@ -289,7 +265,7 @@ class _PackedVOCBase(JoinedSamples):
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         part, record = self._record(index)
-        return self._decoded(*self._read(part, record), decoder=part.decoder)
+        return self._decoded(part.decoder, *self._read(part, record))
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """``[self[i] for i in indices]``, indices checked first; in a worker, tensors go in one
@@ -298,7 +274,7 @@ class _PackedVOCBase(JoinedSamples):
             return [self[i] for i in indices]
         records = [self._record(i) for i in indices]
         if not in_worker():
-            return [self._decoded(*self._read(*at), decoder=at[0].decoder) for at in records]
+            return [self._decoded(at[0].decoder, *self._read(*at)) for at in records]
         return self._shared((at[0].decoder, *self._read(*at)) for at in records)
 
 

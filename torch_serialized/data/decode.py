@@ -44,13 +44,11 @@ _TV_DECODE_DEPRECATED = r"The image decoding and encoding capabilities of TorchV
 
 def label_names(pack: VOCPackReader, classes: Classes) -> list[str]:
     """The label names ``classes`` stands for (see ``Classes``)."""
-    base = pack.meta.get("label_base")
-    if classes is None:
-        return ["__background__", *label_classes("default", pack.classes, base)]
-    if isinstance(classes, str):
-        if classes != "packed":
+    if classes is None or isinstance(classes, str):
+        if classes not in (None, "packed"):
             raise ValueError(f"classes must be None, 'packed' or a list of names, got {classes!r}")
-        return ["__background__", *label_classes("packed", pack.classes, base)]
+        rule = "default" if classes is None else "packed"
+        return ["__background__", *label_classes(rule, pack.classes, pack.meta.get("label_base"))]
     names = list(classes)
     if len(set(names)) != len(names):
         raise ValueError("classes must not repeat a name")

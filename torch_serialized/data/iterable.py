@@ -19,7 +19,7 @@ from torchvision.datasets.vision import VisionDataset
 
 from ..errors import ChecksumError
 from ..voc.layout import TASKS
-from .datasets import JoinedSamples, PackedSamples, Source, open_sources, parse_sources
+from .datasets import JoinedSamples, PackedSamples, Source, parse_sources
 from .decode import Classes, Decode, SampleDecoder, TargetFormat
 from .pipeline import (
     AHEAD,
@@ -159,17 +159,15 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
         distributed_info(rank, world_size)  # validates them now
         self.task = task
         self._join(
-            open_sources(
-                sources,
-                task,
-                decode=decode,
-                target_format=target_format,
-                classes=classes,
-                checked=checked,
-                storage_options=storage_options,
-                cache_dir=cache_dir,
-                cache_limit_bytes=cache_limit_bytes,
-            )
+            sources,
+            task,
+            decode=decode,
+            target_format=target_format,
+            classes=classes,
+            checked=checked,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
         self._bounds = np.unique(
             np.concatenate(
@@ -209,14 +207,11 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
         """``(positions, block_ids)`` of the epoch, all ranks'; resumed on another topology
         (``after``: a merged state's ``progress``), only what that one had not handed out, in
         the same order: each old worker's output replayed (no I/O), its positions struck out."""
-        shuffle, seed, epoch = self.shuffle, self.seed, self.epoch
+        order: dict[str, Any] = dict(shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
+        if after is None and self._shares is not None:
+            return weighted_order(self._offsets, self._shares, self.block_size, **order)
         if after is None:
-            if self._shares is None:
-                return epoch_order(self._bounds, shuffle=shuffle, seed=seed, epoch=epoch)
-            shares, size = self._shares, self.block_size
-            return weighted_order(
-                self._offsets, shares, size, shuffle=shuffle, seed=seed, epoch=epoch
-            )
+            return epoch_order(self._bounds, **order)
         positions, block_ids = self._plan(after["after"])
         world, workers = after["world_size"], after["num_workers"]
         total = epoch_total(len(positions), world, self.drop_last)  # a cut tail is not in it
@@ -313,7 +308,7 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
             runs = iter(lambda: self._shared(itertools.islice(reads, SHARED_RUN)), [])
             samples: Iterator[Any] = itertools.chain.from_iterable(runs)
         else:
-            samples = (self._decoded(r, data, decoder=decoder) for decoder, r, data in reads)
+            samples = (self._decoded(*item) for item in reads)
         try:
             yield from self._counted(samples)
         except ChecksumError as exc:  # checked=True: name the sample, not only the file

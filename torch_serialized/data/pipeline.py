@@ -34,15 +34,22 @@ def block_bounds(records: np.ndarray, shard_starts: np.ndarray, block_size: int)
 def epoch_order(
     bounds: np.ndarray, *, shuffle: bool, seed: int, epoch: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(positions, block_ids)`` of one epoch: whole blocks, shuffled as blocks when asked;
+    """``(positions, block_ids)`` of one epoch: whole blocks, shuffled as blocks when asked."""
+    blocks = [np.arange(a, b, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:])]
+    return _in_order(blocks, shuffle=shuffle, seed=seed, epoch=epoch)
+
+
+def _in_order(
+    blocks: list[np.ndarray], *, shuffle: bool, seed: int, epoch: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``blocks`` as listed, or shuffled by ``(seed, epoch)``, as ``(positions, block_ids)``:
     ``block_ids[i]`` is the rank of the block of ``positions[i]`` in this order."""
-    num_blocks = len(bounds) - 1
-    order = np.arange(num_blocks)
+    order = np.arange(len(blocks))
     if shuffle:
-        order = seeded_rng(seed, BLOCK_ORDER, epoch).permutation(num_blocks)
-    blocks = [np.arange(bounds[b], bounds[b + 1], dtype=np.int64) for b in order]
-    positions = np.concatenate([np.zeros(0, np.int64), *blocks])
-    return positions, np.repeat(np.arange(num_blocks, dtype=np.int64), np.diff(bounds)[order])
+        order = seeded_rng(seed, BLOCK_ORDER, epoch).permutation(len(blocks))
+    positions = np.concatenate([np.zeros(0, np.int64), *(blocks[b] for b in order)])
+    sizes = [len(blocks[b]) for b in order]
+    return positions, np.repeat(np.arange(len(blocks), dtype=np.int64), sizes)
 
 
 def source_shares(weights: Sequence[float], total: int) -> list[int]:
@@ -77,12 +84,7 @@ def weighted_order(
             pick = seeded_rng(seed, SUBSET, epoch, k).choice(n, rest, replace=False)
             runs.append(start + np.sort(pick).astype(np.int64))
         blocks += [run[i : i + block_size] for run in runs for i in range(0, len(run), block_size)]
-    order = np.arange(len(blocks))
-    if shuffle:
-        order = seeded_rng(seed, BLOCK_ORDER, epoch).permutation(len(blocks))
-    positions = np.concatenate([np.zeros(0, np.int64), *(blocks[b] for b in order)])
-    sizes = [len(blocks[b]) for b in order]
-    return positions, np.repeat(np.arange(len(blocks), dtype=np.int64), sizes)
+    return _in_order(blocks, shuffle=shuffle, seed=seed, epoch=epoch)
 
 
 def rank_share(
@@ -173,9 +175,8 @@ def read_block(
 def views_fit(reader: PackReader, in_flight: int) -> bool:
     """Whether a stream holding ``in_flight`` records may hold views: a view keeps its shard
     mapped, so only if all shards can stay open or shards outnumber what is in flight."""
-    if reader.num_shards <= reader.max_open_shards:
-        return True
-    return reader.num_records >= in_flight * reader.num_shards
+    shards = reader.num_shards
+    return shards <= reader.max_open_shards or reader.num_records >= in_flight * shards
 
 
 AHEAD = 2  #: blocks hinted to the kernel ahead of the one in use (see ``read_blocks``)
@@ -213,29 +214,24 @@ def read_blocks(
         if not gate.open:
             yield from zip(listed, itertools.repeat(None))
             continue
-        if window is not None:
-            if b not in runs:
-                runs[b] = record_runs(reader, recs)
-            window.before(b, runs[b])
-            for shard, local in runs[b]:
-                reader.shard(shard).prefetch(local)  # in flight: bytes far ahead asked for now
         while hinted <= min(b + AHEAD, len(blocks) - 1):
-            if hinted not in runs:
-                runs[hinted] = record_runs(reader, records[blocks[hinted]])
+            runs[hinted] = record_runs(reader, records[blocks[hinted]])
             if window is None:
                 for shard, local in runs[hinted]:
                     reader.shard(shard).prefetch(local)
             hinted += 1
-        if window is not None:  # remote: the first batch's records go before the block's end
-            for piece in range(0, len(recs), PIECE):
-                data = read_block(reader, recs[piece : piece + PIECE], fields, copy=copy)
-                if piece + PIECE >= len(recs):
-                    window.after(b)
-                yield from ((r, data[r]) for r in listed[piece : piece + PIECE])
-            runs.pop(b, None)
+        if window is None:
+            data = read_block(reader, recs, fields, runs.pop(b), copy=copy)
+            yield from zip(listed, [data[record] for record in listed])
             continue
-        data = read_block(reader, recs, fields, runs.pop(b, None), copy=copy)
-        yield from zip(listed, [data[record] for record in listed])
+        window.before(b, runs[b])
+        for shard, local in runs.pop(b):
+            reader.shard(shard).prefetch(local)  # in flight: bytes far ahead asked for now
+        for piece in range(0, len(recs), PIECE):  # the first batch's records before the rest
+            data = read_block(reader, recs[piece : piece + PIECE], fields, copy=copy)
+            if piece + PIECE >= len(recs):
+                window.after(b)
+            yield from ((r, data[r]) for r in listed[piece : piece + PIECE])
 
 
 class ShardWindow:
@@ -302,10 +298,7 @@ class ShardWindow:
         for s in sorted(self.held - set(keep)):
             self.reader.release_shard(s)
         self.held &= set(keep)
-        self._get(keep)
-
-    def _get(self, shards: list[int]) -> None:
-        wanted = [s for s in shards if s not in self.held]
+        wanted = [s for s in keep if s not in self.held]
         if wanted:
             self.reader.prefetch_shards(wanted)
             self.held.update(wanted)

@@ -101,41 +101,38 @@ class Resumable(Stateful):
     def _start(self, where: str) -> int:
         """The items a loaded state says to skip (0 without one), once checked to be saved on
         these samples with these settings."""
-        state, skip = self._resume, 0
-        self._after = None
-        if state is not None:
-            before, now = state.get("pack"), self._identity
-            if before is not None and now is not None and before != now:
-                raise ValueError(
-                    f"cannot resume {where}: the state was saved on other samples (pack "
-                    f"{before!r}, now {now!r}: re-packed or appended to); start the epoch afresh"
-                )
-            merged = state.get("progress")
-            ignored: tuple[str, ...] = ()
-            if merged is not None:  # from merge_states: on any topology, after what was handed
-                if "after" not in self._settings():
-                    raise ValueError(
-                        f"cannot resume {where} from merged states: only a "
-                        "VOCSerializedIterableDataset resumes on another topology"
-                    )
-                ignored = (*TOPOLOGY, "after")
-            self._after = merged if merged is not None else state.get("after")
-            settings = self._settings()
-            diff = [
-                (k, state.get(k), v)
-                for k, v in settings.items()
-                if k not in ignored and state.get(k) != v
-            ]
-            if diff:
-                detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diff)
-                raise ValueError(
-                    f"cannot resume {where}: the state was saved with other settings "
-                    f"({detail}); resume with the same {self._HINT}"
-                )
-            skip = 0 if merged is not None else int(state["yielded"])
-            self._resume = None
-        self._yielded = skip
-        return skip
+        state, self._after = self._resume, None
+        if state is None:
+            self._yielded = 0
+            return 0
+        before, now = state.get("pack"), self._identity
+        if before is not None and now is not None and before != now:
+            raise ValueError(
+                f"cannot resume {where}: the state was saved on other samples (pack "
+                f"{before!r}, now {now!r}: re-packed or appended to); start the epoch afresh"
+            )
+        merged = state.get("progress")  # from merge_states: on any topology, after what was handed
+        if merged is not None and "after" not in self._settings():
+            raise ValueError(
+                f"cannot resume {where} from merged states: only a "
+                "VOCSerializedIterableDataset resumes on another topology"
+            )
+        self._after = merged if merged is not None else state.get("after")
+        ignored = () if merged is None else (*TOPOLOGY, "after")
+        diff = [
+            (k, state.get(k), v)
+            for k, v in self._settings().items()
+            if k not in ignored and state.get(k) != v
+        ]
+        if diff:
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diff)
+            raise ValueError(
+                f"cannot resume {where}: the state was saved with other settings "
+                f"({detail}); resume with the same {self._HINT}"
+            )
+        self._resume = None
+        self._yielded = 0 if merged is not None else int(state["yielded"])
+        return self._yielded
 
     def _counted(self, items: Iterable[T]) -> Iterator[T]:
         """``items``, each counted as handed out: a state taken now resumes after it."""

@@ -19,11 +19,11 @@ def reopen_dataset(dataset: Any, _depth: int = 0) -> int:
     if callable(getattr(type(dataset), "reopen", None)) and hasattr(dataset, "pack"):
         dataset.reopen()
         return 1
+    if _depth >= 16:
+        return 0
     attributes = getattr(dataset, "__dict__", {})
     inner = [attributes.get("_dataset"), attributes.get("dataset")]
     inner += attributes.get("datasets") or ()
-    if _depth >= 16:
-        return 0
     return sum(reopen_dataset(d, _depth + 1) for d in inner if d is not None and d is not dataset)
 
 
@@ -131,10 +131,9 @@ def share_batch(
 def _movable(item: Any) -> bool:
     """A plain CPU tensor (or metadata-free tv_tensor) whose elements fill its memory without
     gaps or overlap, not needing grad, not already shared."""
-    if type(item) not in _PLAIN:
-        return False
     if (
-        item.device.type != "cpu"
+        type(item) not in _PLAIN
+        or item.device.type != "cpu"
         or item.layout is not torch.strided
         or item.requires_grad
         or item.is_quantized

@@ -113,16 +113,11 @@ class Measurements:
 
     def table(self, out: Callable[[str], None], scenarios: Sequence[str]) -> list[Comparison]:
         """Time the ``scenarios`` measured here, print their rows and the notes."""
-        measures = {
-            "bytes": self.time_bytes,
-            "decoded": self.time_decoded,
-            "dataloader": self.time_dataloader,
-        }
         out(ROW.format("", "torchvision", "torch_serialized", "ratio"))
         rows: list[Comparison] = []
-        for name in (name for name in measures if name in scenarios):
+        for name in [name for name in ("bytes", "decoded", "dataloader") if name in scenarios]:
             try:
-                row = measures[name]()
+                row = getattr(self, f"time_{name}")()
             except ValueError as exc:  # e.g. float box coordinates in torchvision's v2 wrapper
                 why = str(exc).strip().splitlines()[-1]  # a worker's: the traceback, then this
                 self.notes.append(f"{name}: not measured, torchvision cannot read the data: {why}")

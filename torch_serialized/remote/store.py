@@ -129,7 +129,7 @@ class PerProcess:
 def _orphan_loop(fs: Any) -> None:
     """Mark a fork-inherited filesystem's event loop stopped: its thread stayed in the parent,
     and fsspec's finalizers wait 1 s on a loop that claims to run (measured: 1 s per worker)."""
-    loop = vars(fs).get("_loop") if fs is not None else None
+    loop = vars(fs).get("_loop")
     if loop is not None and getattr(loop, "_thread_id", None) is not None:
         loop._thread_id = None  # asyncio's own test of is_running()
 

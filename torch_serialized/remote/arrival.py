@@ -226,16 +226,10 @@ class Writer:
         return self.at
 
 
-def get_body(
-    fs: Any,
-    path: str,
-    size: int,
-    writer: Writer,
-    options: Mapping[str, Any],
-) -> int:
+def get_body(fs: Any, path: str, writer: Writer, options: Mapping[str, Any]) -> int:
     """Object ``path``'s body into ``writer`` by one streamed GET (HTTP), up to its tail if that
-    is in (none of its bytes come twice; a server ignoring Range sends them all). Returns the
-    bytes in, ``size`` once whole; fsspec's ``options`` (a timeout) go to the GET."""
+    is in (``Writer.within``). Returns the bytes in, its size once whole; fsspec's ``options``
+    (a timeout) go to the GET."""
     within = writer.within()
 
     async def get() -> int:
@@ -257,17 +251,11 @@ def get_body(
 
 
 def get_tail(
-    fs: Any,
-    path: str,
-    size: int,
-    tmp: Path,
-    arrival: Arrival,
-    skip: bool,
-    ignored: Callable[[], None],
+    fs: Any, path: str, size: int, arrival: Arrival, skip: bool, ignored: Callable[[], None]
 ) -> Future[None] | None:
-    """Start a ranged GET of object ``path``'s last ``arrival.tail`` bytes into ``tmp`` (HTTP,
-    before the body's GET); None, and ``tail_in`` False, if ``skip`` or there is nothing to get.
-    A 200 answer calls ``ignored()``: the server ignores ``Range``."""
+    """Start a ranged GET of object ``path``'s last ``arrival.tail`` bytes into ``arrival.path``
+    (HTTP, before the body's GET); None, and ``tail_in`` False, if ``skip`` or there is nothing
+    to get. A 200 answer calls ``ignored()``: the server ignores ``Range``."""
     n = min(arrival.tail, size)
     if arrival.tail_in or not n or skip:
         if not arrival.tail_in:
@@ -287,39 +275,31 @@ def get_tail(
                     return
                 body = await r.read()
             if len(body) == n:
-                got = write_at(tmp, body, size - n) == n
+                got = write_at(arrival.path, body, size - n) == n
         except Exception as exc:  # the body's GET still brings every byte
-            log.debug("%s: its tail could not be read first (%s)", tmp.name, exc)
+            log.debug("%s: its tail could not be read first (%s)", arrival.path, exc)
         finally:
             arrival.tail_arrived(size if got else None)
 
     return asyncio.run_coroutine_threadsafe(get(), fs.loop)
 
 
-def stream_in(
-    fs: Any,
-    path: str,
-    size: int,
-    fd: int,
-    arrival: Arrival,
-    refute: Callable[[int], None],
-    deadline: float | None,
-) -> int:
-    """Object ``path`` into ``fd`` from S3 (s3fs): its tail by a ranged GET, then the body up to
-    the tail as one streamed GET, as over HTTP (first batch from S3 over 20 ms + 100 MB/s:
-    1.14-1.44 s by ``fill_parts``, 0.76-0.81 s streamed, at the same rate). A body cut short
-    raises ``ShortReadError`` (retried: the backend retries only the request). Returns the
-    bytes in, ``size`` once whole."""
+def stream_in(fs: Any, path: str, writer: Writer, deadline: float | None) -> int:
+    """Object ``path`` into ``writer`` from S3 (s3fs, whose GETs stream their body): its tail by
+    a ranged GET, then the body up to the tail as one streamed GET, as over HTTP (first batch
+    from S3 over 20 ms + 100 MB/s: 1.14-1.44 s by ``fill_parts``, 0.76-0.81 s streamed). A body
+    cut short raises ``ShortReadError`` (retried: the backend retries only the request).
+    Returns the bytes in, its size once whole."""
+    size, arrival = writer.size, writer.arrival
     tail = min(arrival.tail, size)
 
     async def run() -> int:
         if tail and not arrival.tail_in:
-            data = await ranged(fs, path, size - tail, size, refute)
-            os.pwrite(fd, data, size - tail)
+            data = await ranged(fs, path, size - tail, size, writer.refute)
+            os.pwrite(writer.fd, data, size - tail)
             arrival.tail_arrived(size if len(data) == tail else None)
         elif not tail:
             arrival.tail_arrived(None)
-        writer = Writer(fd, size, arrival, refute)
         within = writer.within()
         if writer.end == 0:  # all of it is the tail
             return writer.whole()
@@ -342,7 +322,6 @@ def stream_in(
             body.close()  # its connection
         return writer.whole()
 
-    arrival.arrived(0)
     wanted = asyncio.wait_for(run(), deadline)
     return int(asyncio.run_coroutine_threadsafe(wanted, fs.loop).result())
 
@@ -358,29 +337,19 @@ async def ranged(fs: Any, path: str, a: int, b: int, refute: Callable[[int], Non
         raise
 
 
-def streams(fs: Any) -> bool:
-    """Whether ``fs`` streams a GET's body to us (s3fs; not gcsfs)."""
-    return hasattr(fs, "_call_s3")
-
-
 PART = 4 << 20  #: bytes per ranged GET of an object store's download in place
 IN_FLIGHT = 4  #: its ranged GETs at once
 
 
 def fill_parts(
-    fs: Any,
-    path: str,
-    size: int,
-    fd: int,
-    arrival: Arrival,
-    refute: Callable[[int], None],
-    deadline: Callable[[int], float | None],
+    fs: Any, path: str, writer: Writer, deadline: Callable[[int], Mapping[str, Any]]
 ) -> int:
-    """Object ``path`` (``size`` bytes, an async fsspec filesystem that streams no GET: gcsfs)
-    into ``fd`` by ranged GETs, ``IN_FLIGHT`` at once: its tail first, then parts of ``PART``
-    bytes in order, each reported to ``arrival`` once its prefix is whole. The backend retries
-    each GET; a part past ``deadline(bytes)`` seconds stalls. Returns how many bytes lead up to
-    the first gap (``size``: all of them); a larger object is ``refute``d by its last byte."""
+    """Object ``path`` (an async fsspec filesystem that streams no GET: gcsfs) into ``writer``'s
+    file by ranged GETs, ``IN_FLIGHT`` at once: its tail first, then parts of ``PART`` bytes in
+    order, each reported to its arrival once its prefix is whole. The backend retries each GET;
+    a part of ``n`` bytes stalls past ``deadline(n)``. Returns how many bytes lead up to the
+    first gap (its size: all of them); a larger object is refuted by its last byte."""
+    fd, size, arrival, refute = writer.fd, writer.size, writer.arrival, writer.refute
     tail = min(arrival.tail, size)
     body = size - tail
     spans = [(body, size)] if tail else []
@@ -390,7 +359,7 @@ def fill_parts(
     async def part(a: int, b: int, gate: asyncio.Semaphore) -> int:
         async with gate:
             wanted = ranged(fs, path, a, b + (b == size), refute)  # + 1: a larger object shows
-            data = await asyncio.wait_for(wanted, deadline(b - a))
+            data = await asyncio.wait_for(wanted, deadline(b - a).get("timeout"))
         if a + len(data) > size:
             refute(a + len(data))
         os.pwrite(fd, data[: b - a], a)
@@ -415,7 +384,6 @@ def fill_parts(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    arrival.arrived(0)
     return int(asyncio.run_coroutine_threadsafe(run(), fs.loop).result())
 
 
@@ -454,11 +422,6 @@ class ArrivingShard(ContainerReader):
             self.checked = self._checked  # the file is whole and was checked
         return self if self._copy is None else self._copy
 
-    def _damaged(self) -> ContainerReader:
-        log.info("%s: a record read early fails its CRC32; reading the whole copy", self.path)
-        self._copy = self._whole()
-        return self._copy
-
     def views(
         self, records: Sequence[int] | np.ndarray, fields: Sequence[int]
     ) -> list[list[memoryview]]:
@@ -470,7 +433,9 @@ class ArrivingShard(ContainerReader):
         except ChecksumError:
             if self._arrival.ok:  # the whole file's own check: its error stands
                 raise
-            return self._damaged().views(rows, fields)
+            log.info("%s: a record read early fails its CRC32; reading the whole copy", self.path)
+            self._copy = self._whole()
+            return self._copy.views(rows, fields)
 
     def record(self, i: int, fields: Sequence[int]) -> list[memoryview]:
         return self.views([i], fields)[0]  # one path for the waits and the fallback

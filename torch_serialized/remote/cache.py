@@ -259,7 +259,7 @@ class PackCache(PerProcess):
         path = self.object_path(name)
         with self._mutex:
             if name in self._held:
-                _touch(path)
+                touch(path)
                 return path
         drop_links(self.directory.parent, self.directory)
         for _ in range(3):
@@ -289,7 +289,7 @@ class PackCache(PerProcess):
                         os.close(fd)
                     else:
                         self._held[name] = fd
-                _touch(path)
+                touch(path)
                 return path
         raise OSError(
             f"{path}: the cached object kept disappearing or changing size right after its "
@@ -334,9 +334,10 @@ def _close_all(held: dict[str, int]) -> None:
             os.close(held.popitem()[1])
 
 
-def _touch(path: Path) -> None:
-    with suppress(FileNotFoundError):
-        os.utime(path, follow_symlinks=False)  # the mtime is the last use: the LRU order
+def touch(path: Path) -> None:
+    """Set ``path``'s mtime, its last use (the LRU order), never a link's target's."""
+    with suppress(OSError):
+        os.utime(path, follow_symlinks=False)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -39,10 +39,8 @@ def open_own(path: Path, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int | None:
             if flags & os.O_CREAT:
                 raise
             return None
-        except FileKindError:
-            pass
         except OSError as exc:
-            if exc.errno not in _ODD:
+            if not isinstance(exc, FileKindError) and exc.errno not in _ODD:
                 raise
         with suppress(FileNotFoundError):
             if stat.S_ISDIR(os.lstat(path).st_mode):

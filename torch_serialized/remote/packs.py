@@ -11,7 +11,6 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from ..errors import (
     RemoteNotFoundError,
 )
 from .arrival import Arrival, ArrivingShard
-from .cache import Cache, PackCache
+from .cache import Cache, PackCache, touch
 from .locks import LOCKS
 from .store import RemoteStore, RetryPolicy
 
@@ -57,7 +56,6 @@ def resolve(
     cache_limit_bytes: int | None = None,
     *,
     retry: RetryPolicy | None = None,
-    prefetch_threads: int = 2,
     verify_file: Callable[[Path], bool] | None = None,
 ) -> RemotePack:
     """Open the pack at ``url`` through the cache: a ``.tser`` object, downloaded and checked by
@@ -65,7 +63,7 @@ def resolve(
     store = RemoteStore(url, storage_options, retry=retry)
     cache = Cache(cache_dir, cache_limit_bytes)
     if store.url.endswith(FILE_SUFFIX):
-        return _resolve_file(store, cache, prefetch_threads, verify_file)
+        return _resolve_file(store, cache, verify_file)
     try:
         manifest = store.read_bytes(MANIFEST_NAME)
     except RemoteNotFoundError as exc:
@@ -73,23 +71,20 @@ def resolve(
             f"{exc}. A shard folder's URL must contain {MANIFEST_NAME}; a single-file "
             f"pack's URL ends with {FILE_SUFFIX}"
         ) from exc.__cause__
-    pack = RemotePack(store, cache, hashlib.sha256(manifest).hexdigest(), prefetch_threads)
+    pack = RemotePack(store, cache, hashlib.sha256(manifest).hexdigest())
     pack.manifest, pack.manifest_path = manifest, pack.put(MANIFEST_NAME, manifest)
     pack.remove_other_versions()
     return pack
 
 
 def _resolve_file(
-    store: RemoteStore,
-    cache: Cache,
-    prefetch_threads: int,
-    verify_file: Callable[[Path], bool] | None,
+    store: RemoteStore, cache: Cache, verify_file: Callable[[Path], bool] | None
 ) -> RemotePack:
     """``resolve`` of a single-file pack; if replaced during the download, the new one, once."""
     opened = file_identity(store)
     for round_ in (1, 2):
         size, identity = opened
-        pack = RemotePack(store, cache, identity, prefetch_threads)
+        pack = RemotePack(store, cache, identity)
         try:
             pack.path = pack._fetch(
                 ShardRequest(store.url.rsplit("/", 1)[-1], size, verify_file), ""
@@ -130,11 +125,6 @@ def _before_boot(path: Path) -> bool:
         return True
 
 
-def _touch(path: Path) -> None:
-    with suppress(OSError):
-        os.utime(path, follow_symlinks=False)  # never what a link in the cache points to
-
-
 def file_identity(store: RemoteStore) -> tuple[int, str]:
     """The size of the single-file pack at ``store`` and its identity (cache key; append's
     check): a hash of what the server says of it (size, ETag, modification time...)."""
@@ -150,11 +140,9 @@ class RemotePack(PackCache):
     ``.tser`` file (then ``manifest_path`` and ``manifest`` are None). ``identity``: see
     :func:`file_identity`, or the manifest's sha256. Pickles without threads and locks."""
 
-    def __init__(
-        self, store: RemoteStore, cache: Cache, identity: str, prefetch_threads: int = 2
-    ) -> None:
+    def __init__(self, store: RemoteStore, cache: Cache, identity: str) -> None:
         self.store = store
-        self.prefetch_threads = prefetch_threads
+        self.prefetch_threads = 2  # prefetches at once, unless a reader waits for them (now)
         self.manifest: bytes | None = None
         self.manifest_path: Path | None = None
         super().__init__(cache, store.url, identity)
@@ -245,14 +233,14 @@ class RemotePack(PackCache):
             path = self.store.download(
                 name, dest, expected_size=shard.size, verify=shard.verify, arrival=arrival
             )
-            _touch(whole)
+            touch(whole)
             return path
 
         path = self.fetch(shard.name, shard.size, download, lambda: self._wanted(shard.name))
         if shard.verify is None or not _before_boot(whole):
             return path
         if shard.verify(path):
-            _touch(whole)
+            touch(whole)
             return path
         log.warning("%s: the cached copy is damaged (by a crash?); downloading it again", path)
         self.release(shard.name)
@@ -340,11 +328,8 @@ class RemotePack(PackCache):
         self._check_fork()
         with self._mutex:
             pools, self._pool, self._rush = (self._pool, self._rush), None, None
-            self._pending.clear()
-            self._arrivals.clear()
-            self._requests.clear()
-            self._early.clear()
-            self._left.clear()
+            for table in (self._pending, self._arrivals, self._requests, self._early, self._left):
+                table.clear()
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)

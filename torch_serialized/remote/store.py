@@ -41,7 +41,6 @@ from .arrival import (
     get_body,
     get_tail,
     stream_in,
-    streams,
 )
 from .retry import (
     BUGS,
@@ -130,7 +129,7 @@ class PerProcess:
 def _orphan_loop(fs: Any) -> None:
     """Mark a fork-inherited filesystem's event loop stopped: its thread stayed in the parent,
     and fsspec's finalizers wait 1 s on a loop that claims to run (measured: 1 s per worker)."""
-    loop = vars(fs).get("_loop") if fs is not None else None
+    loop = vars(fs).get("_loop")
     if loop is not None and getattr(loop, "_thread_id", None) is not None:
         loop._thread_id = None  # asyncio's own test of is_running()
 
@@ -322,10 +321,6 @@ class RemoteStore(PerProcess):
     def _ranges_ignored(self) -> None:
         self._no_ranges = True  # later shards are read whole at once
 
-    def _part_limit(self, nbytes: int) -> float | None:
-        """Seconds a ranged GET of ``nbytes`` may take (None: no deadline), as ``_deadline``."""
-        return self._deadline(nbytes).get("timeout")
-
     def info(self, key: str = "") -> dict[str, Any]:
         """What the server says of object ``key`` (fsspec's ``info``); it must state the size."""
         path = self.fs_path(key)
@@ -411,17 +406,17 @@ class RemoteStore(PerProcess):
                     return asyncio.run_coroutine_threadsafe(wanted, fs.loop)
 
                 arrival.update(path=str(tmp), get=read_range)
-                if self.protocol not in HTTP_PROTOCOLS and streams(fs):  # S3
-                    limit = self._part_limit(size)
-                    return stream_in(fs, path, size, fd, arrival, refute, limit)
-                if self.protocol not in HTTP_PROTOCOLS:  # GCS: ranged GETs
-                    return fill_parts(fs, path, size, fd, arrival, refute, self._part_limit)
-                tail = get_tail(fs, path, size, tmp, arrival, self._no_ranges, self._ranges_ignored)
+                if self.protocol not in HTTP_PROTOCOLS:
+                    writer = Writer(fd, size, arrival, refute)
+                    if hasattr(fs, "_call_s3"):  # s3fs streams a GET's body
+                        return stream_in(fs, path, writer, deadline.get("timeout"))
+                    return fill_parts(fs, path, writer, self._deadline)  # gcsfs: ranged GETs
+                tail = get_tail(fs, path, size, arrival, self._no_ranges, self._ranges_ignored)
                 if tail is not None:  # alone, first: beside the body's GET it slowed a fast
                     with suppress(Exception):  # link (20 ms, no cap: 232 -> 208 MB/s); a
                         tail.result(timeout=_TAIL_WAIT)  # stalled one holds the body 2 s
                 try:
-                    return get_body(fs, path, size, Writer(fd, size, arrival, refute), deadline)
+                    return get_body(fs, path, Writer(fd, size, arrival, refute), deadline)
                 finally:
                     if tail is not None:
                         tail.cancel()  # done by now, unless a stall holds it

@@ -27,6 +27,7 @@ from torch_serialized.container.shards import PackReader, open_pack
 from torch_serialized.container.shardwriter import PackWriter
 from torch_serialized.data.pipeline import PIECE, read_blocks
 from torch_serialized.errors import ChecksumError
+from torch_serialized.remote import arrival as arrival_module
 from torch_serialized.remote.arrival import Arrival, ArrivingShard
 
 if TYPE_CHECKING:
@@ -403,6 +404,36 @@ def test_a_range_asked_for_leaves_out_what_the_tail_brings(tmp_path: Path) -> No
     assert asked == [(500, 900)]
     assert arrival.wait(950, 500) and not arrival.ended
     assert path.read_bytes()[500:900] == b"x" * 400
+
+
+def test_two_ranges_that_arrive_together_are_both_kept(tmp_path: Path) -> None:
+    """A ranged GET ending while another one's bytes are written keeps both spans: before, the
+    second to end overwrote the first's, and its reader waited for the whole body."""
+    path = tmp_path / "partial"
+    path.write_bytes(bytes(1000))
+    pending: dict[tuple[int, int], Future[bytes]] = {}
+
+    def get(a: int, b: int) -> Future[bytes]:
+        return pending.setdefault((a, b), Future())
+
+    arrival = Arrival(tail=100)
+    arrival.update(path=str(path), get=get)
+    arrival.tail_arrived(1000)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("torch_serialized.remote.arrival.FAR", 0)
+        arrival.want(100, 200)
+        arrival.want(300, 400)
+        real = arrival_module.write_at
+
+        def write_at(target: str, data: bytes, at: int) -> None:
+            real(target, data, at)
+            if at == 100:  # the other range ends while this one's bytes are written
+                pending[(300, 400)].set_result(b"y" * 100)
+
+        m.setattr(arrival_module, "write_at", write_at)
+        pending[(100, 200)].set_result(b"x" * 100)
+    arrival.end()  # the body failed: waiters stop waiting, and see what is in
+    assert arrival.wait(200, 100) and arrival.wait(400, 300)
 
 
 def test_a_shard_awaited_behind_other_downloads_starts_at_once(

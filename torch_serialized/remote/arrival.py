@@ -122,17 +122,17 @@ class Arrival:
         get(start, end).add_done_callback(lambda done: self._got(start, end, done))
 
     def _got(self, start: int, end: int, done: Future[bytes]) -> None:
-        spans = self._spans
+        span: list[tuple[int, int]] = []
         try:
             data = done.result()
             if len(data) == end - start:
                 write_at(self.path, data, start)  # gone if the download ended: it has them
-                spans = [*spans, (start, end)]
+                span.append((start, end))
         except Exception as exc:
             log.debug("%s: bytes %d-%d not read ahead (%s)", self.path, start, end, exc)
-        with self._cond:
+        with self._cond:  # spans grow under the lock: two ranges ending together both count
             self._asked.remove((start, end))
-            self._spans = spans
+            self._spans = [*self._spans, *span]
             self._cond.notify_all()
 
     def _has(self, start: int, end: int) -> bool:

@@ -153,6 +153,27 @@ def test_fetch_downloads_once_then_serves_from_disk(tmp_path: Path) -> None:
     assert pc.held() == []
 
 
+def test_an_object_whose_last_use_cannot_be_set_is_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a cache shared by users, another user's object may refuse its new mtime (the LRU
+    order): the read goes on; before, it failed with that ``PermissionError``."""
+    source = Source({"a.tser": blob(1000)})
+    pc = Cache(tmp_path).pack(URL, "i")
+    fetch(pc, source, "a.tser")
+    pc.close()
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "utime", refuse)
+    other = Cache(tmp_path).pack(URL, "i")
+    assert fetch(other, source, "a.tser").read_bytes() == source.objects["a.tser"]
+    assert fetch(other, source, "a.tser").read_bytes() == source.objects["a.tser"]  # held
+    assert source.calls == ["a.tser"]
+    other.close()
+
+
 @pytest.mark.parametrize("damage", ["cut short", "appended to"])
 def test_a_cached_file_of_the_wrong_size_is_downloaded_again(tmp_path: Path, damage: str) -> None:
     source = Source({"a.tser": blob(1000)})

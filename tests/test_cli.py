@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,16 @@ def test_top_level_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     )
     status, _, err = run(capsys)
     assert status == 2 and "required" in err
+
+
+def test_the_module_entry_point_runs_the_command_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m torch_serialized`` in this process: its exit status is the command's."""
+    monkeypatch.setattr(sys, "argv", ["torch-serialized", "--version"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("torch_serialized", run_name="__main__")
+    assert exited.value.code == 0 and __version__ in capsys.readouterr().out
 
 
 def test_console_script_and_module_entry_points() -> None:

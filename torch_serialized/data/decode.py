@@ -44,9 +44,9 @@ _TV_DECODE_DEPRECATED = r"The image decoding and encoding capabilities of TorchV
 
 def label_names(pack: VOCPackReader, classes: Classes) -> list[str]:
     """The label names ``classes`` stands for (see ``Classes``)."""
+    if isinstance(classes, str) and classes != "packed":
+        raise ValueError(f"classes must be None, 'packed' or a list of names, got {classes!r}")
     if classes is None or isinstance(classes, str):
-        if classes not in (None, "packed"):
-            raise ValueError(f"classes must be None, 'packed' or a list of names, got {classes!r}")
         rule = "default" if classes is None else "packed"
         return ["__background__", *label_classes(rule, pack.classes, pack.meta.get("label_base"))]
     names = list(classes)

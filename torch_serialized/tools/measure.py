@@ -115,9 +115,14 @@ class Measurements:
         """Time the ``scenarios`` measured here, print their rows and the notes."""
         out(ROW.format("", "torchvision", "torch_serialized", "ratio"))
         rows: list[Comparison] = []
-        for name in [name for name in ("bytes", "decoded", "dataloader") if name in scenarios]:
+        measures = (
+            ("bytes", self.time_bytes),
+            ("decoded", self.time_decoded),
+            ("dataloader", self.time_dataloader),
+        )
+        for name, measure in [(n, m) for n, m in measures if n in scenarios]:
             try:
-                row = getattr(self, f"time_{name}")()
+                row = measure()
             except ValueError as exc:  # e.g. float box coordinates in torchvision's v2 wrapper
                 why = str(exc).strip().splitlines()[-1]  # a worker's: the traceback, then this
                 self.notes.append(f"{name}: not measured, torchvision cannot read the data: {why}")

@@ -146,6 +146,106 @@ def test_a_record_is_read_before_the_rest_of_its_shard_arrives(
     assert len(whole) == 2  # one GET per shard
 
 
+def test_a_shard_another_process_downloads_is_read_early_from_that_download(
+    holding: HoldingServer, tmp_path: Path
+) -> None:
+    """A rank's DataLoader workers share one cache: a worker asking for a shard a sibling is
+    downloading waited for the whole of it (its fetch lock), to read one record. Now it reads
+    the sibling's partial file as its progress file tells: one download, read early by both.
+    (Two readers in one process: their fetch locks are as two processes'.)"""
+    cache = tmp_path / "cache"
+    first = open_pack(f"{holding.url}/pack", cache_dir=cache)
+    first.prefetch_shards([0])
+    expected = [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
+    assert record_0(first) == expected  # the first reader's download is under way
+    second = open_pack(f"{holding.url}/pack", cache_dir=cache)
+    second.prefetch_shards([0], now=True)
+    start = time.monotonic()
+    assert record_0(second) == expected
+    assert time.monotonic() - start < 10 and not holding.release.is_set()
+    shard = second.shard(0)
+    assert isinstance(shard, ArrivingShard) and shard._arrival.following
+    assert list(cache.rglob("*.progress.partial"))  # the first's progress, while it runs
+
+    later = threading.Thread(target=lambda: (time.sleep(0.3), holding.release.set()))
+    later.start()
+    check_pack(second, N)  # the rest waits for the first's download, then the whole copy
+    later.join()
+    check_pack(first, N)
+    first.close()
+    second.close()
+    assert sum(r.startswith(f"whole {FIRST}") for r in holding.requests) == 1
+    assert not list(cache.rglob("*.partial"))  # the progress file went with the download
+
+
+def test_a_prefetch_ahead_leaves_a_shard_to_the_process_downloading_it(
+    holding: HoldingServer, tmp_path: Path
+) -> None:
+    """A worker's prefetch thread that found a sibling downloading its shard waited for that
+    download, so the worker had nothing of its own in flight. It moves on to its next shard;
+    a reader asking for the first one then follows the sibling's download."""
+    cache = tmp_path / "cache"
+    first = open_pack(f"{holding.url}/pack", cache_dir=cache)
+    first.prefetch_shards([0])
+    expected = [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
+    assert record_0(first) == expected  # its download is under way, held back by the server
+    second = one_thread(holding, tmp_path)
+    second.prefetch_shards([0, 1])
+    deadline = time.monotonic() + 10
+    while not second.downloaded(1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert second.downloaded(1) and not holding.release.is_set()
+    assert record_0(second) == expected and not holding.release.is_set()  # read early
+    holding.release.set()
+    check_pack(second, N)
+    first.close()
+    second.close()
+    assert sum(r.startswith(f"whole {FIRST}") for r in holding.requests) == 1
+
+
+def test_an_arrival_follows_another_process_download_by_its_progress_file(
+    tmp_path: Path,
+) -> None:
+    """The progress file is all a follower sees: records caught half written, and a later
+    download of the object than the one whose file it reads, are passed over."""
+    progress, partial = tmp_path / ".shard.progress.partial", tmp_path / "partial"
+    partial.write_bytes(bytes(1000))
+    download, follower = Arrival(tail=100), Arrival()
+    download.share(progress)
+    download.update(path=str(partial))
+    follower.follow(progress)
+    assert follower.following and not download.following
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(follower.wait(600)))
+    waiter.start()
+    download.tail_arrived(1000)  # its last 100 bytes
+    download.arrived(500)
+    time.sleep(0.05)
+    assert not got and follower.path == str(partial) and follower.have == 500
+    download.arrived(600)
+    waiter.join(5)
+    assert got == [True] and follower._has(900, 1000)
+
+    download.arrived(700)
+    record = bytearray(progress.read_bytes())
+    record[-1] ^= 0xFF  # caught half written: its checksum fails
+    progress.write_bytes(bytes(record))
+    with follower._cond:
+        follower._look()
+    assert follower.have == 600  # not taken
+    other = Arrival()  # a later download, of another partial file
+    other.share(progress)
+    other.update(path=str(tmp_path / "another"), tail_in=True, have=1000)
+    later = threading.Thread(target=lambda: (time.sleep(0.1), follower.end()))
+    later.start()
+    assert not follower.wait(800)  # ended (its own fetch) without those bytes
+    later.join()
+    assert follower.path == str(partial) and follower.have == 600
+    other.share(None)
+    download.share(None)
+    assert not progress.exists()
+
+
 def one_thread(holding: HoldingServer, tmp_path: Path) -> PackReader:
     """A reader of ``holding``'s pack whose prefetches run one at a time."""
     reader = open_pack(f"{holding.url}/pack", cache_dir=tmp_path / "cache")

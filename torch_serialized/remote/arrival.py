@@ -1,5 +1,6 @@
 """A shard read while it downloads: :class:`Arrival`, what a download in flight tells its
-readers; :class:`Writer`, the file-like an HTTP body goes into; :func:`stream_in`, an S3 body;
+readers, in this process or, by a progress file, in the others sharing the cache;
+:class:`Writer`, the file-like an HTTP body goes into; :func:`stream_in`, an S3 body;
 :func:`fill_parts`, GCS's ranged GETs; :class:`ArrivingShard`, the reader over the partial
 file, whose records are served once their bytes are in and match their CRC32s."""
 
@@ -10,7 +11,9 @@ import errno
 import logging
 import math
 import os
+import struct
 import threading
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -22,6 +25,7 @@ from ..container import spec as fmt
 from ..container.manifest import Expected
 from ..container.reader import ContainerReader
 from ..errors import ChecksumError, FormatError
+from .locks import open_own
 from .retry import ShortReadError, causes, http_status
 
 log = logging.getLogger(__name__)
@@ -34,7 +38,12 @@ class Arrival:
     failed; an ``ok`` file is whole and checked. ``get(start, end)``, set by the download, starts
     a ranged GET of the object: readers ask for bytes far ahead of the body (``want``). With
     ``expect`` (its manifest entry), the fields among the first ``sound`` bytes match their
-    CRC32s: they are checked as they arrive, so the whole file needs no pass of its own."""
+    CRC32s: they are checked as they arrive, so the whole file needs no pass of its own.
+
+    Across processes: the download publishes ``path``, ``have``, ``sound`` and its tail in a
+    progress file (:meth:`share`); the arrival of a process waiting for that download reads them
+    (:meth:`follow`), so a rank's DataLoader workers read each shard early from the one download
+    of it, whichever worker runs it."""
 
     def __init__(self, tail: int = 0, expect: Expected | None = None) -> None:
         self.tail, self.path, self.have, self.expect, self.sound = tail, "", 0, expect, 0
@@ -46,10 +55,13 @@ class Arrival:
         self._asked: list[tuple[int, int]] = []  # being fetched
         self._cond = threading.Condition()
         self._want = math.inf  # the fewest bytes a waiter waits for: ``arrived`` wakes it then
+        self._shared: tuple[int, Path] | None = None  # the progress file this download writes
+        self._follow: Path | None = None  # the progress file of another process's download
 
     def update(self, **state: Any) -> None:
         with self._cond:
             self.__dict__.update(state)
+            self._publish()
             self._cond.notify_all()
 
     def tail_arrived(self, size: int | None) -> None:
@@ -59,7 +71,67 @@ class Arrival:
             self.tail_in = size is not None
             if size is not None:
                 self._spans = [*self._spans, (size - min(self.tail, size), size)]
+            self._publish()
             self._cond.notify_all()
+
+    def share(self, progress: Path | None) -> None:
+        """Write this download's progress to file ``progress`` from now on, for the processes
+        waiting for it (:meth:`follow`); None: stop, and remove the file."""
+        fd = None if progress is None else open_own(progress, _WRITE)  # made: never None
+        shared = None if fd is None or progress is None else (fd, progress)
+        with self._cond:
+            done, self._shared = self._shared, shared
+            self._publish()
+        if done is not None:
+            os.close(done[0])
+            done[1].unlink(missing_ok=True)
+
+    def _publish(self) -> None:
+        """Write ``path``, ``have``, ``sound`` and the tail's span to the progress file, framed
+        and checksummed: a reader may catch it half written (``_cond`` held)."""
+        if self._shared is None:
+            return
+        tail = self._spans[0] if self.tail_in and self._spans else (-1, -1)
+        body = _PROGRESS.pack(self.have, self.sound, *tail) + str(self.path).encode()
+        record = struct.pack("<I", len(body)) + body + struct.pack("<I", zlib.crc32(body))
+        os.pwrite(self._shared[0], record, 0)
+
+    def follow(self, progress: Path) -> None:
+        """Read the download another process runs of this object, as its ``progress`` file
+        tells, until this process's own fetch (waiting for that download) ends; bytes it would
+        ask for ahead come with that download's body."""
+        self.update(_follow=progress)
+
+    @property
+    def following(self) -> bool:
+        return self._follow is not None
+
+    def _look(self) -> None:
+        """Take the progress of the download followed from its file (``_cond`` held): records
+        half written are skipped, and so is a later download of the object than the one whose
+        partial file is read."""
+        assert self._follow is not None
+        try:
+            fd = open_own(self._follow)
+            if fd is None:
+                return
+            try:
+                record = os.pread(fd, _MAX_RECORD, 0)
+            finally:
+                os.close(fd)
+            (n,) = struct.unpack_from("<I", record)
+            body, (crc,) = record[4 : 4 + n], struct.unpack_from("<I", record, 4 + n)
+        except (OSError, struct.error):
+            return
+        if zlib.crc32(body) != crc or len(body) < _PROGRESS.size:
+            return
+        have, sound, *tail = _PROGRESS.unpack_from(body)
+        path = body[_PROGRESS.size :].decode(errors="replace")
+        if not path or (self.path and path != self.path):
+            return
+        self.path, self.have, self.sound = path, have, sound
+        if tail[0] >= 0 and not self.tail_in:
+            self.tail_in, self._spans = True, [(tail[0], tail[1])]
 
     def end(self, *_: object) -> None:
         """The download is over (or will never start): waiters stop waiting."""
@@ -79,6 +151,9 @@ class Arrival:
         if self._checker is not None:
             self.sound = self._checker.upto(have)
         self.have = have
+        if self._shared is not None:
+            with self._cond:
+                self._publish()
         if have >= self._want:
             self.update(_want=math.inf)
 
@@ -100,9 +175,11 @@ class Arrival:
         with self._cond:
             while True:
                 self._want = min(self._want, end)  # set before ``have`` is read: none is missed
+                if self._follow is not None and not self.ended:
+                    self._look()
                 if self.ended or self.tail_in is False or self._has(start, end):
                     return self.ok or self._has(start, end)
-                self._cond.wait()
+                self._cond.wait(None if self._follow is None else FOLLOW_POLL)
 
     def want(self, start: int, end: int) -> None:
         """Bytes ``start..end`` will be read: if more than ``FAR`` ahead of the body, GET them
@@ -146,6 +223,10 @@ class Arrival:
 
 
 FAR = 8 << 20  #: bytes ahead of the body past which a reader GETs its own range
+FOLLOW_POLL = 0.005  #: seconds between looks at another process's download progress
+_PROGRESS = struct.Struct("<qqqq")  # have, sound, the tail's span (-1, -1: not in yet)
+_MAX_RECORD = 8 + _PROGRESS.size + 4096  # its frame, and a path
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 
 
 def write_at(path: str | Path, data: bytes, offset: int) -> int:

@@ -250,10 +250,12 @@ class PackCache(PerProcess):
         expected_size: int | None,
         download: Callable[[Path], object],
         wanted: Callable[[], bool] = lambda: True,
+        busy: Callable[[], object] | None = None,
     ) -> Path:
         """The local path of object ``name``, calling ``download(dest)`` (which writes ``dest``
-        atomically) first if needed, once for all processes; room is made for its bytes before
-        it joins the cache (``wanted``: see :meth:`Cache.room`). Held until :meth:`release`; a
+        atomically) first if needed, once for all processes (``busy()`` is called if another
+        one is downloading it: this one waits for it); room is made for its bytes before it
+        joins the cache (``wanted``: see :meth:`Cache.room`). Held until :meth:`release`; a
         cached file whose size is not ``expected_size`` is downloaded again."""
         self._check_fork()
         path = self.object_path(name)
@@ -266,7 +268,7 @@ class PackCache(PerProcess):
             fd = self._open_held(path, expected_size)
             if fd is None:
                 fetch_lock = self.directory / LOCKS / f"{name}.lock"
-                with self._writing(), flocked(fetch_lock, fcntl.LOCK_EX):
+                with self._writing(), flocked(fetch_lock, fcntl.LOCK_EX, busy):
                     fd = self._open_held(path, expected_size)
                     if fd is None:
                         staging = self.directory / STAGING  # not counted until renamed in

@@ -11,7 +11,7 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +67,18 @@ def drop_links(*folders: Path) -> None:
 
 
 @contextmanager
-def flocked(path: Path, operation: int) -> Iterator[None]:
+def flocked(path: Path, operation: int, busy: Callable[[], object] | None = None) -> Iterator[None]:
+    """Hold ``flock`` ``operation`` on ``path`` (made if absent); ``busy()`` is called first if
+    another process holds it, then the lock is waited for."""
     fd = open_own(path, OPEN)
     assert fd is not None  # O_CREAT: made if absent
     try:
-        fcntl.flock(fd, operation)
+        try:
+            fcntl.flock(fd, operation | (fcntl.LOCK_NB if busy else 0))
+        except BlockingIOError:
+            assert busy is not None
+            busy()
+            fcntl.flock(fd, operation)
         yield
     finally:
         os.close(fd)  # drops the lock; never LOCK_UN (a forked child shares the lock)

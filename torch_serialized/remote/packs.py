@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from ..errors import (
 )
 from .arrival import Arrival, ArrivingShard
 from .cache import Cache, PackCache, touch
-from .locks import LOCKS
+from .locks import LOCKS, PARTIAL, STAGING
 from .store import RemoteStore, RetryPolicy
 
 __all__ = ["RemotePack", "ShardRequest", "file_identity", "resolve"]
@@ -112,6 +113,18 @@ def _resolve_file(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+class Elsewhere(Exception):
+    """A prefetch found another process downloading its object: left to that download."""
+
+
+def _leave() -> None:
+    raise Elsewhere
+
+
+def _elsewhere(future: Future[Path]) -> bool:
+    return future.done() and not future.cancelled() and isinstance(future.exception(), Elsewhere)
+
+
 def _before_boot(path: Path) -> bool:
     """Whether ``path`` is missing or older than this boot (Linux; elsewhere never)."""
     try:
@@ -191,6 +204,8 @@ class RemotePack(PackCache):
         if future is not None and not future.cancel():  # not started: fetched first, now
             try:
                 return future.result()
+            except Elsewhere:
+                pass
             except Exception as exc:
                 log.info("%s: prefetch failed (%s); fetching it again", name, exc)
         return self._fetch(ShardRequest(name, expected_size, verify))
@@ -222,21 +237,39 @@ class RemotePack(PackCache):
         return whole()  # not in the handler: its errors would carry this one as their cause
 
     def _fetch(
-        self, shard: ShardRequest, key: str | None = None, arrival: Arrival | None = None
+        self,
+        shard: ShardRequest,
+        key: str | None = None,
+        arrival: Arrival | None = None,
+        busy: Callable[[], object] | None = None,
     ) -> Path:
-        """``fetch`` of ``shard`` (at ``key``, default its name). Downloads are not fsynced, so a
-        copy older than the last boot is verified (a crash may leave holes), refetched if bad."""
+        """``fetch`` of ``shard`` (at ``key``, default its name). Its ``arrival`` follows another
+        process's download of it (unless ``busy``, called instead), or publishes this one's
+        (see :class:`Arrival`). Downloads
+        are not fsynced, so a copy older than the last boot is verified (a crash may leave
+        holes), refetched if bad."""
         whole = self.directory / LOCKS / f"{shard.name}.lock"  # mtime: when last known whole
+        progress = self.directory / STAGING / f".{shard.name}.progress{PARTIAL}"
 
         def download(dest: Path) -> Path:
             name = shard.name if key is None else key
-            path = self.store.download(
-                name, dest, expected_size=shard.size, verify=shard.verify, arrival=arrival
-            )
+            ours = None if arrival is None or arrival.following else arrival  # else mapped
+            if ours is not None:
+                ours.share(progress)
+            try:
+                path = self.store.download(
+                    name, dest, expected_size=shard.size, verify=shard.verify, arrival=ours
+                )
+            finally:
+                if ours is not None:
+                    ours.share(None)
             touch(whole)
             return path
 
-        path = self.fetch(shard.name, shard.size, download, lambda: self._wanted(shard.name))
+        if busy is None and arrival is not None:
+            busy = partial(arrival.follow, progress)
+        wanted = partial(self._wanted, shard.name)
+        path = self.fetch(shard.name, shard.size, download, wanted, busy)
         if shard.verify is None or not _before_boot(whole):
             return path
         if shard.verify(path):
@@ -267,18 +300,25 @@ class RemotePack(PackCache):
                 self._pending[name] = self._submit(request, arrival, now)
 
     def _hurry(self, name: str) -> None:
-        """Start ``name``'s prefetch now if it waits for a thread (``_mutex`` held)."""
+        """Start ``name``'s prefetch now if it waits for a thread, or left it to another
+        process's download: it follows that one then (``_mutex`` held)."""
         future = self._pending.get(name)
-        if future is not None and future.cancel():  # cancelled: it had not started
+        if future is not None and (future.cancel() or _elsewhere(future)):
             arrival = self._arrivals[name]
             arrival.update(ended=False)
             self._pending[name] = self._submit(self._requests[name], arrival, True)
 
     def _submit(self, request: ShardRequest, arrival: Arrival, now: bool) -> Future[Path]:
+        """Run ``_fetch`` in a thread: at once if ``now``, else among the ``prefetch_threads``,
+        whose thread is not held waiting for another process's download of it (it ends with
+        ``Elsewhere``; a reader asking for it then follows that download)."""
         if self._pool is None or self._rush is None:
             self._pool = ThreadPoolExecutor(self.prefetch_threads, "torch_serialized-fetch")
             self._rush = ThreadPoolExecutor(8, "torch_serialized-now")
-        future = (self._rush if now else self._pool).submit(self._fetch, request, None, arrival)
+        if now:
+            future = self._rush.submit(self._fetch, request, None, arrival)
+        else:
+            future = self._pool.submit(self._fetch, request, None, arrival, _leave)
         future.add_done_callback(arrival.end)
         return future
 

@@ -631,7 +631,7 @@ def test_an_object_read_in_place_by_parts_refutes_a_false_size(
     body or part, far shorter by its tail's 416."""
     from torch_serialized.remote.arrival import Arrival
 
-    monkeypatch.setattr("torch_serialized.remote.arrival.PART", PART // 4)
+    monkeypatch.setattr("torch_serialized.remote.transfer.PART", PART // 4)
     size = 2 * PART + 50
     remote.put("obj.bin", payload(size))
     s = store(remote, PATIENT)

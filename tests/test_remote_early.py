@@ -709,8 +709,8 @@ def test_an_object_stores_shard_is_read_part_by_part(
         remote.put(f.name, f.read_bytes())
     part = 256
     monkeypatch.setattr("torch_serialized.container.shards._TAIL", 0)  # index, metadata: less
-    monkeypatch.setattr("torch_serialized.remote.arrival.PART", part)
-    monkeypatch.setattr("torch_serialized.remote.arrival.IN_FLIGHT", 1)  # in order: tail, 0, 1
+    monkeypatch.setattr("torch_serialized.remote.transfer.PART", part)
+    monkeypatch.setattr("torch_serialized.remote.transfer.IN_FLIGHT", 1)  # in order: tail, 0, 1
     held = 2.5
     remote.proxy.add_fault("delay", count=2, path=FIRST, method="GET")
     remote.proxy.add_fault("delay", count=1, path=FIRST, method="GET", delay=held)
@@ -828,7 +828,7 @@ def test_an_arriving_shard_falls_back_to_the_whole_copy(tmp_path: Path) -> None:
 
 
 def test_a_download_writer_refuses_more_than_the_manifests_size(tmp_path: Path) -> None:
-    from torch_serialized.remote.arrival import Writer
+    from torch_serialized.remote.transfer import Writer
 
     def refute(got: int) -> None:
         raise ValueError(f"{got} bytes")

@@ -33,15 +33,7 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from .arrival import (
-    Arrival,
-    Damaged,
-    Writer,
-    fill_parts,
-    get_body,
-    get_tail,
-    stream_in,
-)
+from .arrival import Arrival, Damaged
 from .retry import (
     BUGS,
     MIN_RATE_ENV,
@@ -53,6 +45,7 @@ from .retry import (
     classify_error,
     http_status,
 )
+from .transfer import Writer, fill_parts, get_body, get_tail, stream_in
 
 log = logging.getLogger(__name__)
 _TAIL_WAIT = 2.0  #: seconds a shard's body waits for its tail's GET (tens of KB)

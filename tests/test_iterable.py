@@ -185,7 +185,7 @@ def test_each_worker_s_shuffle_buffer_mixes_its_own_way(stream_packs, monkeypatc
     blocks mix them differently, and each the same way again."""
     ds = cheap(stream_packs["single"], "trainval", shuffle=True, shuffle_buffer=16)
     blocks = ds.blocks()
-    monkeypatch.setattr(ds, "blocks", lambda worker, num_workers: blocks)
+    monkeypatch.setattr(ds, "_rank_blocks", lambda num_workers: [blocks] * num_workers)
 
     def mixed(worker: int, rank: int = 0) -> list[str]:
         here = Topology(rank=rank, world_size=2, worker=worker, num_workers=2)

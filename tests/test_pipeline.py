@@ -15,6 +15,7 @@ from torch_serialized.data.pipeline import (
     ShardWindow,
     block_bounds,
     epoch_order,
+    rank_order,
     rank_share,
     record_runs,
     shuffle_buffer,
@@ -182,18 +183,25 @@ def test_a_shuffle_buffer_starts_before_it_is_full() -> None:
     assert sorted(first + rest) == list(range(1000))
 
 
-def test_shard_window_looks_past_shards_already_downloaded() -> None:
-    """Shards ahead that are already in the cache do not count towards ``ahead`` (up to as
-    many again), so the link goes on to the next ones before the readers move."""
-    done: set[int] = set()
-    reader = SimpleNamespace(starts=np.array([0, 10, 20, 30, 40]), downloaded=done.__contains__)
-    blocks = [np.array([0, 5]), np.array([12]), np.array([25]), np.array([35]), np.array([3])]
-    window = ShardWindow(reader, blocks, ahead=1)  # type: ignore[arg-type]
-    assert window.window(0) == [0, 1]
-    done.add(1)
-    assert window.window(0) == [0, 1, 2]
-    done.add(2)
-    assert window.window(0) == [0, 1, 2]  # two ahead at most: twice ``ahead``
+def test_the_rank_order_interleaves_workers_as_the_dataloader_reads_them() -> None:
+    sizes = [[64, 64], [24, 64, 64], []]  # worker 1's share starts mid-block; worker 2 has none
+    blocks = [[np.zeros(n) for n in worker] for worker in sizes]
+    assert rank_order(blocks) == [(0, 0), (1, 0), (1, 1), (0, 1), (1, 2)]
+
+
+def test_shard_window_queues_the_shards_its_rank_reads_next() -> None:
+    """A worker queues the next shards its rank reads, its siblings' blocks included, not only
+    its own: the rank's workers together keep the link busy in the order the DataLoader reads
+    (a shard a sibling is downloading is left to it), and whether or not they are downloaded
+    yet, so that downloads go on while the reader waits."""
+    reader = SimpleNamespace(starts=np.array([0, 10, 20, 30, 40, 50]), downloaded=lambda s: True)
+    own = [np.array([0, 5]), np.array([35])]  # shards 0, 3
+    sibling = [np.array([12]), np.array([45])]  # shards 1, 4
+    order = [own[0], sibling[0], own[1], sibling[1]]
+    window = ShardWindow(reader, own, 1, rank=(order, [0, 2]))  # type: ignore[arg-type]
+    assert [window.window(b) for b in range(3)] == [[0, 1, 3], [3, 4], []]
+    alone = ShardWindow(reader, own, ahead=1)  # type: ignore[arg-type]
+    assert [alone.window(b) for b in range(3)] == [[0, 3], [3], []]
 
 
 def test_a_block_short_of_a_batch_asks_for_the_next_blocks_shards_too() -> None:
@@ -235,7 +243,7 @@ def test_shard_window_holds_no_more_shards_ahead_than_its_budget() -> None:
 
 
 def test_shard_window_downloads_ahead_and_releases_behind() -> None:
-    """A remote stream holds the shards of the block in use and the next ``ahead`` distinct
+    """A remote stream holds the shards of the block in use and the next ``2 * ahead`` distinct
     shards later blocks read, and releases each one once no near block needs it. A block's own
     shards are asked for ``now`` (they start even if queued), the ones ahead once it is read."""
     calls: list[tuple[str, object]] = []
@@ -249,17 +257,17 @@ def test_shard_window_downloads_ahead_and_releases_behind() -> None:
     )
     blocks = [np.repeat(b, PIECE) for b in ([0, 5], [12], [25, 35], [3])]  # a batch or more
     window = ShardWindow(reader, blocks, ahead=1)  # type: ignore[arg-type]
-    assert [window.window(b) for b in range(5)] == [[0, 1], [1, 2], [2, 3, 0], [0], []]
+    assert [window.window(b) for b in range(5)] == [[0, 1, 2], [1, 2, 3], [2, 3, 0], [0], []]
     for b in range(len(blocks)):
         window.before(b)
         window.after(b)
     assert calls == [
         ("get", [0], True),
         ("drop", 0),
-        ("get", [1, 2], False),  # once block 0 is read
+        ("get", [1, 2, 3], False),  # once block 0 is read
         ("get", [1], True),
         ("drop", 1),
-        ("get", [3, 0], False),
+        ("get", [0], False),
         ("get", [2, 3], True),
         ("drop", 2),
         ("drop", 3),

@@ -472,9 +472,9 @@ def test_the_workers_of_a_rank_share_the_cache_limit(
     budgets: list[int | None] = []
     real = pipeline.ShardWindow.__init__
 
-    def init(self: Any, reader: Any, blocks: Any, ahead: int, budget: int | None = None) -> None:
+    def init(self: Any, reader: Any, blocks: Any, ahead: int, budget: Any, *rank: Any) -> None:
         budgets.append(budget)
-        real(self, reader, blocks, ahead, budget)
+        real(self, reader, blocks, ahead, budget, *rank)
 
     monkeypatch.setattr(pipeline.ShardWindow, "__init__", init)
     worker = types.SimpleNamespace(id=1, num_workers=2)
@@ -488,6 +488,44 @@ def test_the_workers_of_a_rank_share_the_cache_limit(
     assert 0 < len(list(ds)) < len(ds)  # worker 1's part of the stream, read in this process
     whole = ds.pack.reader.shard_budget()
     assert whole is not None and budgets == [whole // 2]
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_workers_window_follows_its_rank_in_dataloader_order(
+    served: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool
+) -> None:
+    """Each worker's ``ShardWindow`` sees every block of its rank, in the order the DataLoader
+    reads them (workers in turn), its own blocks among them where they are read."""
+    from torch_serialized.data import pipeline, topology
+
+    seen: list[Any] = []
+    real = pipeline.ShardWindow.__init__
+
+    def init(self: Any, reader: Any, blocks: Any, ahead: int, budget: Any, rank: Any) -> None:
+        seen.append((blocks, ahead, rank))
+        real(self, reader, blocks, ahead, budget, rank)
+
+    monkeypatch.setattr(pipeline.ShardWindow, "__init__", init)
+    worker = types.SimpleNamespace(id=1, num_workers=2)
+    monkeypatch.setattr(topology, "get_worker_info", lambda: worker)
+    ds = ts.VOCSerializedIterableDataset(
+        served.url,
+        "trainval",
+        shuffle=shuffle,
+        block_size=4,
+        storage_options=served.storage_options,
+        cache_dir=tmp_path,
+    )
+    assert len(list(ds)) < len(ds)  # worker 1's part, read in this process
+    [(own, ahead, (order, at))] = seen
+    assert ahead == 2 * ds.prefetch
+    records = ds._parts[0].records
+    both = [ds.blocks(w, 2) for w in range(2)]
+    expected = [both[w][j] for w, j in pipeline.rank_order(both)]
+    assert [o.tolist() for o in order] == [records[b].tolist() for b in expected]
+    assert [order[i].tolist() for i in at] == [o.tolist() for o in own]
+    assert [o.tolist() for o in own] == [records[b].tolist() for b in both[1]]
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from .pipeline import (
     Gate,
     block_bounds,
     epoch_order,
+    rank_order,
     rank_share,
     read_block,
     read_blocks,
@@ -92,8 +93,9 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
         block_size: positions per block (the unit of sequential reading).
         shuffle_buffer: samples held for mixing when ``shuffle`` (0 or 1: blocks only).
         storage_options, cache_dir, cache_limit_bytes: for a pack at a URL, as the map datasets.
-        prefetch: URL packs: shards a worker downloads ahead in threads (0: each when first read);
-            shards ahead already downloaded do not count, up to as many again.
+        prefetch: URL packs: a rank's workers queue the next ``2 * prefetch`` shards each that
+            the rank will read, in that order, and download them two at a time each, a shard
+            once for all of them, whether readers read or wait (0: each when first read).
 
     **Work split** as ``DistributedSampler``: the epoch padded with its first samples to a
     multiple of the world size (or cut, ``drop_last``), rank ``r`` taking the ``r``-th
@@ -199,9 +201,14 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
         here = self._topology()
         worker = here.worker if worker is None else worker
         num_workers = here.num_workers if num_workers is None else num_workers
+        return self._rank_blocks(num_workers)[worker]
+
+    def _rank_blocks(self, num_workers: int) -> list[list[np.ndarray]]:
+        """The positions each of this rank's ``num_workers`` workers reads this epoch, by block."""
+        here = self._topology()
         plan = self._plan(self._after)
         plan = rank_share(*plan, here.rank, here.world_size, drop_last=self.drop_last)
-        return split_blocks(*worker_share(*plan, worker, num_workers))
+        return [split_blocks(*worker_share(*plan, w, num_workers)) for w in range(num_workers)]
 
     def _plan(self, after: Mapping[str, Any] | None) -> tuple[np.ndarray, np.ndarray]:
         """``(positions, block_ids)`` of the epoch, all ranks'; resumed on another topology
@@ -259,16 +266,25 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         here = self._topology()
         skip = self._start(self.root)
-        return self._samples(self.blocks(here.worker, here.num_workers), here, skip)
+        return self._samples(self._rank_blocks(here.num_workers), here, skip)
 
     def _samples(
-        self, blocks: list[np.ndarray], here: Topology, skip: int
+        self, rank_blocks: list[list[np.ndarray]], here: Topology, skip: int
     ) -> Iterator[tuple[Any, Any]]:
         gate = Gate(open=skip == 0)
         parts = self._parts
         # views held at once: the shuffle buffer, the blocks read ahead, a worker's run
         in_flight = self.shuffle_buffer + (AHEAD + 1) * self.block_size + SHARED_RUN
+        blocks = rank_blocks[here.worker]
         source = [int(np.searchsorted(self._offsets, b[0], side="right")) - 1 for b in blocks]
+        rank: list[list[np.ndarray]] = [[] for _ in parts]  # each source's, as the rank reads
+        at: list[list[int]] = [[] for _ in parts]  # where this worker's blocks are among them
+        for w, j in rank_order(rank_blocks):
+            b = rank_blocks[w][j]
+            k = int(np.searchsorted(self._offsets, b[0], side="right")) - 1
+            if w == here.worker:
+                at[k].append(len(rank[k]))
+            rank[k].append(b - self._offsets[k])
         streams = [  # each source's blocks, read in order, as from a single pack
             read_blocks(
                 [b - self._offsets[k] for b, s in zip(blocks, source) if s == k],
@@ -277,8 +293,9 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
                 part._fields,
                 gate,
                 copy=not views_fit(part.pack.reader, in_flight),
-                shards_ahead=self.prefetch,
+                shards_ahead=self.prefetch * here.num_workers,  # the rank's, shared
                 streams=here.num_workers * len(parts),  # of a rank, that may share a cache
+                rank=(rank[k], at[k]),
             )
             for k, part in enumerate(parts)
         ]

@@ -195,18 +195,20 @@ def read_blocks(
     copy: bool = False,
     shards_ahead: int = 0,
     streams: int = 1,
+    rank: tuple[Sequence[np.ndarray], Sequence[int]] | None = None,
 ) -> Iterator[Item]:
     """Items of each block in position order, fields as views (``copy``: private arrays), no
     data while ``gate`` is closed. The ``AHEAD`` next blocks are hinted to the kernel (cold
-    epoch: 6,160/s, 3,933/s without); remote shards come via ``ShardWindow``, each of the
-    ``streams`` sharing the cache with a like share of its limit."""
+    epoch: 6,160/s, 3,933/s without); remote shards come via ``ShardWindow`` (``rank``: the
+    positions of the rank's blocks in its order of reading, and where each of ``blocks`` is
+    among them), each of the ``streams`` sharing the cache with a like share of its limit."""
     gate = gate or Gate()
     runs: dict[int, list[tuple[int, np.ndarray]]] = {}  # of the blocks hinted, not yet read
     window = None
     if reader.remote is not None and reader.num_shards > 1:
-        window = ShardWindow(
-            reader, [records[block] for block in blocks], shards_ahead, reader.shard_budget(streams)
-        )
+        together = None if rank is None else ([records[b] for b in rank[0]], rank[1])
+        own = [records[block] for block in blocks]
+        window = ShardWindow(reader, own, shards_ahead, reader.shard_budget(streams), together)
     hinted = 0
     for b, block in enumerate(blocks):
         recs = records[block]
@@ -234,10 +236,28 @@ def read_blocks(
             yield from ((r, data[r]) for r in listed[piece : piece + PIECE])
 
 
+def rank_order(worker_blocks: Sequence[Sequence[np.ndarray]]) -> list[tuple[int, int]]:
+    """``(worker, block)`` of every block of a rank's workers, in the order its DataLoader
+    reads them: workers yield at one pace, so a block comes when as many samples have come
+    before it in its own worker (ties: the lower worker first)."""
+    starts = [
+        (int(start), w, j)
+        for w, blocks in enumerate(worker_blocks)
+        for j, start in enumerate(np.cumsum([0, *(len(b) for b in blocks[:-1])]))
+        if len(blocks)
+    ]
+    return [(w, j) for _, w, j in sorted(starts)]
+
+
 class ShardWindow:
-    """A remote pack's shards a stream holds at block ``b``: its own and the next ``ahead``,
-    downloaded by ``before(b)``; ``after(b)`` releases what leaves, so the cache may evict it.
-    ``budget``: the bytes the window may hold (a bounded cache's room), shards ahead included."""
+    """A remote pack's shards a stream holds at block ``b``: its own, awaited by ``before(b)``,
+    and the next ``2 * ahead`` distinct ones its rank will read, queued by ``after(b - 1)``
+    and downloaded in that order two at a time whether the reader moves or waits (a shard
+    another worker of the rank is downloading is left to it, and read from its download).
+    ``after(b)`` releases what leaves, so the cache may evict it. ``rank``: the records of the
+    rank's blocks in the order its DataLoader reads them (:func:`rank_order`), and where each
+    of ``block_records`` is among them (default: this stream's blocks alone). ``budget``: the
+    bytes the window may hold (a bounded cache's room), shards ahead included."""
 
     SCAN = 4096  #: blocks looked ahead at most (bounds the work per block)
 
@@ -247,29 +267,29 @@ class ShardWindow:
         block_records: Sequence[np.ndarray],
         ahead: int,
         budget: int | None = None,
+        rank: tuple[Sequence[np.ndarray], Sequence[int]] | None = None,
     ):
         self.reader, self.ahead, self.budget = reader, ahead, budget
         self.records = block_records
         self.shards = [self._shards_of(recs) for recs in block_records]
+        order, self.at = rank or (block_records, range(len(block_records)))
+        self.order = self.shards if rank is None else [self._shards_of(r) for r in order]
         self.held: set[int] = set()
 
     def window(self, b: int) -> list[int]:
-        """Block ``b``'s shards, then the next distinct shards in order of use: ``ahead`` not yet
-        downloaded, and up to ``ahead`` more that are, so the link does not wait for readers
-        to move on (2 workers over 20 ms + 100 MB/s: the last shards were asked for 0.5 s
-        after the others were in). None ahead beyond the ``budget``."""
+        """Block ``b``'s shards, then the next ``2 * ahead`` distinct shards in the rank's order
+        of use, within the ``budget``."""
         if b >= len(self.shards):
             return []
-        own, ahead, coming = self.shards[b], list[int](), 0
+        own, ahead, after = self.shards[b], list[int](), self.at[b] + 1
         room = None if self.budget is None else self.budget - self._bytes(own)
-        for s in itertools.chain.from_iterable(self.shards[b + 1 : b + 1 + self.SCAN]):
-            if coming == self.ahead or len(ahead) == 2 * self.ahead:
+        for s in itertools.chain.from_iterable(self.order[after : after + self.SCAN]):
+            if len(ahead) == 2 * self.ahead:
                 break
             if s not in own and s not in ahead:
                 if room is not None and (room := room - self._bytes([s])) < 0:
                     break
                 ahead.append(s)
-                coming += not self.reader.downloaded(s)
         return own + ahead
 
     def _shards_of(self, records: np.ndarray) -> list[int]:

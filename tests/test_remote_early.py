@@ -8,6 +8,8 @@ import itertools
 import logging
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -176,6 +178,44 @@ def test_a_shard_another_process_downloads_is_read_early_from_that_download(
     second.close()
     assert sum(r.startswith(f"whole {FIRST}") for r in holding.requests) == 1
     assert not list(cache.rglob("*.partial"))  # the progress file went with the download
+
+
+DOWNLOADER = """
+import sys, time
+from torch_serialized.container import shards
+shards._TAIL = 0  # as the holding fixture sets it here
+reader = shards.open_pack(sys.argv[1], cache_dir=sys.argv[2])
+reader.prefetch_shards([0])
+reader.field(0, 0)  # its first record is in: the download is under way
+print("reading", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_shard_whose_downloader_dies_is_downloaded_again_by_its_follower(
+    holding: HoldingServer, tmp_path: Path
+) -> None:
+    """A worker killed while downloading a shard others read early: they read what came,
+    then one downloads the shard again (its lock is free, the dead one's files are removed)."""
+    cache = tmp_path / "cache"
+    url = f"{holding.url}/pack"
+    argv = [sys.executable, "-c", DOWNLOADER, url, str(cache)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as downloader:
+        try:
+            assert downloader.stdout is not None and downloader.stdout.readline() == "reading\n"
+            reader = open_pack(url, cache_dir=cache)
+            reader.prefetch_shards([0], now=True)
+            expected = [payload(0, k, size_of(0, k)) for k in range(len(FIELDS))]
+            assert record_0(reader) == expected and not holding.release.is_set()  # read early
+            shard = reader.shard(0)
+            assert isinstance(shard, ArrivingShard) and shard._arrival.following
+        finally:
+            downloader.kill()
+    holding.release.set()
+    check_pack(reader, N)
+    reader.close()
+    assert sum(r.startswith(f"whole {FIRST}") for r in holding.requests) == 2
+    assert not list(cache.rglob("*.partial"))
 
 
 def test_a_prefetch_ahead_leaves_a_shard_to_the_process_downloading_it(

@@ -1,7 +1,8 @@
 """The cache folder on disk: its layout, its ``flock`` locks, the files of a pack folder:
 a pack folder ``<cache_dir>/v1/<key>/`` holds ``pack.json``, the objects, ``.locks/<name>.lock``
 (held by the one fetcher of ``name``; ``.pack.lock`` held shared by every writer) and
-``.<name>.<random>.partial`` downloads; readers ``flock`` an object shared. Nothing is followed:
+``.<name>.<random>.partial`` downloads (a shard's in ``.staging/``, beside its progress file
+``.<name>.progress.partial``); readers ``flock`` an object shared. Nothing is followed:
 a link, FIFO or device where our file should be is removed (never its target) and taken as
 absent; a link for a pack folder is skipped. The cache folder itself may be a link."""
 

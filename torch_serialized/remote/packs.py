@@ -245,9 +245,8 @@ class RemotePack(PackCache):
     ) -> Path:
         """``fetch`` of ``shard`` (at ``key``, default its name). Its ``arrival`` follows another
         process's download of it (unless ``busy``, called instead), or publishes this one's
-        (see :class:`Arrival`). Downloads
-        are not fsynced, so a copy older than the last boot is verified (a crash may leave
-        holes), refetched if bad."""
+        (see :class:`Arrival`). Downloads are not fsynced, so a copy older than the last boot
+        is verified (a crash may leave holes), refetched if bad."""
         whole = self.directory / LOCKS / f"{shard.name}.lock"  # mtime: when last known whole
         progress = self.directory / STAGING / f".{shard.name}.progress{PARTIAL}"
 

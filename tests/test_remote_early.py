@@ -273,6 +273,10 @@ def test_an_arrival_follows_another_process_download_by_its_progress_file(
     with follower._cond:
         follower._look()
     assert follower.have == 600  # not taken
+    progress.write_bytes(b"\x40\x00")  # caught as it began: too short to frame anything
+    with follower._cond:
+        follower._look()
+    assert follower.have == 600
     other = Arrival()  # a later download, of another partial file
     other.share(progress)
     other.update(path=str(tmp_path / "another"), tail_in=True, have=1000)
@@ -284,6 +288,9 @@ def test_an_arrival_follows_another_process_download_by_its_progress_file(
     other.share(None)
     download.share(None)
     assert not progress.exists()
+    with follower._cond:
+        follower._look()  # gone with its download: nothing to take
+    assert follower.have == 600
 
 
 def one_thread(holding: HoldingServer, tmp_path: Path) -> PackReader:

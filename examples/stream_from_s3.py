@@ -8,9 +8,9 @@ With ``--url``, streams the pack already at that URL with your usual credentials
 S3 server (moto, on 127.0.0.1; ``pip install 'moto[server]' s3fs``), packs VOC_ROOT (its year
 found from the folder names unless --year is given; or a generated synthetic sample) straight
 to ``s3://<bucket>/voc`` with ``pack_voc``, then streams it with
-``VOCSerializedIterableDataset`` in a DataLoader: each worker downloads the shards it reads,
-``--prefetch`` shards ahead, into a cache folder shared by all workers, and the samples are
-checked against the same pack read from local disk.
+``VOCSerializedIterableDataset`` in a DataLoader: the workers download the shards they read,
+ahead in the order the DataLoader reads them (``--prefetch``), each shard once into a cache
+folder they share, and the samples are checked against the same pack read from local disk.
 """
 
 from __future__ import annotations

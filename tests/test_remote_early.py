@@ -292,6 +292,12 @@ def test_an_arrival_follows_another_process_download_by_its_progress_file(
         follower._look()  # gone with its download: nothing to take
     assert follower.have == 600
 
+    unwritable = Arrival()  # publishing is best effort: a download never fails for it
+    unwritable.share(tmp_path / "gone" / ".shard.progress.partial")
+    unwritable.arrived(10)
+    unwritable.share(None)
+    assert unwritable.have == 10
+
 
 def one_thread(holding: HoldingServer, tmp_path: Path) -> PackReader:
     """A reader of ``holding``'s pack whose prefetches run one at a time."""

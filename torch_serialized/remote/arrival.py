@@ -14,6 +14,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,11 @@ class Arrival:
 
     def share(self, progress: Path | None) -> None:
         """Write this download's progress to file ``progress`` from now on, for the processes
-        waiting for it (:meth:`follow`); None: stop, and remove the file."""
-        fd = None if progress is None else open_own(progress, _WRITE)  # made: never None
+        waiting for it (:meth:`follow`); None: stop, and remove the file. Best effort: a file
+        that cannot be written leaves them waiting for the whole download, never fails it."""
+        fd = None
+        with suppress(OSError):
+            fd = None if progress is None else open_own(progress, _WRITE)  # made: never None
         shared = None if fd is None or progress is None else (fd, progress)
         with self._cond:
             done, self._shared = self._shared, shared
@@ -92,7 +96,8 @@ class Arrival:
         tail = self._spans[0] if self.tail_in and self._spans else (-1, -1)
         body = _PROGRESS.pack(self.have, self.sound, *tail) + str(self.path).encode()
         record = struct.pack("<I", len(body)) + body + struct.pack("<I", zlib.crc32(body))
-        os.pwrite(self._shared[0], record, 0)
+        with suppress(OSError):  # a full disk: its followers wait for the whole download
+            os.pwrite(self._shared[0], record, 0)
 
     def follow(self, progress: Path) -> None:
         """Read the download another process runs of this object, as its ``progress`` file

@@ -194,7 +194,7 @@ def test_shard_window_queues_the_shards_its_rank_reads_next() -> None:
     its own: the rank's workers together keep the link busy in the order the DataLoader reads
     (a shard a sibling is downloading is left to it), and whether or not they are downloaded
     yet, so that downloads go on while the reader waits."""
-    reader = SimpleNamespace(starts=np.array([0, 10, 20, 30, 40, 50]), downloaded=lambda s: True)
+    reader = SimpleNamespace(starts=np.array([0, 10, 20, 30, 40, 50]))
     own = [np.array([0, 5]), np.array([35])]  # shards 0, 3
     sibling = [np.array([12]), np.array([45])]  # shards 1, 4
     order = [own[0], sibling[0], own[1], sibling[1]]
@@ -213,7 +213,6 @@ def test_a_block_short_of_a_batch_asks_for_the_next_blocks_shards_too() -> None:
         starts=np.array([0, 100, 200, 300]),
         entries=[SimpleNamespace(bytes=100)] * 3,
         prefetch_shards=lambda shards, now=False, rows=None: calls.append(list(shards)),
-        downloaded=lambda shard: False,
     )
     blocks = [np.arange(PIECE - 8), np.r_[100:108, 200 : 200 + PIECE], np.arange(200, 204)]
     for budget, first in [(None, [0, 1]), (200, [0, 1]), (199, [0])]:  # only if it fits
@@ -228,9 +227,7 @@ def test_shard_window_holds_no_more_shards_ahead_than_its_budget() -> None:
     """In a bounded cache the shards ahead fit beside the block's own: a block over three shards
     plus two ahead held five, a shard past the limit the test of the stream allowed (in CI)."""
     entries = [SimpleNamespace(bytes=n) for n in (100, 100, 100, 100, 50)]
-    reader = SimpleNamespace(
-        starts=np.array([0, 10, 20, 30, 40, 50]), entries=entries, downloaded=lambda s: True
-    )
+    reader = SimpleNamespace(starts=np.array([0, 10, 20, 30, 40, 50]), entries=entries)
     blocks = [np.array([5, 15, 25]), np.array([35]), np.array([45])]
     assert ShardWindow(reader, blocks, ahead=1).window(0) == [0, 1, 2, 3, 4]  # type: ignore[arg-type]
     for budget, want in [
@@ -253,7 +250,6 @@ def test_shard_window_downloads_ahead_and_releases_behind() -> None:
             ("get", list(shards), now)
         ),
         release_shard=lambda shard: calls.append(("drop", shard)),
-        downloaded=lambda shard: False,
     )
     blocks = [np.repeat(b, PIECE) for b in ([0, 5], [12], [25, 35], [3])]  # a batch or more
     window = ShardWindow(reader, blocks, ahead=1)  # type: ignore[arg-type]

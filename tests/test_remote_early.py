@@ -121,6 +121,12 @@ def holding(pack: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HoldingServ
     server.server_close()
 
 
+def in_cache(reader: PackReader, s: int) -> bool:
+    """Whether shard ``s`` of a remote pack is whole in its cache."""
+    assert reader.remote is not None
+    return reader.remote.object_path(reader.entries[s].file).exists()
+
+
 def record_0(reader: object) -> list[bytes]:
     return [bytes(reader.field(0, k)) for k in range(len(FIELDS))]  # type: ignore[attr-defined]
 
@@ -232,9 +238,9 @@ def test_a_prefetch_ahead_leaves_a_shard_to_the_process_downloading_it(
     second = one_thread(holding, tmp_path)
     second.prefetch_shards([0, 1])
     deadline = time.monotonic() + 10
-    while not second.downloaded(1) and time.monotonic() < deadline:
+    while not in_cache(second, 1) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert second.downloaded(1) and not holding.release.is_set()
+    assert in_cache(second, 1) and not holding.release.is_set()
     assert record_0(second) == expected and not holding.release.is_set()  # read early
     holding.release.set()
     check_pack(second, N)
@@ -437,7 +443,7 @@ def test_a_shard_is_checked_as_it_arrives_not_read_again(
     )
     reader.prefetch_shards([0, 1])
     deadline = time.monotonic() + 30
-    while not (reader.downloaded(0) and reader.downloaded(1)) and time.monotonic() < deadline:
+    while not (in_cache(reader, 0) and in_cache(reader, 1)) and time.monotonic() < deadline:
         time.sleep(0.01)
     check_pack(reader, N)
     assert not reader.shard(0).checked  # read as checked by its download
@@ -688,11 +694,11 @@ def test_a_shards_body_stops_where_its_tail_begins(
     reader = open_pack(
         remote.url, storage_options=remote.storage_options, cache_dir=tmp_path / "cache"
     )
-    assert not reader.downloaded(0)
+    assert not in_cache(reader, 0)
     reader.prefetch_shards([0, 1])
     check_pack(reader, N)
     reader.close()
-    assert reader.downloaded(0) and reader.downloaded(1)  # whole in the cache
+    assert in_cache(reader, 0) and in_cache(reader, 1)  # whole in the cache
     assert remote.proxy.stats()["bytes_sent"] == sum(f.stat().st_size for f in pack.iterdir())
 
 

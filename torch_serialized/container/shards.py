@@ -259,10 +259,6 @@ class PackReader:
             requests.append(ShardRequest(entry.file, expect.bytes, intact(expect), tail, expect))
         self.remote.prefetch(requests, now=now)
 
-    def downloaded(self, s: int) -> bool:
-        """Whether shard ``s`` of a remote pack is whole in the cache (local: always)."""
-        return self.remote is None or self.remote.object_path(self.entries[s].file).exists()
-
     def shard_budget(self, streams: int = 1) -> int | None:
         """The bytes a bounded cache has for each of ``streams`` readers of this pack's shards:
         its limit less the manifest and the catalog, which stay held, shared evenly (None:

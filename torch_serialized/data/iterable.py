@@ -276,18 +276,19 @@ class VOCSerializedIterableDataset(JoinedSamples, IterableDataset, Resumable):
         # views held at once: the shuffle buffer, the blocks read ahead, a worker's run
         in_flight = self.shuffle_buffer + (AHEAD + 1) * self.block_size + SHARED_RUN
         blocks = rank_blocks[here.worker]
-        source = [int(np.searchsorted(self._offsets, b[0], side="right")) - 1 for b in blocks]
+        source: list[int] = []  # of this worker's blocks, in order (the rank's order keeps it)
         rank: list[list[np.ndarray]] = [[] for _ in parts]  # each source's, as the rank reads
         at: list[list[int]] = [[] for _ in parts]  # where this worker's blocks are among them
         for w, j in rank_order(rank_blocks):
             b = rank_blocks[w][j]
             k = int(np.searchsorted(self._offsets, b[0], side="right")) - 1
             if w == here.worker:
+                source.append(k)
                 at[k].append(len(rank[k]))
             rank[k].append(b - self._offsets[k])
         streams = [  # each source's blocks, read in order, as from a single pack
             read_blocks(
-                [b - self._offsets[k] for b, s in zip(blocks, source) if s == k],
+                [rank[k][i] for i in at[k]],  # this worker's blocks of source k
                 part.records,
                 part.pack.reader,
                 part._fields,

@@ -273,7 +273,7 @@ class ShardWindow:
         self.records = block_records
         self.shards = [self._shards_of(recs) for recs in block_records]
         order, self.at = rank or (block_records, range(len(block_records)))
-        self.order = self.shards if rank is None else [self._shards_of(r) for r in order]
+        self.order = [self._shards_of(r) for r in order] if rank else self.shards
         self.held: set[int] = set()
 
     def window(self, b: int) -> list[int]:

@@ -11,7 +11,6 @@ import math
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import suppress
@@ -77,10 +76,10 @@ class Arrival:
         """Write this download's progress to file ``progress`` from now on, for the processes
         waiting for it (:meth:`follow`); None: stop, and remove the file. Best effort: a file
         that cannot be written leaves them waiting for the whole download, never fails it."""
-        fd = None
+        shared = None
         with suppress(OSError):
-            fd = None if progress is None else open_own(progress, _WRITE)  # made: never None
-        shared = None if fd is None or progress is None else (fd, progress)
+            if progress is not None and (fd := open_own(progress, _WRITE)) is not None:
+                shared = (fd, progress)
         with self._cond:
             done, self._shared = self._shared, shared
             self._publish()
@@ -95,7 +94,7 @@ class Arrival:
             return
         tail = self._spans[0] if self.tail_in and self._spans else (-1, -1)
         body = _PROGRESS.pack(self.have, self.sound, *tail) + str(self.path).encode()
-        record = struct.pack("<I", len(body)) + body + struct.pack("<I", zlib.crc32(body))
+        record = struct.pack("<I", len(body)) + body + struct.pack("<I", fmt.crc32(body))
         with suppress(OSError):  # a full disk: its followers wait for the whole download
             os.pwrite(self._shared[0], record, 0)
 
@@ -126,7 +125,7 @@ class Arrival:
             body, (crc,) = record[4 : 4 + n], struct.unpack_from("<I", record, 4 + n)
         except (OSError, struct.error):
             return
-        if zlib.crc32(body) != crc or len(body) < _PROGRESS.size:
+        if fmt.crc32(body) != crc or len(body) < _PROGRESS.size:
             return
         have, sound, *tail = _PROGRESS.unpack_from(body)
         path = body[_PROGRESS.size :].decode(errors="replace")

@@ -252,7 +252,8 @@ class RemotePack(PackCache):
 
         def download(dest: Path) -> Path:
             name = shard.name if key is None else key
-            ours = None if arrival is None or arrival.following else arrival  # else mapped
+            # a following arrival's readers map the other process's file: this one is not theirs
+            ours = None if arrival is None or arrival.following else arrival
             if ours is not None:
                 ours.share(progress)
             try:
